@@ -1,0 +1,372 @@
+//! Wire format of the TCP backend, as pure encode/decode functions.
+//!
+//! A connection starts with a hello from the initiator and the target's reply, then carries
+//! request/response exchanges (little-endian integers):
+//! ```text
+//! hello:        "XFT1" | version u8 | 0 u8 | from_len u16 | to_len u16 | 0 u16 | from | to
+//! hello reply:  status u8 | 0 u8 | code u16 | msg_len u16 | 0 u16 | msg
+//! request:      kind u8 | 0 [3] | n_desc u32 | request id u64 | payload_len u64
+//!               then n_desc × (key [16] | offset u64 | len u64), then the payload (WRITE, NOTIF)
+//! response:     status u8 | 0 u8 | code u16 | msg_len u32 | request id u64 | payload_len u64
+//!               then msg, then the payload (READ)
+//! ```
+//! For WRITE and READ, `payload_len` must equal the sum of the descriptor lengths; for NOTIF,
+//! `n_desc` is 0 and the payload is the message.
+
+pub const MAGIC: [u8; 4] = *b"XFT1";
+pub const VERSION: u8 = 1;
+pub const HELLO_LEN: usize = 12;
+pub const HELLO_REPLY_LEN: usize = 8;
+pub const HEADER_LEN: usize = 24;
+pub const DESC_LEN: usize = 32;
+pub const RESPONSE_LEN: usize = 24;
+pub const KEY_LEN: usize = 16;
+
+/// Most descriptors in one frame (the target buffers the descriptor table: 32 MiB at most).
+pub const MAX_DESCS: u32 = 1 << 20;
+/// Most bytes of one notification.
+pub const MAX_NOTIF: u64 = 16 << 20;
+/// Most bytes of an agent name or an error message.
+pub const MAX_NAME: usize = 255;
+pub const MAX_MESSAGE: usize = 4096;
+
+pub type Key = [u8; KEY_LEN];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Write,
+    Read,
+    Notif,
+}
+
+impl Kind {
+    fn code(self) -> u8 {
+        match self {
+            Kind::Write => 1,
+            Kind::Read => 2,
+            Kind::Notif => 3,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub n_desc: u32,
+    pub request_id: u64,
+    pub payload_len: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireDesc {
+    pub key: Key,
+    pub offset: u64,
+    pub len: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    /// 0 = ok, otherwise a refusal code.
+    pub code: u16,
+    pub request_id: u64,
+    pub payload_len: u64,
+    pub msg_len: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad magic (not an xfer TCP peer)")]
+    BadMagic,
+    #[error("unsupported protocol version {0}")]
+    BadVersion(u8),
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("{0} descriptors in one frame (limit {MAX_DESCS})")]
+    TooManyDescs(u32),
+    #[error("payload length {declared} differs from the descriptors' total {sum}")]
+    LengthMismatch { declared: u64, sum: u64 },
+    #[error("{what} of {len} bytes exceeds the limit")]
+    TooLarge { what: &'static str, len: u64 },
+    #[error("nonzero reserved bytes")]
+    Reserved,
+    #[error("truncated: {have} of {need} bytes")]
+    Truncated { have: usize, need: usize },
+    #[error("descriptors given for a notification")]
+    DescsInNotif,
+}
+
+fn le_u16(b: &[u8]) -> u16 {
+    u16::from_le_bytes([b[0], b[1]])
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+fn need(buf: &[u8], len: usize) -> Result<(), FrameError> {
+    if buf.len() < len {
+        Err(FrameError::Truncated { have: buf.len(), need: len })
+    } else {
+        Ok(())
+    }
+}
+
+pub fn encode_hello(from: &str, to: &str, out: &mut Vec<u8>) {
+    let (from, to) = (truncate(from, MAX_NAME), truncate(to, MAX_NAME));
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&[VERSION, 0]);
+    out.extend_from_slice(&(from.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(to.len() as u16).to_le_bytes());
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(from.as_bytes());
+    out.extend_from_slice(to.as_bytes());
+}
+
+/// Decodes the fixed part of a hello: the lengths of the two names that follow.
+pub fn decode_hello(buf: &[u8]) -> Result<(usize, usize), FrameError> {
+    need(buf, HELLO_LEN)?;
+    if buf[..4] != MAGIC {
+        return Err(FrameError::BadMagic);
+    }
+    if buf[4] != VERSION {
+        return Err(FrameError::BadVersion(buf[4]));
+    }
+    if buf[5] != 0 || buf[10] != 0 || buf[11] != 0 {
+        return Err(FrameError::Reserved);
+    }
+    let (from, to) = (usize::from(le_u16(&buf[6..])), usize::from(le_u16(&buf[8..])));
+    if from > MAX_NAME || to > MAX_NAME {
+        return Err(FrameError::TooLarge { what: "agent name", len: from.max(to) as u64 });
+    }
+    Ok((from, to))
+}
+
+pub fn encode_hello_reply(code: u16, msg: &str, out: &mut Vec<u8>) {
+    let msg = truncate(msg, MAX_MESSAGE);
+    out.push(u8::from(code != 0));
+    out.push(0);
+    out.extend_from_slice(&code.to_le_bytes());
+    out.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(msg.as_bytes());
+}
+
+/// Decodes a hello reply's fixed part: the refusal code (0 = accepted) and message length.
+pub fn decode_hello_reply(buf: &[u8]) -> Result<(u16, usize), FrameError> {
+    need(buf, HELLO_REPLY_LEN)?;
+    let code = le_u16(&buf[2..]);
+    let msg_len = usize::from(le_u16(&buf[4..]));
+    if msg_len > MAX_MESSAGE {
+        return Err(FrameError::TooLarge { what: "message", len: msg_len as u64 });
+    }
+    Ok((code, msg_len))
+}
+
+/// Appends a request header and its descriptor table.
+pub fn encode_request(kind: Kind, request_id: u64, descs: &[WireDesc], payload_len: u64, out: &mut Vec<u8>) {
+    out.reserve(HEADER_LEN + descs.len() * DESC_LEN);
+    out.push(kind.code());
+    out.extend_from_slice(&[0, 0, 0]);
+    out.extend_from_slice(&(descs.len() as u32).to_le_bytes());
+    out.extend_from_slice(&request_id.to_le_bytes());
+    out.extend_from_slice(&payload_len.to_le_bytes());
+    for desc in descs {
+        out.extend_from_slice(&desc.key);
+        out.extend_from_slice(&desc.offset.to_le_bytes());
+        out.extend_from_slice(&desc.len.to_le_bytes());
+    }
+}
+
+/// Decodes a request header; checks everything that can be checked without the descriptors.
+pub fn decode_header(buf: &[u8]) -> Result<Header, FrameError> {
+    need(buf, HEADER_LEN)?;
+    let kind = match buf[0] {
+        1 => Kind::Write,
+        2 => Kind::Read,
+        3 => Kind::Notif,
+        other => return Err(FrameError::UnknownKind(other)),
+    };
+    if buf[1..4] != [0, 0, 0] {
+        return Err(FrameError::Reserved);
+    }
+    let n_desc = le_u32(&buf[4..]);
+    let header = Header { kind, n_desc, request_id: le_u64(&buf[8..]), payload_len: le_u64(&buf[16..]) };
+    if n_desc > MAX_DESCS {
+        return Err(FrameError::TooManyDescs(n_desc));
+    }
+    if kind == Kind::Notif {
+        if n_desc != 0 {
+            return Err(FrameError::DescsInNotif);
+        }
+        if header.payload_len > MAX_NOTIF {
+            return Err(FrameError::TooLarge { what: "notification", len: header.payload_len });
+        }
+    }
+    Ok(header)
+}
+
+/// Decodes a descriptor table and checks that it adds up to the header's payload length
+/// (a notification's payload is its message instead).
+pub fn decode_descs(header: &Header, buf: &[u8], out: &mut Vec<WireDesc>) -> Result<(), FrameError> {
+    let n = header.n_desc as usize;
+    need(buf, n * DESC_LEN)?;
+    out.clear();
+    out.reserve(n);
+    let mut sum: u64 = 0;
+    for raw in buf[..n * DESC_LEN].chunks_exact(DESC_LEN) {
+        let mut key = [0u8; KEY_LEN];
+        key.copy_from_slice(&raw[..KEY_LEN]);
+        let desc = WireDesc { key, offset: le_u64(&raw[16..]), len: le_u64(&raw[24..]) };
+        sum = sum.checked_add(desc.len).ok_or(FrameError::TooLarge { what: "payload", len: u64::MAX })?;
+        out.push(desc);
+    }
+    if header.kind != Kind::Notif && sum != header.payload_len {
+        return Err(FrameError::LengthMismatch { declared: header.payload_len, sum });
+    }
+    Ok(())
+}
+
+pub fn encode_response(code: u16, request_id: u64, payload_len: u64, msg: &str, out: &mut Vec<u8>) {
+    let msg = truncate(msg, MAX_MESSAGE);
+    out.push(u8::from(code != 0));
+    out.push(0);
+    out.extend_from_slice(&code.to_le_bytes());
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(&request_id.to_le_bytes());
+    out.extend_from_slice(&payload_len.to_le_bytes());
+    out.extend_from_slice(msg.as_bytes());
+}
+
+pub fn decode_response(buf: &[u8]) -> Result<Response, FrameError> {
+    need(buf, RESPONSE_LEN)?;
+    let code = le_u16(&buf[2..]);
+    if buf[0] != u8::from(code != 0) || buf[1] != 0 {
+        return Err(FrameError::Reserved);
+    }
+    let msg_len = le_u32(&buf[4..]);
+    if msg_len as usize > MAX_MESSAGE {
+        return Err(FrameError::TooLarge { what: "message", len: u64::from(msg_len) });
+    }
+    Ok(Response { code, request_id: le_u64(&buf[8..]), payload_len: le_u64(&buf[16..]), msg_len })
+}
+
+/// The longest prefix of `text` within `max` bytes that ends on a character boundary.
+fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// Decodes one complete request frame (header + descriptors, no payload) from the front of
+/// `buf`: `Ok(None)` when more bytes are needed. The fuzz target drives this.
+pub fn decode_request_frame(buf: &[u8]) -> Result<Option<(Header, Vec<WireDesc>, usize)>, FrameError> {
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let header = decode_header(buf)?;
+    let table = header.n_desc as usize * DESC_LEN;
+    if buf.len() < HEADER_LEN + table {
+        return Ok(None);
+    }
+    let mut descs = Vec::new();
+    decode_descs(&header, &buf[HEADER_LEN..], &mut descs)?;
+    Ok(Some((header, descs, HEADER_LEN + table)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(k: u8, offset: u64, len: u64) -> WireDesc {
+        WireDesc { key: [k; KEY_LEN], offset, len }
+    }
+
+    #[test]
+    fn request_round_trips() {
+        let descs = vec![desc(1, 0, 10), desc(2, 4096, 6)];
+        let mut buf = Vec::new();
+        encode_request(Kind::Write, 42, &descs, 16, &mut buf);
+        let (header, decoded, used) = decode_request_frame(&buf).unwrap().unwrap();
+        assert_eq!(header, Header { kind: Kind::Write, n_desc: 2, request_id: 42, payload_len: 16 });
+        assert_eq!(decoded, descs);
+        assert_eq!(used, buf.len());
+        for cut in 0..buf.len() {
+            assert_eq!(decode_request_frame(&buf[..cut]), Ok(None), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn rejects_malformed_requests() {
+        let mut buf = Vec::new();
+        encode_request(Kind::Read, 1, &[desc(1, 0, 10)], 11, &mut buf);
+        assert_eq!(decode_request_frame(&buf), Err(FrameError::LengthMismatch { declared: 11, sum: 10 }));
+        let mut bad_kind = buf.clone();
+        bad_kind[0] = 9;
+        assert_eq!(decode_header(&bad_kind), Err(FrameError::UnknownKind(9)));
+        let mut reserved = buf.clone();
+        reserved[2] = 1;
+        assert_eq!(decode_header(&reserved), Err(FrameError::Reserved));
+        let mut many = buf.clone();
+        many[4..8].copy_from_slice(&(MAX_DESCS + 1).to_le_bytes());
+        assert_eq!(decode_header(&many), Err(FrameError::TooManyDescs(MAX_DESCS + 1)));
+        let mut overflow = Vec::new();
+        encode_request(Kind::Write, 1, &[desc(1, 0, u64::MAX), desc(1, 0, 2)], 1, &mut overflow);
+        assert!(matches!(decode_request_frame(&overflow), Err(FrameError::TooLarge { .. })));
+        let mut notif = Vec::new();
+        encode_request(Kind::Notif, 1, &[desc(1, 0, 1)], 1, &mut notif);
+        assert_eq!(decode_header(&notif), Err(FrameError::DescsInNotif));
+        let mut big_notif = Vec::new();
+        encode_request(Kind::Notif, 1, &[], MAX_NOTIF + 1, &mut big_notif);
+        assert!(matches!(decode_header(&big_notif), Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn hello_and_responses_round_trip() {
+        let mut buf = Vec::new();
+        encode_hello("decode-0", "prefill-0", &mut buf);
+        assert_eq!(decode_hello(&buf), Ok((8, 9)));
+        assert_eq!(&buf[HELLO_LEN..], b"decode-0prefill-0");
+        assert_eq!(decode_hello(b"GET / HTTP/1.1\r\n"), Err(FrameError::BadMagic));
+
+        let mut reply = Vec::new();
+        encode_hello_reply(6, "wrong agent", &mut reply);
+        assert_eq!(decode_hello_reply(&reply), Ok((6, 11)));
+
+        let mut resp = Vec::new();
+        encode_response(2, 7, 0, "out of bounds", &mut resp);
+        let decoded = decode_response(&resp).unwrap();
+        assert_eq!((decoded.code, decoded.request_id, decoded.msg_len), (2, 7, 13));
+        let long = "é".repeat(MAX_MESSAGE);
+        let mut resp = Vec::new();
+        encode_response(1, 1, 0, &long, &mut resp);
+        assert!(decode_response(&resp).unwrap().msg_len as usize <= MAX_MESSAGE);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic() {
+        // A small deterministic generator stands in for the fuzzer in the unit suite.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..20_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let len = (state % 200) as usize;
+            let bytes: Vec<u8> = (0..len).map(|i| (state >> (i % 56)) as u8).collect();
+            let _ = decode_request_frame(&bytes);
+            let _ = decode_response(&bytes);
+            let _ = decode_hello(&bytes);
+            let _ = decode_hello_reply(&bytes);
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! Pure-Rust TCP backend of `xfer`.
+//!
+//! The target serves its registered memory on a data port; the initiator keeps a pool of
+//! connections per peer, cuts large requests into chunks spread over parallel streams, sends
+//! many small descriptors in one frame, and moves payload bytes straight between the socket and
+//! the registered memory with vectored I/O (no intermediate copies). Every request names a
+//! registration by a random 128-bit key; the target checks key and bounds before touching
+//! memory. Wire format: [`frame`].
+//!
+//! Parameters (all optional):
+//! | key | default | meaning |
+//! |---|---|---|
+//! | `listen` | `0.0.0.0:0` | data port to serve on |
+//! | `advertise` | `$XFER_HOST_IP`, else the listen IP, else `127.0.0.1` | host peers connect to |
+//! | `streams` | 2 | parallel connections per peer |
+//! | `chunk_bytes` | 4194304 | largest piece one stream moves at once |
+//! | `split_bytes` | 262144 | requests from this size on are split over the streams |
+//! | `timeout_ms` | 5000 | no progress for this long fails the request |
+//! | `connect_timeout_ms` | 2000 | TCP connect bound |
+//! | `socket_buffer` | 4194304 | SO_SNDBUF/SO_RCVBUF (0 = system default) |
+
+#![forbid(unsafe_code)]
+
+mod conn;
+pub mod frame;
+mod keys;
+mod pool;
+mod server;
+
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use xfer_core::{
+    Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, RemoteAgent,
+};
+
+pub use keys::{TcpRemoteKey, PUBLIC_KEY_LEN};
+
+use conn::SocketTuning;
+use keys::KeyTable;
+use pool::{PeerPool, PoolConfig};
+use server::{Server, ServerShared};
+
+/// Registers the TCP backend under the name `tcp`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TcpFactory;
+
+impl BackendFactory for TcpFactory {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>, BackendError> {
+        Ok(Arc::new(TcpBackend::new(ctx)?))
+    }
+}
+
+pub struct TcpBackend {
+    agent_name: String,
+    advertised: String,
+    keys: Arc<KeyTable>,
+    pool_config: PoolConfig,
+    server: Mutex<Option<Server>>,
+}
+
+impl std::fmt::Debug for TcpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpBackend")
+            .field("agent", &self.agent_name)
+            .field("advertised", &self.advertised)
+            .finish_non_exhaustive()
+    }
+}
+
+fn invalid(name: &str, reason: impl Into<String>) -> BackendError {
+    BackendError::InvalidParam { name: name.into(), reason: reason.into() }
+}
+
+impl TcpBackend {
+    pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
+        let BackendContext { agent_name, mut params, notifs } = ctx;
+        let listen = params.take("listen").unwrap_or_else(|| "0.0.0.0:0".into());
+        let advertise = params.take("advertise");
+        let streams: usize = params.take_parsed("streams", 2)?;
+        let chunk_bytes: u64 = params.take_parsed("chunk_bytes", 4 << 20)?;
+        let split_bytes: u64 = params.take_parsed("split_bytes", 256 << 10)?;
+        let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
+        let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
+        let socket_buffer: usize = params.take_parsed("socket_buffer", 4 << 20)?;
+        params.finish("tcp")?;
+        if !(1..=64).contains(&streams) {
+            return Err(invalid("streams", "must be 1..=64"));
+        }
+        if chunk_bytes < 4096 {
+            return Err(invalid("chunk_bytes", "must be at least 4096"));
+        }
+        if timeout.is_zero() || connect_timeout.is_zero() {
+            return Err(invalid("timeout_ms", "timeouts must be positive"));
+        }
+        let tuning = SocketTuning { buffer_bytes: (socket_buffer > 0).then_some(socket_buffer) };
+        let listener = TcpListener::bind(&listen).map_err(|e| invalid("listen", format!("{listen}: {e}")))?;
+        let bound = listener.local_addr()?;
+        let host = match advertise.or_else(|| std::env::var("XFER_HOST_IP").ok()) {
+            Some(host) => host,
+            None if !bound.ip().is_unspecified() => bound.ip().to_string(),
+            None => "127.0.0.1".to_string(),
+        };
+        let advertised = SocketAddr::new(
+            host.parse::<IpAddr>().map_err(|e| invalid("advertise", format!("{host}: {e}")))?,
+            bound.port(),
+        )
+        .to_string();
+        let keys = Arc::new(KeyTable::default());
+        let shared = ServerShared {
+            agent_name: agent_name.clone(),
+            keys: Arc::clone(&keys),
+            notifs,
+            timeout,
+            tuning,
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let server = Server::start(listener, shared)?;
+        tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");
+        Ok(TcpBackend {
+            agent_name,
+            advertised,
+            keys,
+            pool_config: PoolConfig { streams, chunk_bytes, split_bytes, timeout, connect_timeout, tuning },
+            server: Mutex::new(Some(server)),
+        })
+    }
+
+    /// The data port's local address.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.server.lock().as_ref().map(Server::addr)
+    }
+}
+
+impl Backend for TcpBackend {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { mem_types: vec![MemType::Dram], remote: true, local: true, notifications: true }
+    }
+
+    fn conn_info(&self) -> Vec<u8> {
+        self.advertised.as_bytes().to_vec()
+    }
+
+    fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
+        if region.mem_type() != MemType::Dram {
+            return Err(BackendError::Unsupported(format!("tcp moves DRAM only, not {}", region.mem_type())));
+        }
+        let key = self.keys.insert(region)?;
+        let desc = region.desc();
+        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+    }
+
+    fn deregister(&self, region: &LocalRegion) {
+        self.keys.remove(region.id());
+    }
+
+    fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
+        let text = std::str::from_utf8(conn_info)
+            .map_err(|_| BackendError::InvalidMetadata("tcp address is not UTF-8".into()))?;
+        let addr = text
+            .to_socket_addrs()
+            .map_err(|e| BackendError::InvalidMetadata(format!("tcp address {text:?}: {e}")))?
+            .next()
+            .ok_or_else(|| BackendError::InvalidMetadata(format!("tcp address {text:?} resolves to nothing")))?;
+        Ok(Arc::new(PeerPool::new(self.agent_name.clone(), peer.to_string(), addr, self.pool_config)))
+    }
+
+    fn shutdown(&self) {
+        self.server.lock().take();
+    }
+}

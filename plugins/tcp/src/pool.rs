@@ -1,0 +1,417 @@
+//! The initiator side: per peer, a pool of stream workers fed from one queue of chunks.
+//!
+//! A request is cut into chunks (by bytes, across descriptor boundaries); idle workers take the
+//! next chunk, so large requests spread over the parallel streams and small ones go out as one
+//! frame. Each chunk is one exchange on one connection; the request completes when the last
+//! chunk does, and only then is its notification sent, on a separate control connection, so
+//! the peer sees the data before the notification.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+use xfer_core::split::{even_sizes, split_by_sizes, Segment};
+use xfer_core::{BackendError, Completer, MemSlice, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
+
+use crate::conn::{Conn, ConnError, SocketTuning};
+use crate::frame::{self, Kind, WireDesc};
+use crate::keys::TcpRemoteKey;
+
+/// Tunables of the initiator.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolConfig {
+    pub streams: usize,
+    /// Largest chunk one stream moves in one exchange.
+    pub chunk_bytes: u64,
+    /// Requests at least this large are split over the streams.
+    pub split_bytes: u64,
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub tuning: SocketTuning,
+}
+
+/// Most descriptors per chunk, so frames stay far below the protocol limit.
+const MAX_CHUNK_DESCS: usize = 8192;
+
+struct PoolShared {
+    local_name: String,
+    peer: String,
+    addr: SocketAddr,
+    config: PoolConfig,
+    closed: Arc<AtomicBool>,
+    control: Mutex<Option<Conn>>,
+    next_request: AtomicU64,
+}
+
+pub struct PeerPool {
+    shared: Arc<PoolShared>,
+    queue: Sender<Chunk>,
+    receiver: Receiver<Chunk>,
+    workers: OnceLock<()>,
+}
+
+impl PeerPool {
+    pub fn new(local_name: String, peer: String, addr: SocketAddr, config: PoolConfig) -> PeerPool {
+        let (queue, receiver) = crossbeam_channel::unbounded();
+        PeerPool {
+            shared: Arc::new(PoolShared {
+                local_name,
+                peer,
+                addr,
+                config,
+                closed: Arc::new(AtomicBool::new(false)),
+                control: Mutex::new(None),
+                next_request: AtomicU64::new(1),
+            }),
+            queue,
+            receiver,
+            workers: OnceLock::new(),
+        }
+    }
+
+    fn start_workers(&self) {
+        self.workers.get_or_init(|| {
+            for index in 0..self.shared.config.streams.max(1) {
+                let shared = Arc::clone(&self.shared);
+                let receiver = self.receiver.clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("xfer-tcp-{index}"))
+                    .spawn(move || worker(shared, receiver));
+                if let Err(err) = spawned {
+                    tracing::error!(%err, "cannot spawn a tcp stream worker");
+                }
+            }
+        });
+    }
+}
+
+impl Drop for PeerPool {
+    fn drop(&mut self) {
+        self.disconnect();
+    }
+}
+
+impl RemoteAgent for PeerPool {
+    fn unpack_key(&self, public: &[u8]) -> Result<RemoteKey, BackendError> {
+        Ok(Arc::new(TcpRemoteKey::decode(public)?))
+    }
+
+    fn post(&self, job: TransferJob) {
+        if self.shared.closed.load(Ordering::Acquire) {
+            job.done.complete(Err(self.shared.disconnected("connection pool closed")));
+            return;
+        }
+        let chunks = match plan(job, &self.shared.config) {
+            Ok(chunks) => chunks,
+            Err((done, err)) => return done.complete(Err(err)),
+        };
+        self.start_workers();
+        for chunk in chunks {
+            if let Err(unsent) = self.queue.send(chunk) {
+                unsent.0.tracker.finish_chunk(&self.shared, Err(self.shared.disconnected("pool closed")));
+            }
+        }
+    }
+
+    fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
+        self.shared.notify(message)
+    }
+
+    fn disconnect(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        if let Some(conn) = self.shared.control.lock().take() {
+            conn.shutdown();
+        }
+    }
+}
+
+/// One exchange's worth of a request.
+struct Chunk {
+    op: Op,
+    local: Vec<MemSlice>,
+    remote: Vec<WireDesc>,
+    bytes: u64,
+    tracker: Arc<Tracker>,
+}
+
+/// Completion bookkeeping shared by a request's chunks.
+struct Tracker {
+    remaining: AtomicUsize,
+    error: Mutex<Option<BackendError>>,
+    done: Mutex<Option<Completer>>,
+    notif: Option<Vec<u8>>,
+}
+
+impl Tracker {
+    fn cancelled(&self) -> bool {
+        self.done.lock().as_ref().is_some_and(Completer::is_cancelled)
+    }
+
+    fn finish_chunk(&self, pool: &PoolShared, result: Result<(), BackendError>) {
+        if let Err(err) = result {
+            self.error.lock().get_or_insert(err);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let Some(done) = self.done.lock().take() else { return };
+        let outcome = match self.error.lock().take() {
+            Some(err) => Err(err),
+            None => match &self.notif {
+                Some(message) => pool.notify(message),
+                None => Ok(()),
+            },
+        };
+        done.complete(outcome);
+    }
+}
+
+/// A remote segment as a wire descriptor.
+impl Segment for WireDesc {
+    fn seg_len(&self) -> u64 {
+        self.len
+    }
+
+    fn take_front(&mut self, n: u64) -> Self {
+        let front = WireDesc { key: self.key, offset: self.offset, len: n };
+        self.offset += n;
+        self.len -= n;
+        front
+    }
+}
+
+/// Turns a job into chunks: resolves remote keys, merges contiguous remote descriptors, cuts
+/// by bytes. On error, hands the completer back with the error.
+fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer, BackendError)> {
+    let TransferJob { op, local, remote, notif, done } = job;
+    let mut wire: Vec<WireDesc> = Vec::with_capacity(remote.len());
+    for seg in &remote {
+        let Some(key) = seg.key.downcast_ref::<TcpRemoteKey>() else {
+            return Err((done, BackendError::InvalidMetadata("remote key is not a tcp key".into())));
+        };
+        let offset =
+            seg.addr.checked_sub(key.base).filter(|off| off.checked_add(seg.len).is_some_and(|end| end <= key.len));
+        let Some(offset) = offset else {
+            let msg = format!("remote {:#x}+{} is outside its region", seg.addr, seg.len);
+            return Err((done, BackendError::Refused { code: RefusalCode::OutOfBounds, message: msg }));
+        };
+        match wire.last_mut() {
+            Some(last) if last.key == key.key && last.offset + last.len == offset => last.len += seg.len,
+            _ if seg.len == 0 => {}
+            _ => wire.push(WireDesc { key: key.key, offset, len: seg.len }),
+        }
+    }
+    let total: u64 = wire.iter().map(|d| d.len).sum();
+    let local_total: u64 = local.iter().map(|s| s.len() as u64).sum();
+    if total != local_total {
+        let msg = format!("local {local_total} bytes vs remote {total} bytes");
+        return Err((done, BackendError::Refused { code: RefusalCode::BadRequest, message: msg }));
+    }
+    let by_bytes = if total >= config.split_bytes {
+        total.div_ceil(config.chunk_bytes.max(1)).max(config.streams as u64)
+    } else {
+        1
+    };
+    let by_descs = wire.len().max(local.len()).div_ceil(MAX_CHUNK_DESCS) as u64;
+    let sizes = even_sizes(total, by_bytes.max(by_descs).max(1) as usize);
+    let tracker = Arc::new(Tracker {
+        remaining: AtomicUsize::new(sizes.len().max(1)),
+        error: Mutex::new(None),
+        done: Mutex::new(Some(done)),
+        notif,
+    });
+    if sizes.is_empty() {
+        // Nothing to move: one empty chunk still carries the completion (and notification).
+        return Ok(vec![Chunk { op, local: Vec::new(), remote: Vec::new(), bytes: 0, tracker }]);
+    }
+    let locals = split_by_sizes(local, &sizes);
+    let remotes = split_by_sizes(wire, &sizes);
+    Ok(locals
+        .into_iter()
+        .zip(remotes)
+        .zip(&sizes)
+        .map(|((local, remote), &bytes)| Chunk { op, local, remote, bytes, tracker: Arc::clone(&tracker) })
+        .collect())
+}
+
+fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
+    let mut conn: Option<Conn> = None;
+    loop {
+        let mut chunk = match receiver.recv_timeout(Duration::from_millis(250)) {
+            Ok(chunk) => chunk,
+            Err(RecvTimeoutError::Timeout) if shared.closed.load(Ordering::Acquire) => return,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let result = if shared.closed.load(Ordering::Acquire) {
+            Err(shared.disconnected("connection pool closed"))
+        } else if chunk.tracker.cancelled() {
+            Err(BackendError::Cancelled)
+        } else {
+            run_chunk(&shared, &mut conn, &mut chunk)
+        };
+        let Chunk { tracker, local, .. } = chunk;
+        // Release the pins before completing, so a waiter that deregisters next never waits.
+        drop(local);
+        tracker.finish_chunk(&shared, result);
+    }
+}
+
+fn run_chunk(shared: &PoolShared, slot: &mut Option<Conn>, chunk: &mut Chunk) -> Result<(), BackendError> {
+    if chunk.bytes == 0 && chunk.remote.is_empty() {
+        return Ok(());
+    }
+    let conn = match slot {
+        Some(conn) => conn,
+        None => slot.insert(shared.connect()?),
+    };
+    let result = exchange(shared, conn, chunk);
+    if let Err(err) = &result {
+        // A refusal leaves the stream in step; anything else may not.
+        if !matches!(err, BackendError::Refused { .. }) {
+            if let Some(conn) = slot.take() {
+                conn.shutdown();
+            }
+        }
+    }
+    result
+}
+
+fn exchange(shared: &PoolShared, conn: &mut Conn, chunk: &mut Chunk) -> Result<(), BackendError> {
+    let request_id = shared.next_request.fetch_add(1, Ordering::Relaxed);
+    let kind = match chunk.op {
+        Op::Write => Kind::Write,
+        Op::Read => Kind::Read,
+    };
+    let mut head = Vec::new();
+    frame::encode_request(kind, request_id, &chunk.remote, chunk.bytes, &mut head);
+    let io = |e: ConnError| shared.conn_error(e);
+    match chunk.op {
+        Op::Write => {
+            let mut iov = Vec::with_capacity(chunk.local.len() + 1);
+            iov.push(IoSlice::new(&head));
+            iov.extend(chunk.local.iter().map(|s| IoSlice::new(s.as_slice())));
+            conn.write_all_vectored(&mut iov).map_err(io)?;
+            read_response(shared, conn, request_id, 0)?;
+        }
+        Op::Read => {
+            conn.write_all(&head).map_err(io)?;
+            read_response(shared, conn, request_id, chunk.bytes)?;
+            let mut iov: Vec<IoSliceMut<'_>> =
+                chunk.local.iter_mut().map(|s| IoSliceMut::new(s.as_mut_slice())).collect();
+            conn.read_exact_vectored(&mut iov).map_err(io)?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads a response header; a refusal becomes an error, a mismatched one breaks the stream.
+fn read_response(
+    shared: &PoolShared,
+    conn: &mut Conn,
+    request_id: u64,
+    expect_payload: u64,
+) -> Result<(), BackendError> {
+    let mut buf = [0u8; frame::RESPONSE_LEN];
+    conn.read_exact(&mut buf).map_err(|e| shared.conn_error(e))?;
+    let response = frame::decode_response(&buf).map_err(|e| BackendError::Protocol(e.to_string()))?;
+    let mut message = vec![0u8; response.msg_len as usize];
+    conn.read_exact(&mut message).map_err(|e| shared.conn_error(e))?;
+    if response.request_id != request_id {
+        return Err(BackendError::Protocol(format!(
+            "response for request {} while waiting for {request_id}",
+            response.request_id
+        )));
+    }
+    if response.code != 0 {
+        return Err(BackendError::Refused {
+            code: RefusalCode::from_wire(response.code),
+            message: String::from_utf8_lossy(&message).into_owned(),
+        });
+    }
+    if response.payload_len != expect_payload {
+        return Err(BackendError::Protocol(format!(
+            "peer sends {} bytes, expected {expect_payload}",
+            response.payload_len
+        )));
+    }
+    Ok(())
+}
+
+impl PoolShared {
+    fn disconnected(&self, reason: impl Into<String>) -> BackendError {
+        BackendError::PeerDisconnected { peer: self.peer.clone(), reason: reason.into() }
+    }
+
+    fn conn_error(&self, err: ConnError) -> BackendError {
+        match err {
+            ConnError::TimedOut(after) => BackendError::TimedOut(after),
+            other => self.disconnected(other.to_string()),
+        }
+    }
+
+    fn connect(&self) -> Result<Conn, BackendError> {
+        let config = &self.config;
+        let mut conn =
+            Conn::connect(self.addr, config.connect_timeout, config.timeout, config.tuning, Arc::clone(&self.closed))
+                .map_err(|e| self.disconnected(format!("connect to {}: {e}", self.addr)))?;
+        let mut hello = Vec::new();
+        frame::encode_hello(&self.local_name, &self.peer, &mut hello);
+        conn.write_all(&hello).map_err(|e| self.conn_error(e))?;
+        let mut reply = [0u8; frame::HELLO_REPLY_LEN];
+        conn.read_exact(&mut reply).map_err(|e| self.conn_error(e))?;
+        let (code, msg_len) = frame::decode_hello_reply(&reply).map_err(|e| BackendError::Protocol(e.to_string()))?;
+        let mut message = vec![0u8; msg_len];
+        conn.read_exact(&mut message).map_err(|e| self.conn_error(e))?;
+        if code != 0 {
+            return Err(BackendError::Refused {
+                code: RefusalCode::from_wire(code),
+                message: String::from_utf8_lossy(&message).into_owned(),
+            });
+        }
+        Ok(conn)
+    }
+
+    /// Sends a notification on the control connection and waits for the peer to queue it.
+    /// A reused connection that turns out dead is replaced once.
+    fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
+        if message.len() as u64 > frame::MAX_NOTIF {
+            return Err(BackendError::Unsupported(format!("notification of {} bytes", message.len())));
+        }
+        let mut control = self.control.lock();
+        for attempt in 0..2 {
+            if self.closed.load(Ordering::Acquire) {
+                return Err(self.disconnected("connection pool closed"));
+            }
+            let reused = control.is_some();
+            let conn = match control.as_mut() {
+                Some(conn) => conn,
+                None => control.insert(self.connect()?),
+            };
+            let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
+            let mut head = Vec::new();
+            frame::encode_request(Kind::Notif, request_id, &[], message.len() as u64, &mut head);
+            let sent = conn
+                .write_all_vectored(&mut [IoSlice::new(&head), IoSlice::new(message)])
+                .map_err(|e| self.conn_error(e))
+                .and_then(|()| read_response(self, conn, request_id, 0));
+            match sent {
+                Ok(()) => return Ok(()),
+                Err(err @ BackendError::Refused { .. }) => return Err(err),
+                Err(err) => {
+                    if let Some(conn) = control.take() {
+                        conn.shutdown();
+                    }
+                    if !reused || attempt == 1 {
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        Err(self.disconnected("notification not delivered"))
+    }
+}

@@ -1,0 +1,218 @@
+//! The target side: serves registered memory on the data port, one thread per connection.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use xfer_core::{MemSlice, NotifSink, Pin, RefusalCode};
+
+use crate::conn::{tune, Conn, ConnError, SocketTuning};
+use crate::frame::{self, FrameError, Header, Kind, WireDesc};
+use crate::keys::KeyTable;
+
+/// What every connection thread shares.
+pub struct ServerShared {
+    pub agent_name: String,
+    pub keys: Arc<KeyTable>,
+    pub notifs: NotifSink,
+    pub timeout: Duration,
+    pub tuning: SocketTuning,
+    pub stop: Arc<AtomicBool>,
+}
+
+pub struct Server {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    pub fn start(listener: TcpListener, shared: ServerShared) -> std::io::Result<Server> {
+        let addr = listener.local_addr()?;
+        let stop = Arc::clone(&shared.stop);
+        let shared = Arc::new(shared);
+        let thread =
+            std::thread::Builder::new().name("xfer-tcp-accept".into()).spawn(move || accept_loop(listener, shared))?;
+        Ok(Server { addr, stop, thread: Some(thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the blocking accept.
+        let wake = if self.addr.ip().is_unspecified() {
+            SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), self.addr.port())
+        } else {
+            self.addr
+        };
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>) {
+    for incoming in listener.incoming() {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let stream = match incoming {
+            Ok(stream) => stream,
+            Err(err) => {
+                tracing::warn!(%err, "tcp backend accept failed");
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
+        let shared = Arc::clone(&shared);
+        let spawned = std::thread::Builder::new().name("xfer-tcp-serve".into()).spawn(move || {
+            let peer = stream.peer_addr().ok();
+            if let Err(err) = serve(stream, &shared) {
+                tracing::debug!(?peer, %err, "tcp backend connection closed with an error");
+            }
+        });
+        if let Err(err) = spawned {
+            tracing::warn!(%err, "cannot spawn a connection thread");
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("malformed frame: {0}")]
+    Frame(#[from] FrameError),
+    #[error("{0}")]
+    Conn(#[from] ConnError),
+    #[error("name is not UTF-8")]
+    Name,
+}
+
+fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
+    tune(&stream, shared.tuning).map_err(ConnError::from)?;
+    let mut conn = Conn::new(stream, shared.timeout, Arc::clone(&shared.stop)).map_err(ConnError::from)?;
+    let Some(peer) = handshake(&mut conn, shared)? else { return Ok(()) };
+    let mut header_buf = [0u8; frame::HEADER_LEN];
+    let mut table = Vec::new();
+    let mut descs = Vec::new();
+    let mut out = Vec::with_capacity(64);
+    loop {
+        if !conn.read_frame_start(&mut header_buf)? {
+            return Ok(());
+        }
+        let header = frame::decode_header(&header_buf)?;
+        table.resize(header.n_desc as usize * frame::DESC_LEN, 0);
+        conn.read_exact(&mut table)?;
+        frame::decode_descs(&header, &table, &mut descs)?;
+        out.clear();
+        match header.kind {
+            Kind::Notif => {
+                let mut message = vec![0u8; header.payload_len as usize];
+                conn.read_exact(&mut message)?;
+                (shared.notifs)(&peer, message);
+                frame::encode_response(0, header.request_id, 0, "", &mut out);
+                conn.write_all(&out)?;
+            }
+            Kind::Write => match resolve(&shared.keys, &descs) {
+                Ok(mut slices) => {
+                    let mut iov: Vec<IoSliceMut<'_>> =
+                        slices.iter_mut().map(|s| IoSliceMut::new(s.as_mut_slice())).collect();
+                    conn.read_exact_vectored(&mut iov)?;
+                    drop(iov);
+                    drop(slices);
+                    frame::encode_response(0, header.request_id, 0, "", &mut out);
+                    conn.write_all(&out)?;
+                }
+                Err((code, msg)) => {
+                    conn.discard(header.payload_len)?;
+                    refuse(&mut conn, &header, code, &msg, &mut out)?;
+                }
+            },
+            Kind::Read => match resolve(&shared.keys, &descs) {
+                Ok(slices) => {
+                    frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
+                    let mut iov = Vec::with_capacity(slices.len() + 1);
+                    iov.push(IoSlice::new(&out));
+                    iov.extend(slices.iter().map(|s| IoSlice::new(s.as_slice())));
+                    conn.write_all_vectored(&mut iov)?;
+                }
+                Err((code, msg)) => refuse(&mut conn, &header, code, &msg, &mut out)?,
+            },
+        }
+    }
+}
+
+fn refuse(conn: &mut Conn, header: &Header, code: RefusalCode, msg: &str, out: &mut Vec<u8>) -> Result<(), ConnError> {
+    tracing::debug!(request = header.request_id, %code, msg, "refusing request");
+    frame::encode_response(code.to_wire(), header.request_id, 0, msg, out);
+    conn.write_all(out)
+}
+
+/// Reads the hello, checks it is meant for this agent, answers; returns the initiator's name.
+fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<String>, ServeError> {
+    let mut fixed = [0u8; frame::HELLO_LEN];
+    if !conn.read_frame_start(&mut fixed)? {
+        return Ok(None);
+    }
+    let (from_len, to_len) = frame::decode_hello(&fixed)?;
+    let mut names = vec![0u8; from_len + to_len];
+    conn.read_exact(&mut names)?;
+    let to_name = std::str::from_utf8(&names[from_len..]).map_err(|_| ServeError::Name)?;
+    let from_name = String::from_utf8(names[..from_len].to_vec()).map_err(|_| ServeError::Name)?;
+    let mut out = Vec::new();
+    if to_name != shared.agent_name {
+        let msg = format!("this is agent {:?}, not {:?}", shared.agent_name, to_name);
+        frame::encode_hello_reply(RefusalCode::WrongAgent.to_wire(), &msg, &mut out);
+        conn.write_all(&out)?;
+        return Ok(None);
+    }
+    frame::encode_hello_reply(0, "", &mut out);
+    conn.write_all(&out)?;
+    Ok(Some(from_name))
+}
+
+/// Checks every descriptor before any byte moves: known key, live region, within bounds.
+fn resolve(keys: &KeyTable, descs: &[WireDesc]) -> Result<Vec<MemSlice>, (RefusalCode, String)> {
+    let mut slices = Vec::with_capacity(descs.len());
+    let mut pinned: Option<(frame::Key, Pin)> = None;
+    for (index, desc) in descs.iter().enumerate() {
+        let pin = match &pinned {
+            Some((key, pin)) if *key == desc.key => pin.clone(),
+            _ => {
+                let region = keys
+                    .get(&desc.key)
+                    .ok_or_else(|| (RefusalCode::UnknownKey, format!("descriptor {index} names an unknown key")))?;
+                let pin = region.pin().ok_or_else(|| {
+                    (RefusalCode::Deregistered, format!("descriptor {index}: region is being deregistered"))
+                })?;
+                pinned = Some((desc.key, pin.clone()));
+                pin
+            }
+        };
+        let slice = pin.slice(desc.offset, desc.len).ok_or_else(|| {
+            (
+                RefusalCode::OutOfBounds,
+                format!(
+                    "descriptor {index}: offset {} + {} bytes is outside a {}-byte region",
+                    desc.offset,
+                    desc.len,
+                    pin.region().desc().len
+                ),
+            )
+        })?;
+        slices.push(slice);
+    }
+    Ok(slices)
+}

@@ -1,0 +1,119 @@
+//! Page-aligned host memory that can be registered safely and shared with remote peers.
+
+use std::alloc::{self, Layout};
+
+use crate::mem::Desc;
+
+const PAGE: usize = 4096;
+
+/// A zero-initialised, page-aligned host allocation meant for registration.
+///
+/// Its bytes may be written by remote peers while it is registered, so it hands out copies
+/// (`read_at`, `write_at`) rather than references; the application orders accesses through
+/// completions and notifications, as with any memory shared with a NIC.
+#[derive(Debug)]
+pub struct HostBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is a plain heap allocation owned by this value; all access goes through
+// raw copies whose ordering is the application's responsibility (see the type docs).
+unsafe impl Send for HostBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Allocates `len` zeroed bytes (at least one page is reserved so the address is unique).
+    pub fn new(len: usize) -> Self {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (at least one page).
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            alloc::handle_alloc_error(layout);
+        }
+        HostBuffer { ptr, len }
+    }
+
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len.max(PAGE), PAGE).expect("allocation size overflows")
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr as usize as u64
+    }
+
+    /// The descriptor of the whole buffer (device 0).
+    pub fn desc(&self) -> Desc {
+        Desc::new(self.addr(), self.len as u64, 0)
+    }
+
+    /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
+    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
+        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "range outside buffer");
+        Desc::new(self.addr() + offset as u64, len as u64, 0)
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the buffer.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        self.check(offset, dst.len());
+        // SAFETY: the range is inside the allocation (checked) and `dst` is a distinct Rust
+        // buffer, so the regions do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// Copies `src` into the buffer at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) {
+        self.check(offset, src.len());
+        // SAFETY: the range is inside the allocation (checked) and `src` is a distinct Rust
+        // buffer, so the regions do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) }
+    }
+
+    /// Copies the whole buffer out.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.len];
+        self.read_at(0, &mut out);
+        out
+    }
+
+    fn check(&self, offset: usize, len: usize) {
+        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "range outside buffer");
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc_zeroed` with this same layout and is freed once.
+        unsafe { alloc::dealloc(self.ptr, Self::layout(self.len)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_in_and_out() {
+        let buf = HostBuffer::new(10_000);
+        assert_eq!(buf.addr() % PAGE as u64, 0);
+        buf.write_at(9_990, &[5u8; 10]);
+        let mut out = [0u8; 12];
+        buf.read_at(9_988, &mut out);
+        assert_eq!(out, [0, 0, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]);
+    }
+
+    #[test]
+    #[should_panic(expected = "range outside buffer")]
+    fn out_of_range_panics() {
+        HostBuffer::new(10).write_at(5, &[0u8; 6]);
+    }
+}

@@ -1,0 +1,22 @@
+//! Plugin-facing core of `xfer`.
+//!
+//! Everything a transfer backend needs to implement and nothing more: memory types and
+//! descriptors, registered regions and the pins that keep them alive during a transfer, the
+//! [`Backend`] and [`RemoteAgent`] traits, transfer jobs and their completion. The user-facing
+//! `Agent` lives in the `xfer` crate, which re-exports these types.
+
+mod backend;
+mod completion;
+mod error;
+mod host;
+mod mem;
+pub mod split;
+
+pub use backend::{
+    Backend, BackendContext, BackendFactory, BackendParams, Capabilities, NotifSink, Op, RemoteAgent, RemoteKey,
+    RemoteSeg, TransferJob,
+};
+pub use completion::{Completer, Completion, Status};
+pub use error::{BackendError, RefusalCode};
+pub use host::HostBuffer;
+pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin};

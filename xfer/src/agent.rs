@@ -1,0 +1,589 @@
+//! The agent: backends, registrations, peers, requests and notifications.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use xfer_core::{
+    Backend, BackendContext, BackendParams, Capabilities, Desc, HostBuffer, LocalRegion, MemType, NotifSink, Op,
+    RemoteSeg,
+};
+
+use crate::error::{Side, XferError};
+use crate::metadata::{AgentMetadata, BackendInfo, RegionInfo};
+use crate::notifs::NotifQueues;
+use crate::prepared::{pick, PreparedLocal, PreparedRemote};
+use crate::registry::BackendRegistry;
+use crate::request::{RequestOptions, XferRequest};
+use crate::side_channel::{self, SideOp};
+use crate::tables::{LocalEntry, LocalTable, Peer, PeerLink, PeerRegion, Slot};
+
+/// A backend attached to the agent.
+struct Attached {
+    name: &'static str,
+    backend: Arc<dyn Backend>,
+    caps: Capabilities,
+}
+
+pub(crate) struct AgentInner {
+    name: String,
+    registry: BackendRegistry,
+    /// Attach order is preference order; a slot index never changes.
+    backends: ArcSwap<Vec<Arc<Attached>>>,
+    local: ArcSwap<LocalTable>,
+    peers: ArcSwap<HashMap<String, Arc<Peer>>>,
+    /// Serialises writers of the tables above; readers never take it.
+    writer: Mutex<()>,
+    notifs: Arc<NotifQueues>,
+    next_region_id: AtomicU64,
+    side_channel: Mutex<Option<side_channel::Server>>,
+}
+
+/// A transfer agent. Cheap to clone; `Send + Sync`; the data path takes no agent-wide lock
+/// (tables are read through atomically swapped snapshots).
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<AgentInner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent").field("name", &self.inner.name).finish_non_exhaustive()
+    }
+}
+
+/// Registered memory. Dropping it deregisters the memory, waiting for transfers that still use
+/// it; only then may the memory be freed.
+pub struct Registration {
+    agent: Arc<AgentInner>,
+    entries: Vec<Arc<LocalEntry>>,
+    _owner: Option<Arc<HostBuffer>>,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration").field("descs", &self.descs()).finish_non_exhaustive()
+    }
+}
+
+impl Registration {
+    pub fn descs(&self) -> Vec<Desc> {
+        self.entries.iter().map(|e| e.region.desc()).collect()
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.agent.deregister(&self.entries);
+    }
+}
+
+const NAME_LIMIT: usize = 255;
+
+impl Agent {
+    /// An agent with the default backend registry (TCP always available). No backend is
+    /// attached yet: call [`add_backend`](Agent::add_backend).
+    pub fn new(name: &str) -> Result<Agent, XferError> {
+        Self::with_registry(name, BackendRegistry::default())
+    }
+
+    pub fn with_registry(name: &str, registry: BackendRegistry) -> Result<Agent, XferError> {
+        if name.is_empty() || name.len() > NAME_LIMIT {
+            return Err(XferError::InvalidArgument(format!("agent name must be 1..={NAME_LIMIT} bytes")));
+        }
+        Ok(Agent {
+            inner: Arc::new(AgentInner {
+                name: name.to_string(),
+                registry,
+                backends: ArcSwap::from_pointee(Vec::new()),
+                local: ArcSwap::from_pointee(LocalTable::default()),
+                peers: ArcSwap::from_pointee(HashMap::new()),
+                writer: Mutex::new(()),
+                notifs: Arc::new(NotifQueues::default()),
+                next_region_id: AtomicU64::new(1),
+                side_channel: Mutex::new(None),
+            }),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Attaches a backend by name with its parameters (unknown keys are an error).
+    pub fn add_backend(&self, name: &str, params: BackendParams) -> Result<(), XferError> {
+        let inner = &self.inner;
+        let _writer = inner.writer.lock();
+        if inner.backends.load().iter().any(|b| b.name == name) {
+            return Err(XferError::BackendExists(name.to_string()));
+        }
+        let factory = inner.registry.get(name).ok_or_else(|| XferError::UnknownBackend(name.to_string()))?;
+        let queues: Weak<NotifQueues> = Arc::downgrade(&inner.notifs);
+        let notifs: NotifSink = Arc::new(move |peer: &str, message: Vec<u8>| {
+            if let Some(queues) = queues.upgrade() {
+                queues.push(peer, message);
+            }
+        });
+        let ctx = BackendContext { agent_name: inner.name.clone(), params, notifs };
+        let backend = factory.create(ctx).map_err(|e| XferError::backend(name, e))?;
+        let attached = Arc::new(Attached { name: factory.name(), caps: backend.capabilities(), backend });
+        let mut backends = inner.backends.load().as_ref().clone();
+        backends.push(attached);
+        inner.backends.store(Arc::new(backends));
+        Ok(())
+    }
+
+    /// Names of the attached backends, in preference order.
+    pub fn backends(&self) -> Vec<&'static str> {
+        self.inner.backends.load().iter().map(|b| b.name).collect()
+    }
+
+    /// Registers memory with every attached backend that supports its type.
+    ///
+    /// # Safety
+    /// Each descriptor must describe memory of this process (for DRAM: readable and writable
+    /// host memory) that stays valid until the returned [`Registration`] is dropped. Remote
+    /// peers may read and write it at any time while registered.
+    pub unsafe fn register_memory(&self, mem_type: MemType, descs: &[Desc]) -> Result<Registration, XferError> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.inner.register(mem_type, descs, None) }
+    }
+
+    /// Registers a host buffer; the registration keeps it alive.
+    pub fn register_buffer(&self, buffer: &Arc<HostBuffer>) -> Result<Registration, XferError> {
+        // SAFETY: the registration holds an `Arc` of the buffer, so its memory outlives the
+        // registration; `HostBuffer` only hands out copies, never references.
+        unsafe { self.inner.register(MemType::Dram, &[buffer.desc()], Some(Arc::clone(buffer))) }
+    }
+
+    /// This agent's metadata blob: name, backends' connection info, registrations' keys.
+    pub fn local_metadata(&self) -> Vec<u8> {
+        self.inner.metadata().encode()
+    }
+
+    /// Loads (or reloads) a peer's metadata blob; returns the peer's name.
+    pub fn load_remote_metadata(&self, blob: &[u8]) -> Result<String, XferError> {
+        self.inner.load_remote(blob)
+    }
+
+    /// Forgets a peer: later requests to it fail with `UnknownPeer`; its connections close.
+    pub fn invalidate_remote(&self, name: &str) -> Result<(), XferError> {
+        self.inner.invalidate(name)
+    }
+
+    /// Names of the loaded peers.
+    pub fn peers(&self) -> Vec<String> {
+        self.inner.peers.load().keys().cloned().collect()
+    }
+
+    /// The regions a peer published.
+    pub fn remote_regions(&self, peer: &str) -> Result<Vec<(MemType, Desc)>, XferError> {
+        let peer = self.inner.peer(peer)?;
+        Ok(peer.metadata.regions.iter().map(|r| (r.mem_type, r.desc)).collect())
+    }
+
+    /// Serves this agent's metadata on `addr` (e.g. `0.0.0.0:5600`); returns the bound address.
+    pub fn start_side_channel(&self, addr: &str) -> Result<SocketAddr, XferError> {
+        let handler: Arc<dyn side_channel::Handler> = Arc::new(SideChannelHandler(Arc::downgrade(&self.inner)));
+        let server = side_channel::Server::start(addr, handler)
+            .map_err(|e| XferError::SideChannel { addr: addr.to_string(), reason: e.to_string() })?;
+        let bound = server.addr();
+        *self.inner.side_channel.lock() = Some(server);
+        Ok(bound)
+    }
+
+    /// Fetches and loads a peer's metadata from its side channel; returns the peer's name.
+    pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, XferError> {
+        let blob = side_channel::call(addr, SideOp::Get, &[], side_channel::IO_TIMEOUT)
+            .map_err(|reason| XferError::SideChannel { addr: addr.to_string(), reason })?;
+        self.load_remote_metadata(&blob)
+    }
+
+    /// Pushes this agent's metadata to a peer's side channel (the peer loads it).
+    pub fn send_local_metadata(&self, addr: &str) -> Result<(), XferError> {
+        side_channel::call(addr, SideOp::Put, &self.local_metadata(), side_channel::IO_TIMEOUT)
+            .map(drop)
+            .map_err(|reason| XferError::SideChannel { addr: addr.to_string(), reason })
+    }
+
+    /// Tells a peer's side channel to forget this agent.
+    pub fn invalidate_local_metadata(&self, addr: &str) -> Result<(), XferError> {
+        side_channel::call(addr, SideOp::Invalidate, self.inner.name.as_bytes(), side_channel::IO_TIMEOUT)
+            .map(drop)
+            .map_err(|reason| XferError::SideChannel { addr: addr.to_string(), reason })
+    }
+
+    /// Resolves local descriptors once for repeated use by index.
+    pub fn prep_local(&self, mem_type: MemType, descs: &[Desc]) -> Result<PreparedLocal, XferError> {
+        PreparedLocal::resolve(&self.inner.local.load(), mem_type, descs)
+    }
+
+    /// Resolves a peer's descriptors once for repeated use by index.
+    pub fn prep_remote(&self, peer: &str, mem_type: MemType, descs: &[Desc]) -> Result<PreparedRemote, XferError> {
+        PreparedRemote::resolve(self.inner.peer(peer)?, mem_type, descs)
+    }
+
+    /// A request between host-memory descriptor lists of equal total length.
+    pub fn create_request(
+        &self,
+        op: Op,
+        local: &[Desc],
+        peer: &str,
+        remote: &[Desc],
+        options: RequestOptions,
+    ) -> Result<XferRequest, XferError> {
+        let local = self.prep_local(MemType::Dram, local)?;
+        let remote = self.prep_remote(peer, MemType::Dram, remote)?;
+        self.inner.make_request(op, &local, None, &remote, None, options)
+    }
+
+    /// A request from prepared lists and index lists (e.g. KV block ids).
+    pub fn make_request(
+        &self,
+        op: Op,
+        local: &PreparedLocal,
+        local_indices: &[usize],
+        remote: &PreparedRemote,
+        remote_indices: &[usize],
+        options: RequestOptions,
+    ) -> Result<XferRequest, XferError> {
+        self.inner.make_request(op, local, Some(local_indices), remote, Some(remote_indices), options)
+    }
+
+    /// Sends a standalone notification to a peer (in order with earlier ones to that peer).
+    pub fn send_notif(&self, peer: &str, message: &[u8]) -> Result<(), XferError> {
+        let peer = self.inner.peer(peer)?;
+        let backends = self.inner.backends.load();
+        let (attached, link) = peer
+            .links
+            .iter()
+            .filter_map(|link| backends.get(link.slot).map(|b| (b, link)))
+            .find(|(b, _)| b.caps.notifications)
+            .ok_or_else(|| XferError::NoBackend(format!("no common backend with notifications to {}", peer.name)))?;
+        link.remote.notify(message).map_err(|e| XferError::backend(attached.name, e))
+    }
+
+    /// Drains every received notification, per sending agent, in arrival order.
+    pub fn get_notifs(&self) -> HashMap<String, Vec<Vec<u8>>> {
+        self.inner.notifs.drain_all()
+    }
+
+    /// Drains the notifications received from one agent.
+    pub fn get_notifs_from(&self, peer: &str) -> Vec<Vec<u8>> {
+        self.inner.notifs.drain_from(peer)
+    }
+
+    /// Waits until at least one notification is queued; `false` on timeout.
+    pub fn wait_notifs(&self, timeout: Duration) -> bool {
+        self.inner.notifs.wait_any(timeout)
+    }
+}
+
+impl AgentInner {
+    fn peer(&self, name: &str) -> Result<Arc<Peer>, XferError> {
+        self.peers.load().get(name).cloned().ok_or_else(|| XferError::UnknownPeer(name.to_string()))
+    }
+
+    /// # Safety
+    /// See [`Agent::register_memory`].
+    unsafe fn register(
+        self: &Arc<Self>,
+        mem_type: MemType,
+        descs: &[Desc],
+        owner: Option<Arc<HostBuffer>>,
+    ) -> Result<Registration, XferError> {
+        if descs.is_empty() {
+            return Err(XferError::InvalidArgument("empty descriptor list".into()));
+        }
+        let _writer = self.writer.lock();
+        let backends = self.backends.load();
+        let capable: Vec<(Slot, &Arc<Attached>)> =
+            backends.iter().enumerate().filter(|(_, b)| b.caps.supports(mem_type)).collect();
+        if capable.is_empty() {
+            return Err(XferError::NoBackend(format!("no attached backend supports {mem_type} memory")));
+        }
+        let table = self.local.load();
+        let mut entries: Vec<Arc<LocalEntry>> = Vec::with_capacity(descs.len());
+        let mut registered = Registration { agent: Arc::clone(self), entries: Vec::new(), _owner: owner };
+        for (index, desc) in descs.iter().enumerate() {
+            let overlaps_new = entries.iter().any(|e| {
+                let d = e.region.desc();
+                d.dev_id == desc.dev_id && d.addr < desc.end().unwrap_or(u64::MAX) && desc.addr < d.addr + d.len
+            });
+            if desc.len == 0 || desc.end().is_none() || overlaps_new || table.overlaps(mem_type, desc) {
+                registered.entries = entries;
+                drop(_writer);
+                return Err(XferError::InvalidArgument(format!(
+                    "descriptor {index} ({:#x}+{}) is empty, wraps, or overlaps a registration",
+                    desc.addr, desc.len
+                )));
+            }
+            let id = self.next_region_id.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: forwarded from this function's contract.
+            let region = Arc::new(unsafe { LocalRegion::new(id, mem_type, *desc) });
+            let mut keys = Vec::with_capacity(capable.len());
+            for (slot, attached) in &capable {
+                match attached.backend.register(&region) {
+                    Ok(key) => keys.push((*slot, key)),
+                    Err(err) => {
+                        for (slot, _) in &keys {
+                            backends[*slot].backend.deregister(&region);
+                        }
+                        registered.entries = entries;
+                        drop(_writer);
+                        return Err(XferError::backend(attached.name, err));
+                    }
+                }
+            }
+            entries.push(Arc::new(LocalEntry { region, keys }));
+        }
+        self.local.store(Arc::new(table.with_added(&entries)));
+        registered.entries = entries;
+        Ok(registered)
+    }
+
+    fn deregister(&self, entries: &[Arc<LocalEntry>]) {
+        if entries.is_empty() {
+            return;
+        }
+        {
+            let _writer = self.writer.lock();
+            let ids: Vec<u64> = entries.iter().map(|e| e.region.id()).collect();
+            let table = self.local.load().without(&ids);
+            self.local.store(Arc::new(table));
+        }
+        let backends = self.backends.load();
+        for entry in entries {
+            while !entry.region.close_and_wait(Duration::from_secs(10)) {
+                tracing::warn!(
+                    agent = %self.name,
+                    users = entry.region.users(),
+                    "deregistration waits for transfers still using the memory"
+                );
+            }
+            for (slot, _) in &entry.keys {
+                backends[*slot].backend.deregister(&entry.region);
+            }
+        }
+    }
+
+    fn metadata(&self) -> AgentMetadata {
+        let backends = self.backends.load();
+        let local = self.local.load();
+        AgentMetadata {
+            name: self.name.clone(),
+            backends: backends
+                .iter()
+                .map(|b| BackendInfo { name: b.name.to_string(), conn_info: b.backend.conn_info() })
+                .collect(),
+            regions: local
+                .entries()
+                .iter()
+                .map(|e| RegionInfo {
+                    mem_type: e.region.mem_type(),
+                    desc: e.region.desc(),
+                    keys: e.keys.iter().map(|(slot, key)| (*slot as u16, key.clone())).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    fn load_remote(&self, blob: &[u8]) -> Result<String, XferError> {
+        let md = AgentMetadata::decode(blob)?;
+        let _writer = self.writer.lock();
+        let backends = self.backends.load();
+        let previous = self.peers.load().get(&md.name).cloned();
+        let mut links = Vec::new();
+        // remote backend index -> our slot
+        let mut slot_of: Vec<Option<Slot>> = vec![None; md.backends.len()];
+        for (remote_index, info) in md.backends.iter().enumerate() {
+            let Some(slot) = backends.iter().position(|b| b.name == info.name) else { continue };
+            let reused = previous
+                .as_ref()
+                .and_then(|p| p.link(slot))
+                .filter(|l| l.conn_info == info.conn_info)
+                .map(|l| Arc::clone(&l.remote));
+            let remote = match reused {
+                Some(remote) => remote,
+                None => match backends[slot].backend.connect(&md.name, &info.conn_info) {
+                    Ok(remote) => remote,
+                    Err(err) => {
+                        tracing::warn!(peer = %md.name, backend = %info.name, %err, "cannot use backend for peer");
+                        continue;
+                    }
+                },
+            };
+            slot_of[remote_index] = Some(slot);
+            links.push(PeerLink { slot, conn_info: info.conn_info.clone(), remote });
+        }
+        let mut regions = Vec::with_capacity(md.regions.len());
+        for region in &md.regions {
+            let mut keys = Vec::new();
+            for (remote_index, key) in &region.keys {
+                let Some(slot) = slot_of[usize::from(*remote_index)] else { continue };
+                let link = links.iter().find(|l| l.slot == slot).expect("link exists for mapped slot");
+                let unpacked = link.remote.unpack_key(key).map_err(|e| XferError::backend(backends[slot].name, e))?;
+                keys.push((slot, unpacked));
+            }
+            regions.push(PeerRegion { mem_type: region.mem_type, desc: region.desc, keys });
+        }
+        let name = md.name.clone();
+        let peer = Arc::new(Peer::new(name.clone(), md, links, regions));
+        let mut peers = self.peers.load().as_ref().clone();
+        peers.insert(name.clone(), peer);
+        self.peers.store(Arc::new(peers));
+        if let Some(previous) = previous {
+            for link in &previous.links {
+                let still_used = self.peers.load()[&name].links.iter().any(|l| Arc::ptr_eq(&l.remote, &link.remote));
+                if !still_used {
+                    link.remote.disconnect();
+                }
+            }
+        }
+        Ok(name)
+    }
+
+    fn invalidate(&self, name: &str) -> Result<(), XferError> {
+        let removed = {
+            let _writer = self.writer.lock();
+            let mut peers = self.peers.load().as_ref().clone();
+            let removed = peers.remove(name).ok_or_else(|| XferError::UnknownPeer(name.to_string()))?;
+            self.peers.store(Arc::new(peers));
+            removed
+        };
+        for link in &removed.links {
+            link.remote.disconnect();
+        }
+        Ok(())
+    }
+
+    fn make_request(
+        &self,
+        op: Op,
+        local: &PreparedLocal,
+        local_indices: Option<&[usize]>,
+        remote: &PreparedRemote,
+        remote_indices: Option<&[usize]>,
+        options: RequestOptions,
+    ) -> Result<XferRequest, XferError> {
+        let local_segs = pick(&local.segs, local_indices, Side::Local)?;
+        let remote_refs = pick(&remote.segs, remote_indices, Side::Remote)?;
+        if local_segs.is_empty() || remote_refs.is_empty() {
+            return Err(XferError::InvalidArgument("empty descriptor list".into()));
+        }
+        let local_bytes: u64 = local_segs.iter().map(|s| s.len).sum();
+        let remote_bytes: u64 = remote_refs.iter().map(|s| s.len).sum();
+        if local_bytes != remote_bytes {
+            return Err(XferError::LengthMismatch { local: local_bytes, remote: remote_bytes });
+        }
+        let peer = &remote.peer;
+        let backends = self.backends.load();
+        let slot = self.choose_backend(&backends, local, &local_segs, remote, &remote_refs, &options)?;
+        let link = peer.link(slot).expect("chosen backend has a link");
+        let remote_segs: Vec<RemoteSeg> = remote_refs
+            .iter()
+            .map(|r| RemoteSeg {
+                key: Arc::clone(peer.regions[r.region].key(slot).expect("chosen backend has every key")),
+                addr: r.addr,
+                len: r.len,
+            })
+            .collect();
+        Ok(XferRequest::new(
+            op,
+            backends[slot].name,
+            Arc::clone(&link.remote),
+            local_segs,
+            remote_segs,
+            options.notif,
+            local_bytes,
+            Arc::clone(peer),
+        ))
+    }
+
+    /// The first backend (in attach order, or the named one) that can serve every descriptor
+    /// of the request on both sides.
+    fn choose_backend(
+        &self,
+        backends: &[Arc<Attached>],
+        local: &PreparedLocal,
+        local_segs: &[crate::prepared::LocalSeg],
+        remote: &PreparedRemote,
+        remote_refs: &[crate::prepared::RemoteRef],
+        options: &RequestOptions,
+    ) -> Result<Slot, XferError> {
+        let peer = &remote.peer;
+        let to_self = peer.name == self.name;
+        let mut reasons = Vec::new();
+        for (slot, attached) in backends.iter().enumerate() {
+            if options.backend.as_deref().is_some_and(|wanted| wanted != attached.name) {
+                continue;
+            }
+            let caps = &attached.caps;
+            let refusal = if !caps.supports(local.mem_type) || !caps.supports(remote.mem_type) {
+                Some(format!("{} does not move {}→{}", attached.name, local.mem_type, remote.mem_type))
+            } else if to_self && !caps.local || !to_self && !caps.remote {
+                Some(format!("{} does not do {} transfers", attached.name, if to_self { "local" } else { "remote" }))
+            } else if options.notif.is_some() && !caps.notifications {
+                Some(format!("{} has no notifications", attached.name))
+            } else if peer.link(slot).is_none() {
+                Some(format!("peer {} has no {} backend", peer.name, attached.name))
+            } else if !local_segs.iter().all(|s| s.entry.has(slot)) {
+                Some(format!("local memory is not registered with {}", attached.name))
+            } else if !remote_refs.iter().all(|r| peer.regions[r.region].key(slot).is_some()) {
+                Some(format!("remote memory is not registered with {}", attached.name))
+            } else {
+                None
+            };
+            match refusal {
+                None => return Ok(slot),
+                Some(reason) => reasons.push(reason),
+            }
+        }
+        if let Some(wanted) = &options.backend {
+            if !backends.iter().any(|b| b.name == wanted) {
+                return Err(XferError::UnknownBackend(wanted.clone()));
+            }
+        }
+        if reasons.is_empty() {
+            reasons.push("no backend attached".into());
+        }
+        Err(XferError::NoBackend(reasons.join("; ")))
+    }
+}
+
+impl Drop for AgentInner {
+    fn drop(&mut self) {
+        self.side_channel.lock().take();
+        for peer in self.peers.load().values() {
+            for link in &peer.links {
+                link.remote.disconnect();
+            }
+        }
+        for attached in self.backends.load().iter() {
+            attached.backend.shutdown();
+        }
+    }
+}
+
+/// Answers side-channel requests for an agent that may be gone.
+struct SideChannelHandler(Weak<AgentInner>);
+
+impl side_channel::Handler for SideChannelHandler {
+    fn get(&self) -> Vec<u8> {
+        self.0.upgrade().map(|agent| agent.metadata().encode()).unwrap_or_default()
+    }
+
+    fn put(&self, blob: &[u8]) -> Result<String, String> {
+        let agent = self.0.upgrade().ok_or("agent is gone")?;
+        agent.load_remote(blob).map_err(|e| e.to_string())
+    }
+
+    fn invalidate(&self, name: &str) -> Result<(), String> {
+        let agent = self.0.upgrade().ok_or("agent is gone")?;
+        agent.invalidate(name).map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,114 @@
+use std::fmt;
+use std::time::Duration;
+
+use xfer_core::{BackendError, Desc, MemType, RefusalCode};
+
+use crate::metadata::MetadataError;
+
+/// Which side of a transfer a descriptor belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Local,
+    Remote,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// Errors of the `xfer` API.
+#[derive(Debug, thiserror::Error)]
+pub enum XferError {
+    #[error("unknown peer agent {0:?} (load its metadata first)")]
+    UnknownPeer(String),
+    #[error("unknown backend {0:?}")]
+    UnknownBackend(String),
+    #[error("backend {0:?} is already attached")]
+    BackendExists(String),
+    #[error("no backend can serve this request: {0}")]
+    NoBackend(String),
+    #[error("{side} descriptor {index} ({mem_type} addr={:#x} len={} dev={}) is outside any registration", desc.addr, desc.len, desc.dev_id)]
+    NotRegistered { side: Side, index: usize, mem_type: MemType, desc: Desc },
+    #[error("local and remote lists differ in total length: {local} vs {remote} bytes")]
+    LengthMismatch { local: u64, remote: u64 },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("refused by peer: {code}: {message}")]
+    Refused { code: RefusalCode, message: String },
+    #[error("peer {peer} disconnected: {reason}")]
+    PeerDisconnected { peer: String, reason: String },
+    #[error("timed out after {0:?}")]
+    TimedOut(Duration),
+    #[error("cancelled")]
+    Cancelled,
+    #[error("request is still in progress")]
+    Busy,
+    #[error("request was never posted")]
+    NotPosted,
+    #[error("memory is being deregistered")]
+    Deregistered,
+    #[error("metadata: {0}")]
+    Metadata(#[from] MetadataError),
+    #[error("side channel {addr}: {reason}")]
+    SideChannel { addr: String, reason: String },
+    #[error("backend {backend}: {source}")]
+    Backend {
+        backend: String,
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl XferError {
+    /// Maps a backend's error onto the API's categories, keeping the backend name for the rest.
+    pub(crate) fn from_backend(backend: &str, err: &BackendError) -> XferError {
+        match err {
+            BackendError::Refused { code, message } => {
+                if *code == RefusalCode::Deregistered {
+                    XferError::Deregistered
+                } else {
+                    XferError::Refused { code: *code, message: message.clone() }
+                }
+            }
+            BackendError::PeerDisconnected { peer, reason } => {
+                XferError::PeerDisconnected { peer: peer.clone(), reason: reason.clone() }
+            }
+            BackendError::TimedOut(after) => XferError::TimedOut(*after),
+            BackendError::Cancelled => XferError::Cancelled,
+            other => XferError::Backend { backend: backend.to_string(), source: clone_backend_error(other) },
+        }
+    }
+
+    pub(crate) fn backend(backend: &str, err: BackendError) -> XferError {
+        match err {
+            BackendError::Refused { .. }
+            | BackendError::PeerDisconnected { .. }
+            | BackendError::TimedOut(_)
+            | BackendError::Cancelled => XferError::from_backend(backend, &err),
+            other => XferError::Backend { backend: backend.to_string(), source: other },
+        }
+    }
+}
+
+fn clone_backend_error(err: &BackendError) -> BackendError {
+    match err {
+        BackendError::Unsupported(m) => BackendError::Unsupported(m.clone()),
+        BackendError::InvalidParam { name, reason } => {
+            BackendError::InvalidParam { name: name.clone(), reason: reason.clone() }
+        }
+        BackendError::InvalidMetadata(m) => BackendError::InvalidMetadata(m.clone()),
+        BackendError::Protocol(m) => BackendError::Protocol(m.clone()),
+        BackendError::Io(e) => BackendError::Io(std::io::Error::new(e.kind(), e.to_string())),
+        BackendError::Refused { code, message } => BackendError::Refused { code: *code, message: message.clone() },
+        BackendError::PeerDisconnected { peer, reason } => {
+            BackendError::PeerDisconnected { peer: peer.clone(), reason: reason.clone() }
+        }
+        BackendError::TimedOut(d) => BackendError::TimedOut(*d),
+        BackendError::Cancelled => BackendError::Cancelled,
+    }
+}

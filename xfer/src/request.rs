@@ -1,0 +1,226 @@
+//! A transfer request: created once, posted (and reposted), polled or awaited, cancelled.
+
+use std::future::Future;
+use std::pin::Pin as StdPin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use xfer_core::{Completion, MemSlice, Op, Pin, RemoteAgent, RemoteSeg, Status, TransferJob};
+
+use crate::error::XferError;
+use crate::prepared::LocalSeg;
+use crate::tables::Peer;
+
+/// Per-request choices.
+#[derive(Clone, Debug, Default)]
+pub struct RequestOptions {
+    /// Delivered to the peer after the data is visible there.
+    pub notif: Option<Vec<u8>>,
+    /// Use this backend instead of choosing by capability.
+    pub backend: Option<String>,
+}
+
+impl RequestOptions {
+    pub fn notify(message: impl AsRef<[u8]>) -> Self {
+        RequestOptions { notif: Some(message.as_ref().to_vec()), backend: None }
+    }
+
+    pub fn backend(mut self, name: impl Into<String>) -> Self {
+        self.backend = Some(name.into());
+        self
+    }
+}
+
+/// What one posting of a request moved and how long it took.
+#[derive(Clone, Debug)]
+pub struct Telemetry {
+    pub backend: &'static str,
+    pub bytes: u64,
+    pub descriptors: usize,
+    pub posted_at: Instant,
+    /// Post-to-complete time; `None` while in progress.
+    pub duration: Option<Duration>,
+}
+
+/// A READ or WRITE between local and remote descriptor lists. Dropping it releases it; a
+/// posting still in flight is cancelled (the memory stays pinned until the backend lets go).
+pub struct XferRequest {
+    op: Op,
+    backend: &'static str,
+    link: Arc<dyn RemoteAgent>,
+    local: Vec<LocalSeg>,
+    remote: Vec<RemoteSeg>,
+    notif: Option<Vec<u8>>,
+    bytes: u64,
+    current: Mutex<Option<Arc<Completion>>>,
+    /// Keeps the peer's unpacked keys alive for as long as the request may be posted.
+    _peer: Arc<Peer>,
+}
+
+impl std::fmt::Debug for XferRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XferRequest")
+            .field("op", &self.op)
+            .field("peer", &self._peer.name)
+            .field("backend", &self.backend)
+            .field("bytes", &self.bytes)
+            .field("descriptors", &self.local.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl XferRequest {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        op: Op,
+        backend: &'static str,
+        link: Arc<dyn RemoteAgent>,
+        local: Vec<LocalSeg>,
+        remote: Vec<RemoteSeg>,
+        notif: Option<Vec<u8>>,
+        bytes: u64,
+        peer: Arc<Peer>,
+    ) -> Self {
+        XferRequest { op, backend, link, local, remote, notif, bytes, current: Mutex::new(None), _peer: peer }
+    }
+
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn peer(&self) -> &str {
+        &self._peer.name
+    }
+
+    /// Starts the transfer. A finished request may be posted again (same descriptors).
+    pub fn post(&self) -> Result<(), XferError> {
+        let mut current = self.current.lock();
+        if current.as_ref().is_some_and(|c| !c.status().is_finished()) {
+            return Err(XferError::Busy);
+        }
+        let local = self.pin_local()?;
+        let (completion, done) = Completion::new();
+        *current = Some(completion);
+        drop(current);
+        self.link.post(TransferJob {
+            op: self.op,
+            local,
+            remote: self.remote.clone(),
+            notif: self.notif.clone(),
+            done,
+        });
+        Ok(())
+    }
+
+    /// Pins every local region the request touches (once per run of descriptors in the same
+    /// region) and slices the descriptors out of them.
+    fn pin_local(&self) -> Result<Vec<MemSlice>, XferError> {
+        let mut pinned: Option<(u64, Pin)> = None;
+        let mut slices = Vec::with_capacity(self.local.len());
+        for seg in &self.local {
+            let region = &seg.entry.region;
+            let pin = match &pinned {
+                Some((id, pin)) if *id == region.id() => pin.clone(),
+                _ => {
+                    let pin = region.pin().ok_or(XferError::Deregistered)?;
+                    pinned = Some((region.id(), pin.clone()));
+                    pin
+                }
+            };
+            let slice = pin.slice_at(seg.addr, seg.len).ok_or_else(|| {
+                XferError::NoBackend(format!("{} memory cannot be moved through host slices", region.mem_type()))
+            })?;
+            slices.push(slice);
+        }
+        Ok(slices)
+    }
+
+    fn completion(&self) -> Result<Arc<Completion>, XferError> {
+        self.current.lock().clone().ok_or(XferError::NotPosted)
+    }
+
+    fn result(&self, status: Status) -> Result<bool, XferError> {
+        match status {
+            Status::InProgress => Ok(false),
+            Status::Done => Ok(true),
+            Status::Failed(err) => Err(XferError::from_backend(self.backend, &err)),
+        }
+    }
+
+    /// `Ok(true)` when done, `Ok(false)` while in progress, the error when it failed.
+    pub fn poll(&self) -> Result<bool, XferError> {
+        self.result(self.completion()?.status())
+    }
+
+    /// Blocks until done, failed, or `timeout` passes (then `TimedOut`; the request goes on).
+    pub fn wait(&self, timeout: Duration) -> Result<(), XferError> {
+        match self.result(self.completion()?.wait(timeout))? {
+            true => Ok(()),
+            false => Err(XferError::TimedOut(timeout)),
+        }
+    }
+
+    /// Resolves when the current posting finishes. Bound it with your runtime's timeout.
+    pub fn wait_async(&self) -> WaitFuture<'_> {
+        WaitFuture { request: self, completion: self.completion() }
+    }
+
+    /// Asks the backend to stop; `poll`/`wait` report `Cancelled` once it no longer touches the
+    /// memory (parts already on the wire may complete).
+    pub fn cancel(&self) {
+        if let Some(completion) = self.current.lock().as_ref() {
+            completion.cancel();
+        }
+    }
+
+    /// Telemetry of the current (or last) posting.
+    pub fn telemetry(&self) -> Option<Telemetry> {
+        let completion = self.current.lock().clone()?;
+        Some(Telemetry {
+            backend: self.backend,
+            bytes: self.bytes,
+            descriptors: self.local.len(),
+            posted_at: completion.posted_at(),
+            duration: completion.elapsed(),
+        })
+    }
+}
+
+impl Drop for XferRequest {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// Future returned by [`XferRequest::wait_async`].
+#[derive(Debug)]
+pub struct WaitFuture<'a> {
+    request: &'a XferRequest,
+    completion: Result<Arc<Completion>, XferError>,
+}
+
+impl Future for WaitFuture<'_> {
+    type Output = Result<(), XferError>;
+
+    fn poll(self: StdPin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let completion = match &this.completion {
+            Ok(completion) => completion,
+            Err(_) => return Poll::Ready(Err(XferError::NotPosted)),
+        };
+        match completion.poll_finished(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(status) => Poll::Ready(this.request.result(status).map(|_| ())),
+        }
+    }
+}
