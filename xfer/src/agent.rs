@@ -301,49 +301,63 @@ impl AgentInner {
         }
         let _writer = self.writer.lock();
         let backends = self.backends.load();
-        let capable: Vec<(Slot, &Arc<Attached>)> =
-            backends.iter().enumerate().filter(|(_, b)| b.caps.supports(mem_type)).collect();
+        let capable: Vec<Slot> = (0..backends.len()).filter(|&slot| backends[slot].caps.supports(mem_type)).collect();
         if capable.is_empty() {
             return Err(XferError::NoBackend(format!("no attached backend supports {mem_type} memory")));
         }
         let table = self.local.load();
         let mut entries: Vec<Arc<LocalEntry>> = Vec::with_capacity(descs.len());
-        let mut registered = Registration { agent: Arc::clone(self), entries: Vec::new(), _owner: owner };
         for (index, desc) in descs.iter().enumerate() {
-            let overlaps_new = entries.iter().any(|e| {
-                let d = e.region.desc();
-                d.dev_id == desc.dev_id && d.addr < desc.end().unwrap_or(u64::MAX) && desc.addr < d.addr + d.len
-            });
-            if desc.len == 0 || desc.end().is_none() || overlaps_new || table.overlaps(mem_type, desc) {
-                registered.entries = entries;
-                drop(_writer);
-                return Err(XferError::InvalidArgument(format!(
+            let overlaps_new = entries.iter().any(|e| e.region.desc().overlaps(desc));
+            let created = if desc.len == 0 || desc.end().is_none() || overlaps_new || table.overlaps(mem_type, desc) {
+                Err(XferError::InvalidArgument(format!(
                     "descriptor {index} ({:#x}+{}) is empty, wraps, or overlaps a registration",
                     desc.addr, desc.len
-                )));
-            }
-            let id = self.next_region_id.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: forwarded from this function's contract.
-            let region = Arc::new(unsafe { LocalRegion::new(id, mem_type, *desc) });
-            let mut keys = Vec::with_capacity(capable.len());
-            for (slot, attached) in &capable {
-                match attached.backend.register(&region) {
-                    Ok(key) => keys.push((*slot, key)),
-                    Err(err) => {
-                        for (slot, _) in &keys {
-                            backends[*slot].backend.deregister(&region);
-                        }
-                        registered.entries = entries;
-                        drop(_writer);
-                        return Err(XferError::backend(attached.name, err));
-                    }
+                )))
+            } else {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { self.register_one(&backends, &capable, mem_type, desc) }
+            };
+            match created {
+                Ok(entry) => entries.push(entry),
+                Err(err) => {
+                    drop(_writer);
+                    self.deregister(&entries);
+                    return Err(err);
                 }
             }
-            entries.push(Arc::new(LocalEntry { region, keys }));
         }
         self.local.store(Arc::new(table.with_added(&entries)));
-        registered.entries = entries;
-        Ok(registered)
+        Ok(Registration { agent: Arc::clone(self), entries, _owner: owner })
+    }
+
+    /// Registers one region with every capable backend, undoing partial work on failure.
+    ///
+    /// # Safety
+    /// See [`Agent::register_memory`].
+    unsafe fn register_one(
+        &self,
+        backends: &[Arc<Attached>],
+        capable: &[Slot],
+        mem_type: MemType,
+        desc: &Desc,
+    ) -> Result<Arc<LocalEntry>, XferError> {
+        let id = self.next_region_id.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: forwarded from this function's contract.
+        let region = Arc::new(unsafe { LocalRegion::new(id, mem_type, *desc) });
+        let mut keys = Vec::with_capacity(capable.len());
+        for &slot in capable {
+            match backends[slot].backend.register(&region) {
+                Ok(key) => keys.push((slot, key)),
+                Err(err) => {
+                    for (slot, _) in &keys {
+                        backends[*slot].backend.deregister(&region);
+                    }
+                    return Err(XferError::backend(backends[slot].name, err));
+                }
+            }
+        }
+        Ok(Arc::new(LocalEntry { region, keys }))
     }
 
     fn deregister(&self, entries: &[Arc<LocalEntry>]) {

@@ -1,4 +1,5 @@
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use xfer_core::{BackendError, Desc, MemType, RefusalCode};
@@ -60,55 +61,26 @@ pub enum XferError {
     Backend {
         backend: String,
         #[source]
-        source: BackendError,
+        source: Arc<BackendError>,
     },
 }
 
 impl XferError {
     /// Maps a backend's error onto the API's categories, keeping the backend name for the rest.
-    pub(crate) fn from_backend(backend: &str, err: &BackendError) -> XferError {
-        match err {
-            BackendError::Refused { code, message } => {
-                if *code == RefusalCode::Deregistered {
-                    XferError::Deregistered
-                } else {
-                    XferError::Refused { code: *code, message: message.clone() }
-                }
-            }
+    pub(crate) fn from_backend(backend: &str, err: Arc<BackendError>) -> XferError {
+        match &*err {
+            BackendError::Refused { code: RefusalCode::Deregistered, .. } => XferError::Deregistered,
+            BackendError::Refused { code, message } => XferError::Refused { code: *code, message: message.clone() },
             BackendError::PeerDisconnected { peer, reason } => {
                 XferError::PeerDisconnected { peer: peer.clone(), reason: reason.clone() }
             }
             BackendError::TimedOut(after) => XferError::TimedOut(*after),
             BackendError::Cancelled => XferError::Cancelled,
-            other => XferError::Backend { backend: backend.to_string(), source: clone_backend_error(other) },
+            _ => XferError::Backend { backend: backend.to_string(), source: err },
         }
     }
 
     pub(crate) fn backend(backend: &str, err: BackendError) -> XferError {
-        match err {
-            BackendError::Refused { .. }
-            | BackendError::PeerDisconnected { .. }
-            | BackendError::TimedOut(_)
-            | BackendError::Cancelled => XferError::from_backend(backend, &err),
-            other => XferError::Backend { backend: backend.to_string(), source: other },
-        }
-    }
-}
-
-fn clone_backend_error(err: &BackendError) -> BackendError {
-    match err {
-        BackendError::Unsupported(m) => BackendError::Unsupported(m.clone()),
-        BackendError::InvalidParam { name, reason } => {
-            BackendError::InvalidParam { name: name.clone(), reason: reason.clone() }
-        }
-        BackendError::InvalidMetadata(m) => BackendError::InvalidMetadata(m.clone()),
-        BackendError::Protocol(m) => BackendError::Protocol(m.clone()),
-        BackendError::Io(e) => BackendError::Io(std::io::Error::new(e.kind(), e.to_string())),
-        BackendError::Refused { code, message } => BackendError::Refused { code: *code, message: message.clone() },
-        BackendError::PeerDisconnected { peer, reason } => {
-            BackendError::PeerDisconnected { peer: peer.clone(), reason: reason.clone() }
-        }
-        BackendError::TimedOut(d) => BackendError::TimedOut(*d),
-        BackendError::Cancelled => BackendError::Cancelled,
+        Self::from_backend(backend, Arc::new(err))
     }
 }

@@ -153,7 +153,7 @@ impl XferRequest {
         match status {
             Status::InProgress => Ok(false),
             Status::Done => Ok(true),
-            Status::Failed(err) => Err(XferError::from_backend(self.backend, &err)),
+            Status::Failed(err) => Err(XferError::from_backend(self.backend, err)),
         }
     }
 

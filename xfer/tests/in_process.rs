@@ -28,9 +28,8 @@ fn write_then_read_back_with_notification() {
 
     let data = pattern(1 << 20, 7);
     buf_a.write_at(0, &data);
-    let req = a
-        .create_request(Op::Write, &[buf_a.desc()], "b", &[buf_b.desc()], RequestOptions::notify(b"written"))
-        .unwrap();
+    let req =
+        a.create_request(Op::Write, &[buf_a.desc()], "b", &[buf_b.desc()], RequestOptions::notify(b"written")).unwrap();
     req.post().unwrap();
     req.wait(WAIT).unwrap();
     assert!(b.wait_notifs(WAIT));
@@ -42,9 +41,8 @@ fn write_then_read_back_with_notification() {
 
     // Scattered READ of 4 KiB blocks in reverse order, through prepared lists.
     let blocks = 256;
-    let local = a
-        .prep_local(MemType::Dram, &(0..blocks).map(|i| buf_a.sub_desc(i * 4096, 4096)).collect::<Vec<_>>())
-        .unwrap();
+    let local =
+        a.prep_local(MemType::Dram, &(0..blocks).map(|i| buf_a.sub_desc(i * 4096, 4096)).collect::<Vec<_>>()).unwrap();
     let remote = a
         .prep_remote("b", MemType::Dram, &(0..blocks).map(|i| buf_b.sub_desc(i * 4096, 4096)).collect::<Vec<_>>())
         .unwrap();

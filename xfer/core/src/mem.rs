@@ -57,6 +57,13 @@ impl Desc {
         self.addr.checked_add(self.len)
     }
 
+    /// Whether the two ranges share a byte on the same device.
+    pub fn overlaps(&self, other: &Desc) -> bool {
+        self.dev_id == other.dev_id
+            && self.addr < other.end().unwrap_or(u64::MAX)
+            && other.addr < self.end().unwrap_or(u64::MAX)
+    }
+
     /// Whether `inner` lies entirely within `self` on the same device.
     pub fn contains(&self, inner: &Desc) -> bool {
         match (self.end(), inner.end()) {
@@ -319,5 +326,9 @@ mod tests {
         assert!(!outer.contains(&Desc::new(120, 31, 0)));
         assert!(!outer.contains(&Desc::new(100, 10, 1)));
         assert!(!outer.contains(&Desc::new(u64::MAX, 2, 0)));
+        assert!(outer.overlaps(&Desc::new(149, 10, 0)));
+        assert!(!outer.overlaps(&Desc::new(150, 10, 0)));
+        assert!(!outer.overlaps(&Desc::new(90, 10, 0)));
+        assert!(!outer.overlaps(&Desc::new(120, 10, 1)));
     }
 }
