@@ -118,3 +118,101 @@ fn standalone_notifications_keep_order() {
     let want: Vec<Vec<u8>> = (0..100).map(|i| format!("n{i}").into_bytes()).collect();
     assert_eq!(got, want);
 }
+
+#[test]
+fn agent_and_requests_are_shareable_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Agent>();
+    send_sync::<xfer::XferRequest>();
+    send_sync::<xfer::Registration>();
+
+    let (a, b) = (agent("a4"), agent("b4"));
+    let (buf_a, buf_b) = (Arc::new(HostBuffer::new(8 << 20)), Arc::new(HostBuffer::new(8 << 20)));
+    let _ra = a.register_buffer(&buf_a).unwrap();
+    let _rb = b.register_buffer(&buf_b).unwrap();
+    a.load_remote_metadata(&b.local_metadata()).unwrap();
+    let data = pattern(8 << 20, 3);
+    buf_a.write_at(0, &data);
+    // Eight threads write their own MiB concurrently through the same agent.
+    std::thread::scope(|scope| {
+        for t in 0..8usize {
+            let (a, buf_a, buf_b) = (&a, &buf_a, &buf_b);
+            scope.spawn(move || {
+                let local = [buf_a.sub_desc(t << 20, 1 << 20)];
+                let remote = [buf_b.sub_desc(t << 20, 1 << 20)];
+                let req = a.create_request(Op::Write, &local, "b4", &remote, Default::default()).unwrap();
+                for _ in 0..5 {
+                    req.post().unwrap();
+                    req.wait(WAIT).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(buf_b.to_vec(), data);
+}
+
+#[test]
+fn wait_async_resolves_on_completion() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+
+    let (a, b) = (agent("a5"), agent("b5"));
+    let (buf_a, buf_b) = (Arc::new(HostBuffer::new(4 << 20)), Arc::new(HostBuffer::new(4 << 20)));
+    let _ra = a.register_buffer(&buf_a).unwrap();
+    let _rb = b.register_buffer(&buf_b).unwrap();
+    a.load_remote_metadata(&b.local_metadata()).unwrap();
+    buf_b.write_at(0, &pattern(4 << 20, 9));
+    let req = a.create_request(Op::Read, &[buf_a.desc()], "b5", &[buf_b.desc()], Default::default()).unwrap();
+    assert!(matches!(req.poll(), Err(XferError::NotPosted)));
+    req.post().unwrap();
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(req.wait_async());
+    let deadline = std::time::Instant::now() + WAIT;
+    let result = loop {
+        match fut.as_mut().poll(&mut cx) {
+            Poll::Ready(result) => break result,
+            Poll::Pending => {
+                assert!(std::time::Instant::now() < deadline, "wait_async never resolved");
+                std::thread::park_timeout(Duration::from_millis(100));
+            }
+        }
+    };
+    result.unwrap();
+    assert_eq!(buf_a.to_vec(), pattern(4 << 20, 9));
+}
+
+#[test]
+fn cancel_and_backend_override() {
+    let (a, b) = (agent("a6"), agent("b6"));
+    let (buf_a, buf_b) = (Arc::new(HostBuffer::new(64 << 20)), Arc::new(HostBuffer::new(64 << 20)));
+    let _ra = a.register_buffer(&buf_a).unwrap();
+    let _rb = b.register_buffer(&buf_b).unwrap();
+    a.load_remote_metadata(&b.local_metadata()).unwrap();
+    let err = a
+        .create_request(Op::Write, &[buf_a.desc()], "b6", &[buf_b.desc()], RequestOptions::default().backend("ucx"))
+        .unwrap_err();
+    assert!(matches!(err, XferError::UnknownBackend(_)), "{err}");
+    // A 64 MiB request cut into many chunks, cancelled at once: it ends Cancelled (or Done if
+    // every chunk was already on the wire), and never hangs.
+    let req = a
+        .create_request(Op::Write, &[buf_a.desc()], "b6", &[buf_b.desc()], RequestOptions::default().backend("tcp"))
+        .unwrap();
+    req.post().unwrap();
+    req.cancel();
+    match req.wait(WAIT) {
+        Ok(()) | Err(XferError::Cancelled) => {}
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(matches!(
+        a.create_request(Op::Write, &[xfer::Desc::new(0, 0, 0)], "b6", &[], Default::default()),
+        Err(XferError::NotRegistered { .. })
+    ));
+}
