@@ -1,0 +1,163 @@
+//! `xfer-peer`: the target process of the conformance suite.
+//!
+//! Registers one buffer, serves its metadata on a side channel, prints
+//! `READY <side-channel> <buffer-addr> <buffer-len>`, then answers one line per stdin command:
+//! `fill SEED OFF LEN`, `hash OFF LEN`, `notifs`, `dereg`, `quit` (see the crate docs). Errors
+//! are answered `ERR <message>`; bad input never ends the process, only `quit` or EOF does.
+
+use std::io::{BufRead, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use xfer::{Agent, BackendParams, HostBuffer, Registration};
+use xfer_conformance::pattern::{self, Check};
+
+#[derive(Debug, Parser)]
+#[command(about = "Target process of the xfer conformance suite, driven by line commands on stdin")]
+struct Args {
+    /// Agent name.
+    #[arg(long)]
+    name: String,
+    /// Backend to attach.
+    #[arg(long, default_value = "tcp")]
+    backend: String,
+    /// Backend parameters, `k=v,k=v`.
+    #[arg(long, default_value = "")]
+    params: String,
+    /// Bytes of the registered buffer.
+    #[arg(long)]
+    size: u64,
+    /// Address of the metadata side channel.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    side_channel: String,
+}
+
+/// Notifications as the verifier recorded them, in arrival order.
+type Log = Arc<Mutex<Vec<String>>>;
+
+struct Target {
+    buffer: Arc<HostBuffer>,
+    registration: Option<Registration>,
+    log: Log,
+}
+
+fn main() {
+    let args = Args::parse();
+    let mut out = std::io::stdout().lock();
+    let (agent, mut target, side_channel) = match start(&args) {
+        Ok(started) => started,
+        Err(err) => {
+            // The harness waits for READY; an answer on stdout says why it will never come.
+            let _ = writeln!(out, "ERR startup: {err:#}");
+            let _ = out.flush();
+            std::process::exit(1);
+        }
+    };
+    spawn_verifier(agent, Arc::clone(&target.buffer), Arc::clone(&target.log));
+    let _ = writeln!(out, "READY {side_channel} {} {}", target.buffer.addr(), target.buffer.len());
+    let _ = out.flush();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let reply = match line.trim() {
+            "quit" => break,
+            command => match target.run(command) {
+                Ok(text) if text.is_empty() => "OK".to_string(),
+                Ok(text) => format!("OK {text}"),
+                Err(err) => format!("ERR {}", format!("{err:#}").replace('\n', " ")),
+            },
+        };
+        if writeln!(out, "{reply}").and_then(|()| out.flush()).is_err() {
+            break;
+        }
+    }
+    // Exit without dropping the agent or the registration: nothing here needs an orderly
+    // teardown, and a deregistration waiting on a stalled transfer must not delay the exit.
+    std::process::exit(0);
+}
+
+fn start(args: &Args) -> anyhow::Result<(Agent, Target, String)> {
+    let size = usize::try_from(args.size).context("--size does not fit in memory")?;
+    if size == 0 {
+        bail!("--size must be positive");
+    }
+    let agent = Agent::new(&args.name)?;
+    let params = BackendParams::parse(&args.params)?;
+    agent.add_backend(&args.backend, params)?;
+    let buffer = Arc::new(HostBuffer::new(size));
+    let registration = agent.register_buffer(&buffer)?;
+    let side_channel = agent.start_side_channel(&args.side_channel)?;
+    let target = Target { buffer, registration: Some(registration), log: Log::default() };
+    Ok((agent, target, side_channel.to_string()))
+}
+
+impl Target {
+    fn run(&mut self, command: &str) -> anyhow::Result<String> {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        match words.as_slice() {
+            ["fill", seed, off, len] => {
+                let (seed, off, len) = (number(seed)?, number(off)?, number(len)?);
+                self.check_range(off, len)?;
+                pattern::write_pattern(&self.buffer, off, seed, 0, len);
+                Ok(String::new())
+            }
+            ["hash", off, len] => {
+                let (off, len) = (number(off)?, number(len)?);
+                self.check_range(off, len)?;
+                Ok(format!("{:016x}", pattern::hash_range(&self.buffer, off, len)))
+            }
+            ["notifs"] => Ok(std::mem::take(&mut *lock(&self.log)).join(",")),
+            ["dereg"] => match self.registration.take() {
+                Some(registration) => {
+                    drop(registration);
+                    Ok(String::new())
+                }
+                None => bail!("not registered"),
+            },
+            [] => bail!("empty command"),
+            [other, ..] => bail!("unknown command {other:?} (or wrong arguments)"),
+        }
+    }
+
+    fn check_range(&self, off: u64, len: u64) -> anyhow::Result<()> {
+        if !pattern::in_range(&self.buffer, off, len) {
+            bail!("range {off}+{len} is outside the {}-byte buffer", self.buffer.len());
+        }
+        Ok(())
+    }
+}
+
+fn number(text: &str) -> anyhow::Result<u64> {
+    text.parse().with_context(|| format!("{text:?} is not a number"))
+}
+
+fn lock(log: &Log) -> std::sync::MutexGuard<'_, Vec<String>> {
+    // A panic while holding the lock cannot leave the list half-updated; keep serving.
+    log.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Waits for notifications and records each as it arrives. A `check:` notification is verified
+/// right away: its range must already hold the bytes whose hash it carries, proving the data
+/// arrived before the notification.
+fn spawn_verifier(agent: Agent, buffer: Arc<HostBuffer>, log: Log) {
+    std::thread::spawn(move || loop {
+        if !agent.wait_notifs(Duration::from_millis(100)) {
+            continue;
+        }
+        let mut by_peer: Vec<(String, Vec<Vec<u8>>)> = agent.get_notifs().into_iter().collect();
+        by_peer.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut recorded = Vec::new();
+        for message in by_peer.into_iter().flat_map(|(_, messages)| messages) {
+            recorded.push(match Check::parse(&message) {
+                Some(check) => {
+                    let ok = pattern::in_range(&buffer, check.off, check.len)
+                        && pattern::hash_range(&buffer, check.off, check.len) == check.hash;
+                    format!("{}={}", pattern::escape(check.seq.as_bytes()), if ok { "ok" } else { "bad" })
+                }
+                None => pattern::escape(&message),
+            });
+        }
+        lock(&log).extend(recorded);
+    });
+}
