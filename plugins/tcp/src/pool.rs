@@ -10,7 +10,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
@@ -45,6 +45,11 @@ struct PoolShared {
     closed: Arc<AtomicBool>,
     control: Mutex<Option<Conn>>,
     next_request: AtomicU64,
+    /// When the peer last failed an exchange (µs since `epoch`, 0 = never) and whether by
+    /// timeout: chunks queued before then fail at once instead of each waiting out a timeout.
+    epoch: Instant,
+    failed_at: AtomicU64,
+    failed_by_timeout: AtomicBool,
 }
 
 pub struct PeerPool {
@@ -66,6 +71,9 @@ impl PeerPool {
                 closed: Arc::new(AtomicBool::new(false)),
                 control: Mutex::new(None),
                 next_request: AtomicU64::new(1),
+                epoch: Instant::now(),
+                failed_at: AtomicU64::new(0),
+                failed_by_timeout: AtomicBool::new(false),
             }),
             queue,
             receiver,
@@ -135,6 +143,7 @@ struct Chunk {
     local: Vec<MemSlice>,
     remote: Vec<WireDesc>,
     bytes: u64,
+    queued_at: Instant,
     tracker: Arc<Tracker>,
 }
 
@@ -149,6 +158,10 @@ struct Tracker {
 impl Tracker {
     fn cancelled(&self) -> bool {
         self.done.lock().as_ref().is_some_and(Completer::is_cancelled)
+    }
+
+    fn failed(&self) -> bool {
+        self.error.lock().is_some()
     }
 
     fn finish_chunk(&self, pool: &PoolShared, result: Result<(), BackendError>) {
@@ -226,7 +239,14 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
     });
     if sizes.is_empty() {
         // Nothing to move: one empty chunk still carries the completion (and notification).
-        return Ok(vec![Chunk { op, local: Vec::new(), remote: Vec::new(), bytes: 0, tracker }]);
+        return Ok(vec![Chunk {
+            op,
+            local: Vec::new(),
+            remote: Vec::new(),
+            bytes: 0,
+            queued_at: Instant::now(),
+            tracker,
+        }]);
     }
     let locals = split_by_sizes(local, &sizes);
     let remotes = split_by_sizes(wire, &sizes);
@@ -234,7 +254,14 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
         .into_iter()
         .zip(remotes)
         .zip(&sizes)
-        .map(|((local, remote), &bytes)| Chunk { op, local, remote, bytes, tracker: Arc::clone(&tracker) })
+        .map(|((local, remote), &bytes)| Chunk {
+            op,
+            local,
+            remote,
+            bytes,
+            queued_at: Instant::now(),
+            tracker: Arc::clone(&tracker),
+        })
         .collect())
 }
 
@@ -249,10 +276,17 @@ fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
         };
         let result = if shared.closed.load(Ordering::Acquire) {
             Err(shared.disconnected("connection pool closed"))
-        } else if chunk.tracker.cancelled() {
+        } else if chunk.tracker.failed() || chunk.tracker.cancelled() {
+            // The request already has its outcome (the first error is kept).
             Err(BackendError::Cancelled)
+        } else if let Some(err) = shared.failed_since(chunk.queued_at) {
+            Err(err)
         } else {
-            run_chunk(&shared, &mut conn, &mut chunk)
+            let result = run_chunk(&shared, &mut conn, &mut chunk);
+            if let Err(err) = &result {
+                shared.record_failure(err);
+            }
+            result
         };
         let Chunk { tracker, local, .. } = chunk;
         // Release the pins before completing, so a waiter that deregisters next never waits.
@@ -343,6 +377,32 @@ fn read_response(
 }
 
 impl PoolShared {
+    /// Remembers that the peer failed an exchange by timeout or disconnection.
+    fn record_failure(&self, err: &BackendError) {
+        let by_timeout = match err {
+            BackendError::TimedOut(_) => true,
+            BackendError::PeerDisconnected { .. } => false,
+            _ => return,
+        };
+        self.failed_by_timeout.store(by_timeout, Ordering::Release);
+        let micros = self.epoch.elapsed().as_micros() as u64 + 1;
+        self.failed_at.fetch_max(micros, Ordering::AcqRel);
+    }
+
+    /// The error for a chunk queued at `queued_at` if the peer has failed since.
+    fn failed_since(&self, queued_at: Instant) -> Option<BackendError> {
+        let failed_at = self.failed_at.load(Ordering::Acquire);
+        let queued = queued_at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
+        if failed_at == 0 || failed_at < queued {
+            return None;
+        }
+        Some(if self.failed_by_timeout.load(Ordering::Acquire) {
+            BackendError::TimedOut(self.config.timeout)
+        } else {
+            self.disconnected("peer failed while this request was queued")
+        })
+    }
+
     fn disconnected(&self, reason: impl Into<String>) -> BackendError {
         BackendError::PeerDisconnected { peer: self.peer.clone(), reason: reason.into() }
     }
@@ -377,7 +437,7 @@ impl PoolShared {
     }
 
     /// Sends a notification on the control connection and waits for the peer to queue it.
-    /// A reused connection that turns out dead is replaced once.
+    /// A reused connection found closed is replaced once.
     fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
         if message.len() as u64 > frame::MAX_NOTIF {
             return Err(BackendError::Unsupported(format!("notification of {} bytes", message.len())));
@@ -406,7 +466,11 @@ impl PoolShared {
                     if let Some(conn) = control.take() {
                         conn.shutdown();
                     }
-                    if !reused || attempt == 1 {
+                    // Only a stale pooled connection (closed or reset before we used it) is
+                    // worth one retry; after a timeout the peer may still deliver the first
+                    // copy, and a resend would deliver it twice.
+                    let stale = reused && matches!(err, BackendError::PeerDisconnected { .. });
+                    if !stale || attempt == 1 {
                         return Err(err);
                     }
                 }
