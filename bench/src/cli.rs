@@ -1,0 +1,269 @@
+//! Command-line flags and the run settings checked from them.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Parser, ValueEnum};
+use xfer::{BackendParams, Op};
+
+use crate::layout::{region_bytes, Case};
+use crate::units::{format_total, parse_block_size, parse_bytes, MIB};
+
+/// The backend name of the plain-TCP baseline (no xfer involved).
+pub const RAW_TCP: &str = "raw-tcp";
+
+/// The KV-shaped preset: many small scattered blocks vs one contiguous request of equal size.
+pub const KV_BLOCK: u64 = 16 << 10;
+pub const KV_BATCH: u64 = 2048;
+pub const KV_CONTIGUOUS: u64 = 32 * MIB;
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "xferbench", version, about = "Transfer benchmark for xfer backends (nixlbench-style)")]
+pub struct Args {
+    /// Backend: an xfer backend name (tcp, ...) or raw-tcp (plain TCP baseline, no xfer)
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+    /// Backend parameters, k=v,... (given to both sides)
+    #[arg(long, default_value = "")]
+    pub params: String,
+    /// Direction, seen from the initiator; both = read, then write
+    #[arg(long, value_enum, default_value_t = OpArg::Write)]
+    pub op: OpArg,
+    /// Block sizes, 4K..64M (K/M suffixes or bytes)
+    #[arg(long, value_delimiter = ',', value_parser = parse_block_size, default_value = "64K,1M,16M")]
+    pub block_sizes: Vec<u64>,
+    /// Descriptors (blocks) per request
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub batch: u64,
+    /// Initiator threads, each posting its own requests
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub threads: u64,
+    /// Measured requests per thread per block size [default: enough to move about 1 GiB]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub iters: Option<u64>,
+    /// Runs of every case (alternating engines with --compare); the median run by GB/s is reported
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub repeat: u64,
+    /// Requests per thread before measuring (not in the statistics)
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Place blocks at random distinct slots of a 4x larger registration (KV-shaped)
+    #[arg(long)]
+    pub scatter: bool,
+    /// Fill the source with a pattern and verify the destination after the run
+    #[arg(long)]
+    pub check: bool,
+    /// Also run the raw-tcp baseline for every case and report the ratio to it
+    #[arg(long)]
+    pub compare: bool,
+    /// Run the KV-shaped pair instead of --block-sizes: 16K x 2048 scattered vs 32M x 1
+    #[arg(long)]
+    pub kv_shape: bool,
+    /// Seed of the scattered layouts and check patterns
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Cap on the memory registered per side
+    #[arg(long, value_parser = parse_bytes, default_value = "1G")]
+    pub max_mem: u64,
+    /// Write the result rows as a JSON array
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write the result rows as CSV
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// Use a running target's side channel (its raw-tcp port is PORT+1) instead of spawning one
+    #[arg(long, value_name = "HOST:PORT")]
+    pub connect: Option<String>,
+    /// No progress bar
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Target: side-channel address to serve on (the raw-tcp port is PORT+1, or any when 0)
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Run as the target process (serves until stdin closes)
+    #[arg(long, hide = true)]
+    pub target: bool,
+    /// Target: bytes to register [default: what the sizing flags need]
+    #[arg(long, hide = true, value_parser = parse_bytes)]
+    pub mem: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OpArg {
+    Read,
+    Write,
+    Both,
+}
+
+impl OpArg {
+    pub fn ops(self) -> Vec<Op> {
+        match self {
+            OpArg::Read => vec![Op::Read],
+            OpArg::Write => vec![Op::Write],
+            OpArg::Both => vec![Op::Read, Op::Write],
+        }
+    }
+}
+
+/// Checked settings of an initiator run.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The xfer backend under test, or `None` for raw-tcp alone.
+    pub xfer_backend: Option<String>,
+    pub params: String,
+    pub cases: Vec<Case>,
+    pub threads: u64,
+    pub iters: Option<u64>,
+    pub repeat: u64,
+    pub warmup: u64,
+    pub check: bool,
+    pub compare: bool,
+    pub kv_shape: bool,
+    pub seed: u64,
+    /// Registered bytes each side needs.
+    pub mem: u64,
+    pub progress: bool,
+}
+
+impl Args {
+    /// The cases the flags ask for, in run order (ops outermost).
+    pub fn cases(&self) -> Vec<Case> {
+        let mut cases = Vec::new();
+        for op in self.op.ops() {
+            if self.kv_shape {
+                cases.push(Case { op, block: KV_BLOCK, batch: KV_BATCH, scatter: true });
+                cases.push(Case { op, block: KV_CONTIGUOUS, batch: 1, scatter: false });
+            } else {
+                cases.extend(self.block_sizes.iter().map(|&block| Case {
+                    op,
+                    block,
+                    batch: self.batch,
+                    scatter: self.scatter,
+                }));
+            }
+        }
+        cases
+    }
+
+    /// The xfer backend named by `--backend`, or `None` for raw-tcp.
+    pub fn xfer_backend(&self) -> Option<String> {
+        (self.backend != RAW_TCP).then(|| self.backend.clone())
+    }
+
+    /// Bytes to register per side: `--mem`, else what the cases need, within `--max-mem`.
+    pub fn memory(&self) -> Result<u64> {
+        let need = region_bytes(&self.cases(), self.threads);
+        let mem = self.mem.unwrap_or(need);
+        if mem > self.max_mem {
+            bail!(
+                "this run needs {} of registered memory per side (block size x batch x threads{}), over the \
+                 --max-mem cap of {}; lower --batch/--threads/--block-sizes or raise --max-mem",
+                format_total(mem),
+                if self.scatter || self.kv_shape { " x 4 for scatter" } else { "" },
+                format_total(self.max_mem)
+            );
+        }
+        Ok(mem)
+    }
+
+    pub fn settings(&self, progress_allowed: bool) -> Result<Settings> {
+        if let Err(err) = BackendParams::parse(&self.params) {
+            bail!("--params: {err}");
+        }
+        let xfer_backend = self.xfer_backend();
+        if self.compare && xfer_backend.is_none() {
+            bail!("--compare compares an xfer backend with {RAW_TCP}; pick --backend tcp (or another xfer backend)");
+        }
+        Ok(Settings {
+            xfer_backend,
+            params: self.params.clone(),
+            cases: self.cases(),
+            threads: self.threads,
+            iters: self.iters,
+            repeat: self.repeat,
+            warmup: self.warmup,
+            check: self.check,
+            compare: self.compare,
+            kv_shape: self.kv_shape,
+            seed: self.seed,
+            mem: self.memory()?,
+            progress: progress_allowed && !self.no_progress,
+        })
+    }
+}
+
+impl Settings {
+    /// Arguments that start a target process serving this run.
+    pub fn target_args(&self) -> Vec<String> {
+        let backend = self.xfer_backend.clone().unwrap_or_else(|| RAW_TCP.to_string());
+        let mut args = vec!["--target".into(), "--backend".into(), backend, "--mem".into(), self.mem.to_string()];
+        args.extend(["--max-mem".into(), self.mem.max(1).to_string()]);
+        if !self.params.is_empty() {
+            args.extend(["--params".into(), self.params.clone()]);
+        }
+        args
+    }
+
+    /// Measured requests per thread for a case.
+    pub fn iters_for(&self, case: &Case) -> u64 {
+        self.iters.unwrap_or_else(|| crate::units::default_iters(case.request_bytes(), self.threads))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Args {
+        Args::try_parse_from(std::iter::once("xferbench").chain(line.split_whitespace())).unwrap()
+    }
+
+    #[test]
+    fn defaults_and_lists() {
+        let a = args("--block-sizes 64K,1M,16M --op both");
+        assert_eq!(a.block_sizes, vec![64 << 10, 1 << 20, 16 << 20]);
+        let cases = a.cases();
+        assert_eq!(cases.len(), 6);
+        assert_eq!((cases[0].op, cases[3].op), (Op::Read, Op::Write));
+        assert_eq!(a.xfer_backend().as_deref(), Some("tcp"));
+        assert_eq!(a.memory().unwrap(), 16 << 20);
+    }
+
+    #[test]
+    fn bad_block_sizes_are_clear_errors() {
+        let err = Args::try_parse_from(["xferbench", "--block-sizes", "1K"]).unwrap_err().to_string();
+        assert!(err.contains("outside 4K..64M"), "{err}");
+        assert!(Args::try_parse_from(["xferbench", "--op", "sideways"]).is_err());
+    }
+
+    #[test]
+    fn kv_shape_runs_the_pair_per_op() {
+        let a = args("--kv-shape --op both");
+        let cases = a.cases();
+        assert_eq!(cases.len(), 4);
+        assert_eq!(cases[0].request_bytes(), cases[1].request_bytes());
+        assert!(cases[0].scatter && !cases[1].scatter);
+        assert_eq!(a.memory().unwrap(), 128 << 20);
+    }
+
+    #[test]
+    fn memory_is_capped() {
+        let err = args("--block-sizes 64M --batch 8 --threads 4").memory().unwrap_err().to_string();
+        assert!(err.contains("2.00 GiB") && err.contains("--max-mem"), "{err}");
+        assert!(args("--block-sizes 64M --batch 8 --threads 4 --max-mem 2G").memory().is_ok());
+    }
+
+    #[test]
+    fn settings_check_compare_and_params() {
+        assert!(args("--backend raw-tcp --compare").settings(false).is_err());
+        assert!(args("--params streams").settings(false).is_err());
+        let s = args("--compare --params streams=4 --block-sizes 1M").settings(true).unwrap();
+        assert!(s.progress && s.compare);
+        assert_eq!(s.iters_for(&s.cases[0]), 1024);
+        assert_eq!(
+            s.target_args().join(" "),
+            "--target --backend tcp --mem 1048576 --max-mem 1048576 --params streams=4"
+        );
+        assert!(!args("--no-progress").settings(true).unwrap().progress);
+    }
+}

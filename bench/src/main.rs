@@ -1,0 +1,36 @@
+//! `xferbench`: a nixlbench-style transfer benchmark for xfer backends, with a plain-TCP
+//! baseline between the same two processes. See the crate's README for usage.
+
+#![forbid(unsafe_code)]
+
+mod check;
+mod cli;
+mod layout;
+mod measure;
+mod memory;
+mod pattern;
+mod raw;
+mod report;
+mod run;
+mod serve;
+mod spawn;
+mod target;
+mod units;
+mod wire;
+mod xfer_engine;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = cli::Args::parse();
+    let result = if args.target { target::serve(&args) } else { run::main(&args) };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xferbench{}: error: {err:#}", if args.target { " target" } else { "" });
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! xferbench end to end: the initiator spawns itself as the target, moves real bytes over
+//! loopback and verifies them (`--check`).
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn xferbench(line: &str) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_xferbench"))
+        .args(line.split_whitespace())
+        .arg("--no-progress")
+        .output()
+        .expect("runs xferbench")
+}
+
+fn json_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("xferbench-{name}-{}.json", std::process::id()))
+}
+
+/// Runs `line --json <tmp>` and returns the rows it wrote, and its stdout.
+fn rows(name: &str, line: &str) -> (Vec<serde_json::Value>, String) {
+    let path = json_path(name);
+    let output = xferbench(&format!("{line} --json {}", path.display()));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    (serde_json::from_str(&text).unwrap(), stdout)
+}
+
+#[test]
+fn compare_both_ops_with_check() {
+    let line = "--compare --op both --block-sizes 4K,64K --batch 4 --threads 2 --iters 5 --warmup 1 --repeat 2 --check";
+    let (rows, stdout) = rows("compare", line);
+    assert_eq!(rows.len(), 8);
+    for row in &rows {
+        assert!(row["gbps"].as_f64().unwrap() > 0.0, "{row}");
+        assert_eq!(row["bytes"], row["block_size"].as_u64().unwrap() * 4 * 2 * 5);
+        assert_eq!(row["repeat"], 2);
+        let is_tcp = row["backend"] == "tcp";
+        assert_eq!(row.get("ratio_vs_raw").is_some(), is_tcp, "{row}");
+    }
+    assert!(stdout.contains("vs raw") && stdout.contains("raw-tcp"), "{stdout}");
+}
+
+#[test]
+fn scattered_kv_shape_with_check() {
+    let (rows, stdout) = rows("kv", "--kv-shape --op both --iters 2 --warmup 0 --check");
+    assert_eq!(rows.len(), 4);
+    assert_eq!((rows[0]["block_size"].as_u64(), rows[0]["batch"].as_u64()), (Some(16384), Some(2048)));
+    assert_eq!(rows[0]["scatter"], true);
+    assert!(rows[0]["ratio_vs_contiguous"].as_f64().unwrap() > 0.0);
+    assert!(stdout.contains("kv-shape tcp write"), "{stdout}");
+}
+
+#[test]
+fn raw_baseline_alone_and_clear_errors() {
+    let (rows, _) = rows("raw", "--backend raw-tcp --op read --block-sizes 8K --iters 3 --check");
+    assert_eq!(rows.len(), 1);
+
+    let out = xferbench("--params no_such_param=1 --iters 1");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no_such_param"));
+
+    let out = xferbench("--block-sizes 128M");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("outside 4K..64M"));
+}
