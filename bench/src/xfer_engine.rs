@@ -37,7 +37,7 @@ pub struct XferEngine {
     remote: Desc,
     /// Control connection to the target for `--check`.
     control: Option<RawConn>,
-    // Dropped before `local`'s last owner, after every request of a case.
+    /// Keeps `local` registered (and alive) for the whole run.
     _registration: Registration,
 }
 
