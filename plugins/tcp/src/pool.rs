@@ -353,8 +353,9 @@ fn read_response(
     let mut buf = [0u8; frame::RESPONSE_LEN];
     conn.read_exact(&mut buf).map_err(|e| shared.conn_error(e))?;
     let response = frame::decode_response(&buf).map_err(|e| BackendError::Protocol(e.to_string()))?;
-    let mut message = vec![0u8; response.msg_len as usize];
-    conn.read_exact(&mut message).map_err(|e| shared.conn_error(e))?;
+    let mut tail = vec![0u8; response.tail_len()];
+    conn.read_exact(&mut tail).map_err(|e| shared.conn_error(e))?;
+    let message = &tail[..response.msg_len as usize];
     if response.request_id != request_id {
         return Err(BackendError::Protocol(format!(
             "response for request {} while waiting for {request_id}",
@@ -364,7 +365,7 @@ fn read_response(
     if response.code != 0 {
         return Err(BackendError::Refused {
             code: RefusalCode::from_wire(response.code),
-            message: String::from_utf8_lossy(&message).into_owned(),
+            message: String::from_utf8_lossy(message).into_owned(),
         });
     }
     if response.payload_len != expect_payload {

@@ -113,7 +113,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
             return Ok(());
         }
         let header = frame::decode_header(&header_buf)?;
-        table.resize(header.n_desc as usize * frame::DESC_LEN, 0);
+        table.resize(frame::table_len(header.n_desc), 0);
         conn.read_exact(&mut table)?;
         frame::decode_descs(&header, &table, &mut descs)?;
         out.clear();

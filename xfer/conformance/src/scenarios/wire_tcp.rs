@@ -82,8 +82,9 @@ impl Raw {
         self.stream.read_exact(&mut head).expect("response header");
         let response = frame::decode_response(&head).expect("decode response");
         assert_eq!(response.request_id, id, "response names another request");
-        let mut msg = vec![0u8; response.msg_len as usize];
+        let mut msg = vec![0u8; response.tail_len()];
         self.stream.read_exact(&mut msg).expect("response message");
+        msg.truncate(response.msg_len as usize);
         let mut body = vec![0u8; response.payload_len as usize];
         self.stream.read_exact(&mut body).expect("response payload");
         (response.code, String::from_utf8_lossy(&msg).into_owned(), body)
