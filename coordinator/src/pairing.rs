@@ -1,0 +1,145 @@
+//! The pairing cost model: which engine should take a request, given how much of its prompt each
+//! engine already caches and how loaded each is; and whether to skip the prefill leg.
+//!
+//! Cost of an engine for a request of `new` blocks (Dynamo's KV-router form):
+//! `prefill_scale × max(0, queued_prefill + new − credit × overlap) + (active_decode + new)`.
+//! Temperature 0 picks the cheapest; above 0 samples a softmax over costs normalised to 0..1,
+//! so near-best engines share the load.
+
+/// An engine's load, from its metrics and the coordinator's own in-flight accounting.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Load {
+    /// Blocks of requests decoding on the engine.
+    pub active_decode_blocks: u64,
+    /// Uncached prompt blocks waiting for prefill on the engine.
+    pub queued_prefill_blocks: u64,
+}
+
+/// One engine able to serve the request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    pub engine: usize,
+    /// Leading blocks of the prompt the engine already holds.
+    pub overlap_blocks: u64,
+    pub load: Load,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Weights {
+    pub prefill_scale: f64,
+    /// How much one cached block saves (1.0 = a full block of prefill work).
+    pub overlap_credit: f64,
+    /// 0 = always the cheapest; higher spreads load among near-best engines.
+    pub temperature: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights { prefill_scale: 1.0, overlap_credit: 1.0, temperature: 0.0 }
+    }
+}
+
+pub fn cost(candidate: &Candidate, new_blocks: u64, weights: &Weights) -> f64 {
+    let prefill = candidate.load.queued_prefill_blocks as f64 + new_blocks as f64
+        - weights.overlap_credit * candidate.overlap_blocks as f64;
+    weights.prefill_scale * prefill.max(0.0) + (candidate.load.active_decode_blocks + new_blocks) as f64
+}
+
+/// The chosen candidate's position in `candidates`, or `None` when there are none. `uniform`
+/// is a random number in `[0, 1)` (used only when the temperature is above 0).
+pub fn choose(candidates: &[Candidate], new_blocks: u64, weights: &Weights, uniform: f64) -> Option<usize> {
+    let costs: Vec<f64> = candidates.iter().map(|c| cost(c, new_blocks, weights)).collect();
+    let cheapest = (0..candidates.len())
+        .min_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(candidates[a].engine.cmp(&candidates[b].engine)))?;
+    if weights.temperature <= 0.0 || candidates.len() == 1 {
+        return Some(cheapest);
+    }
+    let min = costs[cheapest];
+    let max = costs.iter().copied().fold(f64::MIN, f64::max);
+    let span = if max > min { max - min } else { 1.0 };
+    let scores: Vec<f64> = costs.iter().map(|c| (-(c - min) / span / weights.temperature).exp()).collect();
+    let total: f64 = scores.iter().sum();
+    let mut target = uniform.clamp(0.0, 1.0) * total;
+    for (i, score) in scores.iter().enumerate() {
+        if target < *score {
+            return Some(i);
+        }
+        target -= score;
+    }
+    Some(cheapest)
+}
+
+/// When to skip disaggregation and prefill on the decode engine itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LocalPrefillPolicy {
+    /// Prefill locally when fewer uncached tokens than this remain...
+    pub max_uncached_tokens: u64,
+    /// ...and they are less than this share of the prompt.
+    pub max_uncached_ratio: f64,
+}
+
+impl Default for LocalPrefillPolicy {
+    fn default() -> Self {
+        LocalPrefillPolicy { max_uncached_tokens: 2048, max_uncached_ratio: 0.7 }
+    }
+}
+
+impl LocalPrefillPolicy {
+    /// Whether the decode engine should compute the prompt itself, given the prompt length and
+    /// how many of its leading tokens the decode engine already caches.
+    pub fn prefill_locally(&self, prompt_tokens: u64, cached_on_decode: u64) -> bool {
+        if prompt_tokens == 0 {
+            return true;
+        }
+        let uncached = prompt_tokens.saturating_sub(cached_on_decode);
+        uncached < self.max_uncached_tokens && (uncached as f64 / prompt_tokens as f64) < self.max_uncached_ratio
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(engine: usize, overlap: u64, active: u64, queued: u64) -> Candidate {
+        Candidate {
+            engine,
+            overlap_blocks: overlap,
+            load: Load { active_decode_blocks: active, queued_prefill_blocks: queued },
+        }
+    }
+
+    #[test]
+    fn overlap_wins_until_load_outweighs_it() {
+        let w = Weights::default();
+        // 10 new blocks; engine 1 caches 8 of them.
+        let idle = [cand(0, 0, 0, 0), cand(1, 8, 0, 0)];
+        assert_eq!(choose(&idle, 10, &w, 0.0), Some(1));
+        let busy = [cand(0, 0, 0, 0), cand(1, 8, 30, 0)];
+        assert_eq!(choose(&busy, 10, &w, 0.0), Some(0));
+        assert_eq!(cost(&cand(0, 20, 0, 0), 10, &w), 10.0, "credit never makes prefill negative");
+        assert_eq!(choose(&[], 10, &w, 0.0), None);
+    }
+
+    #[test]
+    fn ties_break_by_engine_id_and_temperature_spreads() {
+        let w = Weights::default();
+        let tied = [cand(5, 0, 0, 0), cand(2, 0, 0, 0)];
+        assert_eq!(choose(&tied, 4, &w, 0.9), Some(1));
+        let warm = Weights { temperature: 1.0, ..w };
+        let picks: Vec<usize> = (0..10).map(|i| choose(&tied, 4, &warm, i as f64 / 10.0).unwrap()).collect();
+        assert!(picks.contains(&0) && picks.contains(&1), "{picks:?}");
+        // A much worse engine is rarely chosen even when warm.
+        let skewed = [cand(0, 0, 0, 0), cand(1, 0, 1000, 0)];
+        let worse = (0..100).filter(|i| choose(&skewed, 4, &warm, *i as f64 / 100.0) == Some(1)).count();
+        assert!(worse < 40, "{worse}");
+    }
+
+    #[test]
+    fn local_prefill_only_for_short_uncached_parts() {
+        let policy = LocalPrefillPolicy::default();
+        assert!(!policy.prefill_locally(500, 0), "everything uncached: ratio 1.0");
+        assert!(policy.prefill_locally(5000, 4000), "1000 uncached tokens, 20 %");
+        assert!(!policy.prefill_locally(10_000, 7000), "3000 uncached tokens");
+        assert!(policy.prefill_locally(0, 0));
+    }
+}
