@@ -27,7 +27,7 @@ pub fn parse_seq(frame: &[u8]) -> Result<u64, FrameError> {
 }
 
 /// Splits a received PUB message into `(topic, sequence, payload)`.
-pub fn parse_pub<'a, F: AsRef<[u8]>>(frames: &'a [F]) -> Result<(&'a [u8], u64, &'a [u8]), FrameError> {
+pub fn parse_pub<F: AsRef<[u8]>>(frames: &[F]) -> Result<(&[u8], u64, &[u8]), FrameError> {
     match frames {
         [topic, seq, payload] => Ok((topic.as_ref(), parse_seq(seq.as_ref())?, payload.as_ref())),
         _ => Err(FrameError::FrameCount { expected: 3, got: frames.len() }),
