@@ -1,0 +1,179 @@
+//! P→D handoffs in flight and the load they put on engines: so pairing sees queued prefill and
+//! active decode work, and so blocks a prefill holds for a decode that died are released
+//! through the prefill's sidecar instead of waiting out the engine's lease.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::pairing::Load;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Routed; the prefill computes the prompt.
+    Prefilling,
+    /// The prefill returned params and holds `blocks` for the decode to pull.
+    Held,
+    /// The decode pulled and is generating.
+    Decoding,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Handoff {
+    pub prefill: Option<usize>,
+    pub decode: usize,
+    pub blocks: u64,
+    pub stage: Stage,
+    pub deadline: Instant,
+}
+
+/// What the caller must do after a change.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Action {
+    /// Free the blocks `prefill` holds for `request` (through its sidecar).
+    Release { request: String, prefill: usize },
+    /// Tell the sidecar in charge of `request` that an engine it uses died, so it fails over.
+    Notify { request: String, decode: usize, dead: usize },
+}
+
+#[derive(Debug)]
+pub struct Handoffs {
+    /// After this long a handoff that never finished is phantom load and is dropped.
+    max_age: Duration,
+    live: HashMap<String, Handoff>,
+}
+
+impl Handoffs {
+    pub fn new(max_age: Duration) -> Self {
+        Handoffs { max_age, live: HashMap::new() }
+    }
+
+    /// A routing decision: `prefill` is `None` when the decode prefills locally.
+    pub fn routed(&mut self, request: &str, prefill: Option<usize>, decode: usize, blocks: u64, now: Instant) {
+        let stage = if prefill.is_some() { Stage::Prefilling } else { Stage::Decoding };
+        self.live.insert(request.to_string(), Handoff { prefill, decode, blocks, stage, deadline: now + self.max_age });
+    }
+
+    pub fn prefill_done(&mut self, request: &str) {
+        if let Some(h) = self.live.get_mut(request) {
+            if h.stage == Stage::Prefilling {
+                h.stage = Stage::Held;
+            }
+        }
+    }
+
+    pub fn decode_started(&mut self, request: &str) {
+        if let Some(h) = self.live.get_mut(request) {
+            h.stage = Stage::Decoding;
+        }
+    }
+
+    /// The request ended (any outcome); its load is gone.
+    pub fn finished(&mut self, request: &str) -> Option<Handoff> {
+        self.live.remove(request)
+    }
+
+    /// An engine died: handoffs touching it end; blocks held for a dead decode are released;
+    /// sidecars of requests whose prefill died are told.
+    pub fn engine_died(&mut self, dead: usize) -> Vec<Action> {
+        let mut actions = Vec::new();
+        self.live.retain(|request, h| {
+            let decode_died = h.decode == dead;
+            let prefill_died = h.prefill == Some(dead);
+            if decode_died {
+                if let (Some(prefill), Stage::Held) = (h.prefill, h.stage) {
+                    actions.push(Action::Release { request: request.clone(), prefill });
+                }
+            } else if prefill_died && h.stage != Stage::Decoding {
+                actions.push(Action::Notify { request: request.clone(), decode: h.decode, dead });
+            }
+            !(decode_died || prefill_died && h.stage != Stage::Decoding)
+        });
+        actions.sort();
+        actions
+    }
+
+    /// Drops handoffs past their deadline (phantom load); held blocks are released.
+    pub fn expire(&mut self, now: Instant) -> Vec<Action> {
+        let mut actions = Vec::new();
+        self.live.retain(|request, h| {
+            let keep = h.deadline > now;
+            if !keep {
+                if let (Some(prefill), Stage::Held) = (h.prefill, h.stage) {
+                    actions.push(Action::Release { request: request.clone(), prefill });
+                }
+            }
+            keep
+        });
+        actions.sort();
+        actions
+    }
+
+    /// The load the coordinator itself put on an engine.
+    pub fn load(&self, engine: usize) -> Load {
+        let mut load = Load::default();
+        for h in self.live.values() {
+            if h.prefill == Some(engine) && h.stage == Stage::Prefilling {
+                load.queued_prefill_blocks += h.blocks;
+            }
+            if h.decode == engine && h.stage == Stage::Decoding {
+                load.active_decode_blocks += h.blocks;
+            }
+        }
+        load
+    }
+
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_follows_the_stages() {
+        let now = Instant::now();
+        let mut h = Handoffs::new(Duration::from_secs(60));
+        h.routed("r1", Some(0), 1, 10, now);
+        assert_eq!(h.load(0), Load { active_decode_blocks: 0, queued_prefill_blocks: 10 });
+        h.prefill_done("r1");
+        assert_eq!(h.load(0), Load::default());
+        h.decode_started("r1");
+        assert_eq!(h.load(1), Load { active_decode_blocks: 10, queued_prefill_blocks: 0 });
+        assert!(h.finished("r1").is_some());
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn dead_decode_releases_held_blocks_and_dead_prefill_notifies() {
+        let now = Instant::now();
+        let mut h = Handoffs::new(Duration::from_secs(60));
+        h.routed("held", Some(0), 1, 4, now);
+        h.prefill_done("held");
+        h.routed("prefilling", Some(2), 1, 4, now);
+        h.routed("other", Some(2), 3, 4, now);
+        let actions = h.engine_died(1);
+        assert_eq!(actions, vec![Action::Release { request: "held".into(), prefill: 0 }]);
+        assert_eq!(h.len(), 1);
+        let actions = h.engine_died(2);
+        assert_eq!(actions, vec![Action::Notify { request: "other".into(), decode: 3, dead: 2 }]);
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn phantom_load_is_purged_after_the_bound() {
+        let now = Instant::now();
+        let mut h = Handoffs::new(Duration::from_secs(30));
+        h.routed("stuck", Some(0), 1, 8, now);
+        h.prefill_done("stuck");
+        h.routed("young", Some(0), 1, 8, now + Duration::from_secs(20));
+        let actions = h.expire(now + Duration::from_secs(31));
+        assert_eq!(actions, vec![Action::Release { request: "stuck".into(), prefill: 0 }]);
+        assert_eq!(h.len(), 1);
+    }
+}

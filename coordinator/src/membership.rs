@@ -1,0 +1,225 @@
+//! Which engines exist and which are alive: declared statically or registered by sidecars, kept
+//! alive by heartbeats under a lease. Engines get small stable ids (their position) that the
+//! index and the pairing use.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What an engine does in the P/D split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+impl Role {
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+}
+
+/// An engine's declaration (from the cluster file or a sidecar's registration).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSpec {
+    pub id: String,
+    pub role: Role,
+    pub node: String,
+    pub model: String,
+    pub engine_url: String,
+    pub sidecar_url: Option<String>,
+    pub kv_events: Option<String>,
+    pub replay: Option<String>,
+    pub xfer_side_channel: Option<String>,
+    pub block_size: u32,
+    pub capacity_blocks: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    Alive { lease_until: Instant },
+    Dead { since: Instant },
+}
+
+#[derive(Clone, Debug)]
+pub struct Engine {
+    pub spec: EngineSpec,
+    pub liveness: Liveness,
+    /// Times the engine was (re)registered; a restart shows as a new generation.
+    pub generation: u64,
+}
+
+impl Engine {
+    pub fn is_alive(&self) -> bool {
+        matches!(self.liveness, Liveness::Alive { .. })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registered {
+    New(usize),
+    /// Known id; `changed` when its declaration differs (the engine restarted elsewhere).
+    Renewed {
+        engine: usize,
+        changed: bool,
+        was_dead: bool,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown engine {0:?}")]
+pub struct UnknownEngine(pub String);
+
+#[derive(Debug)]
+pub struct Membership {
+    lease: Duration,
+    engines: Vec<Engine>,
+    by_id: HashMap<String, usize>,
+}
+
+impl Membership {
+    pub fn new(lease: Duration) -> Self {
+        Membership { lease, engines: Vec::new(), by_id: HashMap::new() }
+    }
+
+    pub fn register(&mut self, spec: EngineSpec, now: Instant) -> Registered {
+        let lease_until = now + self.lease;
+        match self.by_id.get(&spec.id) {
+            Some(&engine) => {
+                let entry = &mut self.engines[engine];
+                let changed = entry.spec != spec;
+                let was_dead = !entry.is_alive();
+                if changed || was_dead {
+                    entry.generation += 1;
+                }
+                entry.spec = spec;
+                entry.liveness = Liveness::Alive { lease_until };
+                Registered::Renewed { engine, changed, was_dead }
+            }
+            None => {
+                let engine = self.engines.len();
+                self.by_id.insert(spec.id.clone(), engine);
+                self.engines.push(Engine { spec, liveness: Liveness::Alive { lease_until }, generation: 1 });
+                Registered::New(engine)
+            }
+        }
+    }
+
+    /// Extends a live engine's lease. A dead engine must register again (its state was dropped).
+    pub fn heartbeat(&mut self, id: &str, now: Instant) -> Result<usize, UnknownEngine> {
+        let engine = *self.by_id.get(id).ok_or_else(|| UnknownEngine(id.to_string()))?;
+        match &mut self.engines[engine].liveness {
+            Liveness::Alive { lease_until } => {
+                *lease_until = now + self.lease;
+                Ok(engine)
+            }
+            Liveness::Dead { .. } => Err(UnknownEngine(id.to_string())),
+        }
+    }
+
+    /// Marks an engine dead now (failed health check, sidecar report, node loss). Returns
+    /// whether it was alive.
+    pub fn mark_dead(&mut self, engine: usize, now: Instant) -> bool {
+        let Some(entry) = self.engines.get_mut(engine) else { return false };
+        let was_alive = entry.is_alive();
+        if was_alive {
+            entry.liveness = Liveness::Dead { since: now };
+        }
+        was_alive
+    }
+
+    /// Engines whose lease ran out by `now`, now marked dead.
+    pub fn expire(&mut self, now: Instant) -> Vec<usize> {
+        let mut died = Vec::new();
+        for (engine, entry) in self.engines.iter_mut().enumerate() {
+            if let Liveness::Alive { lease_until } = entry.liveness {
+                if lease_until <= now {
+                    entry.liveness = Liveness::Dead { since: now };
+                    died.push(engine);
+                }
+            }
+        }
+        died
+    }
+
+    /// Every engine on a node, for node-level failures.
+    pub fn on_node(&self, node: &str) -> Vec<usize> {
+        (0..self.engines.len()).filter(|&e| self.engines[e].spec.node == node).collect()
+    }
+
+    pub fn get(&self, engine: usize) -> Option<&Engine> {
+        self.engines.get(engine)
+    }
+
+    pub fn id_of(&self, id: &str) -> Option<usize> {
+        self.by_id.get(id).copied()
+    }
+
+    /// Live engines serving `model` that can take `role`'s part.
+    pub fn live(&self, model: &str, wants: impl Fn(Role) -> bool) -> Vec<usize> {
+        (0..self.engines.len())
+            .filter(|&e| {
+                let entry = &self.engines[e];
+                entry.is_alive() && entry.spec.model == model && wants(entry.spec.role)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: &str, role: Role, node: &str) -> EngineSpec {
+        EngineSpec {
+            id: id.into(),
+            role,
+            node: node.into(),
+            model: "m".into(),
+            engine_url: format!("http://{id}"),
+            sidecar_url: None,
+            kv_events: None,
+            replay: None,
+            xfer_side_channel: None,
+            block_size: 16,
+            capacity_blocks: None,
+        }
+    }
+
+    #[test]
+    fn leases_expire_without_heartbeats() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(Duration::from_secs(3));
+        assert_eq!(m.register(spec("p0", Role::Prefill, "n1"), t0), Registered::New(0));
+        assert_eq!(m.register(spec("d0", Role::Decode, "n2"), t0), Registered::New(1));
+        m.heartbeat("p0", t0 + Duration::from_secs(2)).unwrap();
+        assert_eq!(m.expire(t0 + Duration::from_secs(4)), vec![1]);
+        assert_eq!(m.live("m", Role::prefills), vec![0]);
+        assert!(m.live("m", Role::decodes).is_empty());
+        assert!(m.heartbeat("d0", t0 + Duration::from_secs(4)).is_err(), "dead engines re-register");
+        assert!(m.heartbeat("nobody", t0).is_err());
+        let again = m.register(spec("d0", Role::Decode, "n2"), t0 + Duration::from_secs(5));
+        assert_eq!(again, Registered::Renewed { engine: 1, changed: false, was_dead: true });
+        assert_eq!(m.get(1).unwrap().generation, 2);
+    }
+
+    #[test]
+    fn nodes_and_roles() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(Duration::from_secs(3));
+        m.register(spec("a", Role::Both, "n1"), t0);
+        m.register(spec("b", Role::Decode, "n1"), t0);
+        m.register(spec("c", Role::Prefill, "n2"), t0);
+        assert_eq!(m.on_node("n1"), vec![0, 1]);
+        assert_eq!(m.live("m", Role::prefills), vec![0, 2]);
+        assert_eq!(m.live("other", Role::prefills), Vec::<usize>::new());
+        assert!(m.mark_dead(0, t0));
+        assert!(!m.mark_dead(0, t0));
+        let moved = m.register(spec("c", Role::Prefill, "n3"), t0);
+        assert_eq!(moved, Registered::Renewed { engine: 2, changed: true, was_dead: false });
+    }
+}
