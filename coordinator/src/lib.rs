@@ -5,6 +5,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cluster;
 pub mod handoff;
 pub mod index;
 pub mod membership;

@@ -1,0 +1,300 @@
+//! The coordinator's whole state without I/O: engines, their KV index per model, the handoffs
+//! in flight, and the pairing decision that ties them together.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use pd_protocols::kv_events::EventBatch;
+
+use crate::handoff::{Action, Handoffs};
+use crate::index::PrefixIndex;
+use crate::membership::{EngineSpec, Membership, Registered, Role};
+use crate::pairing::{choose, Candidate, Load, LocalPrefillPolicy, Weights};
+
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub lease: Duration,
+    pub weights: Weights,
+    pub local_prefill: LocalPrefillPolicy,
+    /// A handoff older than this is phantom load.
+    pub handoff_max_age: Duration,
+    /// How long a routing decision counts as "the decode now holds this prefix" before the
+    /// engine's own events confirm it.
+    pub speculative_ttl: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            lease: Duration::from_secs(3),
+            weights: Weights::default(),
+            local_prefill: LocalPrefillPolicy::default(),
+            handoff_max_age: Duration::from_secs(120),
+            speculative_ttl: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A request to place.
+#[derive(Clone, Copy, Debug)]
+pub struct PairRequest<'a> {
+    pub request_id: &'a str,
+    pub model: &'a str,
+    /// The prompt's block hashes (integer form), in order.
+    pub block_hashes: &'a [u64],
+    pub prompt_tokens: u64,
+    pub block_size: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub decode: usize,
+    /// `None`: the decode engine computes the prompt itself.
+    pub prefill: Option<usize>,
+    pub decode_overlap_blocks: u64,
+    pub prefill_overlap_blocks: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PairError {
+    #[error("no live decode engine serves model {0:?}")]
+    NoDecode(String),
+}
+
+#[derive(Debug)]
+pub struct Cluster {
+    settings: Settings,
+    pub membership: Membership,
+    indexes: HashMap<String, PrefixIndex>,
+    pub handoffs: Handoffs,
+    /// Load reported by the engines themselves (metrics scrape).
+    reported: HashMap<usize, Load>,
+}
+
+impl Cluster {
+    pub fn new(settings: Settings) -> Self {
+        Cluster {
+            membership: Membership::new(settings.lease),
+            handoffs: Handoffs::new(settings.handoff_max_age),
+            indexes: HashMap::new(),
+            reported: HashMap::new(),
+            settings,
+        }
+    }
+
+    /// Registers (or renews) an engine; a changed or revived engine starts with an empty index,
+    /// since what it cached before is gone.
+    pub fn register(&mut self, spec: EngineSpec, now: Instant) -> Registered {
+        let model = spec.model.clone();
+        let registered = self.membership.register(spec, now);
+        if let Registered::Renewed { engine, changed: true, .. } | Registered::Renewed { engine, was_dead: true, .. } =
+            registered
+        {
+            for index in self.indexes.values_mut() {
+                index.remove_engine(engine);
+            }
+        }
+        self.indexes.entry(model).or_default();
+        registered
+    }
+
+    pub fn apply_events(&mut self, engine: usize, batch: &EventBatch) {
+        let Some(model) = self.membership.get(engine).map(|e| e.spec.model.clone()) else { return };
+        let index = self.indexes.entry(model).or_default();
+        for event in &batch.events {
+            index.apply(engine, event);
+        }
+    }
+
+    /// Forgets an engine's index entries (a sequence gap that replay could not fill).
+    pub fn reset_index(&mut self, engine: usize) {
+        for index in self.indexes.values_mut() {
+            index.remove_engine(engine);
+        }
+    }
+
+    pub fn report_load(&mut self, engine: usize, load: Load) {
+        self.reported.insert(engine, load);
+    }
+
+    fn load(&self, engine: usize) -> Load {
+        let own = self.handoffs.load(engine);
+        let reported = self.reported.get(&engine).copied().unwrap_or_default();
+        // The engine's own figures lag; the coordinator's in-flight accounting is immediate.
+        Load {
+            active_decode_blocks: own.active_decode_blocks.max(reported.active_decode_blocks),
+            queued_prefill_blocks: own.queued_prefill_blocks.max(reported.queued_prefill_blocks),
+        }
+    }
+
+    /// Picks the decode engine, and the prefill engine unless the uncached part is short.
+    /// `uniform` are two random numbers in `[0, 1)` for the softmax sampling.
+    pub fn pair(&mut self, req: PairRequest<'_>, now: Instant, uniform: [f64; 2]) -> Result<Decision, PairError> {
+        let empty = PrefixIndex::default();
+        let index = self.indexes.get(req.model).unwrap_or(&empty);
+        let overlaps = index.overlaps(req.block_hashes, now);
+        let new_blocks = req.block_hashes.len() as u64;
+        let candidates = |engines: Vec<usize>| -> Vec<Candidate> {
+            engines
+                .into_iter()
+                .map(|engine| Candidate {
+                    engine,
+                    overlap_blocks: overlaps.get(&engine).copied().unwrap_or(0) as u64,
+                    load: self.load(engine),
+                })
+                .collect()
+        };
+        let decodes = candidates(self.membership.live(req.model, Role::decodes));
+        let weights = &self.settings.weights;
+        let decode = decodes
+            .get(
+                choose(&decodes, new_blocks, weights, uniform[0])
+                    .ok_or_else(|| PairError::NoDecode(req.model.into()))?,
+            )
+            .copied()
+            .expect("choose returns a valid position");
+        let cached_tokens = decode.overlap_blocks * u64::from(req.block_size);
+        let prefills: Vec<Candidate> = candidates(self.membership.live(req.model, Role::prefills))
+            .into_iter()
+            .filter(|c| c.engine != decode.engine)
+            .collect();
+        let prefill = if self.settings.local_prefill.prefill_locally(req.prompt_tokens, cached_tokens) {
+            None
+        } else {
+            choose(&prefills, new_blocks, weights, uniform[1]).map(|i| prefills[i])
+        };
+        let decision = Decision {
+            decode: decode.engine,
+            prefill: prefill.map(|p| p.engine),
+            decode_overlap_blocks: decode.overlap_blocks,
+            prefill_overlap_blocks: prefill.map_or(0, |p| p.overlap_blocks),
+        };
+        let uncached = new_blocks.saturating_sub(decision.prefill_overlap_blocks.max(decision.decode_overlap_blocks));
+        self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
+        // Both engines will hold the prefix shortly; say so until their events confirm it.
+        let speculative_until = now + self.settings.speculative_ttl;
+        let index = self.indexes.entry(req.model.to_string()).or_default();
+        index.insert_approximate(decision.decode, req.block_hashes, speculative_until);
+        if let Some(prefill) = decision.prefill {
+            index.insert_approximate(prefill, req.block_hashes, speculative_until);
+        }
+        Ok(decision)
+    }
+
+    /// An engine is gone: out of pairing and the index at once; returns what to clean up.
+    pub fn engine_died(&mut self, engine: usize, now: Instant) -> Vec<Action> {
+        self.membership.mark_dead(engine, now);
+        self.reset_index(engine);
+        self.reported.remove(&engine);
+        self.handoffs.engine_died(engine)
+    }
+
+    /// Periodic upkeep: expired leases, phantom handoffs, stale approximate entries.
+    pub fn tick(&mut self, now: Instant) -> Vec<Action> {
+        let mut actions = Vec::new();
+        for engine in self.membership.expire(now) {
+            actions.extend(self.engine_died(engine, now));
+        }
+        actions.extend(self.handoffs.expire(now));
+        for index in self.indexes.values_mut() {
+            index.expire(now);
+        }
+        actions
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pd_protocols::kv_events::{BlockHash, KvEvent};
+
+    use super::*;
+
+    fn spec(id: &str, role: Role) -> EngineSpec {
+        EngineSpec {
+            id: id.into(),
+            role,
+            node: "n".into(),
+            model: "m".into(),
+            engine_url: String::new(),
+            sidecar_url: None,
+            kv_events: None,
+            replay: None,
+            xfer_side_channel: None,
+            block_size: 16,
+            capacity_blocks: None,
+        }
+    }
+
+    fn stored(hashes: &[u64]) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored {
+                block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+                parent_block_hash: None,
+                token_ids: vec![],
+                block_size: 16,
+                lora_id: None,
+                medium: None,
+                lora_name: None,
+            }],
+            dp_rank: None,
+        }
+    }
+
+    fn req<'a>(id: &'a str, hashes: &'a [u64]) -> PairRequest<'a> {
+        PairRequest {
+            request_id: id,
+            model: "m",
+            block_hashes: hashes,
+            prompt_tokens: hashes.len() as u64 * 16,
+            block_size: 16,
+        }
+    }
+
+    #[test]
+    fn prefers_the_prefill_holding_the_prefix() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("p0", Role::Prefill), now);
+        c.register(spec("p1", Role::Prefill), now);
+        c.register(spec("d0", Role::Decode), now);
+        c.apply_events(1, &stored(&[1, 2, 3]));
+        let hashes: Vec<u64> = (1..=200).collect();
+        let d = c.pair(req("r1", &hashes), now, [0.0, 0.0]).unwrap();
+        assert_eq!(d, Decision { decode: 2, prefill: Some(1), decode_overlap_blocks: 0, prefill_overlap_blocks: 3 });
+        assert_eq!(c.handoffs.len(), 1);
+    }
+
+    #[test]
+    fn short_uncached_part_decodes_locally_and_no_decode_is_an_error() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("p0", Role::Prefill), now);
+        assert!(matches!(c.pair(req("r0", &[1]), now, [0.0; 2]), Err(PairError::NoDecode(_))));
+        c.register(spec("d0", Role::Decode), now);
+        let hashes: Vec<u64> = (1..=200).collect();
+        c.apply_events(1, &stored(&hashes[..190]));
+        let d = c.pair(req("r1", &hashes), now, [0.0; 2]).unwrap();
+        assert_eq!(d.prefill, None, "10 uncached blocks = 160 tokens, 5 %");
+    }
+
+    #[test]
+    fn a_dead_decode_leaves_pairing_and_releases_held_blocks() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("p0", Role::Prefill), now);
+        c.register(spec("d0", Role::Decode), now);
+        c.register(spec("d1", Role::Decode), now);
+        let hashes: Vec<u64> = (1..=200).collect();
+        let d = c.pair(req("r1", &hashes), now, [0.0; 2]).unwrap();
+        c.handoffs.prefill_done("r1");
+        let actions = c.engine_died(d.decode, now);
+        assert_eq!(actions, vec![Action::Release { request: "r1".into(), prefill: 0 }]);
+        let again = c.pair(req("r2", &hashes), now, [0.0; 2]).unwrap();
+        assert_ne!(again.decode, d.decode);
+        // Leases: with no heartbeats every engine dies after the lease.
+        let later = now + Duration::from_secs(4);
+        c.tick(later);
+        assert!(c.pair(req("r3", &hashes), later, [0.0; 2]).is_err());
+    }
+}
