@@ -1,0 +1,274 @@
+//! Configuration: command-line flags, `PD_SIM_*` environment variables, and an optional TOML
+//! file whose keys are the long flag names (`block-size = 16`); flags win over the file.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FailurePolicy {
+    /// Answer HTTP 500 when the KV blocks cannot be pulled.
+    Fail,
+    /// Compute the prompt locally instead (counted).
+    Recompute,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    /// vLLM style: any request may carry `kv_transfer_params`.
+    Both,
+    /// SGLang style prefill: holds a bootstrap room's blocks until its decode pulls them.
+    Prefill,
+    /// SGLang style decode: pulls from the prefill named by `bootstrap_host`/`bootstrap_port`.
+    Decode,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EventLayout {
+    /// Events as maps tagged by "type" (vLLM 0.32).
+    Map,
+    /// Events as tagged arrays (older vLLM).
+    Array,
+}
+
+#[derive(Clone, Debug, Parser)]
+#[command(name = "pd-sim", version, about = "An OpenAI-compatible vLLM/SGLang stand-in whose KV blocks really move")]
+#[command(args_override_self = true)]
+pub struct Config {
+    /// TOML file with any of these options (keys are the long flag names).
+    #[arg(long, env = "PD_SIM_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Address the HTTP API binds to.
+    #[arg(long, env = "PD_SIM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "PD_SIM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Model name served (`/v1/models`; requests naming another model get 404).
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// A Hugging Face tokenizer.json; without it a simple word tokenizer is used.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV bytes per token (a block holds block-size × this; must make blocks a multiple of 8).
+    #[arg(long, default_value_t = 256)]
+    pub bytes_per_token: usize,
+    /// Blocks in the pool.
+    #[arg(long, default_value_t = 4096)]
+    pub num_blocks: usize,
+    #[arg(long, default_value_t = 8192)]
+    pub max_model_len: usize,
+    /// max_tokens when a request gives none.
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: usize,
+    /// Prefill time per uncached prompt token, microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_us_per_token: f64,
+    /// Decode time per output token, microseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub decode_us_per_token: f64,
+    /// Requests running at once; more wait in a queue.
+    #[arg(long, default_value_t = 256)]
+    pub max_running: usize,
+    /// Longest a request waits in the queue (or for free blocks) before a 503, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub queue_timeout_secs: f64,
+
+    /// Fraction of requests answered with HTTP 500 (failure injection; also at runtime).
+    #[arg(long, default_value_t = 0.0)]
+    pub error_rate: f64,
+    /// Delay added to every request, milliseconds (failure injection).
+    #[arg(long, default_value_t = 0)]
+    pub delay_ms: u64,
+
+    /// This engine's id (the xfer agent name, `remote_engine_id`); a random UUID by default.
+    #[arg(long)]
+    pub engine_id: Option<String>,
+    /// Host the xfer side channel and data port listen on and advertise (`remote_host`).
+    #[arg(long, env = "VLLM_HOST_IP", default_value = "127.0.0.1")]
+    pub host_ip: String,
+    /// xfer side-channel port (`remote_port`; vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT). 0 = any.
+    #[arg(long, env = "VLLM_NIXL_SIDE_CHANNEL_PORT", default_value_t = 0)]
+    pub xfer_port: u16,
+    /// xfer TCP data port. 0 = any.
+    #[arg(long, default_value_t = 0)]
+    pub xfer_data_port: u16,
+    /// How long a prefill holds blocks for a decode that has not pulled them, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub kv_lease_secs: f64,
+    /// How far a heartbeat from the decode pushes the lease out, seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub heartbeat_extension_secs: f64,
+    /// How often a decode waiting to pull sends heartbeats, seconds (0: never).
+    #[arg(long, default_value_t = 5.0)]
+    pub heartbeat_interval_secs: f64,
+    /// Longest one pull (metadata fetch + READ) may take, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub pull_timeout_secs: f64,
+    /// What a decode does when it cannot pull or verify the blocks.
+    #[arg(long, value_enum, default_value_t = FailurePolicy::Recompute)]
+    pub kv_load_failure_policy: FailurePolicy,
+    /// Keep the pool in this shared-memory file (e.g. /dev/shm/pd-sim-0) so a co-located
+    /// sidecar can register it and move blocks on the engine's behalf.
+    #[arg(long)]
+    pub shm_path: Option<PathBuf>,
+
+    /// SGLang-style role.
+    #[arg(long, value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+    /// SGLang bootstrap port: the prefill serves it; a decode uses it when a request's
+    /// bootstrap_port is null.
+    #[arg(long, default_value_t = 8998)]
+    pub bootstrap_port: u16,
+    /// How long a decode waits for its prefill's room, and a prefill for its decode, seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub bootstrap_timeout_secs: f64,
+
+    /// ZMQ endpoint of the KV-event publisher (e.g. tcp://*:5557); no events without it.
+    #[arg(long)]
+    pub kv_events_endpoint: Option<String>,
+    /// ZMQ ROUTER endpoint answering replay requests (e.g. tcp://*:5558).
+    #[arg(long)]
+    pub kv_events_replay_endpoint: Option<String>,
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    #[arg(long, value_enum, default_value_t = EventLayout::Map)]
+    pub kv_events_layout: EventLayout,
+    /// Block hashes in events as raw 32-byte digests instead of u64
+    /// (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+    #[arg(long)]
+    pub kv_events_bytes_hashes: bool,
+    /// Batches kept for replay.
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_events_buffer_steps: usize,
+    /// data_parallel_rank in event batches.
+    #[arg(long)]
+    pub data_parallel_rank: Option<i64>,
+    /// Seeds NONE_HASH as vLLM does.
+    #[arg(long, env = "PYTHONHASHSEED")]
+    pub pythonhashseed: Option<String>,
+
+    /// Tokio worker threads (default: available cores).
+    #[arg(long)]
+    pub workers: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("config file {path}: key {key}: only strings, numbers and booleans are allowed")]
+    Value { path: String, key: String },
+    #[error(transparent)]
+    Args(#[from] clap::Error),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Parses `args` (program name first), merging the TOML file they name.
+    pub fn from_args(args: Vec<String>) -> Result<Config, ConfigError> {
+        let first = Config::try_parse_from(&args)?;
+        let Some(path) = first.config.clone() else {
+            first.validate()?;
+            return Ok(first);
+        };
+        let file_args = toml_args(&path)?;
+        let mut merged = vec![args[0].clone()];
+        merged.extend(file_args);
+        merged.extend(args.into_iter().skip(1));
+        let config = Config::try_parse_from(merged)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.block_size * self.bytes_per_token
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(m.to_string()));
+        if self.block_size == 0 || self.bytes_per_token == 0 || self.num_blocks == 0 {
+            return bad("block-size, bytes-per-token and num-blocks must be positive");
+        }
+        if self.block_bytes() & 7 != 0 {
+            return bad("block-size × bytes-per-token must be a multiple of 8");
+        }
+        if self.num_blocks >= u32::MAX as usize || self.block_bytes().checked_mul(self.num_blocks).is_none() {
+            return bad("pool too large");
+        }
+        if !(0.0..=1.0).contains(&self.error_rate) {
+            return bad("error-rate must be within 0..=1");
+        }
+        if self.max_running == 0 {
+            return bad("max-running must be positive");
+        }
+        let secs = [
+            self.prefill_us_per_token,
+            self.decode_us_per_token,
+            self.queue_timeout_secs,
+            self.kv_lease_secs,
+            self.heartbeat_extension_secs,
+            self.heartbeat_interval_secs,
+            self.pull_timeout_secs,
+            self.bootstrap_timeout_secs,
+        ];
+        if secs.iter().any(|s| !s.is_finite() || *s < 0.0 || *s > 1e9) {
+            return bad("times must be finite, non-negative and below 1e9");
+        }
+        Ok(())
+    }
+}
+
+/// Turns a TOML table into `--key value` arguments (`--key` alone for `true`).
+fn toml_args(path: &PathBuf) -> Result<Vec<String>, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })?;
+    let mut out = Vec::new();
+    for (key, value) in table {
+        let flag = format!("--{}", key.replace('_', "-"));
+        let text = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Boolean(true) => {
+                out.push(flag);
+                continue;
+            }
+            toml::Value::Boolean(false) => continue,
+            _ => return Err(ConfigError::Value { path: path.display().to_string(), key }),
+        };
+        out.push(flag);
+        out.push(text);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        std::iter::once("pd-sim").chain(list.iter().copied()).map(String::from).collect()
+    }
+
+    #[test]
+    fn file_then_flags() {
+        let path = std::env::temp_dir().join(format!("pd-sim-cfg-{}.toml", std::process::id()));
+        std::fs::write(&path, "block_size = 32\nport = 9000\nkv-events-bytes-hashes = true\nmodel = \"m\"\n").unwrap();
+        let c = Config::from_args(args(&["--config", path.to_str().unwrap(), "--port", "9001"])).unwrap();
+        assert_eq!((c.block_size, c.port, c.kv_events_bytes_hashes, c.model.as_str()), (32, 9001, true, "m"));
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(
+            Config::from_args(args(&["--bytes-per-token", "3", "--block-size", "3"])),
+            Err(ConfigError::Invalid(_))
+        ));
+        assert!(matches!(Config::from_args(args(&["--error-rate", "2"])), Err(ConfigError::Invalid(_))));
+    }
+}

@@ -1,0 +1,317 @@
+//! The engine: configuration, tokenizer, the KV pool (bookkeeping + memory), leases and rooms,
+//! metrics, events, and the xfer agent the pool is registered with.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use pd_protocols::hash::{block_digest, block_hashes, none_hash, BlockDigest};
+use pd_protocols::kv_events::KvEvent;
+use tokio::sync::Semaphore;
+use xfer::{Agent, BackendParams, MemType, PreparedLocal, PreparedRemote};
+
+use crate::config::Config;
+use crate::content;
+use crate::events::EventSink;
+use crate::faults::Faults;
+use crate::lease::{LeaseTable, Notif};
+use crate::mem::PoolMemory;
+use crate::metrics::{add, Gauges, Metrics};
+use crate::pool::{BlockId, BlockPool, CacheChanges, PoolFull};
+use crate::rooms::RoomTable;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("xfer: {0}")]
+    Xfer(#[from] xfer::XferError),
+    #[error("shared-memory pool {path}: {source}")]
+    Shm { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+}
+
+/// Everything the pool's mutex guards.
+#[derive(Debug)]
+pub struct State {
+    pub pool: BlockPool,
+    pub leases: LeaseTable,
+    pub rooms: RoomTable,
+}
+
+/// A prompt's tokens and the digests its blocks' contents derive from.
+#[derive(Debug)]
+pub struct Prompt {
+    pub tokens: Vec<u32>,
+    /// Prefix-cache hashes of the full blocks.
+    pub full: Vec<BlockDigest>,
+    /// Pseudo-digest of the partial last block (hashed like a block, parent = last full one).
+    pub tail: Option<BlockDigest>,
+}
+
+impl Prompt {
+    pub fn num_blocks(&self) -> usize {
+        self.full.len() + usize::from(self.tail.is_some())
+    }
+
+    pub fn content_digest(&self, i: usize) -> &BlockDigest {
+        self.full.get(i).or(self.tail.as_ref()).expect("block index within the prompt")
+    }
+}
+
+#[derive(Debug)]
+pub struct Engine {
+    pub cfg: Config,
+    pub engine_id: String,
+    pub tokenizer: Tokenizer,
+    none_hash: BlockDigest,
+    pub state: Mutex<State>,
+    pub memory: PoolMemory,
+    pub metrics: Metrics,
+    pub faults: Faults,
+    pub slots: Arc<Semaphore>,
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub events: Option<EventSink>,
+    pub agent: Agent,
+    pub local_blocks: PreparedLocal,
+    /// Prepared descriptor lists of peers' pools, by engine id.
+    pub peers: Mutex<HashMap<String, Arc<PreparedRemote>>>,
+    pub xfer_port: u16,
+    pub started: Instant,
+}
+
+impl Engine {
+    pub fn new(cfg: Config, events: Option<EventSink>) -> Result<Arc<Engine>, EngineError> {
+        let engine_id = cfg.engine_id.clone().unwrap_or_else(random_uuid);
+        let tokenizer = match &cfg.tokenizer {
+            Some(path) => Tokenizer::load(path)?,
+            None => Tokenizer::Simple,
+        };
+        let (block_bytes, n) = (cfg.block_bytes(), cfg.num_blocks);
+        let mut memory = match &cfg.shm_path {
+            Some(path) => PoolMemory::shm(path, block_bytes, n)
+                .map_err(|source| EngineError::Shm { path: path.display().to_string(), source })?,
+            None => PoolMemory::heap(block_bytes, n),
+        };
+        let agent = Agent::new(&engine_id)?;
+        let params = BackendParams::new()
+            .with("listen", format!("{}:{}", cfg.host_ip, cfg.xfer_data_port))
+            .with("advertise", cfg.host_ip.clone());
+        agent.add_backend("tcp", params)?;
+        memory.register(&agent)?;
+        let descs: Vec<xfer::Desc> = (0..n as u32).map(|i| memory.block_desc(i)).collect();
+        let local_blocks = agent.prep_local(MemType::Dram, &descs)?;
+        let xfer_port = agent.start_side_channel(&format!("{}:{}", cfg.host_ip, cfg.xfer_port))?.port();
+        let secs = Duration::from_secs_f64;
+        Ok(Arc::new(Engine {
+            none_hash: none_hash(cfg.pythonhashseed.as_deref()),
+            state: Mutex::new(State {
+                pool: BlockPool::new(n),
+                leases: LeaseTable::new(secs(cfg.kv_lease_secs), secs(cfg.heartbeat_extension_secs)),
+                rooms: RoomTable::default(),
+            }),
+            memory,
+            metrics: Metrics::default(),
+            faults: Faults::new(cfg.error_rate, cfg.delay_ms),
+            slots: Arc::new(Semaphore::new(cfg.max_running)),
+            running: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            events,
+            agent,
+            local_blocks,
+            peers: Mutex::new(HashMap::new()),
+            xfer_port,
+            started: Instant::now(),
+            engine_id,
+            tokenizer,
+            cfg,
+        }))
+    }
+
+    pub fn prompt(&self, tokens: Vec<u32>) -> Prompt {
+        let bs = self.cfg.block_size;
+        let full = block_hashes(&self.none_hash, &tokens, bs);
+        let rest = &tokens[full.len() * bs..];
+        let tail = (!rest.is_empty()).then(|| block_digest(full.last().unwrap_or(&self.none_hash), rest, None));
+        Prompt { tokens, full, tail }
+    }
+
+    /// Takes the cached prefix and allocates the rest of the prompt's blocks. Returns the
+    /// blocks (prompt order) and how many leading ones were prefix-cache hits. As in vLLM, the
+    /// last prompt token is always computed, so a fully cached prompt recomputes its last block.
+    pub fn reserve(&self, prompt: &Prompt) -> Result<(Vec<BlockId>, usize), PoolFull> {
+        let max_hit = prompt.tokens.len().saturating_sub(1) / self.cfg.block_size;
+        let mut changes = CacheChanges::default();
+        let mut state = self.state.lock();
+        let hit = state.pool.longest_prefix(&prompt.full[..max_hit.min(prompt.full.len())]);
+        let mut blocks = state.pool.acquire_cached(&prompt.full[..hit]);
+        match state.pool.allocate(prompt.num_blocks() - hit, &mut changes) {
+            Ok(new) => blocks.extend(new),
+            Err(full) => {
+                state.pool.release(&blocks);
+                return Err(full);
+            }
+        }
+        self.emit_removed(changes);
+        drop(state);
+        let (queries, hits) = (prompt.tokens.len() as u64, (hit * self.cfg.block_size) as u64);
+        add(&self.metrics.prefix_cache_queries, queries);
+        add(&self.metrics.prefix_cache_hits, hits);
+        add(&self.metrics.prompt_tokens_cached, hits);
+        Ok((blocks, hit))
+    }
+
+    /// Writes the content of blocks `from..` of the prompt into their pool blocks.
+    pub fn fill(&self, prompt: &Prompt, blocks: &[BlockId], from: usize) {
+        let mut scratch = vec![0u8; self.memory.block_bytes()];
+        for (i, &id) in blocks.iter().enumerate().skip(from) {
+            content::fill(prompt.content_digest(i), &mut scratch);
+            self.memory.write_block(id, &scratch);
+        }
+    }
+
+    /// Index of the first block of `from..` whose pool bytes are not the prompt's content.
+    pub fn first_mismatch(&self, prompt: &Prompt, blocks: &[BlockId], from: usize) -> Option<usize> {
+        let mut scratch = vec![0u8; self.memory.block_bytes()];
+        (from..blocks.len()).find(|&i| {
+            self.memory.read_block(blocks[i], &mut scratch);
+            !content::verify(prompt.content_digest(i), &scratch)
+        })
+    }
+
+    /// Enters the full blocks `from..` into the prefix cache and publishes `BlockStored` for
+    /// each run of newly cached blocks.
+    pub fn commit(&self, prompt: &Prompt, blocks: &[BlockId], from: usize) {
+        let bs = self.cfg.block_size;
+        let mut state = self.state.lock();
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (i, (&block, digest)) in blocks.iter().zip(&prompt.full).enumerate().skip(from) {
+            if state.pool.commit(block, *digest) {
+                match runs.last_mut() {
+                    Some((_, end)) if *end == i => *end = i + 1,
+                    _ => runs.push((i, i + 1)),
+                }
+            }
+        }
+        if let Some(sink) = &self.events {
+            let events = runs
+                .into_iter()
+                .map(|(start, end)| KvEvent::BlockStored {
+                    block_hashes: prompt.full[start..end].iter().map(|d| sink.hash(d)).collect(),
+                    parent_block_hash: start.checked_sub(1).map(|p| sink.hash(&prompt.full[p])),
+                    token_ids: prompt.tokens[start * bs..end * bs].to_vec(),
+                    block_size: bs as u32,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                    lora_name: None,
+                })
+                .collect();
+            sink.emit(events);
+        }
+    }
+
+    fn emit_removed(&self, changes: CacheChanges) {
+        if let (Some(sink), false) = (&self.events, changes.removed.is_empty()) {
+            let block_hashes = changes.removed.iter().map(|d| sink.hash(d)).collect();
+            sink.emit(vec![KvEvent::BlockRemoved { block_hashes, medium: Some("GPU".into()) }]);
+        }
+    }
+
+    pub fn release(&self, blocks: &[BlockId]) {
+        if !blocks.is_empty() {
+            self.state.lock().pool.release(blocks);
+        }
+    }
+
+    /// `/reset_prefix_cache`: forgets every cached digest and publishes `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&self) {
+        let mut state = self.state.lock();
+        state.pool.clear_cache();
+        if let Some(sink) = &self.events {
+            sink.emit(vec![KvEvent::AllBlocksCleared]);
+        }
+    }
+
+    /// Holds blocks for a decode engine that will pull them; returns the lease's expiry.
+    pub fn start_lease(&self, request_id: String, blocks: Vec<BlockId>) -> Instant {
+        let mut state = self.state.lock();
+        let (expires, replaced) = state.leases.insert(request_id, blocks, Instant::now());
+        state.pool.release(&replaced);
+        add(&self.metrics.leases_started, 1);
+        expires
+    }
+
+    /// Handles the notifications the agent received and ends expired leases. Called by the
+    /// notification thread; also by tests.
+    pub fn service_notifications(&self, notifs: HashMap<String, Vec<Vec<u8>>>, now: Instant) {
+        let mut state = self.state.lock();
+        for msg in notifs.values().flatten() {
+            if let Some(room) = crate::rooms::parse_room_done(msg) {
+                state.rooms.mark_pulled(room);
+                continue;
+            }
+            let Some(notif) = Notif::parse(msg) else {
+                tracing::debug!(len = msg.len(), "ignoring an unknown notification");
+                continue;
+            };
+            if matches!(notif, Notif::Heartbeat { .. }) {
+                add(&self.metrics.heartbeats_received, 1);
+            }
+            if let Some(blocks) = state.leases.on_notif(&notif, now) {
+                state.pool.release(&blocks);
+                add(&self.metrics.leases_done, 1);
+            }
+        }
+        for (id, blocks) in state.leases.expire(now) {
+            tracing::warn!(request_id = %id, blocks = blocks.len(), "KV lease expired before the decode pulled");
+            state.pool.release(&blocks);
+            add(&self.metrics.expired_leases, 1);
+        }
+    }
+
+    /// Runs the notification/lease thread until the engine is dropped.
+    pub fn spawn_notification_thread(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let agent = self.agent.clone();
+        std::thread::Builder::new()
+            .name("xfer-notifs".into())
+            .spawn(move || loop {
+                agent.wait_notifs(Duration::from_millis(50));
+                let Some(engine) = weak.upgrade() else { return };
+                engine.service_notifications(agent.get_notifs(), Instant::now());
+            })
+            .expect("spawning the notification thread");
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let state = self.state.lock();
+        Gauges {
+            running: self.running.load(Relaxed),
+            waiting: self.waiting.load(Relaxed),
+            kv_usage: state.pool.used() as f64 / state.pool.num_blocks() as f64,
+            held_blocks: state.leases.held_blocks() + state.rooms.held_blocks(),
+            leases: state.leases.len(),
+            rooms: state.rooms.len(),
+            block_size: self.cfg.block_size,
+        }
+    }
+}
+
+fn random_uuid() -> String {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).expect("the OS random source");
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// A random lowercase hex string of `n` bytes.
+pub fn random_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    getrandom::fill(&mut b).expect("the OS random source");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -1,0 +1,72 @@
+//! `pd-sim`: one simulated engine per process.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use pd_protocols::kv_events::EventFormat;
+use pd_sim::config::{Config, EventLayout, Role};
+use pd_sim::engine::Engine;
+use pd_sim::events::{self, EventsConfig};
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = match Config::from_args(std::env::args().collect()) {
+        Ok(cfg) => cfg,
+        Err(pd_sim::config::ConfigError::Args(e)) => e.exit(),
+        Err(e) => return Err(e.into()),
+    };
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cfg.workers {
+        runtime.worker_threads(n.max(1));
+    }
+    runtime.enable_all().build().context("starting the async runtime")?.block_on(serve(cfg))
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let events = match &cfg.kv_events_endpoint {
+        Some(endpoint) => Some(
+            events::start(EventsConfig {
+                endpoint: endpoint.clone(),
+                replay_endpoint: cfg.kv_events_replay_endpoint.clone(),
+                topic: cfg.kv_events_topic.clone(),
+                format: match cfg.kv_events_layout {
+                    EventLayout::Map => EventFormat::TaggedMap,
+                    EventLayout::Array => EventFormat::LegacyArray,
+                },
+                bytes_hashes: cfg.kv_events_bytes_hashes,
+                buffer_steps: cfg.kv_events_buffer_steps,
+                dp_rank: cfg.data_parallel_rank,
+            })
+            .context("starting the KV-event publisher")?
+            .0,
+        ),
+        None => None,
+    };
+    let engine = Engine::new(cfg.clone(), events).context("starting the engine")?;
+    engine.spawn_notification_thread();
+    let addr = format!("{}:{}", cfg.host, cfg.port);
+    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+    if cfg.role == Role::Prefill {
+        let baddr = format!("{}:{}", cfg.host, cfg.bootstrap_port);
+        let blistener = tokio::net::TcpListener::bind(&baddr).await.with_context(|| format!("binding {baddr}"))?;
+        let router = pd_sim::sglang::bootstrap_router(Arc::clone(&engine));
+        tokio::spawn(async move { axum::serve(blistener, router).await });
+    }
+    tracing::info!(
+        http = %listener.local_addr()?,
+        engine_id = %engine.engine_id,
+        xfer_side_channel = %format!("{}:{}", cfg.host_ip, engine.xfer_port),
+        role = ?cfg.role,
+        "pd-sim ready"
+    );
+    let app = pd_sim::http::router(engine);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("serving HTTP")
+}
