@@ -8,5 +8,6 @@
 pub mod cluster;
 pub mod handoff;
 pub mod index;
+pub mod ingest;
 pub mod membership;
 pub mod pairing;
