@@ -109,7 +109,9 @@ fn run(
     // The first batch waits for a real event so that subscribers have had time to connect.
     let mut pending: Vec<KvEvent> = Vec::new();
     let mut started = false;
-    let tick = if replay.is_some() { Duration::from_millis(5) } else { Duration::from_millis(100) };
+    // Short enough that new subscribers' subscriptions are taken in promptly (see below) and
+    // replay requests are answered fast.
+    let tick = if replay.is_some() { Duration::from_millis(5) } else { Duration::from_millis(20) };
     loop {
         match rx.recv_timeout(tick) {
             Ok(events) => {
@@ -121,6 +123,10 @@ fn run(
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
+        // Reading ZMQ_EVENTS makes libzmq process pending commands (new subscriber pipes and
+        // their subscriptions) now rather than inside the next send, which could otherwise
+        // filter that message out for a subscriber that reconnected while we were idle.
+        let _ = publisher.get_events();
         let only_clear = pending.iter().all(|e| matches!(e, KvEvent::AllBlocksCleared));
         if !pending.is_empty() && (started || !only_clear) {
             started = true;

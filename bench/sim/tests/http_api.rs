@@ -1,0 +1,103 @@
+//! The OpenAI-compatible surface: shapes, streaming, errors, failure injection.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Sim;
+use serde_json::{json, Value};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_with_the_right_status() {
+    let s = Sim::start(&["--max-model-len", "64"]).await;
+    let url = format!("{}/v1/completions", s.url);
+    let cases: [(&str, u16, Value); 8] = [
+        ("{not json", 400, Value::Null),
+        ("[1, 2]", 400, Value::Null),
+        (r#"{"prompt": {"a": 1}}"#, 400, json!("prompt")),
+        (r#"{"prompt": "x", "max_tokens": -1}"#, 400, json!("max_tokens")),
+        (r#"{"prompt": "x", "stream": 1}"#, 400, json!("stream")),
+        (r#"{"prompt": "x", "max_tokens": 100}"#, 400, Value::Null),
+        (r#"{"prompt": "x", "model": "other"}"#, 404, Value::Null),
+        (r#"{"max_tokens": 1}"#, 400, json!("prompt")),
+    ];
+    for (body, status, param) in cases {
+        let r = common::client().post(&url).header("content-type", "application/json").body(body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "{body}");
+        let err: Value = r.json().await.unwrap();
+        let e = &err["error"];
+        assert!(e["message"].is_string() && e["type"].is_string(), "{err}");
+        assert_eq!((e["code"].clone(), e["param"].clone()), (json!(status), param), "{body}");
+    }
+    let (status, err) = s.post("/v1/chat/completions", &json!({"messages": "hi"})).await;
+    assert_eq!((status, err["error"]["param"].clone()), (400, json!("messages")));
+    let (status, _) = s.post("/v1/nothing", &json!({})).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_streaming_and_metrics() {
+    let s = Sim::start(&["--model", "tiny"]).await;
+    let models = common::get_json(&format!("{}/v1/models", s.url)).await;
+    assert_eq!(models["data"][0]["id"], "tiny");
+
+    let r = common::client()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "stream": true,
+                      "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let text = r.text().await.unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 6, "{text}"); // role, 3 tokens, usage, [DONE]
+    assert_eq!(events[5], "data: [DONE]");
+    let chunk = |i: usize| serde_json::from_str::<Value>(events[i].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(chunk(0)["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunk(3)["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunk(4)["usage"]["completion_tokens"], 3);
+    assert!(chunk(1)["object"] == "chat.completion.chunk");
+
+    let (_, full) = s.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 3})).await;
+    assert_eq!(full["object"], "text_completion");
+    assert_eq!(full["choices"][0]["finish_reason"], "length");
+    let m = s.metrics().await;
+    for name in [
+        "vllm:num_requests_running{",
+        "vllm:num_requests_waiting{",
+        "vllm:kv_cache_usage_perc{",
+        "vllm:prefix_cache_queries_total{",
+        "vllm:prefix_cache_hits_total{",
+        "vllm:time_to_first_token_seconds_count{",
+    ] {
+        assert!(m.contains(name), "{name} missing");
+    }
+    assert!(m.contains("vllm:time_to_first_token_seconds_count{model_name=\"tiny\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_injection_at_start_and_at_runtime() {
+    let mut s = Sim::start(&["--error-rate", "1"]).await;
+    let body = json!({"prompt": "x", "max_tokens": 1});
+    let (status, err) = s.post("/v1/completions", &body).await;
+    assert_eq!((status, err["error"]["code"].clone()), (500, json!(500)));
+    let (status, _) = s.post("/admin/faults", &json!({"error_rate": 0.0, "delay_ms": 300})).await;
+    assert_eq!(status, 200);
+    let t = Instant::now();
+    assert_eq!(s.post("/v1/completions", &body).await.0, 200);
+    assert!(t.elapsed() >= Duration::from_millis(300));
+    assert_eq!(s.post("/admin/faults", &json!({"error_rate": 3.0})).await.0, 400);
+    assert_eq!(s.post("/admin/faults", &json!({"delay_ms": 0, "hang": true})).await.0, 200);
+    let hung = common::client()
+        .post(format!("{}/v1/completions", s.url))
+        .timeout(Duration::from_millis(300))
+        .json(&body)
+        .send()
+        .await;
+    assert!(hung.is_err_and(|e| e.is_timeout()));
+    assert_eq!(s.post("/admin/faults", &json!({"hang": false})).await.0, 200);
+    assert_eq!(s.post("/v1/completions", &body).await.0, 200);
+    let _ = common::client().post(format!("{}/admin/faults", s.url)).json(&json!({"crash": true})).send().await;
+    assert!(s.exited_within(Duration::from_secs(5)).await, "crash injection ends the process");
+}
