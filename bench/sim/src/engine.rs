@@ -52,6 +52,14 @@ pub struct Prompt {
 }
 
 impl Prompt {
+    /// The digests of a prompt's blocks, chained from `none` (NONE_HASH).
+    pub fn new(none: &BlockDigest, tokens: Vec<u32>, block_size: usize) -> Prompt {
+        let full = block_hashes(none, &tokens, block_size);
+        let rest = &tokens[full.len() * block_size..];
+        let tail = (!rest.is_empty()).then(|| block_digest(full.last().unwrap_or(none), rest, None));
+        Prompt { tokens, full, tail }
+    }
+
     pub fn num_blocks(&self) -> usize {
         self.full.len() + usize::from(self.tail.is_some())
     }
@@ -132,11 +140,7 @@ impl Engine {
     }
 
     pub fn prompt(&self, tokens: Vec<u32>) -> Prompt {
-        let bs = self.cfg.block_size;
-        let full = block_hashes(&self.none_hash, &tokens, bs);
-        let rest = &tokens[full.len() * bs..];
-        let tail = (!rest.is_empty()).then(|| block_digest(full.last().unwrap_or(&self.none_hash), rest, None));
-        Prompt { tokens, full, tail }
+        Prompt::new(&self.none_hash, tokens, self.cfg.block_size)
     }
 
     /// Takes the cached prefix and allocates the rest of the prompt's blocks. Returns the
@@ -242,6 +246,23 @@ impl Engine {
         state.pool.release(&replaced);
         add(&self.metrics.leases_started, 1);
         expires
+    }
+
+    /// Sidecar-pull mode: allocates `n` blocks for a co-located process to write into, held
+    /// under a lease (id `res-…`) until a request adopts them or the lease expires.
+    pub fn reserve_for_sidecar(&self, n: usize) -> Result<(String, Vec<BlockId>), PoolFull> {
+        let mut changes = CacheChanges::default();
+        let mut state = self.state.lock();
+        let blocks = state.pool.allocate(n, &mut changes)?;
+        self.emit_removed(changes);
+        let id = format!("res-{}", random_hex(8));
+        state.leases.insert(id.clone(), blocks.clone(), Instant::now());
+        Ok((id, blocks))
+    }
+
+    /// Takes a sidecar reservation's blocks (now owned by the caller); `None` when unknown.
+    pub fn take_reservation(&self, id: &str) -> Option<Vec<BlockId>> {
+        self.state.lock().leases.remove(id)
     }
 
     /// Handles the notifications the agent received and ends expired leases. Called by the

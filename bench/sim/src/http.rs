@@ -30,6 +30,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/admin/faults", get(get_faults).post(set_faults))
         .route("/admin/leaks", get(leaks))
         .route("/admin/pool", get(pool))
+        .route("/admin/reserve", post(reserve))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "Not Found") })
         .with_state(engine)
 }
@@ -140,4 +141,27 @@ async fn pool(State(engine): State<Arc<Engine>>) -> Json<serde_json::Value> {
         "shm_path": engine.memory.shm_path().map(|p| p.display().to_string()),
         "xfer_host": cfg.host_ip, "xfer_port": engine.xfer_port,
     }))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct ReserveRequest {
+    num_blocks: usize,
+}
+
+/// Sidecar-pull mode: blocks for a co-located process to fill (see `/admin/pool` for where
+/// they are); a decode request then names the reservation in its `kv_transfer_params`.
+async fn reserve(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let req: ReserveRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return ApiError::bad_request(format!("invalid reservation request: {e}"), None).into_response(),
+    };
+    if req.num_blocks == 0 || req.num_blocks > engine.cfg.num_blocks {
+        return ApiError::bad_request("num_blocks out of range", Some("num_blocks")).into_response();
+    }
+    match engine.reserve_for_sidecar(req.num_blocks) {
+        Ok((id, blocks)) => Json(json!({"reservation_id": id, "block_ids": blocks,
+                                        "lease_secs": engine.cfg.kv_lease_secs}))
+        .into_response(),
+        Err(full) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, full.to_string()).into_response(),
+    }
 }

@@ -34,6 +34,9 @@ enum Mode {
     RoomPrefill(Bootstrap),
     /// SGLang decode: pull the room's blocks from the prefill's bootstrap server.
     RoomDecode(Bootstrap),
+    /// Sidecar-pull mode: a co-located process already wrote the blocks into the pool blocks it
+    /// reserved through `/admin/reserve`; verify and adopt them.
+    Preloaded(String),
 }
 
 /// Blocks and the running slot a request holds; both go back when it is dropped (also when a
@@ -112,6 +115,11 @@ fn mode(engine: &Engine, req: &GenRequest) -> Mode {
             return Mode::Local;
         }
     };
+    if let Some(id) = params.extra.get("reservation_id").and_then(serde_json::Value::as_str) {
+        if params.do_remote_prefill {
+            return Mode::Preloaded(id.to_string());
+        }
+    }
     if params.do_remote_decode {
         Mode::RemoteDecode
     } else if params.do_remote_prefill {
@@ -177,7 +185,7 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
     };
     // The engine-internal id, with vLLM's random suffix (what `remote_request_id` carries).
     let internal_id = format!("{}-0-{}", meta.id, random_hex(4));
-    let mode = mode(engine, &req);
+    let mut mode = mode(engine, &req);
     let room = match &mode {
         Mode::RoomPrefill(b) | Mode::RoomDecode(b) => Some(b.room),
         _ => None,
@@ -205,8 +213,33 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
     let permit = admit(engine, heartbeat, deadline).await?;
     engine.running.fetch_add(1, Relaxed);
     let prompt = engine.prompt(tokens);
-    let (blocks, hit) = reserve(engine, &prompt, deadline, permit, claim.room.take()).await?;
-    let mut held = blocks;
+    let preloaded = match &mode {
+        Mode::Preloaded(id) => Some((id.clone(), engine.take_reservation(id))),
+        _ => None,
+    };
+    let (mut held, hit) = match preloaded {
+        Some((_, Some(blocks))) if blocks.len() == prompt.num_blocks() => {
+            (Held { engine: Arc::clone(engine), blocks, _permit: permit, room: None }, 0)
+        }
+        Some((id, blocks)) => {
+            // Unknown, expired or wrongly sized: nothing usable was preloaded.
+            let n = blocks.as_ref().map_or(0, Vec::len);
+            engine.release(&blocks.unwrap_or_default());
+            add(&engine.metrics.failed_pulls, 1);
+            let reason = format!("reservation {id} holds {n} blocks, the prompt needs {}", prompt.num_blocks());
+            if engine.cfg.kv_load_failure_policy == FailurePolicy::Fail {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("failed to load the KV cache: {reason}"),
+                ));
+            }
+            tracing::warn!(%reason, "no preloaded KV; recomputing the prompt");
+            add(&engine.metrics.recomputed, 1);
+            mode = Mode::Local;
+            reserve(engine, &prompt, deadline, permit, None).await?
+        }
+        None => reserve(engine, &prompt, deadline, permit, claim.room.take()).await?,
+    };
 
     match &mode {
         Mode::RemotePrefill(params) => {
@@ -215,6 +248,10 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
                 Err(err) => Err(err),
             };
             settle_pull(engine, &prompt, &held.blocks, hit, outcome).await?;
+        }
+        Mode::Preloaded(_) => {
+            let outcome = verify(engine, &prompt, &held.blocks, 0);
+            settle_pull(engine, &prompt, &held.blocks, 0, outcome).await?;
         }
         Mode::RoomDecode(b) => {
             let outcome = sglang::pull_room(engine, &prompt, &held.blocks, hit, b).await;
