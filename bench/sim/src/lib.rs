@@ -19,5 +19,5 @@ pub mod respond;
 pub mod rooms;
 pub mod serve;
 pub mod sglang;
-mod shm;
+pub mod shm;
 pub mod tokenizer;

@@ -10,6 +10,8 @@ pub struct ShmMap {
     ptr: *mut u8,
     len: usize,
     path: PathBuf,
+    /// The creator removes the file when it is done; a process that only opened it does not.
+    owner: bool,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; all access goes through raw
@@ -27,7 +29,21 @@ impl ShmMap {
         }
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
         file.set_len(len as u64)?;
-        // SAFETY: a fresh shared mapping of a file we opened read-write and sized to `len`;
+        Self::map(&file, path, len, true)
+    }
+
+    /// Maps an existing pool file (the co-located sidecar's side); the file stays on drop.
+    pub fn open(path: &Path) -> std::io::Result<ShmMap> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
+        if len == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty pool file"));
+        }
+        Self::map(&file, path, len, false)
+    }
+
+    fn map(file: &std::fs::File, path: &Path, len: usize, owner: bool) -> std::io::Result<ShmMap> {
+        // SAFETY: a fresh shared mapping of a file opened read-write and at least `len` long;
         // the kernel picks the address, so no existing memory is affected.
         let ptr = unsafe {
             libc::mmap(
@@ -42,7 +58,7 @@ impl ShmMap {
         if ptr == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(ShmMap { ptr: ptr.cast(), len, path: path.to_path_buf() })
+        Ok(ShmMap { ptr: ptr.cast(), len, path: path.to_path_buf(), owner })
     }
 
     pub fn addr(&self) -> u64 {
@@ -88,7 +104,9 @@ impl Drop for ShmMap {
         unsafe {
             libc::munmap(self.ptr.cast(), self.len);
         }
-        let _ = std::fs::remove_file(&self.path);
+        if self.owner {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -103,6 +121,13 @@ mod tests {
         a.write_at(4096, b"kv");
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!((&bytes[4096..4098], bytes.len()), (&b"kv"[..], 8192));
+        let b = ShmMap::open(&path).unwrap();
+        b.write_at(0, b"sidecar");
+        let mut seen = [0u8; 7];
+        a.read_at(0, &mut seen);
+        assert_eq!(&seen, b"sidecar");
+        drop(b);
+        assert!(path.exists(), "only the creator removes the file");
         drop(a);
         assert!(!path.exists());
     }
