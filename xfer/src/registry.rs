@@ -34,6 +34,8 @@ impl Default for BackendRegistry {
     fn default() -> Self {
         let mut registry = Self::empty();
         registry.register(Arc::new(xfer_tcp::TcpFactory));
+        #[cfg(feature = "ucx")]
+        registry.register(Arc::new(xfer_ucx::UcxFactory));
         registry
     }
 }

@@ -42,6 +42,12 @@ fn api_errors() {
 }
 
 #[test]
+fn bad_remote_key() {
+    setup();
+    scenarios::bad_remote_key(BACKEND, PARAMS);
+}
+
+#[test]
 fn bad_frames() {
     setup();
     wire_tcp::bad_frames(BACKEND, PARAMS);

@@ -88,6 +88,13 @@ impl BackendParams {
         self.values.remove(key)
     }
 
+    /// Removes and returns every `(key, value)` whose key starts with `prefix` (for backends
+    /// that pass a family of settings through, e.g. `ucx_*`), in key order.
+    pub fn take_prefixed(&mut self, prefix: &str) -> Vec<(String, String)> {
+        let keys: Vec<String> = self.values.keys().filter(|k| k.starts_with(prefix)).cloned().collect();
+        keys.into_iter().filter_map(|k| self.values.remove_entry(&k)).collect()
+    }
+
     /// Removes and parses a value, or returns `default` when absent.
     pub fn take_parsed<T: std::str::FromStr>(&mut self, key: &str, default: T) -> Result<T, BackendError>
     where
@@ -220,6 +227,9 @@ mod tests {
         let err = params.finish("tcp").unwrap_err();
         assert!(err.to_string().contains("strams"), "{err}");
         assert!(BackendParams::parse("novalue").is_err());
+        let mut family = BackendParams::parse("ucx_b=2,ucx_a=1,other=3").unwrap();
+        assert_eq!(family.take_prefixed("ucx_"), vec![("ucx_a".into(), "1".into()), ("ucx_b".into(), "2".into())]);
+        assert_eq!(family.take("other").as_deref(), Some("3"));
         let mut bad = BackendParams::new().with("streams", "many");
         assert!(bad.take_parsed("streams", 1u32).is_err());
     }

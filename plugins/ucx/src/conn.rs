@@ -1,0 +1,324 @@
+//! One live endpoint to a peer and the work on it: transfers (puts or gets per descriptor,
+//! then one flush) and notifications (active messages after the flush, acknowledged by the
+//! peer). Runs on the progress thread only.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::Sender;
+use xfer_core::{BackendError, Completer, MemSlice, Op, RefusalCode, TransferJob};
+
+use crate::keys::UcxRemoteKey;
+use crate::msg;
+use crate::ucp::{Endpoint, Flush, MemHandle, Rkey, Rma, Send, Status};
+
+/// A peer as its `RemoteAgent` knows it.
+#[derive(Debug)]
+pub struct PeerInfo {
+    pub id: u64,
+    pub name: String,
+    /// The peer's UCX worker address (checked framing, see `keys`).
+    pub address: Vec<u8>,
+    /// Set by `disconnect`: later work fails at once.
+    pub closed: AtomicBool,
+}
+
+impl PeerInfo {
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub fn disconnected(&self, reason: impl Into<String>) -> BackendError {
+        BackendError::PeerDisconnected { peer: self.name.clone(), reason: reason.into() }
+    }
+
+    /// The error for a failed UCX operation toward this peer.
+    pub fn failure(&self, what: &str, status: Status) -> BackendError {
+        if status.is_peer_failure() {
+            self.disconnected(format!("{what}: {status}"))
+        } else {
+            BackendError::Protocol(format!("ucx {what}: {status}"))
+        }
+    }
+}
+
+/// Who waits for a notification's acknowledgement.
+pub enum Waiter {
+    Job(Completer),
+    Caller(Sender<Result<(), BackendError>>),
+}
+
+impl Waiter {
+    pub fn finish(self, result: Result<(), BackendError>) {
+        match self {
+            Waiter::Job(done) => done.complete(result),
+            Waiter::Caller(reply) => _ = reply.send(result),
+        }
+    }
+}
+
+/// A notification sent and not yet acknowledged.
+struct Pending {
+    seq: u64,
+    _send: Send,
+    waiter: Waiter,
+}
+
+/// A transfer whose operations are posted.
+pub struct Job {
+    ops: VecDeque<Rma>,
+    flush: Option<Flush>,
+    error: Option<BackendError>,
+    notif: Option<Vec<u8>>,
+    done: Option<Completer>,
+    /// When failed by its connection: stop waiting for UCX to release the memory at this time.
+    pub give_up_at: Option<Instant>,
+}
+
+impl Job {
+    /// Fails the job (the first error wins); it completes once UCX lets go of its memory.
+    pub fn fail(&mut self, err: BackendError, give_up_at: Instant) {
+        self.error.get_or_insert(err);
+        self.give_up_at = Some(give_up_at);
+    }
+
+    /// For a failed job: `true` once finished (UCX completed its operations and flush, or the
+    /// grace time passed).
+    pub fn poll_dying(&mut self, now: Instant) -> bool {
+        self.ops.retain_mut(|rma| rma.poll().is_none());
+        let flushed = self.flush.as_mut().is_none_or(|flush| flush.poll().is_some());
+        if !(flushed && self.ops.is_empty()) && self.give_up_at.is_some_and(|at| now < at) {
+            return false;
+        }
+        // Operations still running are parked with the worker: their memory stays pinned
+        // until UCX completes them, whatever the caller does next. A flush holds no memory.
+        self.ops.clear();
+        self.flush = None;
+        let err = self.error.take().unwrap_or_else(|| BackendError::Protocol("ucx transfer failed".into()));
+        if let Some(done) = self.done.take() {
+            done.complete(Err(err));
+        }
+        true
+    }
+}
+
+/// What a connection needs from the engine to act.
+pub struct Env<'a> {
+    pub agent_name: &'a str,
+    pub regions: &'a HashMap<u64, MemHandle>,
+    pub max_op_bytes: u64,
+    pub next_seq: &'a mut u64,
+}
+
+/// A live endpoint to one peer.
+pub struct Conn {
+    pub peer: Arc<PeerInfo>,
+    pub ep: Endpoint,
+    rkeys: HashMap<u64, Rkey>,
+    jobs: VecDeque<Job>,
+    pending: VecDeque<Pending>,
+    last_progress: Instant,
+}
+
+impl Conn {
+    pub fn new(peer: Arc<PeerInfo>, ep: Endpoint) -> Conn {
+        Conn {
+            peer,
+            ep,
+            rkeys: HashMap::new(),
+            jobs: VecDeque::new(),
+            pending: VecDeque::new(),
+            last_progress: Instant::now(),
+        }
+    }
+
+    pub fn is_busy(&self) -> bool {
+        !self.jobs.is_empty() || !self.pending.is_empty()
+    }
+
+    /// When the connection times out if nothing completes before.
+    pub fn deadline(&self, timeout: std::time::Duration) -> Option<Instant> {
+        self.is_busy().then(|| self.last_progress + timeout)
+    }
+
+    fn touch_if_idle(&mut self) {
+        if !self.is_busy() {
+            self.last_progress = Instant::now();
+        }
+    }
+
+    /// Posts every operation of a job, then its flush.
+    pub fn start(&mut self, job: TransferJob, env: &mut Env<'_>) {
+        let TransferJob { op, local, remote, notif, done } = job;
+        let plan = match self.plan(&remote, &local) {
+            Ok(plan) => plan,
+            Err(err) => return done.complete(Err(err)),
+        };
+        self.touch_if_idle();
+        let mut ops = VecDeque::new();
+        let mut error = None;
+        let mut remote = plan.into_iter();
+        let mut current = remote.next();
+        for slice in local {
+            let mut rest = Some(slice);
+            while let Some(mut slice) = rest.take() {
+                let Some((addr, left, key_id)) = current.as_mut() else { break };
+                if slice.is_empty() || error.is_some() {
+                    break;
+                }
+                let n = (slice.len() as u64).min(*left).min(env.max_op_bytes);
+                let piece = if n == slice.len() as u64 {
+                    slice
+                } else {
+                    let front = slice.split_front(n as usize);
+                    rest = Some(slice);
+                    front
+                };
+                match self.issue(op, piece, *addr, *key_id, env.regions) {
+                    Ok(rma) => ops.push_back(rma),
+                    Err(status) => error = Some(self.peer.failure(&format!("{op} posting"), status)),
+                }
+                *addr += n;
+                *left -= n;
+                if *left == 0 {
+                    current = remote.next();
+                }
+            }
+        }
+        let flush = self.ep.flush();
+        self.jobs.push_back(Job { ops, flush: Some(flush), error, notif, done: Some(done), give_up_at: None });
+    }
+
+    fn issue(
+        &mut self,
+        op: Op,
+        piece: MemSlice,
+        addr: u64,
+        key_id: u64,
+        regions: &HashMap<u64, MemHandle>,
+    ) -> Result<Rma, Status> {
+        // `plan` unpacked every key of the job; a miss would be our bug, reported as an error.
+        let rkey = self.rkeys.get(&key_id).ok_or(Status(xfer_ucx_sys::UCS_ERR_NO_ELEM))?;
+        let memh = regions.get(&piece.pin().region().id());
+        match op {
+            Op::Write => self.ep.put(piece, addr, rkey, memh),
+            Op::Read => self.ep.get(piece, addr, rkey, memh),
+        }
+    }
+
+    /// Checks the remote segments against their keys and the byte totals, unpacks keys not yet
+    /// unpacked on this endpoint, and returns `(address, length, key id)` per non-empty
+    /// segment.
+    fn plan(
+        &mut self,
+        remote: &[xfer_core::RemoteSeg],
+        local: &[MemSlice],
+    ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
+        let mut plan = Vec::with_capacity(remote.len());
+        for seg in remote {
+            let Some(key) = seg.key.downcast_ref::<UcxRemoteKey>() else {
+                return Err(BackendError::InvalidMetadata("remote key is not a ucx key".into()));
+            };
+            if !key.covers(seg.addr, seg.len) {
+                let message = format!("remote {:#x}+{} is outside its region", seg.addr, seg.len);
+                return Err(BackendError::Refused { code: RefusalCode::OutOfBounds, message });
+            }
+            if !self.rkeys.contains_key(&key.key_id) {
+                let rkey = self.ep.unpack_rkey(&key.packed).map_err(|status| {
+                    BackendError::InvalidMetadata(format!("ucx remote key {} does not unpack: {status}", key.key_id))
+                })?;
+                self.rkeys.insert(key.key_id, rkey);
+            }
+            if seg.len > 0 {
+                plan.push((seg.addr, seg.len, key.key_id));
+            }
+        }
+        let remote_total: u64 = plan.iter().map(|p| p.1).sum();
+        let local_total: u64 = local.iter().map(|s| s.len() as u64).sum();
+        if remote_total != local_total {
+            let message = format!("local {local_total} bytes vs remote {remote_total} bytes");
+            return Err(BackendError::Refused { code: RefusalCode::BadRequest, message });
+        }
+        Ok(plan)
+    }
+
+    /// Sends a notification; `waiter` finishes when the peer acknowledges it.
+    pub fn notify(&mut self, message: &[u8], waiter: Waiter, env: &mut Env<'_>) {
+        let seq = *env.next_seq;
+        *env.next_seq += 1;
+        let payload = match msg::encode_notif(seq, env.agent_name, message) {
+            Ok(payload) => payload,
+            Err(err) => return waiter.finish(Err(BackendError::Unsupported(err.to_string()))),
+        };
+        self.touch_if_idle();
+        let send = self.ep.send(payload);
+        self.pending.push_back(Pending { seq, _send: send, waiter });
+    }
+
+    /// An acknowledgement arrived; `false` when it is not for this connection.
+    pub fn acknowledged(&mut self, seq: u64) -> bool {
+        let Some(index) = self.pending.iter().position(|p| p.seq == seq) else { return false };
+        if let Some(pending) = self.pending.remove(index) {
+            pending.waiter.finish(Ok(()));
+        }
+        self.last_progress = Instant::now();
+        true
+    }
+
+    /// Advances the jobs in order; returns whether anything completed.
+    pub fn poll(&mut self, env: &mut Env<'_>) -> bool {
+        let mut progressed = false;
+        while let Some(job) = self.jobs.front_mut() {
+            while let Some(rma) = job.ops.front_mut() {
+                match rma.poll() {
+                    None => break,
+                    Some(_) => {
+                        job.ops.pop_front();
+                        progressed = true;
+                    }
+                }
+            }
+            let Some(result) = job.flush.as_mut().and_then(Flush::poll) else { break };
+            progressed = true;
+            let Some(mut job) = self.jobs.pop_front() else { break };
+            job.flush = None;
+            // Every operation is complete once the flush is: this releases their pins before
+            // completing, so a waiter that deregisters next never waits.
+            job.ops.clear();
+            let Some(done) = job.done.take() else { continue };
+            let outcome = match (job.error.take(), result) {
+                (Some(err), _) => Err(err),
+                (None, Err(status)) => Err(self.peer.failure("flush", status)),
+                (None, Ok(())) => Ok(()),
+            };
+            match (outcome, job.notif.take()) {
+                (Ok(()), _) if done.is_cancelled() => done.complete(Err(BackendError::Cancelled)),
+                (Ok(()), Some(message)) => self.notify(&message, Waiter::Job(done), env),
+                (outcome, _) => done.complete(outcome),
+            }
+        }
+        if progressed {
+            self.last_progress = Instant::now();
+        }
+        progressed
+    }
+
+    /// Takes the work off a connection being torn down: jobs to finish once UCX lets go of
+    /// their memory, and notification waiters, failed now (a notification may still arrive:
+    /// it is never resent).
+    pub fn fail_all(&mut self, err: impl Fn() -> BackendError, give_up_at: Instant) -> Vec<Job> {
+        for pending in self.pending.drain(..) {
+            pending.waiter.finish(Err(err()));
+        }
+        self.rkeys.clear();
+        self.jobs
+            .drain(..)
+            .map(|mut job| {
+                job.fail(err(), give_up_at);
+                job
+            })
+            .collect()
+    }
+}

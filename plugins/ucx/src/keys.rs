@@ -1,0 +1,129 @@
+//! What the backend publishes in the agent metadata: its worker address (connection info) and
+//! one packed remote key per registration, each framed with a magic, a checksum and a length
+//! bound, because UCX parses worker addresses and packed keys without lengths of its own.
+
+use xfer_core::BackendError;
+
+const CONN_MAGIC: [u8; 4] = *b"XUC1";
+const KEY_MAGIC: [u8; 4] = *b"XUK1";
+/// Far above any real worker address or packed key (a few hundred bytes with many devices).
+pub const MAX_BLOB: usize = 64 << 10;
+const KEY_HEADER: usize = 4 + 8 + 8 + 8 + 4;
+
+fn bad(what: &str) -> BackendError {
+    BackendError::InvalidMetadata(format!("ucx {what}"))
+}
+
+/// Frames a worker address as connection info.
+pub fn encode_conn_info(address: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + address.len());
+    out.extend_from_slice(&CONN_MAGIC);
+    out.extend_from_slice(&crc32fast::hash(address).to_le_bytes());
+    out.extend_from_slice(address);
+    out
+}
+
+/// The worker address inside connection info, checked.
+pub fn decode_conn_info(info: &[u8]) -> Result<Vec<u8>, BackendError> {
+    if info.len() < 8 || info[..4] != CONN_MAGIC {
+        return Err(bad("connection info: bad magic or truncated"));
+    }
+    let address = &info[8..];
+    if address.is_empty() || address.len() > MAX_BLOB {
+        return Err(bad("connection info: worker address of implausible length"));
+    }
+    if crc32fast::hash(address).to_le_bytes() != info[4..8] {
+        return Err(bad("connection info: checksum mismatch"));
+    }
+    Ok(address.to_vec())
+}
+
+/// A peer's registration as published: our key id, its range, and UCX's packed rkey.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UcxRemoteKey {
+    pub key_id: u64,
+    pub base: u64,
+    pub len: u64,
+    pub packed: Vec<u8>,
+}
+
+impl UcxRemoteKey {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(KEY_HEADER + self.packed.len());
+        out.extend_from_slice(&KEY_MAGIC);
+        out.extend_from_slice(&self.key_id.to_le_bytes());
+        out.extend_from_slice(&self.base.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+        out.extend_from_slice(&self.packed);
+        let crc = crc32fast::hash(&out[4..]);
+        out[KEY_HEADER - 4..KEY_HEADER].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<UcxRemoteKey, BackendError> {
+        if bytes.len() <= KEY_HEADER || bytes[..4] != KEY_MAGIC {
+            return Err(bad("remote key: bad magic or truncated"));
+        }
+        if bytes.len() - KEY_HEADER > MAX_BLOB {
+            return Err(bad("remote key: packed key too long"));
+        }
+        let mut zeroed = bytes[4..].to_vec();
+        let crc_at = KEY_HEADER - 4 - 4;
+        let stored = u32::from_le_bytes(zeroed[crc_at..crc_at + 4].try_into().expect("4 bytes"));
+        zeroed[crc_at..crc_at + 4].fill(0);
+        if crc32fast::hash(&zeroed) != stored {
+            return Err(bad("remote key: checksum mismatch"));
+        }
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let key = UcxRemoteKey { key_id: word(4), base: word(12), len: word(20), packed: bytes[KEY_HEADER..].to_vec() };
+        if key.base.checked_add(key.len).is_none() {
+            return Err(bad("remote key: range wraps around"));
+        }
+        Ok(key)
+    }
+
+    /// Whether `addr .. addr + len` lies inside the registration.
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.base && addr.checked_add(len).is_some_and(|end| end <= self.base + self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conn_info_round_trip_and_corruption() {
+        let info = encode_conn_info(b"worker-address");
+        assert_eq!(decode_conn_info(&info).unwrap(), b"worker-address");
+        for i in 0..info.len() {
+            let mut bad = info.clone();
+            bad[i] ^= 0x10;
+            assert!(decode_conn_info(&bad).is_err(), "flip at {i}");
+        }
+        for len in 0..info.len() {
+            assert!(decode_conn_info(&info[..len]).is_err(), "truncated to {len}");
+        }
+        assert!(decode_conn_info(&encode_conn_info(b"")).is_err());
+    }
+
+    #[test]
+    fn key_round_trip_bounds_and_corruption() {
+        let key = UcxRemoteKey { key_id: 7, base: 0x1000, len: 4096, packed: vec![1, 2, 3, 4, 5] };
+        let bytes = key.encode();
+        assert_eq!(UcxRemoteKey::decode(&bytes).unwrap(), key);
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 0x01;
+            assert!(UcxRemoteKey::decode(&bad).is_err(), "flip at {i}");
+        }
+        for len in 0..bytes.len() {
+            assert!(UcxRemoteKey::decode(&bytes[..len]).is_err(), "truncated to {len}");
+        }
+        assert!(key.covers(0x1000, 4096) && key.covers(0x1fff, 1) && key.covers(0x1800, 0));
+        assert!(!key.covers(0xfff, 2) && !key.covers(0x1fff, 2) && !key.covers(u64::MAX, 2));
+        let wraps = UcxRemoteKey { base: u64::MAX, len: 2, ..key };
+        assert!(UcxRemoteKey::decode(&wraps.encode()).is_err());
+    }
+}
