@@ -15,11 +15,18 @@ ci/install-deps.sh
 step "format"
 cargo fmt --all -- --check
 
-step "lints"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+step "lints (every feature, UCX included)"
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
 step "tests (unit, in-process, two-process conformance)"
 cargo test --workspace --locked
+
+step "UCX backend: conformance suite over UCX tcp and shared memory, TCP fallback"
+cargo test --locked -p xfer-conformance --features ucx --test ucx
+
+step "UCX benchmark smoke run (consistency-checked, shared memory)"
+cargo run --quiet --locked -p xfer-bench --features ucx --bin xferbench -- \
+  --backend ucx --params tls=posix+cma+self --op both --block-sizes 64K,1M --iters 20 --warmup 2 --check --no-progress
 
 step "benchmark smoke run (consistency-checked, two processes)"
 cargo run --quiet --locked -p xfer-bench --bin xferbench -- \

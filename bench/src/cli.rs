@@ -77,6 +77,9 @@ pub struct Args {
     /// No progress bar
     #[arg(long)]
     pub no_progress: bool,
+    /// Also print single-thread memcpy bandwidth at each block size (the shared-memory ceiling)
+    #[arg(long)]
+    pub memcpy: bool,
     /// Target: side-channel address to serve on (the raw-tcp port is PORT+1, or any when 0)
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,

@@ -7,6 +7,7 @@ mod check;
 mod cli;
 mod layout;
 mod measure;
+mod memcpy;
 mod memory;
 mod pattern;
 mod raw;

@@ -20,6 +20,11 @@ pub fn main(args: &Args) -> Result<()> {
         Some(addr) => Target::running(addr)?,
         None => Target::spawn(&settings.target_args())?,
     };
+    if args.memcpy {
+        for line in crate::memcpy::report(&args.block_sizes) {
+            println!("{line}");
+        }
+    }
     let rows = run(&settings, &target)?;
     drop(target);
     if let Some(path) = &args.json {

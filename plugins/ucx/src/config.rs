@@ -61,8 +61,8 @@ impl Settings {
             ucx.push((option, value.replace(LIST_SEPARATOR, ",")));
         }
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
-        let spin = Duration::from_micros(params.take_parsed("spin_us", 200u64)?);
-        let max_op_bytes: u64 = params.take_parsed("max_op_bytes", 8 << 20)?;
+        let spin = Duration::from_micros(params.take_parsed("spin_us", 2000u64)?);
+        let max_op_bytes: u64 = params.take_parsed("max_op_bytes", 64 << 20)?;
         let error_mode = match params.take("error_mode").as_deref() {
             None | Some("auto") => ErrorMode::Auto,
             Some("peer") => ErrorMode::Peer,
@@ -97,7 +97,7 @@ mod tests {
             ]
         );
         assert_eq!(s.timeout, Duration::from_millis(250));
-        assert_eq!(s.max_op_bytes, 8 << 20);
+        assert_eq!(s.max_op_bytes, 64 << 20);
         let err = Settings::parse(BackendParams::parse("tsl=tcp").unwrap()).unwrap_err();
         assert!(err.to_string().contains("tsl"), "{err}");
         assert!(Settings::parse(BackendParams::parse("ucx_=1").unwrap()).is_err());

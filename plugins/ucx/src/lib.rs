@@ -21,8 +21,8 @@
 //! | `net_devices` | `$UCX_NET_DEVICES` | devices, e.g. `lo`, `mlx5_0:1` |
 //! | `ucx_<name>` | — | any UCX setting, e.g. `ucx_rndv_thresh=inf` sets `UCX_RNDV_THRESH` |
 //! | `timeout_ms` | 5000 | no completion toward a peer for this long fails its requests |
-//! | `spin_us` | 200 | the progress thread polls this long after the last event before it sleeps |
-//! | `max_op_bytes` | 8388608 | longer descriptors are moved as several operations |
+//! | `spin_us` | 2000 | the progress thread polls this long after the last event before it sleeps (waking a sleeping thread costs more than a copy of 1 MiB) |
+//! | `max_op_bytes` | 67108864 | longer descriptors are moved as several operations (progress, and so the timeout, is seen per operation) |
 //! | `error_mode` | `auto` | `peer`: UCX reports dead peers (needs tcp, rc, ud, dc...); `none`: only `timeout_ms` does; `auto`: peer where the transports allow (UCX 1.13's posix shared memory does not) |
 //!
 //! Limits: UCX over TCP or shared memory cannot enforce remote keys (the target does not take

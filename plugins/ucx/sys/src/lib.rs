@@ -10,7 +10,14 @@
 #![allow(clippy::all)]
 #![allow(missing_debug_implementations)]
 
-include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
+mod generated {
+    // bindgen's only `unsafe` blocks are the zero-initialising `Default` impls of plain C
+    // structs (all-zero is UCP's "no fields set" value); they cannot carry our comments.
+    #![allow(clippy::undocumented_unsafe_blocks)]
+    include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
+}
+
+pub use generated::*;
 
 /// `ucp_init` is a `static inline` over [`ucp_init_version`] that passes the API version of the
 /// header it was compiled against; this does the same with the header bindgen read.
