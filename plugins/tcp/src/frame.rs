@@ -3,7 +3,8 @@
 //! A connection starts with a hello from the initiator and the target's reply, then carries
 //! request/response exchanges (little-endian integers):
 //! ```text
-//! hello:        "XFT1" | version u8 | 0 u8 | from_len u16 | to_len u16 | 0 u16 | from | to
+//! hello:        "XFT1" | version u8 | 0 u8 | from_len u16 | to_len u16 | 0 u16
+//!               | session u64 | epoch u64 | from | to
 //! hello reply:  status u8 | 0 u8 | code u16 | msg_len u16 | 0 u16 | msg
 //! request:      kind u8 | 0 [3] | n_desc u32 | request id u64 | payload_len u64
 //!               then n_desc × (key [16] | offset u64 | len u64), then the payload (WRITE, NOTIF)
@@ -20,7 +21,7 @@
 
 pub const MAGIC: [u8; 4] = *b"XFT1";
 pub const VERSION: u8 = 1;
-pub const HELLO_LEN: usize = 12;
+pub const HELLO_LEN: usize = 28;
 pub const HELLO_REPLY_LEN: usize = 8;
 pub const HEADER_LEN: usize = 24;
 pub const DESC_LEN: usize = 32;
@@ -54,6 +55,24 @@ impl Kind {
             Kind::Notif => 3,
         }
     }
+}
+
+/// Which connections of an initiator are current. A pool picks a random `id` when it starts and
+/// bumps `epoch` whenever it abandons a connection mid-exchange; the target then refuses frames
+/// from older connections of that initiator, so a timed-out write still sitting in a socket
+/// buffer can never land after a newer one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Session {
+    pub id: u64,
+    pub epoch: u64,
+}
+
+/// A decoded hello's fixed part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub from_len: usize,
+    pub to_len: usize,
+    pub session: Session,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,19 +168,21 @@ fn need(buf: &[u8], len: usize) -> Result<(), FrameError> {
     }
 }
 
-pub fn encode_hello(from: &str, to: &str, out: &mut Vec<u8>) {
+pub fn encode_hello(from: &str, to: &str, session: Session, out: &mut Vec<u8>) {
     let (from, to) = (truncate(from, MAX_NAME), truncate(to, MAX_NAME));
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[VERSION, 0]);
     out.extend_from_slice(&(from.len() as u16).to_le_bytes());
     out.extend_from_slice(&(to.len() as u16).to_le_bytes());
     out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&session.id.to_le_bytes());
+    out.extend_from_slice(&session.epoch.to_le_bytes());
     out.extend_from_slice(from.as_bytes());
     out.extend_from_slice(to.as_bytes());
 }
 
-/// Decodes the fixed part of a hello: the lengths of the two names that follow.
-pub fn decode_hello(buf: &[u8]) -> Result<(usize, usize), FrameError> {
+/// Decodes the fixed part of a hello: the lengths of the two names that follow, the session.
+pub fn decode_hello(buf: &[u8]) -> Result<Hello, FrameError> {
     need(buf, HELLO_LEN)?;
     if buf[..4] != MAGIC {
         return Err(FrameError::BadMagic);
@@ -176,7 +197,8 @@ pub fn decode_hello(buf: &[u8]) -> Result<(usize, usize), FrameError> {
     if from > MAX_NAME || to > MAX_NAME {
         return Err(FrameError::TooLarge { what: "agent name", len: from.max(to) as u64 });
     }
-    Ok((from, to))
+    let session = Session { id: le_u64(&buf[12..]), epoch: le_u64(&buf[20..]) };
+    Ok(Hello { from_len: from, to_len: to, session })
 }
 
 pub fn encode_hello_reply(code: u16, msg: &str, out: &mut Vec<u8>) {
@@ -380,8 +402,9 @@ mod tests {
     #[test]
     fn hello_and_responses_round_trip() {
         let mut buf = Vec::new();
-        encode_hello("decode-0", "prefill-0", &mut buf);
-        assert_eq!(decode_hello(&buf), Ok((8, 9)));
+        let session = Session { id: 77, epoch: 3 };
+        encode_hello("decode-0", "prefill-0", session, &mut buf);
+        assert_eq!(decode_hello(&buf), Ok(Hello { from_len: 8, to_len: 9, session }));
         assert_eq!(&buf[HELLO_LEN..], b"decode-0prefill-0");
         assert_eq!(decode_hello(b"GET / HTTP/1.1\r\n"), Err(FrameError::BadMagic));
 

@@ -18,6 +18,18 @@ pub fn random_key() -> Result<Key, BackendError> {
     Ok(key)
 }
 
+/// A random 64-bit value (session ids).
+pub fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    // The OS generator failing is not recoverable; a fixed fallback would only weaken fencing
+    // between two restarts of one initiator, so derive one from the clock instead.
+    if getrandom::fill(&mut bytes).is_err() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        return now.as_nanos() as u64;
+    }
+    u64::from_le_bytes(bytes)
+}
+
 /// A peer's region as the initiator sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcpRemoteKey {

@@ -22,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 mod conn;
+mod fence;
 pub mod frame;
 mod keys;
 mod pool;
@@ -121,6 +122,7 @@ impl TcpBackend {
             timeout,
             tuning,
             stop: Arc::new(AtomicBool::new(false)),
+            fences: fence::Fences::default(),
         };
         let server = Server::start(listener, shared)?;
         tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");

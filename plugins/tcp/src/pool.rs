@@ -43,11 +43,15 @@ struct PoolShared {
     addr: SocketAddr,
     config: PoolConfig,
     closed: Arc<AtomicBool>,
-    control: Mutex<Option<Conn>>,
+    control: Mutex<Option<Pooled>>,
     next_request: AtomicU64,
-    /// When the peer last failed an exchange (µs since `epoch`, 0 = never) and whether by
+    /// Random per pool; with `epoch`, tells the target which connections are current (see
+    /// `fence.rs`).
+    session_id: u64,
+    epoch: AtomicU64,
+    /// When the peer last failed an exchange (µs since `started`, 0 = never) and whether by
     /// timeout: chunks queued before then fail at once instead of each waiting out a timeout.
-    epoch: Instant,
+    started: Instant,
     failed_at: AtomicU64,
     failed_by_timeout: AtomicBool,
 }
@@ -71,7 +75,9 @@ impl PeerPool {
                 closed: Arc::new(AtomicBool::new(false)),
                 control: Mutex::new(None),
                 next_request: AtomicU64::new(1),
-                epoch: Instant::now(),
+                session_id: crate::keys::random_u64(),
+                epoch: AtomicU64::new(0),
+                started: Instant::now(),
                 failed_at: AtomicU64::new(0),
                 failed_by_timeout: AtomicBool::new(false),
             }),
@@ -131,8 +137,8 @@ impl RemoteAgent for PeerPool {
 
     fn disconnect(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        if let Some(conn) = self.shared.control.lock().take() {
-            conn.shutdown();
+        if let Some(pooled) = self.shared.control.lock().take() {
+            pooled.conn.shutdown();
         }
     }
 }
@@ -265,8 +271,14 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
         .collect())
 }
 
+/// A connection and the epoch it was opened in.
+struct Pooled {
+    epoch: u64,
+    conn: Conn,
+}
+
 fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
-    let mut conn: Option<Conn> = None;
+    let mut conn: Option<Pooled> = None;
     loop {
         let mut chunk = match receiver.recv_timeout(Duration::from_millis(250)) {
             Ok(chunk) => chunk,
@@ -295,21 +307,15 @@ fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
     }
 }
 
-fn run_chunk(shared: &PoolShared, slot: &mut Option<Conn>, chunk: &mut Chunk) -> Result<(), BackendError> {
+fn run_chunk(shared: &PoolShared, slot: &mut Option<Pooled>, chunk: &mut Chunk) -> Result<(), BackendError> {
     if chunk.bytes == 0 && chunk.remote.is_empty() {
         return Ok(());
     }
-    let conn = match slot {
-        Some(conn) => conn,
-        None => slot.insert(shared.connect()?),
-    };
-    let result = exchange(shared, conn, chunk);
+    let result = exchange(shared, shared.current(slot)?, chunk);
     if let Err(err) = &result {
         // A refusal leaves the stream in step; anything else may not.
         if !matches!(err, BackendError::Refused { .. }) {
-            if let Some(conn) = slot.take() {
-                conn.shutdown();
-            }
+            shared.abandon(slot);
         }
     }
     result
@@ -378,6 +384,28 @@ fn read_response(
 }
 
 impl PoolShared {
+    /// The slot's connection, (re)opened when missing or from an abandoned epoch.
+    fn current<'a>(&self, slot: &'a mut Option<Pooled>) -> Result<&'a mut Conn, BackendError> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if slot.as_ref().is_some_and(|p| p.epoch != epoch) {
+            if let Some(stale) = slot.take() {
+                stale.conn.shutdown();
+            }
+        }
+        match slot {
+            Some(pooled) => Ok(&mut pooled.conn),
+            None => Ok(&mut slot.insert(Pooled { epoch, conn: self.connect(epoch)? }).conn),
+        }
+    }
+
+    /// Gives up a connection mid-exchange: a new epoch, so the target fences the old one.
+    fn abandon(&self, slot: &mut Option<Pooled>) {
+        if let Some(pooled) = slot.take() {
+            self.epoch.fetch_max(pooled.epoch + 1, Ordering::AcqRel);
+            pooled.conn.shutdown();
+        }
+    }
+
     /// Remembers that the peer failed an exchange by timeout or disconnection.
     fn record_failure(&self, err: &BackendError) {
         let by_timeout = match err {
@@ -386,14 +414,14 @@ impl PoolShared {
             _ => return,
         };
         self.failed_by_timeout.store(by_timeout, Ordering::Release);
-        let micros = self.epoch.elapsed().as_micros() as u64 + 1;
+        let micros = self.started.elapsed().as_micros() as u64 + 1;
         self.failed_at.fetch_max(micros, Ordering::AcqRel);
     }
 
     /// The error for a chunk queued at `queued_at` if the peer has failed since.
     fn failed_since(&self, queued_at: Instant) -> Option<BackendError> {
         let failed_at = self.failed_at.load(Ordering::Acquire);
-        let queued = queued_at.saturating_duration_since(self.epoch).as_micros() as u64 + 1;
+        let queued = queued_at.saturating_duration_since(self.started).as_micros() as u64 + 1;
         if failed_at == 0 || failed_at < queued {
             return None;
         }
@@ -415,13 +443,14 @@ impl PoolShared {
         }
     }
 
-    fn connect(&self) -> Result<Conn, BackendError> {
+    fn connect(&self, epoch: u64) -> Result<Conn, BackendError> {
         let config = &self.config;
         let mut conn =
             Conn::connect(self.addr, config.connect_timeout, config.timeout, config.tuning, Arc::clone(&self.closed))
                 .map_err(|e| self.disconnected(format!("connect to {}: {e}", self.addr)))?;
         let mut hello = Vec::new();
-        frame::encode_hello(&self.local_name, &self.peer, &mut hello);
+        let session = frame::Session { id: self.session_id, epoch };
+        frame::encode_hello(&self.local_name, &self.peer, session, &mut hello);
         conn.write_all(&hello).map_err(|e| self.conn_error(e))?;
         let mut reply = [0u8; frame::HELLO_REPLY_LEN];
         conn.read_exact(&mut reply).map_err(|e| self.conn_error(e))?;
@@ -448,11 +477,8 @@ impl PoolShared {
             if self.closed.load(Ordering::Acquire) {
                 return Err(self.disconnected("connection pool closed"));
             }
-            let reused = control.is_some();
-            let conn = match control.as_mut() {
-                Some(conn) => conn,
-                None => control.insert(self.connect()?),
-            };
+            let reused = control.as_ref().is_some_and(|p| p.epoch == self.epoch.load(Ordering::Acquire));
+            let conn = self.current(&mut control)?;
             let request_id = self.next_request.fetch_add(1, Ordering::Relaxed);
             let mut head = Vec::new();
             frame::encode_request(Kind::Notif, request_id, &[], message.len() as u64, &mut head);
@@ -464,9 +490,7 @@ impl PoolShared {
                 Ok(()) => return Ok(()),
                 Err(err @ BackendError::Refused { .. }) => return Err(err),
                 Err(err) => {
-                    if let Some(conn) = control.take() {
-                        conn.shutdown();
-                    }
+                    self.abandon(&mut control);
                     // Only a stale pooled connection (closed or reset before we used it) is
                     // worth one retry; after a timeout the peer may still deliver the first
                     // copy, and a resend would deliver it twice.

@@ -10,7 +10,8 @@ use std::time::Duration;
 use xfer_core::{MemSlice, NotifSink, Pin, RefusalCode};
 
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
-use crate::frame::{self, FrameError, Header, Kind, WireDesc};
+use crate::fence::{Fence, Fences};
+use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::keys::KeyTable;
 
 /// What every connection thread shares.
@@ -21,6 +22,7 @@ pub struct ServerShared {
     pub timeout: Duration,
     pub tuning: SocketTuning,
     pub stop: Arc<AtomicBool>,
+    pub fences: Fences,
 }
 
 pub struct Server {
@@ -98,12 +100,14 @@ enum ServeError {
     Conn(#[from] ConnError),
     #[error("name is not UTF-8")]
     Name,
+    #[error("a newer connection of this initiator took over")]
+    Superseded,
 }
 
 fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
     tune(&stream, shared.tuning).map_err(ConnError::from)?;
     let mut conn = Conn::new(stream, shared.timeout, Arc::clone(&shared.stop)).map_err(ConnError::from)?;
-    let Some(peer) = handshake(&mut conn, shared)? else { return Ok(()) };
+    let Some((peer, session, fence)) = handshake(&mut conn, shared)? else { return Ok(()) };
     let mut header_buf = [0u8; frame::HEADER_LEN];
     let mut table = Vec::new();
     let mut descs = Vec::new();
@@ -117,11 +121,16 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
         conn.read_exact(&mut table)?;
         frame::decode_descs(&header, &table, &mut descs)?;
         out.clear();
+        let current = fence.read();
+        if *current != session {
+            return Err(ServeError::Superseded);
+        }
         match header.kind {
             Kind::Notif => {
                 let mut message = vec![0u8; header.payload_len as usize];
                 conn.read_exact(&mut message)?;
                 (shared.notifs)(&peer, message);
+                drop(current);
                 frame::encode_response(0, header.request_id, 0, "", &mut out);
                 conn.write_all(&out)?;
             }
@@ -132,6 +141,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     conn.read_exact_vectored(&mut iov)?;
                     drop(iov);
                     drop(slices);
+                    drop(current);
                     frame::encode_response(0, header.request_id, 0, "", &mut out);
                     conn.write_all(&out)?;
                 }
@@ -160,13 +170,14 @@ fn refuse(conn: &mut Conn, header: &Header, code: RefusalCode, msg: &str, out: &
     conn.write_all(out)
 }
 
-/// Reads the hello, checks it is meant for this agent, answers; returns the initiator's name.
-fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<String>, ServeError> {
+/// Reads the hello, checks it is meant for this agent and current, answers; returns the
+/// initiator's name, its session and the fence frames check.
+fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<(String, Session, Fence)>, ServeError> {
     let mut fixed = [0u8; frame::HELLO_LEN];
     if !conn.read_frame_start(&mut fixed)? {
         return Ok(None);
     }
-    let (from_len, to_len) = frame::decode_hello(&fixed)?;
+    let frame::Hello { from_len, to_len, session } = frame::decode_hello(&fixed)?;
     let mut names = vec![0u8; from_len + to_len];
     conn.read_exact(&mut names)?;
     let to_name = std::str::from_utf8(&names[from_len..]).map_err(|_| ServeError::Name)?;
@@ -178,9 +189,15 @@ fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<String>, S
         conn.write_all(&out)?;
         return Ok(None);
     }
+    let Some(fence) = shared.fences.admit(&from_name, session) else {
+        let msg = format!("connection epoch {} of {from_name:?} is stale", session.epoch);
+        frame::encode_hello_reply(RefusalCode::BadRequest.to_wire(), &msg, &mut out);
+        conn.write_all(&out)?;
+        return Ok(None);
+    };
     frame::encode_hello_reply(0, "", &mut out);
     conn.write_all(&out)?;
-    Ok(Some(from_name))
+    Ok(Some((from_name, session, fence)))
 }
 
 /// Checks every descriptor before any byte moves: known key, live region, within bounds.

@@ -49,7 +49,7 @@ impl Raw {
     fn hello(addr: &str, to: &str) -> (Raw, u16, String) {
         let mut raw = Raw::connect(addr);
         let mut hello = Vec::new();
-        frame::encode_hello("raw-tester", to, &mut hello);
+        frame::encode_hello("raw-tester", to, frame::Session::default(), &mut hello);
         raw.send(&hello);
         let mut fixed = [0u8; frame::HELLO_REPLY_LEN];
         raw.stream.read_exact(&mut fixed).expect("hello reply");
@@ -214,7 +214,7 @@ fn malformed(addr: &str, name: &str, key: &TcpRemoteKey) {
     raw.expect_closed("garbage instead of a hello");
 
     let mut bad_version = Vec::new();
-    frame::encode_hello("raw-tester", name, &mut bad_version);
+    frame::encode_hello("raw-tester", name, frame::Session::default(), &mut bad_version);
     bad_version[4] = frame::VERSION + 1;
     let mut raw = Raw::connect(addr);
     raw.send(&bad_version);
