@@ -39,3 +39,18 @@ pub mod peer;
 pub mod scenarios;
 
 pub use peer::{peer_exe, set_peer_exe, Peer, PeerConfig, PeerError};
+
+/// One `#[test]` per listed scenario, each running `scenarios::NAME(backend, params)` against
+/// the calling test crate's `xfer-peer` binary: a backend's test file is one call per transport.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($backend:expr, $params:expr, [$($scenario:ident),* $(,)?]) => {
+        $(
+            #[test]
+            fn $scenario() {
+                $crate::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+                $crate::scenarios::$scenario($backend, $params);
+            }
+        )*
+    };
+}

@@ -14,119 +14,46 @@
 
 #![cfg(feature = "ucx")]
 
-use xfer_conformance::scenarios;
-
-const BACKEND: &str = "ucx";
-
-fn setup() {
-    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
-}
-
-macro_rules! suite {
-    ($module:ident, $params:expr) => {
-        mod $module {
-            use super::*;
-
-            const PARAMS: &str = $params;
-
-            #[test]
-            fn peer_protocol() {
-                setup();
-                scenarios::peer_protocol(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn transfer_matrix() {
-                setup();
-                scenarios::transfer_matrix(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn transfer_large() {
-                setup();
-                scenarios::transfer_large(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn notifications() {
-                setup();
-                scenarios::notifications(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn api_errors() {
-                setup();
-                scenarios::api_errors(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn bad_remote_key() {
-                setup();
-                scenarios::bad_remote_key(BACKEND, PARAMS);
-            }
-        }
-    };
-}
-
-/// The scenarios with a killed or frozen peer (over transports that detect failed peers).
-macro_rules! fault_suite {
-    ($module:ident, $params:expr) => {
-        mod $module {
-            use super::*;
-
-            const PARAMS: &str = $params;
-
-            #[test]
-            fn sigkill_mid_transfer() {
-                setup();
-                scenarios::sigkill_mid_transfer(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn sigstop_mid_transfer() {
-                setup();
-                scenarios::sigstop_mid_transfer(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn stalled_peer_times_out() {
-                setup();
-                scenarios::stalled_peer_times_out(BACKEND, PARAMS);
-            }
-        }
-    };
-}
-
-macro_rules! more_suite {
-    ($module:ident, $params:expr) => {
-        mod $module {
-            use super::*;
-
-            const PARAMS: &str = $params;
-
-            #[test]
-            fn notif_once_across_stall() {
-                setup();
-                scenarios::notif_once_across_stall(BACKEND, PARAMS);
-            }
-
-            #[test]
-            fn dereg_initiator_races_transfers() {
-                setup();
-                scenarios::dereg_initiator_races_transfers(BACKEND, PARAMS);
-            }
-        }
-    };
-}
-
 const TCP: &str = "tls=tcp,net_devices=lo";
 const SHM: &str = "tls=posix+cma+self";
 
-suite!(over_tcp, super::TCP);
-suite!(over_shm, super::SHM);
-more_suite!(over_tcp_more, super::TCP);
-more_suite!(over_shm_more, super::SHM);
-fault_suite!(over_tcp_faults, super::TCP);
+mod over_tcp {
+    xfer_conformance::conformance_tests!(
+        "ucx",
+        super::TCP,
+        [
+            peer_protocol,
+            transfer_matrix,
+            transfer_large,
+            notifications,
+            api_errors,
+            bad_remote_key,
+            notif_once_across_stall,
+            dereg_initiator_races_transfers,
+            // Killed or frozen peers: only over transports that detect failed peers.
+            sigkill_mid_transfer,
+            sigstop_mid_transfer,
+            stalled_peer_times_out,
+        ]
+    );
+}
+
+mod over_shm {
+    xfer_conformance::conformance_tests!(
+        "ucx",
+        super::SHM,
+        [
+            peer_protocol,
+            transfer_matrix,
+            transfer_large,
+            notifications,
+            api_errors,
+            bad_remote_key,
+            notif_once_across_stall,
+            dereg_initiator_races_transfers,
+        ]
+    );
+}
 
 /// An agent with UCX and TCP attached uses UCX with a peer that has both, and falls back to
 /// TCP with a peer that has only TCP; every byte checked, notifications included.

@@ -95,6 +95,28 @@ pub(super) fn is_disconnect(err: &XferError) -> bool {
 pub(super) fn signal(peer: &Peer, name: &str) {
     let status = Command::new("kill").args([&format!("-{name}"), &peer.pid().to_string()]).status();
     assert!(status.as_ref().is_ok_and(|s| s.success()), "kill -{name} {}: {status:?}", peer.pid());
+    if name == "STOP" {
+        wait_all_threads_stopped(peer.pid());
+    }
+}
+
+/// A stop signal reaches a busy process's threads asynchronously; on a loaded machine one may
+/// still answer a request right after `kill` returns. Wait until /proc shows every thread
+/// stopped (bounded), so the scenarios test a peer that is really frozen.
+fn wait_all_threads_stopped(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let stopped = |state: &str| state.split(") ").nth(1).is_some_and(|rest| rest.starts_with('T'));
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).map(|dir| {
+            dir.filter_map(Result::ok)
+                .all(|task| std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| stopped(&stat)))
+        });
+        if tasks.unwrap_or(true) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "peer {pid} did not stop within 5 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Round after round against the live peer: write a fresh pattern, read it back elsewhere,

@@ -33,6 +33,7 @@ pub use notifs::notifications;
 pub use protocol::peer_protocol;
 pub use stall::{notif_once_across_stall, stalled_peer_times_out};
 pub use transfers::{transfer_large, transfer_matrix};
+pub use wire_tcp::bad_frames;
 
 /// Bound on one ordinary request.
 pub const WAIT: Duration = Duration::from_secs(20);
