@@ -183,10 +183,11 @@ pub fn encode_hello(from: &str, to: &str, session: Session, out: &mut Vec<u8>) {
 
 /// Decodes the fixed part of a hello: the lengths of the two names that follow, the session.
 pub fn decode_hello(buf: &[u8]) -> Result<Hello, FrameError> {
-    need(buf, HELLO_LEN)?;
-    if buf[..4] != MAGIC {
+    // The magic first, so a stranger (an HTTP client, say) is told so however short its bytes.
+    if buf.len() >= MAGIC.len() && buf[..MAGIC.len()] != MAGIC {
         return Err(FrameError::BadMagic);
     }
+    need(buf, HELLO_LEN)?;
     if buf[4] != VERSION {
         return Err(FrameError::BadVersion(buf[4]));
     }
