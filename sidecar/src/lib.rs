@@ -1,0 +1,1 @@
+//! The sidecar: a decode-first P/D proxy next to one engine.
