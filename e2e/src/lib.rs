@@ -1,0 +1,454 @@
+//! Harness for the end-to-end suites against real engines: starting and stopping vLLM instances
+//! through `ci/vllm/engine.sh`, binaries of this workspace, HTTP helpers and Prometheus parsing.
+//!
+//! Every process started here runs in its own process group, is killed with its group on drop,
+//! and gets `SIGTERM` if the test process dies (`PR_SET_PDEATHSIG`, armed from a thread that lives
+//! as long as the child); groups still registered when the test binary exits are killed by an
+//! `atexit` hook, so a shared fixture held in a `static` does not leak engines either.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{mpsc, Mutex, Once};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The repository root (this crate lives in `e2e/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e has a parent").to_path_buf()
+}
+
+/// Where logs of started processes go: `target/e2e-logs/`.
+pub fn log_dir() -> PathBuf {
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target"))
+        .join("e2e-logs");
+    std::fs::create_dir_all(&dir).expect("create log dir");
+    dir
+}
+
+// ---------------------------------------------------------------------------------------------
+// Process groups
+
+static GROUPS: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
+static ATEXIT: Once = Once::new();
+
+extern "C" fn kill_registered_groups() {
+    let groups: Vec<i32> = match GROUPS.lock() {
+        Ok(g) => g.iter().copied().collect(),
+        Err(p) => p.into_inner().iter().copied().collect(),
+    };
+    for pgid in &groups {
+        // SAFETY: signalling a process group we created; no memory is involved.
+        unsafe { libc::kill(-pgid, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for pgid in &groups {
+        while group_alive(*pgid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // SAFETY: as above.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+}
+
+fn group_alive(pgid: i32) -> bool {
+    // SAFETY: signal 0 only checks existence.
+    unsafe { libc::kill(-pgid, 0) == 0 }
+}
+
+/// A child process in its own process group, killed (with the group) on drop.
+#[derive(Debug)]
+pub struct Proc {
+    pub name: String,
+    pub pgid: i32,
+    pub log: PathBuf,
+    exited: mpsc::Receiver<Option<i32>>,
+    exit_status: Option<Option<i32>>,
+}
+
+impl Proc {
+    /// Spawns `cmd` (stdout and stderr to `log_dir()/NAME.log`) in a new process group. The child
+    /// is spawned and reaped by a dedicated thread, so that `PR_SET_PDEATHSIG` (tied to the
+    /// spawning thread) fires only when this process dies.
+    pub fn spawn(name: &str, mut cmd: Command) -> Result<Proc, String> {
+        ATEXIT.call_once(|| {
+            // SAFETY: registering a plain extern "C" function.
+            unsafe { libc::atexit(kill_registered_groups) };
+        });
+        let log = log_dir().join(format!("{name}.log"));
+        let out = File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let err = out.try_clone().map_err(|e| e.to_string())?;
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+        // SAFETY: only async-signal-safe calls (setpgid, prctl) between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setpgid(0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let (pid_tx, pid_rx) = mpsc::channel();
+        let (exit_tx, exit_rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("reaper-{name}"))
+            .spawn(move || match cmd.spawn() {
+                Ok(mut child) => {
+                    let pid = child.id() as i32;
+                    GROUPS.lock().unwrap_or_else(|p| p.into_inner()).insert(pid);
+                    let _ = pid_tx.send(Ok(pid));
+                    let status = child.wait().ok().and_then(|s| s.code());
+                    let _ = exit_tx.send(status);
+                }
+                Err(e) => {
+                    let _ = pid_tx.send(Err(e.to_string()));
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        let pgid = pid_rx
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|e| format!("{name}: spawn: {e}"))??;
+        Ok(Proc { name: name.to_string(), pgid, log, exited: exit_rx, exit_status: None })
+    }
+
+    /// Whether the direct child is still running.
+    pub fn running(&mut self) -> bool {
+        if self.exit_status.is_none() {
+            if let Ok(status) = self.exited.try_recv() {
+                self.exit_status = Some(status);
+            }
+        }
+        self.exit_status.is_none()
+    }
+
+    /// SIGTERM to the group, SIGKILL after `grace`; waits (bounded) for the group to vanish.
+    pub fn kill_with(&mut self, signal: i32, grace: Duration) {
+        // SAFETY: signalling our own process group.
+        unsafe { libc::kill(-self.pgid, signal) };
+        let deadline = Instant::now() + grace;
+        while group_alive(self.pgid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if group_alive(self.pgid) {
+            // SAFETY: as above.
+            unsafe { libc::kill(-self.pgid, libc::SIGKILL) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while group_alive(self.pgid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        GROUPS.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.pgid);
+        let _ = self.exited.recv_timeout(Duration::from_secs(5)).map(|s| self.exit_status = Some(s));
+    }
+
+    pub fn stop(&mut self) {
+        self.kill_with(libc::SIGTERM, Duration::from_secs(15));
+    }
+
+    /// The last `lines` lines of the log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        log_tail(&self.log, lines)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if group_alive(self.pgid) {
+            self.stop();
+        }
+    }
+}
+
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let Ok(mut f) = File::open(path) else { return format!("(no log at {})", path.display()) };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(64 * 1024)));
+    let mut text = String::new();
+    let _ = f.read_to_string(&mut text);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The lines of a log file containing `needle` (for assertions on engine logs).
+pub fn log_lines_with(path: &Path, needle: &str) -> Vec<String> {
+    let Ok(f) = File::open(path) else { return Vec::new() };
+    BufReader::new(f).lines().map_while(Result::ok).filter(|l| l.contains(needle)).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real vLLM engines
+
+/// What the real-vLLM suite needs from the environment.
+#[derive(Clone, Debug)]
+pub struct VllmSettings {
+    pub venv: PathBuf,
+    pub model: PathBuf,
+    /// First port of the range the suite uses (default 18100).
+    pub port_base: u16,
+}
+
+pub const SKIP_HOW: &str = "install it with `ci/vllm/install.sh` (prints the venv) and run \
+     `PD_VLLM_VENV=<venv> cargo test -p pd-e2e --test vllm -- --test-threads 1` (ci/test.sh does)";
+
+impl VllmSettings {
+    /// `Err(reason)` when the suite cannot run here (no `PD_VLLM_VENV`).
+    pub fn from_env() -> Result<VllmSettings, String> {
+        let venv = std::env::var_os("PD_VLLM_VENV")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .ok_or_else(|| "PD_VLLM_VENV is not set".to_string())?;
+        if !venv.join("bin/vllm").exists() {
+            return Err(format!("PD_VLLM_VENV={} has no bin/vllm", venv.display()));
+        }
+        let model = match std::env::var_os("PD_VLLM_MODEL") {
+            Some(m) if !m.is_empty() => PathBuf::from(m),
+            _ => build_model(&venv)?,
+        };
+        let port_base = std::env::var("PD_E2E_PORT_BASE").ok().and_then(|p| p.parse().ok()).unwrap_or(18100);
+        Ok(VllmSettings { venv, model, port_base })
+    }
+}
+
+/// Runs `ci/vllm/make-model.py` with the venv's python (cached after the first build).
+pub fn build_model(venv: &Path) -> Result<PathBuf, String> {
+    let out = Command::new(venv.join("bin/python"))
+        .arg(repo_root().join("ci/vllm/make-model.py"))
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("make-model.py: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("make-model.py failed: {}", out.status));
+    }
+    let path = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_string();
+    Ok(PathBuf::from(path))
+}
+
+/// How to start one engine.
+#[derive(Clone, Debug)]
+pub struct EngineSpec {
+    pub name: String,
+    pub port: u16,
+    pub side_port: u16,
+    pub core: u32,
+    /// KV-event publisher port (replay on the next one).
+    pub events_port: Option<u16>,
+    pub block_size: u32,
+}
+
+/// A running real vLLM instance (started with `ci/vllm/engine.sh run`).
+#[derive(Debug)]
+pub struct Engine {
+    pub spec: EngineSpec,
+    pub proc: Proc,
+    pub started_in: Duration,
+}
+
+impl Engine {
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.spec.port)
+    }
+
+    pub fn events_endpoint(&self) -> Option<String> {
+        self.spec.events_port.map(|p| format!("tcp://127.0.0.1:{p}"))
+    }
+
+    pub fn replay_endpoint(&self) -> Option<String> {
+        self.spec.events_port.map(|p| format!("tcp://127.0.0.1:{}", p + 1))
+    }
+
+    /// Spawns the engine; call [`Engine::wait_healthy`] next (lets two engines start together).
+    pub fn spawn(settings: &VllmSettings, spec: EngineSpec) -> Result<Engine, String> {
+        let mut cmd = Command::new("bash");
+        cmd.arg(repo_root().join("ci/vllm/engine.sh"))
+            .arg("run")
+            .arg(&spec.name)
+            .args(["--port", &spec.port.to_string()])
+            .args(["--side-port", &spec.side_port.to_string()])
+            .args(["--core", &spec.core.to_string()])
+            .args(["--block-size", &spec.block_size.to_string()])
+            .arg("--venv")
+            .arg(&settings.venv)
+            .arg("--model")
+            .arg(&settings.model);
+        if let Some(p) = spec.events_port {
+            cmd.args(["--events", &format!("tcp://*:{p}")]);
+        }
+        let proc = Proc::spawn(&spec.name, cmd)?;
+        Ok(Engine { spec, proc, started_in: Duration::ZERO })
+    }
+
+    /// Waits (bounded) for `GET /health` to answer 200.
+    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
+        let start = Instant::now();
+        let url = format!("{}/health", self.url());
+        loop {
+            if http_status_blocking(&url) == Some(200) {
+                self.started_in = start.elapsed();
+                return Ok(());
+            }
+            if !self.proc.running() {
+                return Err(format!(
+                    "{} exited during start; log tail:\n{}",
+                    self.spec.name,
+                    self.proc.log_tail(40)
+                ));
+            }
+            if start.elapsed() > timeout {
+                return Err(format!(
+                    "{}: no /health within {timeout:?}; log tail:\n{}",
+                    self.spec.name,
+                    self.proc.log_tail(40)
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    /// Stops this instance and starts it again with the same spec (waits for health).
+    pub fn restart(&mut self, settings: &VllmSettings, timeout: Duration) -> Result<(), String> {
+        self.proc.stop();
+        let mut fresh = Engine::spawn(settings, self.spec.clone())?;
+        fresh.wait_healthy(timeout)?;
+        std::mem::swap(self, &mut fresh);
+        Ok(())
+    }
+}
+
+/// A minimal blocking HTTP GET status check on 127.0.0.1 (no runtime needed).
+pub fn http_status_blocking(url: &str) -> Option<u16> {
+    use std::io::Write;
+    let rest = url.strip_prefix("http://")?;
+    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let addr: std::net::SocketAddr = host.replace("localhost", "127.0.0.1").parse().ok()?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).ok()?;
+    let line = std::str::from_utf8(&buf[..n]).ok()?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prometheus text
+
+/// The sum of every sample of `name` whose labels include all of `labels` (`k="v"` pairs).
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut total = 0.0;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = match line.rsplit_once(' ') {
+            Some(x) => x,
+            None => continue,
+        };
+        let (metric, label_text) = match series.split_once('{') {
+            Some((m, l)) => (m, l.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        if metric != name {
+            continue;
+        }
+        if labels.iter().all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\""))) {
+            total += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    total
+}
+
+/// `GET {base}/metrics` and [`metric_sum`].
+pub async fn metric(client: &reqwest::Client, base: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    metric_sum(&text, name, labels)
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI helpers
+
+/// The generated text of a non-streaming completion or chat completion.
+pub fn response_text(body: &Value) -> String {
+    let choice = &body["choices"][0];
+    if let Some(t) = choice["text"].as_str() {
+        return t.to_string();
+    }
+    choice["message"]["content"].as_str().unwrap_or_default().to_string()
+}
+
+/// Concatenates the text deltas of an SSE stream body; `Err` when it never said `[DONE]`.
+pub fn sse_text(body: &str) -> Result<String, String> {
+    let mut text = String::new();
+    let mut done = false;
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data:") else { continue };
+        let data = data.trim();
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| format!("bad SSE chunk {data:?}: {e}"))?;
+        if v.get("error").is_some() {
+            return Err(format!("error in stream: {v}"));
+        }
+        let choice = &v["choices"][0];
+        if let Some(t) = choice["text"].as_str() {
+            text.push_str(t);
+        } else if let Some(t) = choice["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    if done {
+        Ok(text)
+    } else {
+        Err(format!("stream ended without [DONE]: {body:?}"))
+    }
+}
+
+/// POSTs JSON and returns (status, body as text).
+pub async fn post_json(client: &reqwest::Client, url: &str, body: &Value, timeout: Duration) -> Result<(u16, String), String> {
+    let resp = client
+        .post(url)
+        .json(body)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| format!("POST {url}: {e}"))?;
+    let status = resp.status().as_u16();
+    let text = resp.text().await.map_err(|e| format!("POST {url}: body: {e}"))?;
+    Ok((status, text))
+}
+
+/// A prompt of distinct-looking words that no earlier request shares a prefix with.
+pub fn fresh_prompt(tag: &str, words: usize) -> String {
+    const WORDS: &[&str] = &[
+        "license", "software", "copy", "source", "code", "program", "work", "terms", "rights", "any",
+        "free", "public", "general", "version", "modify", "distribute", "without", "warranty", "notice",
+        "permission", "provided", "holders", "conditions", "following", "library", "patent", "object",
+    ];
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let mut x = (nanos as u64) ^ 0x9e37_79b9_7f4a_7c15;
+    let mut out = format!("{tag} {nanos}:");
+    for _ in 0..words {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.push(' ');
+        out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
+    }
+    out
+}
