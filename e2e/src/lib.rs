@@ -112,9 +112,7 @@ impl Proc {
                 }
             })
             .map_err(|e| e.to_string())?;
-        let pgid = pid_rx
-            .recv_timeout(Duration::from_secs(30))
-            .map_err(|e| format!("{name}: spawn: {e}"))??;
+        let pgid = pid_rx.recv_timeout(Duration::from_secs(30)).map_err(|e| format!("{name}: spawn: {e}"))??;
         Ok(Proc { name: name.to_string(), pgid, log, exited: exit_rx, exit_status: None })
     }
 
@@ -294,11 +292,7 @@ impl Engine {
                 return Ok(());
             }
             if !self.proc.running() {
-                return Err(format!(
-                    "{} exited during start; log tail:\n{}",
-                    self.spec.name,
-                    self.proc.log_tail(40)
-                ));
+                return Err(format!("{} exited during start; log tail:\n{}", self.spec.name, self.proc.log_tail(40)));
             }
             if start.elapsed() > timeout {
                 return Err(format!(
@@ -420,14 +414,13 @@ pub fn sse_text(body: &str) -> Result<String, String> {
 }
 
 /// POSTs JSON and returns (status, body as text).
-pub async fn post_json(client: &reqwest::Client, url: &str, body: &Value, timeout: Duration) -> Result<(u16, String), String> {
-    let resp = client
-        .post(url)
-        .json(body)
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| format!("POST {url}: {e}"))?;
+pub async fn post_json(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    timeout: Duration,
+) -> Result<(u16, String), String> {
+    let resp = client.post(url).json(body).timeout(timeout).send().await.map_err(|e| format!("POST {url}: {e}"))?;
     let status = resp.status().as_u16();
     let text = resp.text().await.map_err(|e| format!("POST {url}: body: {e}"))?;
     Ok((status, text))
@@ -436,9 +429,33 @@ pub async fn post_json(client: &reqwest::Client, url: &str, body: &Value, timeou
 /// A prompt of distinct-looking words that no earlier request shares a prefix with.
 pub fn fresh_prompt(tag: &str, words: usize) -> String {
     const WORDS: &[&str] = &[
-        "license", "software", "copy", "source", "code", "program", "work", "terms", "rights", "any",
-        "free", "public", "general", "version", "modify", "distribute", "without", "warranty", "notice",
-        "permission", "provided", "holders", "conditions", "following", "library", "patent", "object",
+        "license",
+        "software",
+        "copy",
+        "source",
+        "code",
+        "program",
+        "work",
+        "terms",
+        "rights",
+        "any",
+        "free",
+        "public",
+        "general",
+        "version",
+        "modify",
+        "distribute",
+        "without",
+        "warranty",
+        "notice",
+        "permission",
+        "provided",
+        "holders",
+        "conditions",
+        "following",
+        "library",
+        "patent",
+        "object",
     ];
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
     let mut x = (nanos as u64) ^ 0x9e37_79b9_7f4a_7c15;

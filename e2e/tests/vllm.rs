@@ -87,9 +87,7 @@ fn start_cluster() -> Result<Cluster, String> {
 /// The shared fixture, or `None` (after a loud SKIPPED line) when the suite cannot run here.
 fn cluster(test: &str) -> Option<&'static Cluster> {
     if std::env::var_os("PD_VLLM_VENV").is_none_or(|v| v.is_empty()) {
-        loud(&format!(
-            "SKIPPED: real-vLLM test `{test}` did not run: PD_VLLM_VENV is not set; {SKIP_HOW}"
-        ));
+        loud(&format!("SKIPPED: real-vLLM test `{test}` did not run: PD_VLLM_VENV is not set; {SKIP_HOW}"));
         return None;
     }
     match CLUSTER.get_or_init(start_cluster) {
@@ -166,7 +164,13 @@ fn path(chat: bool) -> &'static str {
 }
 
 /// The two legs of a P/D request done by the test itself (the protocol of PROTOCOLS.md §1).
-async fn pd_by_hand(client: &reqwest::Client, prefill: &str, decode: &str, route: &str, body: &Value) -> Result<(u16, String), String> {
+async fn pd_by_hand(
+    client: &reqwest::Client,
+    prefill: &str,
+    decode: &str,
+    route: &str,
+    body: &Value,
+) -> Result<(u16, String), String> {
     let mut first = body.clone();
     first["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
         "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
@@ -215,9 +219,14 @@ fn t1_pd_completions_and_chat_streaming_and_not() {
             let prompt = fresh_prompt("pd", 90);
             // Reference: the same request served by the decode alone, then its cache emptied so
             // that the P/D request must pull every block.
-            let (status, plain) = post_json(&client, &format!("{decode}{}", path(chat)), &request_body(chat, &prompt, false), REQUEST_TIMEOUT)
-                .await
-                .expect("plain request");
+            let (status, plain) = post_json(
+                &client,
+                &format!("{decode}{}", path(chat)),
+                &request_body(chat, &prompt, false),
+                REQUEST_TIMEOUT,
+            )
+            .await
+            .expect("plain request");
             assert_eq!(status, 200, "{what}: plain request: {plain}");
             let plain: Value = serde_json::from_str(&plain).expect("json");
             let reference = response_text(&plain);
@@ -227,11 +236,17 @@ fn t1_pd_completions_and_chat_streaming_and_not() {
             let xfers = metric(&client, &decode, XFER_COUNT, &[]).await;
             let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
             let text = pd_text(&client, c, path(chat), &request_body(chat, &prompt, stream)).await;
-            let xfers_after = wait_metric(&client, &decode, XFER_COUNT, &[], Duration::from_secs(10), |v| v > xfers).await;
-            let external_after =
-                wait_metric(&client, &decode, BY_SOURCE, &[EXTERNAL], Duration::from_secs(10), |v| v >= external + prompt_tokens).await;
+            let xfers_after =
+                wait_metric(&client, &decode, XFER_COUNT, &[], Duration::from_secs(10), |v| v > xfers).await;
+            let external_after = wait_metric(&client, &decode, BY_SOURCE, &[EXTERNAL], Duration::from_secs(10), |v| {
+                v >= external + prompt_tokens
+            })
+            .await;
 
-            assert!(xfers_after > xfers, "{what}: the decode made no NIXL transfer ({XFER_COUNT} {xfers} -> {xfers_after})");
+            assert!(
+                xfers_after > xfers,
+                "{what}: the decode made no NIXL transfer ({XFER_COUNT} {xfers} -> {xfers_after})"
+            );
             assert_eq!(
                 external_after - external,
                 prompt_tokens,
@@ -320,7 +335,8 @@ fn t2_kv_event_hashes_equal_ours() {
         let client = client();
         let tokens = tokenize(&client, &base, &prompt).await;
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0});
-        let (status, text) = post_json(&client, &format!("{base}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("request");
+        let (status, text) =
+            post_json(&client, &format!("{base}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("request");
         assert_eq!(status, 200, "{text}");
         tokens
     });
@@ -331,7 +347,11 @@ fn t2_kv_event_hashes_equal_ours() {
     timing(&format!("KV events of a {}-token prompt ({} blocks) received", tokens.len(), ours.len()), t0.elapsed());
     assert_eq!(first_parent, None, "the prompt's first block has no parent");
     assert!(theirs.len() >= ours.len(), "engine stored {} blocks, we hash {}", theirs.len(), ours.len());
-    assert_eq!(&theirs[..ours.len()], &ours[..], "the engine's BlockStored hashes differ from pd_protocols' sha256_cbor chain");
+    assert_eq!(
+        &theirs[..ours.len()],
+        &ours[..],
+        "the engine's BlockStored hashes differ from pd_protocols' sha256_cbor chain"
+    );
     assert_eq!(&stored_tokens[..ours.len() * bs], &tokens[..ours.len() * bs], "stored token ids differ from /tokenize");
     let _ = &c.settings;
 }
