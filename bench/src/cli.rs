@@ -74,6 +74,13 @@ pub struct Args {
     /// Use a running target's side channel (its raw-tcp port is PORT+1) instead of spawning one
     #[arg(long, value_name = "HOST:PORT")]
     pub connect: Option<String>,
+    /// Also plot GB/s against block size: writes PATH.svg and PATH.png
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
+    /// Measure nothing: print, plot and re-export the rows of these JSON files (--json output
+    /// of earlier runs or of bench/peers/)
+    #[arg(long, value_delimiter = ',', value_name = "FILE,...")]
+    pub rows: Vec<PathBuf>,
     /// No progress bar
     #[arg(long)]
     pub no_progress: bool,

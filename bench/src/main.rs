@@ -10,6 +10,7 @@ mod measure;
 mod memcpy;
 mod memory;
 mod pattern;
+mod plot;
 mod raw;
 mod report;
 mod run;

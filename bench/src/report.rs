@@ -3,14 +3,16 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::layout::Case;
 use crate::measure::Measurement;
 use crate::units::{format_size, format_total};
 
-/// One measured case of one engine.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// One measured case of one engine. Rows read back (`--rows`, peers' scripts) may leave out
+/// everything but backend, op, block_size and gbps.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Row {
     pub backend: String,
     pub op: String,
@@ -134,6 +136,12 @@ pub fn csv_line(row: &Row) -> String {
 pub fn write_json(path: &Path, rows: &[Row]) -> Result<()> {
     let text = serde_json::to_string_pretty(rows)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads rows written by `--json` here or by the peer scripts (a JSON array of rows).
+pub fn read_json(path: &Path) -> Result<Vec<Row>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not a JSON array of result rows", path.display()))
 }
 
 pub fn write_csv(path: &Path, rows: &[Row]) -> Result<()> {

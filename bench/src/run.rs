@@ -10,11 +10,14 @@ use crate::cli::{Args, Settings, KV_BLOCK, RAW_TCP};
 use crate::layout::Case;
 use crate::measure::{median, Measurement, Plan};
 use crate::raw::{RawConn, RawEngine};
-use crate::report::{format_row, header, ratio, write_csv, write_json, Row};
+use crate::report::{format_row, header, ratio, read_json, write_csv, write_json, Row};
 use crate::spawn::Target;
 use crate::xfer_engine::XferEngine;
 
 pub fn main(args: &Args) -> Result<()> {
+    if !args.rows.is_empty() {
+        return replay(args);
+    }
     let settings = args.settings(std::io::stderr().is_terminal())?;
     let target = match &args.connect {
         Some(addr) => Target::running(addr)?,
@@ -27,11 +30,32 @@ pub fn main(args: &Args) -> Result<()> {
     }
     let rows = run(&settings, &target)?;
     drop(target);
+    export(args, &rows)
+}
+
+/// `--rows`: the table, files and plot of rows measured earlier, possibly by several tools.
+fn replay(args: &Args) -> Result<()> {
+    let mut rows = Vec::new();
+    for path in &args.rows {
+        rows.extend(read_json(path)?);
+    }
+    println!("{}", header());
+    for row in &rows {
+        println!("{}", format_row(row));
+    }
+    export(args, &rows)
+}
+
+fn export(args: &Args, rows: &[Row]) -> Result<()> {
+    if let Some(stem) = &args.plot {
+        let [svg, png] = crate::plot::write(stem, rows, "xferbench: GB/s by block size")?;
+        eprintln!("plots: {} {}", svg.display(), png.display());
+    }
     if let Some(path) = &args.json {
-        write_json(path, &rows)?;
+        write_json(path, rows)?;
     }
     if let Some(path) = &args.csv {
-        write_csv(path, &rows)?;
+        write_csv(path, rows)?;
     }
     Ok(())
 }

@@ -66,3 +66,36 @@ fn raw_baseline_alone_and_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside 4K..64M"));
 }
+
+#[test]
+fn measured_rows_replay_with_peer_rows_into_plots_and_csv() {
+    let (measured, _) = rows("replay-src", "--op read --block-sizes 4K,64K --iters 3 --warmup 0");
+    let ours = json_path("replay-ours");
+    std::fs::write(&ours, serde_json::to_string(&measured).unwrap()).unwrap();
+    // A peer script's rows carry only the essentials.
+    let peer = json_path("replay-peer");
+    std::fs::write(&peer, r#"[{"backend":"mooncake-tcp","op":"read","block_size":65536,"gbps":0.3}]"#).unwrap();
+    let stem = std::env::temp_dir().join(format!("xferbench-plot-{}", std::process::id()));
+    let csv = stem.with_extension("csv");
+    let output = xferbench(&format!(
+        "--rows {},{} --plot {} --csv {}",
+        ours.display(),
+        peer.display(),
+        stem.display(),
+        csv.display()
+    ));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(stdout.lines().count(), 4, "header + 2 measured + 1 peer row:\n{stdout}");
+    assert!(stdout.contains("mooncake-tcp"), "{stdout}");
+    let svg = std::fs::read_to_string(stem.with_extension("svg")).unwrap();
+    assert!(svg.contains("mooncake-tcp") && svg.contains("READ"));
+    assert!(std::fs::read(stem.with_extension("png")).unwrap().starts_with(b"\x89PNG"));
+    assert_eq!(std::fs::read_to_string(&csv).unwrap().lines().count(), 4);
+    let missing = xferbench("--rows /nonexistent/rows.json");
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("reading /nonexistent/rows.json"));
+    for path in [ours, peer, csv, stem.with_extension("svg"), stem.with_extension("png")] {
+        std::fs::remove_file(path).ok();
+    }
+}

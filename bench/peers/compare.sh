@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The transfer comparison in one command: our TCP backend, the raw-TCP baseline, NIXL's agent
+# over UCX's TCP transport, Mooncake's transfer engine over TCP and iperf3 (a streaming ceiling),
+# two processes on loopback, same sizes, same run. Prints ours ÷ each peer, writes a markdown
+# report, the rows as JSON and a plot (bench/results/ by default).
+#
+#   bench/peers/compare.sh                       # 64K 1M 16M, READ and WRITE, median of 3
+#   SIZES="64K 1M" REPEAT=5 OUT=/tmp/peers bench/peers/compare.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+SIZES=${SIZES:-"64K 1M 16M"}
+REPEAT=${REPEAT:-3}
+OUT=${OUT:-bench/results}
+XFERBENCH=${XFERBENCH:-target/release/xferbench}
+VENV=$(bench/peers/install.sh | tail -1)
+MOONCAKE=$(find "$VENV" -name transfer_engine_bench -type f | head -1)
+WORK=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$WORK"' EXIT
+mkdir -p "$OUT"
+[ -x "$XFERBENCH" ] || cargo build --quiet --release -p xfer-bench
+
+bytes() { case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac; }
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print 0 }'; }
+row() { printf '{"backend":"%s","op":"%s","block_size":%s,"gbps":%s,"repeat":%s}\n' "$1" "$2" "$3" "$4" "$REPEAT"; }
+sizes_csv=$(echo "$SIZES" | tr ' ' ',')
+sizes_csv_bytes=$(for s in $SIZES; do bytes "$s"; done | paste -sd,)
+port=$((20000 + RANDOM % 20000))
+
+echo "== ours: xferbench --backend tcp --compare (raw-tcp baseline in the same processes)" >&2
+"$XFERBENCH" --backend tcp --compare --op both --block-sizes "$sizes_csv" --repeat "$REPEAT" \
+  --warmup 3 --no-progress --json "$WORK/ours.json" >&2
+
+echo "== NIXL 1.5.1 Python agent, UCX backend, UCX_TLS=tcp" >&2
+nixl_once() {
+  local dir=$WORK/nixl.$1 pid
+  mkdir -p "$dir"
+  UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$VENV/bin/python" -X faulthandler bench/peers/nixl_bench.py target \
+    --dir "$dir" --max-bytes "$(bytes "${SIZES##* }")" >"$dir/target.log" 2>&1 &
+  pid=$!
+  if ! UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$VENV/bin/python" -X faulthandler bench/peers/nixl_bench.py \
+    initiator --dir "$dir" --sizes "$sizes_csv_bytes" --op read,write >"$dir/rows.jsonl" 2>"$dir/init.log"; then
+    echo "NIXL initiator failed:" >&2; grep -v INFO "$dir/init.log" | tail -20 >&2; grep -v INFO "$dir/target.log" | tail -20 >&2
+    return 1
+  fi
+  wait "$pid"
+}
+for i in $(seq "$REPEAT"); do nixl_once "$i"; done
+for size in $SIZES; do
+  for op in read write; do
+    gbps=$(cat "$WORK"/nixl.*/rows.jsonl | grep "\"op\": \"$op\", \"bytes\": $(bytes "$size")," |
+      sed 's/.*"gbps": \([0-9.e+-]*\).*/\1/' | median)
+    row nixl-ucx-tcp "$op" "$(bytes "$size")" "$gbps"
+  done
+done >"$WORK/nixl.jsonl"
+cat "$WORK/nixl.jsonl" >&2
+
+echo "== Mooncake transfer_engine_bench, protocol tcp, 1 thread, batch 1" >&2
+mooncake_once() {
+  local op=$1 size=$2 log=$WORK/mc.target.log seg pid
+  port=$((port + 1))
+  timeout 120 "$MOONCAKE" --mode=target --metadata_server=P2PHANDSHAKE --protocol=tcp \
+    --local_server_name=127.0.0.1:$port --buffer_size=268435456 >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do seg=$(grep -o 'listening on [0-9.:]*' "$log" | awk '{ print $3 }') && [ -n "$seg" ] && break; sleep 0.1; done
+  port=$((port + 1))
+  timeout 60 "$MOONCAKE" --mode=initiator --metadata_server=P2PHANDSHAKE --protocol=tcp --segment_id="$seg" \
+    --local_server_name=127.0.0.1:$port --operation="$op" --block_size="$(bytes "$size")" --batch_size=1 \
+    --threads=1 --duration=3 --buffer_size=268435456 --report_unit=GB --report_precision=4 2>&1 |
+    sed -n 's/.*throughput \([0-9.]*\) GB\/s.*/\1/p'
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+}
+for size in $SIZES; do
+  for op in read write; do
+    gbps=$(for _ in $(seq "$REPEAT"); do mooncake_once "$op" "$size"; done | median)
+    row mooncake-tcp "$op" "$(bytes "$size")" "$gbps"
+  done
+done >"$WORK/mooncake.jsonl"
+cat "$WORK/mooncake.jsonl" >&2
+
+echo "== iperf3, one TCP stream, writes of each block size" >&2
+for size in $SIZES; do
+  port=$((port + 1))
+  iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
+  sleep 0.3
+  gbps=$(timeout 30 iperf3 -c 127.0.0.1 -p "$port" -t 3 -l "$(bytes "$size")" -J |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"] / 8e9)')
+  wait || true
+  row iperf3-stream write "$(bytes "$size")" "$gbps"
+done >"$WORK/iperf3.jsonl"
+cat "$WORK/iperf3.jsonl" >&2
+
+python3 bench/peers/report.py "$WORK/ours.json" "$WORK"/nixl.jsonl "$WORK"/mooncake.jsonl "$WORK"/iperf3.jsonl \
+  --json "$OUT/peers.json" --markdown "$OUT/peers.md"
+"$XFERBENCH" --rows "$OUT/peers.json" --plot "$OUT/peers" >/dev/null
+echo "wrote $OUT/peers.md $OUT/peers.json $OUT/peers.svg $OUT/peers.png" >&2
