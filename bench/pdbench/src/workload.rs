@@ -1,0 +1,377 @@
+//! The workload generator: length distributions, shared system prompts and multi-turn
+//! conversations, turned into OpenAI request bodies. Pure and seeded, so a run can be repeated
+//! exactly (same prompts, same order) against several targets.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// Errors parsing a workload flag.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum WorkloadError {
+    #[error("bad distribution {0:?}: expected N, uniform:LO:HI or normal:MEAN:STD")]
+    BadDist(String),
+}
+
+/// A distribution of lengths (tokens; with the simulator's word tokenizer, words).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Dist {
+    Fixed { value: u64 },
+    Uniform { lo: u64, hi: u64 },
+    Normal { mean: f64, std: f64 },
+}
+
+impl Dist {
+    /// One sample, at least 1.
+    pub fn sample(&self, rng: &mut impl Rng) -> u64 {
+        let v = match *self {
+            Dist::Fixed { value } => value,
+            Dist::Uniform { lo, hi } => rng.random_range(lo..=hi),
+            Dist::Normal { mean, std } => {
+                // Box–Muller.
+                let u1: f64 = rng.random_range(f64::EPSILON..1.0);
+                let u2: f64 = rng.random();
+                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                (mean + std * z).round().max(1.0) as u64
+            }
+        };
+        v.max(1)
+    }
+}
+
+impl FromStr for Dist {
+    type Err = WorkloadError;
+
+    /// `128`, `fixed:128`, `uniform:64:256`, `normal:128:32`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || WorkloadError::BadDist(s.to_string());
+        let parts: Vec<&str> = s.split(':').collect();
+        match parts.as_slice() {
+            [v] | ["fixed", v] => Ok(Dist::Fixed { value: v.parse().map_err(|_| bad())? }),
+            ["uniform", lo, hi] => {
+                let (lo, hi): (u64, u64) = (lo.parse().map_err(|_| bad())?, hi.parse().map_err(|_| bad())?);
+                if lo > hi {
+                    return Err(bad());
+                }
+                Ok(Dist::Uniform { lo, hi })
+            }
+            ["normal", m, sd] => {
+                let (mean, std): (f64, f64) = (m.parse().map_err(|_| bad())?, sd.parse().map_err(|_| bad())?);
+                if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
+                    return Err(bad());
+                }
+                Ok(Dist::Normal { mean, std })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for Dist {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dist::Fixed { value } => write!(f, "{value}"),
+            Dist::Uniform { lo, hi } => write!(f, "uniform:{lo}:{hi}"),
+            Dist::Normal { mean, std } => write!(f, "normal:{mean}:{std}"),
+        }
+    }
+}
+
+/// Which OpenAI endpoint the requests go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `/v1/completions` with a `prompt`
+    Completions,
+    /// `/v1/chat/completions` with `messages`
+    Chat,
+}
+
+impl Api {
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// What to generate.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkloadSpec {
+    /// Conversations (each of `turns` requests).
+    pub conversations: usize,
+    /// Requests per conversation; each resends the history (earlier turns and their answers).
+    pub turns: usize,
+    /// Length of each new user message.
+    pub prompt_len: Dist,
+    /// `max_tokens` of each request.
+    pub output_len: Dist,
+    /// Distinct shared system prompts (0: none); conversation `i` uses prompt `i % prefixes`.
+    pub prefixes: usize,
+    /// Length of each shared system prompt.
+    pub prefix_len: usize,
+    pub api: Api,
+    pub model: Option<String>,
+    pub seed: u64,
+}
+
+impl WorkloadSpec {
+    pub fn total_requests(&self) -> usize {
+        self.conversations * self.turns
+    }
+}
+
+/// Common English words, so prompts look like text to a real tokenizer too (the simulator's
+/// word tokenizer counts one token per word).
+const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he",
+    "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were", "their",
+    "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would", "who", "so", "no",
+    "time", "about", "many", "then", "them", "some", "very", "like", "just", "over", "such", "our", "into", "most",
+    "other", "only",
+];
+
+/// `n` random words.
+pub fn random_words(rng: &mut impl Rng, n: usize) -> String {
+    let mut s = String::with_capacity(n * 5);
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
+    }
+    s
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// One planned conversation: its system prompt (if any) and the user message of each turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation {
+    pub id: usize,
+    pub prefix_id: Option<usize>,
+    pub system: Option<String>,
+    pub user_turns: Vec<String>,
+    pub max_tokens: Vec<u64>,
+}
+
+/// A conversation in progress: the history sent so far.
+#[derive(Debug, Clone)]
+pub struct ChatState<'a> {
+    conv: &'a Conversation,
+    history: Vec<Message>,
+    pub turn: usize,
+}
+
+/// One request, ready to send.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub conversation: usize,
+    pub turn: usize,
+    pub prefix_id: Option<usize>,
+    pub api: Api,
+    /// Approximate prompt length in words (the simulator's tokens).
+    pub prompt_words: usize,
+    pub max_tokens: u64,
+    pub messages: Vec<Message>,
+    pub model: Option<String>,
+}
+
+impl Request {
+    /// The prompt as one string (completions API): messages joined by blank lines.
+    pub fn prompt_text(&self) -> String {
+        self.messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n\n")
+    }
+
+    /// The OpenAI request body.
+    pub fn body(&self, stream: bool) -> Value {
+        let mut body = match self.api {
+            Api::Completions => json!({"prompt": self.prompt_text(), "max_tokens": self.max_tokens}),
+            Api::Chat => json!({"messages": self.messages, "max_tokens": self.max_tokens}),
+        };
+        // Benchmarks want the full output length.
+        body["ignore_eos"] = json!(true);
+        body["stream"] = json!(stream);
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        if let Some(m) = &self.model {
+            body["model"] = json!(m);
+        }
+        body
+    }
+}
+
+impl<'a> ChatState<'a> {
+    pub fn new(conv: &'a Conversation) -> Self {
+        let history = conv.system.iter().map(|s| Message { role: "system", content: s.clone() }).collect();
+        ChatState { conv, history, turn: 0 }
+    }
+
+    /// The next turn's request, or None when the conversation is over.
+    pub fn next_request(&mut self, spec: &WorkloadSpec) -> Option<Request> {
+        let user = self.conv.user_turns.get(self.turn)?;
+        self.history.push(Message { role: "user", content: user.clone() });
+        let prompt_words = self.history.iter().map(|m| m.content.split_whitespace().count()).sum();
+        Some(Request {
+            conversation: self.conv.id,
+            turn: self.turn,
+            prefix_id: self.conv.prefix_id,
+            api: spec.api,
+            prompt_words,
+            max_tokens: self.conv.max_tokens[self.turn],
+            messages: self.history.clone(),
+            model: spec.model.clone(),
+        })
+    }
+
+    /// Records the answer to the current turn (resent with the following turns).
+    pub fn answered(&mut self, text: &str) {
+        self.history.push(Message { role: "assistant", content: text.to_string() });
+        self.turn += 1;
+    }
+}
+
+/// The planned workload: every conversation, generated from the seed.
+pub fn generate(spec: &WorkloadSpec) -> Vec<Conversation> {
+    let mut rng = StdRng::seed_from_u64(spec.seed);
+    // System prompts: distinct per prefix id, generated first so they do not depend on the rest.
+    let systems: Vec<String> = (0..spec.prefixes)
+        .map(|p| {
+            let mut prng = StdRng::seed_from_u64(spec.seed ^ (0x5eed_0000 + p as u64));
+            format!("system{p} {}", random_words(&mut prng, spec.prefix_len.saturating_sub(1)))
+        })
+        .collect();
+    (0..spec.conversations)
+        .map(|id| {
+            let prefix_id = (spec.prefixes > 0).then(|| id % spec.prefixes);
+            let user_turns = (0..spec.turns)
+                .map(|t| {
+                    let n = spec.prompt_len.sample(&mut rng) as usize;
+                    // A unique leading word so distinct conversations never share the user part.
+                    format!("c{id}t{t} {}", random_words(&mut rng, n.saturating_sub(1)))
+                })
+                .collect();
+            let max_tokens = (0..spec.turns).map(|_| spec.output_len.sample(&mut rng)).collect();
+            Conversation { id, prefix_id, system: prefix_id.map(|p| systems[p].clone()), user_turns, max_tokens }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> WorkloadSpec {
+        WorkloadSpec {
+            conversations: 12,
+            turns: 3,
+            prompt_len: Dist::Fixed { value: 20 },
+            output_len: Dist::Uniform { lo: 4, hi: 8 },
+            prefixes: 3,
+            prefix_len: 50,
+            api: Api::Chat,
+            model: None,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn parses_distributions() {
+        assert_eq!("128".parse::<Dist>(), Ok(Dist::Fixed { value: 128 }));
+        assert_eq!("fixed:5".parse::<Dist>(), Ok(Dist::Fixed { value: 5 }));
+        assert_eq!("uniform:1:9".parse::<Dist>(), Ok(Dist::Uniform { lo: 1, hi: 9 }));
+        assert_eq!("normal:100:10".parse::<Dist>(), Ok(Dist::Normal { mean: 100.0, std: 10.0 }));
+        for bad in ["", "x", "uniform:9:1", "uniform:1", "normal:1:-1", "gamma:1:2"] {
+            assert!(bad.parse::<Dist>().is_err(), "{bad}");
+        }
+        assert_eq!("uniform:1:9".parse::<Dist>().unwrap().to_string(), "uniform:1:9");
+    }
+
+    #[test]
+    fn samples_stay_in_range_and_follow_the_distribution() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let u = Dist::Uniform { lo: 10, hi: 20 };
+        let xs: Vec<u64> = (0..10_000).map(|_| u.sample(&mut rng)).collect();
+        assert!(xs.iter().all(|&x| (10..=20).contains(&x)));
+        assert!(xs.contains(&10) && xs.contains(&20));
+        let n = Dist::Normal { mean: 200.0, std: 20.0 };
+        let xs: Vec<f64> = (0..20_000).map(|_| n.sample(&mut rng) as f64).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!((mean - 200.0).abs() < 1.0, "mean {mean}");
+        assert!((var.sqrt() - 20.0).abs() < 1.0, "std {}", var.sqrt());
+        // Never below 1 even when the normal goes negative.
+        let low = Dist::Normal { mean: 0.0, std: 5.0 };
+        assert!((0..1000).all(|_| low.sample(&mut rng) >= 1));
+    }
+
+    #[test]
+    fn same_seed_same_workload_and_shared_prefixes() {
+        let s = spec();
+        let a = generate(&s);
+        assert_eq!(a, generate(&s));
+        assert_ne!(a, generate(&WorkloadSpec { seed: 8, ..s.clone() }));
+        assert_eq!(a.len(), 12);
+        for c in &a {
+            let p = c.prefix_id.unwrap();
+            assert_eq!(p, c.id % 3);
+            assert_eq!(c.system.as_ref(), a[p].system.as_ref(), "same prefix id, same system prompt");
+            assert_eq!(c.system.as_ref().unwrap().split_whitespace().count(), 50);
+            assert!(c.user_turns.iter().all(|u| u.split_whitespace().count() == 20));
+            assert!(c.max_tokens.iter().all(|m| (4..=8).contains(m)));
+        }
+        assert_ne!(a[0].system, a[1].system);
+        assert_ne!(a[0].user_turns[0], a[3].user_turns[0]);
+    }
+
+    #[test]
+    fn multi_turn_resends_history() {
+        let s = spec();
+        let convs = generate(&s);
+        let mut st = ChatState::new(&convs[1]);
+        let r0 = st.next_request(&s).unwrap();
+        assert_eq!(r0.messages.len(), 2);
+        assert_eq!(r0.prompt_words, 70);
+        st.answered("an answer of five words");
+        let r1 = st.next_request(&s).unwrap();
+        assert_eq!(r1.turn, 1);
+        assert_eq!(r1.messages.len(), 4);
+        assert_eq!(&r1.messages[..2], &r0.messages[..]);
+        assert_eq!(r1.messages[2], Message { role: "assistant", content: "an answer of five words".into() });
+        assert_eq!(r1.prompt_words, 70 + 5 + 20);
+        st.answered("x");
+        assert!(st.next_request(&s).is_some());
+        st.answered("y");
+        assert!(st.next_request(&s).is_none());
+    }
+
+    #[test]
+    fn bodies_match_the_api() {
+        let s = WorkloadSpec { model: Some("m".into()), ..spec() };
+        let convs = generate(&s);
+        let r = ChatState::new(&convs[0]).next_request(&s).unwrap();
+        let b = r.body(true);
+        assert_eq!(b["messages"][0]["role"], "system");
+        assert_eq!(b["stream"], true);
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert_eq!(b["model"], "m");
+        let c = Request { api: Api::Completions, ..r };
+        let b = c.body(false);
+        assert!(b["prompt"].as_str().unwrap().starts_with("system0 "));
+        assert_eq!(b["stream"], false);
+        assert!(b.get("stream_options").is_none());
+        assert_eq!(Api::Chat.path(), "/v1/chat/completions");
+    }
+}
