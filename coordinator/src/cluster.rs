@@ -9,7 +9,7 @@ use pd_protocols::kv_events::EventBatch;
 use crate::handoff::{Action, Handoffs};
 use crate::index::PrefixIndex;
 use crate::membership::{EngineSpec, Membership, Registered, Role};
-use crate::pairing::{choose, Candidate, Load, LocalPrefillPolicy, Weights};
+use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, Weights};
 
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -44,6 +44,14 @@ pub struct PairRequest<'a> {
     pub block_hashes: &'a [u64],
     pub prompt_tokens: u64,
     pub block_size: u32,
+}
+
+/// The caller's own engine (a sidecar's), taken as decode unless its cost exceeds
+/// `max_cost_ratio` × the best decode's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Preference {
+    pub engine: usize,
+    pub max_cost_ratio: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,6 +138,17 @@ impl Cluster {
     /// Picks the decode engine, and the prefill engine unless the uncached part is short.
     /// `uniform` are two random numbers in `[0, 1)` for the softmax sampling.
     pub fn pair(&mut self, req: PairRequest<'_>, now: Instant, uniform: [f64; 2]) -> Result<Decision, PairError> {
+        self.pair_preferring(req, None, now, uniform)
+    }
+
+    /// [`Cluster::pair`], keeping `prefer` as decode unless it is dead or much worse.
+    pub fn pair_preferring(
+        &mut self,
+        req: PairRequest<'_>,
+        prefer: Option<Preference>,
+        now: Instant,
+        uniform: [f64; 2],
+    ) -> Result<Decision, PairError> {
         let empty = PrefixIndex::default();
         let index = self.indexes.get(req.model).unwrap_or(&empty);
         let overlaps = index.overlaps(req.block_hashes, now);
@@ -146,13 +165,17 @@ impl Cluster {
         };
         let decodes = candidates(self.membership.live(req.model, Role::decodes));
         let weights = &self.settings.weights;
-        let decode = decodes
-            .get(
-                choose(&decodes, new_blocks, weights, uniform[0])
-                    .ok_or_else(|| PairError::NoDecode(req.model.into()))?,
-            )
-            .copied()
-            .expect("choose returns a valid position");
+        let mut chosen =
+            choose(&decodes, new_blocks, weights, uniform[0]).ok_or_else(|| PairError::NoDecode(req.model.into()))?;
+        if let Some(p) = prefer {
+            if let Some(mine) = decodes.iter().position(|c| c.engine == p.engine) {
+                let best = cost(&decodes[chosen], new_blocks, weights);
+                if cost(&decodes[mine], new_blocks, weights) <= best * p.max_cost_ratio {
+                    chosen = mine;
+                }
+            }
+        }
+        let decode = decodes[chosen];
         let cached_tokens = decode.overlap_blocks * u64::from(req.block_size);
         let prefills: Vec<Candidate> = candidates(self.membership.live(req.model, Role::prefills))
             .into_iter()
@@ -179,6 +202,16 @@ impl Cluster {
             index.insert_approximate(prefill, req.block_hashes, speculative_until);
         }
         Ok(decision)
+    }
+
+    /// The index of one model (created empty on first use).
+    pub fn model_index_mut(&mut self, model: &str) -> &mut PrefixIndex {
+        self.indexes.entry(model.to_string()).or_default()
+    }
+
+    /// Every model's index.
+    pub fn indexes(&self) -> impl Iterator<Item = (&str, &PrefixIndex)> {
+        self.indexes.iter().map(|(model, index)| (model.as_str(), index))
     }
 
     /// An engine is gone: out of pairing and the index at once; returns what to clean up.
@@ -296,5 +329,25 @@ mod tests {
         let later = now + Duration::from_secs(4);
         c.tick(later);
         assert!(c.pair(req("r3", &hashes), later, [0.0; 2]).is_err());
+    }
+
+    #[test]
+    fn the_callers_engine_is_kept_unless_much_worse() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("d0", Role::Decode), now);
+        c.register(spec("d1", Role::Decode), now);
+        let hashes: Vec<u64> = (1..=100).collect();
+        c.apply_events(0, &stored(&hashes[..20]));
+        let prefer = |engine| Some(Preference { engine, max_cost_ratio: 1.5 });
+        assert_eq!(c.pair(req("r0", &hashes), now, [0.0; 2]).unwrap().decode, 0);
+        assert_eq!(c.pair_preferring(req("r1", &hashes), prefer(1), now, [0.0; 2]).unwrap().decode, 1);
+        c.apply_events(0, &stored(&hashes));
+        c.handoffs.finished("r0");
+        c.handoffs.finished("r1");
+        c.reset_index(1);
+        assert_eq!(c.pair_preferring(req("r2", &hashes), prefer(1), now, [0.0; 2]).unwrap().decode, 0, "much worse");
+        c.engine_died(0, now);
+        assert_eq!(c.pair_preferring(req("r3", &hashes), prefer(0), now, [0.0; 2]).unwrap().decode, 1, "dead");
     }
 }

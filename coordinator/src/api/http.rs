@@ -1,0 +1,97 @@
+//! The HTTP/JSON edge (axum): routes of API.md onto the [`Coordinator`]'s operations. Bodies
+//! are parsed here so that every malformed one gets an OpenAI-style 400.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+
+use crate::api::{ApiError, EngineSpecJson, HeartbeatBody, PairRequestJson, ReportJson};
+use crate::daemon::Coordinator;
+
+/// Largest request body accepted (a long prompt's token ids fit).
+const MAX_BODY: usize = 16 << 20;
+
+type Shared = State<Arc<Coordinator>>;
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(self.body())).into_response()
+    }
+}
+
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
+}
+
+pub fn router(coordinator: Arc<Coordinator>) -> Router {
+    Router::new()
+        .route("/v1/engines", post(register).get(list))
+        .route("/v1/engines/{id}", axum::routing::delete(deregister))
+        .route("/v1/engines/{id}/heartbeat", post(heartbeat))
+        .route("/v1/pair", post(pair))
+        .route("/v1/report", post(report))
+        .route("/v1/index/stats", get(index_stats))
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|| async {
+            let error = ApiError::BadRequest("method not allowed".into());
+            let mut body = error.body();
+            body["error"]["code"] = 405.into();
+            (StatusCode::METHOD_NOT_ALLOWED, Json(body))
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(coordinator)
+}
+
+async fn register(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, ApiError> {
+    let spec: EngineSpecJson = parse(&body)?;
+    Ok(Json(c.register(spec).await?))
+}
+
+async fn heartbeat(State(c): Shared, Path(id): Path<String>, body: Bytes) -> Result<impl IntoResponse, ApiError> {
+    let body: HeartbeatBody =
+        if body.iter().all(u8::is_ascii_whitespace) { HeartbeatBody::default() } else { parse(&body)? };
+    Ok(Json(c.heartbeat(&id, body.load).await?))
+}
+
+async fn deregister(State(c): Shared, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    c.deregister(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list(State(c): Shared) -> impl IntoResponse {
+    Json(c.list())
+}
+
+async fn pair(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, ApiError> {
+    let req: PairRequestJson = match parse(&body) {
+        Ok(req) => req,
+        Err(err) => {
+            crate::metrics::inc(&c.metrics.pair_invalid);
+            return Err(err);
+        }
+    };
+    Ok(Json(c.pair(req)?))
+}
+
+async fn report(State(c): Shared, body: Bytes) -> Result<StatusCode, ApiError> {
+    let report: ReportJson = parse(&body)?;
+    c.report(report)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn index_stats(State(c): Shared) -> impl IntoResponse {
+    Json(c.index_stats())
+}
+
+async fn metrics(State(c): Shared) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], c.render_metrics())
+}

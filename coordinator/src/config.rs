@@ -1,0 +1,362 @@
+//! Configuration: command-line flags, `PD_COORDINATOR_*` environment variables, and an optional
+//! TOML file whose keys are the long flag names (`lease-ms = 3000`); flags win over the file,
+//! the file over the environment. The static cluster (engines declared by the operator) is a
+//! second TOML file, `--cluster`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::api::EngineSpecJson;
+use crate::cluster::Settings;
+use crate::pairing::{LocalPrefillPolicy, Weights};
+
+#[derive(Clone, Debug, Parser)]
+#[command(
+    name = "pd-coordinator",
+    version,
+    about = "Membership, KV-aware pairing of prefill and decode engines, and failure cleanup for P/D serving",
+    long_about = "Membership, KV-aware pairing of prefill and decode engines, and failure cleanup for \
+                  prefill/decode disaggregated serving on bare-metal nodes.\n\n\
+                  Engines are declared in a TOML cluster file (--cluster) and/or registered by their \
+                  sidecars over the API (HTTP/JSON on --listen, gRPC on --grpc-listen; see API.md). \
+                  Every option can also be set in a TOML file (--config; keys are the long option \
+                  names) or through the environment variable shown."
+)]
+#[command(args_override_self = true)]
+pub struct Config {
+    /// TOML file with any of these options (keys are the long option names).
+    #[arg(long, env = "PD_COORDINATOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// TOML file declaring the static engines (`[[engines]]` tables; see README).
+    #[arg(long, env = "PD_COORDINATOR_CLUSTER")]
+    pub cluster: Option<PathBuf>,
+
+    /// HTTP/JSON API and /metrics address.
+    #[arg(long, env = "PD_COORDINATOR_LISTEN", default_value = "0.0.0.0:7700")]
+    pub listen: SocketAddr,
+    /// gRPC API address (package pd.coordinator.v1).
+    #[arg(long, env = "PD_COORDINATOR_GRPC_LISTEN", default_value = "0.0.0.0:7701")]
+    pub grpc_listen: SocketAddr,
+    /// Do not serve gRPC.
+    #[arg(long, env = "PD_COORDINATOR_NO_GRPC")]
+    pub no_grpc: bool,
+
+    /// Where membership and leases live: `memory` (this process only) or
+    /// `etcd://host:port[,host:port...]` (shared by every coordinator using the same etcd and
+    /// --etcd-prefix).
+    #[arg(long, env = "PD_COORDINATOR_STORE", default_value = "memory")]
+    pub store: String,
+    /// Key prefix in etcd; coordinators of one cluster share it.
+    #[arg(long, env = "PD_COORDINATOR_ETCD_PREFIX", default_value = "/pd-coordinator/")]
+    pub etcd_prefix: String,
+
+    /// Lease of an engine: it is dead when neither a heartbeat nor (for engines without a
+    /// sidecar) a successful health check renewed it for this long, milliseconds.
+    #[arg(long, env = "PD_COORDINATOR_LEASE_MS", default_value_t = 3000)]
+    pub lease_ms: u64,
+    /// Heartbeat interval told to sidecars, milliseconds.
+    #[arg(long, env = "PD_COORDINATOR_HEARTBEAT_MS", default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    /// How often every engine's GET /health is polled, milliseconds (0: never).
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_INTERVAL_MS", default_value_t = 1000)]
+    pub health_interval_ms: u64,
+    /// Timeout of one health check, milliseconds.
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_TIMEOUT_MS", default_value_t = 1000)]
+    pub health_timeout_ms: u64,
+    /// Consecutive failed health checks after which an engine is dead.
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_FAILURES", default_value_t = 2)]
+    pub health_failures: u32,
+    /// How often leases are checked, milliseconds.
+    #[arg(long, env = "PD_COORDINATOR_TICK_MS", default_value_t = 100)]
+    pub tick_ms: u64,
+
+    /// Hugging Face tokenizer.json used to turn a pair request's `prompt` into token ids
+    /// (exact block hashes); without it prompts are hashed approximately (text chunks).
+    #[arg(long, env = "PD_COORDINATOR_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Add the tokenizer's special tokens (BOS...) when encoding prompts, as vLLM does for
+    /// /v1/completions.
+    #[arg(long, env = "PD_COORDINATOR_TOKENIZER_ADD_SPECIAL_TOKENS")]
+    pub tokenizer_add_special_tokens: bool,
+    /// Seeds vLLM's NONE_HASH (set it when the engines run with PYTHONHASHSEED).
+    #[arg(long, env = "PYTHONHASHSEED")]
+    pub pythonhashseed: Option<String>,
+    /// Characters per token assumed when hashing prompt text approximately.
+    #[arg(long, env = "PD_COORDINATOR_APPROX_CHARS_PER_TOKEN", default_value_t = 4)]
+    pub approx_chars_per_token: usize,
+    /// How long a routed prefix counts as cached on an engine whose events cannot confirm it
+    /// (no KV events, or approximate hashes), seconds.
+    #[arg(long, env = "PD_COORDINATOR_APPROX_TTL_SECS", default_value_t = 120.0)]
+    pub approx_ttl_secs: f64,
+    /// How long a routing decision counts as "the engines hold this prefix" before their
+    /// events confirm it, milliseconds.
+    #[arg(long, env = "PD_COORDINATOR_SPECULATIVE_TTL_MS", default_value_t = 2000)]
+    pub speculative_ttl_ms: u64,
+    /// A handoff that never finished is phantom load after this long (and held blocks are
+    /// released), seconds.
+    #[arg(long, env = "PD_COORDINATOR_HANDOFF_MAX_AGE_SECS", default_value_t = 120.0)]
+    pub handoff_max_age_secs: f64,
+
+    /// Cost weight of prefill work against decode load.
+    #[arg(long, env = "PD_COORDINATOR_PREFILL_SCALE", default_value_t = 1.0)]
+    pub prefill_scale: f64,
+    /// Prefill work one cached block saves (1.0 = a whole block).
+    #[arg(long, env = "PD_COORDINATOR_OVERLAP_CREDIT", default_value_t = 1.0)]
+    pub overlap_credit: f64,
+    /// 0 picks the cheapest engine; above 0 samples among near-best ones.
+    #[arg(long, env = "PD_COORDINATOR_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Prefill on the decode engine itself when fewer uncached tokens than this remain...
+    #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 2048)]
+    pub local_prefill_max_tokens: u64,
+    /// ...and they are less than this share of the prompt.
+    #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_RATIO", default_value_t = 0.7)]
+    pub local_prefill_max_ratio: f64,
+    /// A pair request's local_engine stays the decode unless its cost exceeds this × the best.
+    #[arg(long, env = "PD_COORDINATOR_LOCAL_DECODE_SLACK", default_value_t = 1.5)]
+    pub local_decode_slack: f64,
+
+    /// Timeout of a POST {sidecar}/pd/release, milliseconds.
+    #[arg(long, env = "PD_COORDINATOR_RELEASE_TIMEOUT_MS", default_value_t = 2000)]
+    pub release_timeout_ms: u64,
+    /// ZMQ topic subscribed to on every engine's KV-event publisher ("" = all).
+    #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
+
+    /// Log filter (tracing's EnvFilter syntax; RUST_LOG works too).
+    #[arg(long, env = "PD_COORDINATOR_LOG", default_value = "info")]
+    pub log: String,
+    /// Tokio worker threads (default: available cores).
+    #[arg(long, env = "PD_COORDINATOR_WORKERS")]
+    pub workers: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("config file {path}: key {key}: only strings, numbers and booleans are allowed")]
+    Value { path: String, key: String },
+    #[error(transparent)]
+    Args(#[from] clap::Error),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// Where membership lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreUrl {
+    Memory,
+    Etcd(Vec<String>),
+}
+
+impl Config {
+    /// Parses `args` (program name first), merging the TOML file they name.
+    pub fn from_args(args: Vec<String>) -> Result<Config, ConfigError> {
+        let first = Config::try_parse_from(&args)?;
+        let Some(path) = first.config.clone() else {
+            first.validate()?;
+            return Ok(first);
+        };
+        let mut merged = vec![args[0].clone()];
+        merged.extend(toml_args(&path)?);
+        merged.extend(args.into_iter().skip(1));
+        let config = Config::try_parse_from(merged)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(m.to_string()));
+        if self.lease_ms == 0 || self.heartbeat_ms == 0 || self.tick_ms == 0 {
+            return bad("lease-ms, heartbeat-ms and tick-ms must be positive");
+        }
+        if self.heartbeat_ms >= self.lease_ms {
+            return bad("heartbeat-ms must be shorter than lease-ms");
+        }
+        if self.health_failures == 0 || self.health_timeout_ms == 0 {
+            return bad("health-failures and health-timeout-ms must be positive");
+        }
+        if self.approx_chars_per_token == 0 {
+            return bad("approx-chars-per-token must be positive");
+        }
+        let finite = [
+            self.approx_ttl_secs,
+            self.handoff_max_age_secs,
+            self.prefill_scale,
+            self.overlap_credit,
+            self.temperature,
+            self.local_prefill_max_ratio,
+            self.local_decode_slack,
+        ];
+        if finite.iter().any(|v| !v.is_finite() || *v < 0.0 || *v > 1e9) {
+            return bad("weights and times must be finite, non-negative and below 1e9");
+        }
+        self.store_url()?;
+        Ok(())
+    }
+
+    pub fn store_url(&self) -> Result<StoreUrl, ConfigError> {
+        if self.store == "memory" {
+            return Ok(StoreUrl::Memory);
+        }
+        let Some(rest) = self.store.strip_prefix("etcd://") else {
+            return Err(ConfigError::Invalid(format!("--store {:?}: expected memory or etcd://host:port", self.store)));
+        };
+        let endpoints: Vec<String> =
+            rest.trim_end_matches('/').split(',').filter(|e| !e.is_empty()).map(|e| format!("http://{e}")).collect();
+        if endpoints.is_empty() {
+            return Err(ConfigError::Invalid("--store etcd:// needs at least one host:port".into()));
+        }
+        Ok(StoreUrl::Etcd(endpoints))
+    }
+
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+
+    /// The sans-I/O core's settings.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            lease: self.lease(),
+            weights: Weights {
+                prefill_scale: self.prefill_scale,
+                overlap_credit: self.overlap_credit,
+                temperature: self.temperature,
+            },
+            local_prefill: LocalPrefillPolicy {
+                max_uncached_tokens: self.local_prefill_max_tokens,
+                max_uncached_ratio: self.local_prefill_max_ratio,
+            },
+            handoff_max_age: Duration::from_secs_f64(self.handoff_max_age_secs),
+            speculative_ttl: Duration::from_millis(self.speculative_ttl_ms),
+        }
+    }
+}
+
+/// Turns a TOML table into `--key value` arguments (`--key` alone for `true`).
+fn toml_args(path: &Path) -> Result<Vec<String>, ConfigError> {
+    let text = read(path)?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })?;
+    let mut out = Vec::new();
+    for (key, value) in table {
+        let flag = format!("--{}", key.replace('_', "-"));
+        let text = match value {
+            toml::Value::String(s) => s,
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Boolean(true) => {
+                out.push(flag);
+                continue;
+            }
+            toml::Value::Boolean(false) => continue,
+            _ => return Err(ConfigError::Value { path: path.display().to_string(), key }),
+        };
+        out.push(flag);
+        out.push(text);
+    }
+    Ok(out)
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })
+}
+
+/// The static cluster file: `[[engines]]` tables with the fields of a registration
+/// (`capacity` is accepted for `capacity_blocks`).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFile {
+    #[serde(default)]
+    pub engines: Vec<EngineSpecJson>,
+}
+
+impl ClusterFile {
+    pub fn load(path: &Path) -> Result<ClusterFile, ConfigError> {
+        let text = read(path)?;
+        let file: ClusterFile = toml::from_str(&text)
+            .map_err(|e| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })?;
+        let mut seen = std::collections::HashSet::new();
+        for engine in &file.engines {
+            engine
+                .validate()
+                .map_err(|e| ConfigError::Invalid(format!("{}: engine {:?}: {e}", path.display(), engine.id)))?;
+            if !seen.insert(engine.id.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "{}: engine id {:?} declared twice",
+                    path.display(),
+                    engine.id
+                )));
+            }
+        }
+        Ok(file)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        std::iter::once("pd-coordinator").chain(list.iter().copied()).map(String::from).collect()
+    }
+
+    fn temp(name: &str, text: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("pd-coord-{}-{name}", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn file_then_flags_and_validation() {
+        let path = temp("cfg.toml", "lease_ms = 5000\nlisten = \"127.0.0.1:9000\"\nno-grpc = true\n");
+        let c = Config::from_args(args(&["--config", path.to_str().unwrap(), "--listen", "127.0.0.1:9001"])).unwrap();
+        assert_eq!((c.lease_ms, c.listen.port(), c.no_grpc), (5000, 9001, true));
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(Config::from_args(args(&["--heartbeat-ms", "5000"])), Err(ConfigError::Invalid(_))));
+        assert!(matches!(Config::from_args(args(&["--store", "redis://x"])), Err(ConfigError::Invalid(_))));
+        let etcd = Config::from_args(args(&["--store", "etcd://a:1,b:2"])).unwrap();
+        assert_eq!(etcd.store_url().unwrap(), StoreUrl::Etcd(vec!["http://a:1".into(), "http://b:2".into()]));
+    }
+
+    #[test]
+    fn cluster_file() {
+        let path = temp(
+            "cluster.toml",
+            r#"
+[[engines]]
+id = "p0"
+role = "prefill"
+node = "n1"
+model = "m"
+engine_url = "http://10.0.0.1:8000"
+kv_events = "tcp://10.0.0.1:5557"
+replay = "tcp://10.0.0.1:5558"
+block_size = 16
+capacity = 4096
+
+[[engines]]
+id = "d0"
+role = "decode"
+node = "n2"
+model = "m"
+engine_url = "http://10.0.0.2:8000"
+sidecar_url = "http://10.0.0.2:9000"
+block_size = 16
+"#,
+        );
+        let file = ClusterFile::load(&path).unwrap();
+        assert_eq!(file.engines.len(), 2);
+        assert_eq!(file.engines[0].capacity_blocks, Some(4096));
+        std::fs::write(&path, "[[engines]]\nid = \"x\"\nbogus = 1\n").unwrap();
+        assert!(ClusterFile::load(&path).is_err());
+        std::fs::remove_file(&path).unwrap();
+    }
+}

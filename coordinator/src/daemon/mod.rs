@@ -1,0 +1,135 @@
+//! The daemon: the shared [`Coordinator`] state and the tasks that drive it — lease ticks,
+//! health polling, KV-event ingestion threads, the etcd watch — plus the HTTP and gRPC servers.
+
+mod events;
+mod health;
+mod release;
+pub mod state;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+
+use crate::config::{ClusterFile, Config, StoreUrl};
+use crate::prompt::PromptHasher;
+use crate::store::etcd::EtcdStore;
+
+pub use state::{Coordinator, Origin};
+
+/// Runs the daemon until SIGINT or SIGTERM.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let hasher = PromptHasher::new(
+        config.pythonhashseed.as_deref(),
+        config.tokenizer.as_deref(),
+        config.tokenizer_add_special_tokens,
+        config.approx_chars_per_token,
+    )?;
+    let cluster = config.cluster.as_deref().map(ClusterFile::load).transpose()?.unwrap_or_default();
+    let store = match config.store_url()? {
+        StoreUrl::Memory => None,
+        StoreUrl::Etcd(endpoints) => Some(EtcdStore::connect(&endpoints, &config.etcd_prefix, config.lease()).await?),
+    };
+    let http_listener =
+        TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
+    let grpc_listener = match config.no_grpc {
+        true => None,
+        false => Some(
+            TcpListener::bind(config.grpc_listen)
+                .await
+                .with_context(|| format!("cannot listen on {}", config.grpc_listen))?,
+        ),
+    };
+    let coordinator = Arc::new(Coordinator::new(config, hasher, store, tokio::runtime::Handle::current())?);
+    {
+        let now = Instant::now();
+        let mut inner = coordinator.inner.lock();
+        for spec in &cluster.engines {
+            coordinator.apply_register(&mut inner, spec.to_spec(), Origin::Static, None, now);
+        }
+    }
+    tracing::info!(
+        http = %coordinator.config.listen,
+        grpc = ?(!coordinator.config.no_grpc).then_some(coordinator.config.grpc_listen),
+        store = %coordinator.config.store,
+        static_engines = cluster.engines.len(),
+        tokenizer = coordinator.hasher.has_tokenizer(),
+        "pd-coordinator running"
+    );
+
+    let mut tasks = Vec::new();
+    {
+        let this = Arc::clone(&coordinator);
+        tasks.push(tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(Duration::from_millis(this.config.tick_ms));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                this.tick(Instant::now());
+            }
+        }));
+    }
+    if coordinator.config.health_interval_ms > 0 {
+        tasks.push(tokio::spawn(Arc::clone(&coordinator).health_loop()));
+    }
+    if let Some(store) = &coordinator.store {
+        tasks.push(tokio::spawn(store.clone().watch(Arc::clone(&coordinator))));
+    }
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let http = {
+        let router = crate::api::http::router(Arc::clone(&coordinator));
+        let stop = stopped(stop_rx.clone());
+        tokio::spawn(async move { axum::serve(http_listener, router).with_graceful_shutdown(stop).await })
+    };
+    let grpc = grpc_listener.map(|listener| {
+        let service = crate::api::grpc::service(Arc::clone(&coordinator));
+        let stop = stopped(stop_rx.clone());
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), stop)
+                .await
+        })
+    });
+
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    for task in &tasks {
+        task.abort();
+    }
+    coordinator.stop_ingest();
+    let drain = async {
+        if let Ok(Err(err)) = http.await {
+            tracing::warn!(%err, "HTTP server");
+        }
+        if let Some(grpc) = grpc {
+            if let Ok(Err(err)) = grpc.await {
+                tracing::warn!(%err, "gRPC server");
+            }
+        }
+    };
+    // In-flight requests get a moment; long-lived connections do not hold the exit.
+    let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+}

@@ -1,0 +1,144 @@
+//! A pair request's prompt → the block hashes the index is keyed by: token ids → vLLM's
+//! `sha256_cbor` chain (exact: the engines' events carry the same ids); prompt text → a
+//! tokenizer.json when one is configured (exact), else a chain over text chunks
+//! (approximate: only the coordinator's own routing records can match it).
+
+use std::path::Path;
+
+use pd_protocols::hash::{block_hashes, event_id, none_hash, BlockDigest};
+
+/// How a request's hashes were obtained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Engine-compatible: matches KV events.
+    Exact,
+    /// Text chunks: matches only routed-prefix records.
+    Approximate,
+}
+
+#[derive(Debug)]
+pub struct Hashed {
+    pub hashes: Vec<u64>,
+    pub prompt_tokens: u64,
+    pub precision: Precision,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error("cannot load tokenizer {path}: {reason}")]
+    Load { path: String, reason: String },
+    #[error("tokenizer failed: {0}")]
+    Encode(String),
+}
+
+#[derive(Debug)]
+pub struct PromptHasher {
+    root: BlockDigest,
+    tokenizer: Option<Box<tokenizers::Tokenizer>>,
+    add_special_tokens: bool,
+    chars_per_token: usize,
+}
+
+/// FNV-1a over `bytes`, continuing from `state`.
+fn fnv1a(state: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(state, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// Separates approximate keys from engine block ids (which are SHA-256 based).
+const APPROX_SEED: u64 = 0x6170_7072_6f78_2d31; // "approx-1"
+
+impl PromptHasher {
+    pub fn new(
+        pythonhashseed: Option<&str>,
+        tokenizer: Option<&Path>,
+        add_special_tokens: bool,
+        chars_per_token: usize,
+    ) -> Result<PromptHasher, PromptError> {
+        let tokenizer = tokenizer
+            .map(|path| {
+                tokenizers::Tokenizer::from_file(path)
+                    .map(Box::new)
+                    .map_err(|e| PromptError::Load { path: path.display().to_string(), reason: e.to_string() })
+            })
+            .transpose()?;
+        Ok(PromptHasher {
+            root: none_hash(pythonhashseed),
+            tokenizer,
+            add_special_tokens,
+            chars_per_token: chars_per_token.max(1),
+        })
+    }
+
+    pub fn has_tokenizer(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// The vLLM block ids of every full block of `tokens`.
+    pub fn token_hashes(&self, tokens: &[u32], block_size: u32) -> Vec<u64> {
+        block_hashes(&self.root, tokens, block_size.max(1) as usize).iter().map(event_id).collect()
+    }
+
+    /// Hashes for a prompt given as text.
+    pub fn text_hashes(&self, text: &str, block_size: u32) -> Result<Hashed, PromptError> {
+        if let Some(tokenizer) = &self.tokenizer {
+            let encoding =
+                tokenizer.encode_fast(text, self.add_special_tokens).map_err(|e| PromptError::Encode(e.to_string()))?;
+            let tokens = encoding.get_ids();
+            return Ok(Hashed {
+                hashes: self.token_hashes(tokens, block_size),
+                prompt_tokens: tokens.len() as u64,
+                precision: Precision::Exact,
+            });
+        }
+        Ok(self.approximate(text, block_size))
+    }
+
+    /// A chain over chunks of about `block_size` tokens' worth of text (cut on character
+    /// boundaries); only full chunks are hashed, as only full blocks are cached.
+    fn approximate(&self, text: &str, block_size: u32) -> Hashed {
+        let chunk_bytes = (block_size.max(1) as usize).saturating_mul(self.chars_per_token);
+        let mut hashes = Vec::with_capacity(text.len() / chunk_bytes + 1);
+        let mut parent = APPROX_SEED;
+        let mut start = 0;
+        let bytes = text.as_bytes();
+        while text.len() - start >= chunk_bytes {
+            let mut end = start + chunk_bytes;
+            while !text.is_char_boundary(end) {
+                end += 1;
+            }
+            parent = fnv1a(fnv1a(parent ^ 0x9e37_79b9_7f4a_7c15, &parent.to_le_bytes()), &bytes[start..end]);
+            hashes.push(parent);
+            start = end;
+        }
+        let chars = text.chars().count() as u64;
+        Hashed { hashes, prompt_tokens: chars.div_ceil(self.chars_per_token as u64), precision: Precision::Approximate }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_hash_like_vllm() {
+        let hasher = PromptHasher::new(None, None, false, 4).unwrap();
+        let tokens: Vec<u32> = (0..40).collect();
+        let hashes = hasher.token_hashes(&tokens, 16);
+        // PROTOCOLS.md §2: the first block of tokens 0..15 (block size 16).
+        assert_eq!(hashes.len(), 2);
+        assert_eq!(hashes[0], 2_233_398_808_101_521_225);
+    }
+
+    #[test]
+    fn approximate_chunks_share_prefixes() {
+        let hasher = PromptHasher::new(None, None, false, 4).unwrap();
+        let a = hasher.text_hashes(&"word ".repeat(100), 16).unwrap();
+        let b = hasher.text_hashes(&format!("{}tail", "word ".repeat(64)), 16).unwrap();
+        assert_eq!(a.precision, Precision::Approximate);
+        assert_eq!(a.hashes.len(), 500 / 64);
+        assert_eq!(a.hashes[..5], b.hashes[..5]);
+        assert_eq!(a.prompt_tokens, 125);
+        let unicode = hasher.text_hashes(&"é".repeat(100), 16).unwrap();
+        assert_eq!(unicode.hashes.len(), 3);
+    }
+}

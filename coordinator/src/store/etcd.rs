@@ -1,0 +1,225 @@
+//! Membership in etcd: each engine is the key `{prefix}engines/{id}` holding its declaration,
+//! attached to an etcd lease of the engine's lease length. A heartbeat through any coordinator
+//! keeps the lease alive and rewrites the key, so every coordinator watching the prefix renews
+//! its local lease; a key that goes (lease expiry, graceful leave, a coordinator seeing the
+//! engine fail its health checks) is an engine that left, everywhere. Each coordinator still
+//! ingests KV events and polls health itself.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::api::EngineSpecJson;
+use crate::daemon::{Coordinator, Origin};
+use crate::membership::EngineSpec;
+use crate::metrics::{inc, DeathCause};
+
+/// Bound on one etcd call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Wait before re-establishing a failed watch.
+const RETRY: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    #[error("etcd call timed out")]
+    Timeout,
+    #[error("etcd watch ended: {0}")]
+    WatchEnded(String),
+}
+
+/// The value of an engine's key.
+#[derive(Debug, Serialize, Deserialize)]
+struct Stored {
+    spec: EngineSpecJson,
+    lease: i64,
+}
+
+#[derive(Clone)]
+pub struct EtcdStore {
+    client: Client,
+    prefix: String,
+    ttl_secs: i64,
+}
+
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore").field("prefix", &self.prefix).field("ttl_secs", &self.ttl_secs).finish()
+    }
+}
+
+async fn bounded<T>(call: impl std::future::Future<Output = Result<T, etcd_client::Error>>) -> Result<T, StoreError> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(StoreError::Timeout),
+    }
+}
+
+impl EtcdStore {
+    /// Connects lazily: an etcd that is down now is retried by every call.
+    pub async fn connect(endpoints: &[String], prefix: &str, lease: Duration) -> Result<EtcdStore, StoreError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(CALL_TIMEOUT)
+            .with_keep_alive(Duration::from_secs(5), CALL_TIMEOUT);
+        let client = Client::connect(endpoints, Some(options)).await?;
+        let prefix = if prefix.ends_with('/') { prefix.to_string() } else { format!("{prefix}/") };
+        // etcd leases have whole seconds.
+        let ttl_secs = lease.as_millis().div_ceil(1000).max(1) as i64;
+        Ok(EtcdStore { client, prefix, ttl_secs })
+    }
+
+    fn engines_prefix(&self) -> String {
+        format!("{}engines/", self.prefix)
+    }
+
+    fn key(&self, id: &str) -> String {
+        format!("{}{id}", self.engines_prefix())
+    }
+
+    async fn put(&self, spec: &EngineSpec, lease: i64) -> Result<(), StoreError> {
+        let value = serde_json::to_vec(&Stored { spec: EngineSpecJson::from_spec(spec), lease }).expect("serializable");
+        let mut client = self.client.clone();
+        bounded(client.put(self.key(&spec.id), value, Some(PutOptions::new().with_lease(lease)))).await?;
+        Ok(())
+    }
+
+    /// Stores a registration under a fresh lease; returns the lease.
+    pub async fn register(&self, spec: &EngineSpec) -> Result<i64, StoreError> {
+        let mut client = self.client.clone();
+        let lease = bounded(client.lease_grant(self.ttl_secs, None)).await?.id();
+        self.put(spec, lease).await?;
+        Ok(lease)
+    }
+
+    /// Keeps the lease alive and rewrites the key (so other coordinators see the beat).
+    /// `Ok(false)` when the lease is gone: the engine must register again.
+    pub async fn heartbeat(&self, spec: &EngineSpec, lease: i64) -> Result<bool, StoreError> {
+        let mut client = self.client.clone();
+        let ttl = bounded(async {
+            let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
+            keeper.keep_alive().await?;
+            Ok(stream.message().await?.map_or(0, |r| r.ttl()))
+        })
+        .await?;
+        if ttl <= 0 {
+            return Ok(false);
+        }
+        self.put(spec, lease).await?;
+        Ok(true)
+    }
+
+    /// Removes an engine's key (and its lease).
+    pub async fn deregister(&self, id: &str, lease: Option<i64>) -> Result<(), StoreError> {
+        let mut client = self.client.clone();
+        bounded(client.delete(self.key(id), None)).await?;
+        if let Some(lease) = lease {
+            // Already expired is fine.
+            let _ = bounded(client.lease_revoke(lease)).await;
+        }
+        Ok(())
+    }
+
+    /// Mirrors the engines in etcd into `coordinator` for as long as the process runs.
+    pub async fn watch(self, coordinator: Arc<Coordinator>) {
+        loop {
+            if let Err(err) = self.watch_once(&coordinator).await {
+                inc(&coordinator.metrics.store_errors);
+                tracing::warn!(%err, "etcd watch interrupted; resynchronising");
+            }
+            tokio::time::sleep(RETRY).await;
+        }
+    }
+
+    async fn watch_once(&self, coordinator: &Arc<Coordinator>) -> Result<(), StoreError> {
+        let mut client = self.client.clone();
+        let prefix = self.engines_prefix();
+        let snapshot = bounded(client.get(prefix.clone(), Some(GetOptions::new().with_prefix()))).await?;
+        let revision = snapshot.header().map_or(0, |h| h.revision());
+        let present: Vec<Stored> = snapshot.kvs().iter().filter_map(|kv| parse(kv.value())).collect();
+        coordinator.store_sync(present);
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        let mut stream = bounded(client.watch(prefix.clone(), Some(options))).await?;
+        while let Some(response) = stream.message().await? {
+            if response.canceled() {
+                return Err(StoreError::WatchEnded(response.cancel_reason().to_string()));
+            }
+            for event in response.events() {
+                let Some(kv) = event.kv() else { continue };
+                match event.event_type() {
+                    EventType::Put => {
+                        if let Some(stored) = parse(kv.value()) {
+                            coordinator.store_put(stored);
+                        }
+                    }
+                    EventType::Delete => {
+                        let key = String::from_utf8_lossy(kv.key());
+                        if let Some(id) = key.strip_prefix(&prefix) {
+                            coordinator.store_delete(id);
+                        }
+                    }
+                }
+            }
+        }
+        Err(StoreError::WatchEnded("stream closed".into()))
+    }
+}
+
+fn parse(value: &[u8]) -> Option<Stored> {
+    match serde_json::from_slice::<Stored>(value) {
+        Ok(stored) if stored.spec.validate().is_ok() => Some(stored),
+        Ok(_) | Err(_) => {
+            tracing::warn!("etcd: ignoring an engine key that does not hold a valid declaration");
+            None
+        }
+    }
+}
+
+impl Coordinator {
+    fn store_put(self: &Arc<Self>, stored: Stored) {
+        let mut inner = self.inner.lock();
+        self.apply_register(&mut inner, stored.spec.to_spec(), Origin::Registered, Some(stored.lease), Instant::now());
+    }
+
+    fn store_delete(self: &Arc<Self>, id: &str) {
+        let jobs = {
+            let mut inner = self.inner.lock();
+            let Some(engine) = inner.cluster.membership.id_of(id) else { return };
+            let alive = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive());
+            if !alive || inner.meta[engine].origin == Origin::Static {
+                return;
+            }
+            inner.meta[engine].lease_id = None;
+            self.on_died(&mut inner, engine, DeathCause::Store, Instant::now())
+        };
+        self.spawn_releases(jobs);
+    }
+
+    /// After (re)connecting: every key present is registered; engines known through etcd
+    /// whose key is gone have left.
+    fn store_sync(self: &Arc<Self>, present: Vec<Stored>) {
+        let ids: std::collections::HashSet<String> = present.iter().map(|s| s.spec.id.clone()).collect();
+        let gone: Vec<String> = {
+            let inner = self.inner.lock();
+            (0..)
+                .map_while(|i| inner.cluster.membership.get(i).map(|e| (i, e)))
+                .filter(|(i, e)| {
+                    let meta = &inner.meta[*i];
+                    e.is_alive()
+                        && meta.origin == Origin::Registered
+                        && meta.lease_id.is_some()
+                        && !ids.contains(&e.spec.id)
+                })
+                .map(|(_, e)| e.spec.id.clone())
+                .collect()
+        };
+        for stored in present {
+            self.store_put(stored);
+        }
+        for id in gone {
+            self.store_delete(&id);
+        }
+    }
+}
