@@ -571,6 +571,10 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
         write_json(p, &json!(pids))?;
     }
     eprintln!("cluster up ({mode} P/D): logs in {}", log_dir.display());
+    // Test hook: the children must be stopped by unwinding when pdbench panics.
+    if std::env::var_os("PDBENCH_TEST_PANIC_AFTER_START").is_some() {
+        panic!("PDBENCH_TEST_PANIC_AFTER_START is set");
+    }
     for e in &engines {
         eprintln!(
             "  {:<10} {:<8} {}{}",

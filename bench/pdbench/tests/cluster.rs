@@ -1,0 +1,122 @@
+//! `pdbench cluster` end to end: real pd-sim engines started by pdbench, a real workload, the
+//! JSON report checked, and every child process gone afterwards — after a normal exit, after
+//! SIGINT, and after a panic.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+#[test]
+fn cluster_runs_50_requests_and_leaves_no_process() {
+    let dir = TempDir::new("cluster50");
+    let sim = sim_bin();
+    let report = dir.path("report.json");
+    let (status, stdout, stderr) = run_pdbench(
+        &[
+            "cluster",
+            "--requests",
+            "50",
+            "--no-progress",
+            "--sim-bin",
+            sim.to_str().unwrap(),
+            "--log-dir",
+            dir.0.to_str().unwrap(),
+            "--json",
+            report.to_str().unwrap(),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(status.success(), "pdbench cluster failed: {status}\n{stdout}\n{stderr}");
+    let r = read_json(&report);
+    let pids: Vec<u32> = r["pids"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap() as u32).collect();
+    let _cleanup = PidsGuard(pids.clone());
+    assert_eq!(r["ok"], 50, "{r}");
+    assert_eq!(r["failed"], 0, "{r}");
+    assert_eq!(r["summary"]["requests"], 50);
+    assert!(r["kv"]["bytes"].as_f64().unwrap() > 0.0, "no KV moved: {}", r["kv"]);
+    assert!(r["kv"]["transfers"].as_f64().unwrap() >= 1.0);
+    assert!(r["kv"]["gb_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(r["kv"]["failed_transfers"], 0.0);
+    // Shared system prompts: the prefills find them cached after their first use.
+    assert!(r["kv"]["prefix_hit_rate"].as_f64().unwrap() > 0.2, "{}", r["kv"]);
+    assert_eq!(r["decisions"]["disaggregated"], 50);
+    assert!(r["summary"]["ttft_ms"]["p50"].as_f64().unwrap() > 0.0);
+    assert!(r["summary"]["itl_ms"]["count"].as_u64().unwrap() > 0);
+    assert_eq!(r["engines"].as_array().unwrap().len(), 4);
+    assert_eq!(pids.len(), 4);
+    for needle in ["50 ok, 0 failed", "KV moved", "prefix hits", "50 disaggregated", "TTFT", "ITL"] {
+        assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
+    }
+    assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived pdbench's exit");
+}
+
+/// Starts a long cluster run and waits (bounded) until its children are up.
+fn start_long_cluster(dir: &TempDir, extra_env: &[(&str, &str)]) -> (Guard, Vec<u32>) {
+    let sim = sim_bin();
+    let pids_file = dir.path("pids.json");
+    let mut cmd = Command::new(pdbench());
+    cmd.args(["cluster", "--requests", "1000000", "--rate", "20", "--no-progress"])
+        .args(["--sim-bin", sim.to_str().unwrap(), "--log-dir", dir.0.to_str().unwrap()])
+        .args(["--pids-file", pids_file.to_str().unwrap()]);
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let mut g = Guard::spawn(&mut cmd);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let pids: Vec<u32> = loop {
+        if let Ok(bytes) = std::fs::read(&pids_file) {
+            if let Ok(p) = serde_json::from_slice::<Vec<u32>>(&bytes) {
+                break p;
+            }
+        }
+        if let Some(s) = g.0.try_wait().unwrap() {
+            panic!("pdbench exited before its cluster was up: {s}");
+        }
+        assert!(Instant::now() < deadline, "pdbench never wrote {}", pids_file.display());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(pids.len(), 4);
+    (g, pids)
+}
+
+#[test]
+fn sigint_stops_every_child() {
+    let dir = TempDir::new("sigint");
+    let (mut g, pids) = start_long_cluster(&dir, &[]);
+    let _cleanup = PidsGuard(pids.clone());
+    // Let the workload run a little, then interrupt as Ctrl-C would.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(pids.iter().all(|&p| alive(p)), "children died before SIGINT");
+    assert!(g.0.try_wait().unwrap().is_none(), "pdbench finished a million requests already?");
+    kill(Pid::from_raw(g.pid() as i32), Signal::SIGINT).unwrap();
+    let status = g.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130), "exit status after SIGINT: {status}");
+    assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived SIGINT");
+}
+
+#[test]
+fn sigterm_stops_every_child() {
+    let dir = TempDir::new("sigterm");
+    let (mut g, pids) = start_long_cluster(&dir, &[]);
+    let _cleanup = PidsGuard(pids.clone());
+    kill(Pid::from_raw(g.pid() as i32), Signal::SIGTERM).unwrap();
+    let status = g.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130), "{status}");
+    assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived SIGTERM");
+}
+
+#[test]
+fn panic_stops_every_child() {
+    let dir = TempDir::new("panic");
+    // A test hook: pdbench panics right after its cluster is up; unwinding must stop the children.
+    let (mut g, pids) = start_long_cluster(&dir, &[("PDBENCH_TEST_PANIC_AFTER_START", "1")]);
+    let _cleanup = PidsGuard(pids.clone());
+    let status = g.wait(Duration::from_secs(20));
+    assert!(!status.success(), "pdbench should have panicked");
+    assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived a panic");
+}
