@@ -71,9 +71,18 @@ pub struct Args {
     /// Write the result rows as CSV
     #[arg(long)]
     pub csv: Option<PathBuf>,
-    /// Use a running target's side channel (its raw-tcp port is PORT+1) instead of spawning one
-    #[arg(long, value_name = "HOST:PORT")]
-    pub connect: Option<String>,
+    /// Use running targets' side channels (raw-tcp port PORT+1) instead of spawning them; several
+    /// (comma-separated) for --scheme one-to-many
+    #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
+    pub connect: Vec<String>,
+    /// Who talks to whom: one initiator agent and one target (pairwise), --peers initiator agents
+    /// sharing one target (many-to-one), or one agent spreading its threads over --peers targets
+    /// (one-to-many). Thread t uses agent/target t mod --peers.
+    #[arg(long, value_enum, default_value_t = Scheme::Pairwise)]
+    pub scheme: Scheme,
+    /// Agents (many-to-one) or targets (one-to-many) of the scheme; --threads is raised to it
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub peers: u64,
     /// Also plot GB/s against block size: writes PATH.svg and PATH.png
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
@@ -96,6 +105,24 @@ pub struct Args {
     /// Target: bytes to register [default: what the sizing flags need]
     #[arg(long, hide = true, value_parser = parse_bytes)]
     pub mem: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Scheme {
+    Pairwise,
+    ManyToOne,
+    OneToMany,
+}
+
+impl Scheme {
+    /// (initiator agents, targets) for `peers`.
+    pub fn shape(self, peers: u64) -> (u64, u64) {
+        match self {
+            Scheme::Pairwise => (1, 1),
+            Scheme::ManyToOne => (peers, 1),
+            Scheme::OneToMany => (1, peers),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -133,6 +160,9 @@ pub struct Settings {
     /// Registered bytes each side needs.
     pub mem: u64,
     pub progress: bool,
+    /// Initiator agents and targets (see `Scheme`).
+    pub agents: u64,
+    pub targets: u64,
 }
 
 impl Args {
@@ -155,6 +185,12 @@ impl Args {
         cases
     }
 
+    /// `--threads`, raised so every agent or target of the scheme gets one.
+    pub fn effective_threads(&self) -> u64 {
+        let (agents, targets) = self.scheme.shape(self.peers);
+        self.threads.max(agents).max(targets)
+    }
+
     /// The xfer backend named by `--backend`, or `None` for raw-tcp.
     pub fn xfer_backend(&self) -> Option<String> {
         (self.backend != RAW_TCP).then(|| self.backend.clone())
@@ -162,7 +198,7 @@ impl Args {
 
     /// Bytes to register per side: `--mem`, else what the cases need, within `--max-mem`.
     pub fn memory(&self) -> Result<u64> {
-        let need = region_bytes(&self.cases(), self.threads);
+        let need = region_bytes(&self.cases(), self.effective_threads());
         let mem = self.mem.unwrap_or(need);
         if mem > self.max_mem {
             bail!(
@@ -184,11 +220,22 @@ impl Args {
         if self.compare && xfer_backend.is_none() {
             bail!("--compare compares an xfer backend with {RAW_TCP}; pick --backend tcp (or another xfer backend)");
         }
+        let (agents, targets) = self.scheme.shape(self.peers);
+        if self.scheme != Scheme::Pairwise {
+            if xfer_backend.is_none() || self.compare || self.check {
+                bail!("--scheme {:?} runs an xfer backend alone: no raw-tcp, --compare or --check", self.scheme);
+            }
+            if !self.connect.is_empty() && self.connect.len() as u64 != targets {
+                bail!("--connect names {} targets but this scheme needs {targets}", self.connect.len());
+            }
+        } else if self.connect.len() > 1 {
+            bail!("several --connect targets need --scheme one-to-many");
+        }
         Ok(Settings {
             xfer_backend,
             params: self.params.clone(),
             cases: self.cases(),
-            threads: self.threads,
+            threads: self.effective_threads(),
             iters: self.iters,
             repeat: self.repeat,
             warmup: self.warmup,
@@ -198,6 +245,8 @@ impl Args {
             seed: self.seed,
             mem: self.memory()?,
             progress: progress_allowed && !self.no_progress,
+            agents,
+            targets,
         })
     }
 }
@@ -212,6 +261,15 @@ impl Settings {
             args.extend(["--params".into(), self.params.clone()]);
         }
         args
+    }
+
+    /// The scheme as rows record it; empty when pairwise.
+    pub fn scheme_label(&self) -> String {
+        match (self.agents, self.targets) {
+            (1, 1) => String::new(),
+            (agents, 1) => format!("many-to-one:{agents}"),
+            (_, targets) => format!("one-to-many:{targets}"),
+        }
     }
 
     /// Measured requests per thread for a case.
@@ -269,11 +327,24 @@ mod tests {
         assert!(args("--params streams").settings(false).is_err());
         let s = args("--compare --params streams=4 --block-sizes 1M").settings(true).unwrap();
         assert!(s.progress && s.compare);
+        assert_eq!((s.agents, s.targets), (1, 1));
         assert_eq!(s.iters_for(&s.cases[0]), 1024);
         assert_eq!(
             s.target_args().join(" "),
             "--target --backend tcp --mem 1048576 --max-mem 1048576 --params streams=4"
         );
         assert!(!args("--no-progress").settings(true).unwrap().progress);
+    }
+
+    #[test]
+    fn schemes_shape_agents_targets_and_threads() {
+        let s = args("--scheme one-to-many --peers 3").settings(false).unwrap();
+        assert_eq!((s.agents, s.targets, s.threads), (1, 3, 3));
+        assert_eq!(s.scheme_label(), "one-to-many:3");
+        let s = args("--scheme many-to-one --peers 2 --threads 4").settings(false).unwrap();
+        assert_eq!((s.agents, s.targets, s.threads), (2, 1, 4));
+        assert!(args("--scheme many-to-one --check").settings(false).is_err());
+        assert!(args("--scheme one-to-many --peers 3 --connect a:1,b:1").settings(false).is_err());
+        assert!(args("--connect a:1,b:1").settings(false).is_err());
     }
 }

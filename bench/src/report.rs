@@ -23,6 +23,9 @@ pub struct Row {
     /// Runs of the case; the row is the median one.
     pub repeat: u64,
     pub scatter: bool,
+    /// `pairwise`, `many-to-one:N` or `one-to-many:N` (left out when pairwise).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub scheme: String,
     /// Bytes moved by the measured requests of all threads.
     pub bytes: u64,
     pub gbps: f64,
@@ -47,6 +50,7 @@ impl Row {
             iters,
             repeat,
             scatter: case.scatter,
+            scheme: String::new(),
             bytes: measured.bytes,
             gbps: measured.gbps(),
             p50_us: measured.p50_us(),
@@ -167,6 +171,7 @@ mod tests {
             iters: 1024,
             repeat: 1,
             scatter: false,
+            scheme: String::new(),
             bytes: 2 << 30,
             gbps: 3.21,
             p50_us: 310.25,

@@ -19,17 +19,18 @@ pub fn main(args: &Args) -> Result<()> {
         return replay(args);
     }
     let settings = args.settings(std::io::stderr().is_terminal())?;
-    let target = match &args.connect {
-        Some(addr) => Target::running(addr)?,
-        None => Target::spawn(&settings.target_args())?,
+    let targets = if args.connect.is_empty() {
+        (0..settings.targets).map(|_| Target::spawn(&settings.target_args())).collect::<Result<Vec<_>>>()?
+    } else {
+        args.connect.iter().map(|addr| Target::running(addr)).collect::<Result<Vec<_>>>()?
     };
     if args.memcpy {
         for line in crate::memcpy::report(&args.block_sizes) {
             println!("{line}");
         }
     }
-    let rows = run(&settings, &target)?;
-    drop(target);
+    let rows = run(&settings, &targets)?;
+    drop(targets);
     export(args, &rows)
 }
 
@@ -60,17 +61,29 @@ fn export(args: &Args, rows: &[Row]) -> Result<()> {
     Ok(())
 }
 
-fn run(settings: &Settings, target: &Target) -> Result<Vec<Row>> {
+fn run(settings: &Settings, targets: &[Target]) -> Result<Vec<Row>> {
+    let first = targets.first().ok_or_else(|| anyhow!("no target"))?;
     let mut xfer = match &settings.xfer_backend {
         Some(backend) => {
-            let side = target.side.as_deref().ok_or_else(|| anyhow!("the target serves no side channel"))?;
-            let control = if settings.check { Some(RawConn::connect(&target.raw)?) } else { None };
-            Some(XferEngine::connect(backend, &settings.params, side, settings.mem, control)?)
+            let sides = targets
+                .iter()
+                .map(|t| t.side.clone().ok_or_else(|| anyhow!("the target serves no side channel")))
+                .collect::<Result<Vec<_>>>()?;
+            let control = if settings.check { Some(RawConn::connect(&first.raw)?) } else { None };
+            Some(XferEngine::connect(backend, &settings.params, &sides, settings.agents, settings.mem, control)?)
         }
         None => None,
     };
-    let raw = (xfer.is_none() || settings.compare).then(|| RawEngine { addr: target.raw.clone() });
+    let raw = (xfer.is_none() || settings.compare).then(|| RawEngine { addr: first.raw.clone() });
 
+    if !settings.scheme_label().is_empty() {
+        println!(
+            "scheme {}: {} initiator agent(s), {} target(s)",
+            settings.scheme_label(),
+            settings.agents,
+            settings.targets
+        );
+    }
     println!("{}", header());
     let mut rows = Vec::new();
     for case in &settings.cases {
@@ -110,8 +123,9 @@ fn run_case(
             bar.finish_and_clear();
         }
     }
-    let row = |name: &str, measured: &Measurement| {
-        Row::new(name, case, settings.threads, plan.iters, settings.repeat, measured)
+    let row = |name: &str, measured: &Measurement| Row {
+        scheme: settings.scheme_label(),
+        ..Row::new(name, case, settings.threads, plan.iters, settings.repeat, measured)
     };
     let mut engine_row = xfer.zip(median(xfer_runs)).map(|(engine, m)| row(engine.name(), &m));
     let raw_row = median(raw_runs).map(|m| row(RAW_TCP, &m));
@@ -179,8 +193,7 @@ mod tests {
             gbps,
             p50_us: 1.0,
             p99_us: 1.0,
-            ratio_vs_raw: None,
-            ratio_vs_contiguous: None,
+            ..Row::default()
         }
     }
 

@@ -22,7 +22,11 @@ pub fn serve(args: &Args) -> Result<()> {
     let mut side = None;
     if let Some(backend) = args.xfer_backend() {
         let agent = Agent::new(&format!("xferbench-target-{}", std::process::id()))?;
-        let params = BackendParams::parse(&args.params).context("--params")?;
+        let mut params = BackendParams::parse(&args.params).context("--params")?;
+        // Two hosts: peers must reach the data port at the address they reach the side channel.
+        if backend == "tcp" && !listen.ip().is_unspecified() && !args.params.contains("advertise=") {
+            params.insert("advertise", listen.ip().to_string());
+        }
         agent.add_backend(&backend, params).with_context(|| format!("attaching backend {backend}"))?;
         let buffer = memory::host_buffer(mem as usize);
         let registration =

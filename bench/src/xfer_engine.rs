@@ -1,11 +1,16 @@
-//! The engine under test: an xfer agent with one backend, one local registration for the whole
-//! run, and the target's region learned from its metadata.
+//! The engine under test: one or more xfer agents with one backend, each with one local
+//! registration for the whole run, and the targets' regions learned from their metadata.
+//! Thread t posts from agent t mod agents to target t mod targets (see `Scheme`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::ProgressBar;
-use xfer::{Agent, BackendParams, Desc, HostBuffer, MemType, Registration, RequestOptions, XferRequest};
+use xfer::{
+    Agent, BackendParams, Desc, HostBuffer, MemType, PreparedLocal, PreparedRemote, Registration, RequestOptions,
+    XferRequest,
+};
 
 use crate::check;
 use crate::layout::{Case, Layout};
@@ -28,61 +33,48 @@ impl Worker for XferWorker {
     }
 }
 
+/// One initiator agent, its registered buffer and the targets it loaded.
 #[derive(Debug)]
-pub struct XferEngine {
-    backend: String,
+struct Initiator {
     agent: Agent,
     local: Arc<HostBuffer>,
-    peer: String,
-    remote: Desc,
-    /// Control connection to the target for `--check`.
-    control: Option<RawConn>,
+    /// Per target: the peer's name and its DRAM region.
+    targets: Vec<(String, Desc)>,
     /// Keeps `local` registered (and alive) for the whole run.
     _registration: Registration,
 }
 
+#[derive(Debug)]
+pub struct XferEngine {
+    backend: String,
+    initiators: Vec<Initiator>,
+    /// Control connection to the (single) target for `--check`.
+    control: Option<RawConn>,
+}
+
 impl XferEngine {
-    /// Attaches `backend`, registers `mem` bytes and loads the target's metadata from `side`.
-    pub fn connect(backend: &str, params: &str, side: &str, mem: u64, control: Option<RawConn>) -> Result<XferEngine> {
-        let agent = Agent::new(&format!("xferbench-{}", std::process::id()))?;
-        let params = BackendParams::parse(params).context("--params")?;
-        agent.add_backend(backend, params).with_context(|| format!("attaching backend {backend}"))?;
-        let local = memory::host_buffer(mem as usize);
-        let registration =
-            agent.register_buffer(&local).with_context(|| format!("registering {}", format_total(mem)))?;
-        let peer =
-            agent.fetch_remote_metadata(side).with_context(|| format!("fetching the target's metadata from {side}"))?;
-        let regions = agent.remote_regions(&peer)?;
-        let remote = regions
-            .iter()
-            .filter(|(mem_type, _)| *mem_type == MemType::Dram)
-            .map(|(_, desc)| *desc)
-            .max_by_key(|desc| desc.len)
-            .ok_or_else(|| anyhow!("the target {peer} published no DRAM region"))?;
-        if remote.len < mem {
-            bail!(
-                "the target's region is {} but this run needs {}: start the target with the same \
-                 --block-sizes/--batch/--threads/--scatter (or a larger --mem)",
-                format_total(remote.len),
-                format_total(mem)
-            );
-        }
-        Ok(XferEngine {
-            backend: backend.to_string(),
-            agent,
-            local,
-            peer,
-            remote,
-            control,
-            _registration: registration,
-        })
+    /// Attaches `backend` to `agents` agents, registers `mem` bytes in each and loads every
+    /// target's metadata from its side channel in `sides`.
+    pub fn connect(
+        backend: &str,
+        params: &str,
+        sides: &[String],
+        agents: u64,
+        mem: u64,
+        control: Option<RawConn>,
+    ) -> Result<XferEngine> {
+        let initiators = (0..agents)
+            .map(|i| Initiator::connect(&format!("xferbench-{}-{i}", std::process::id()), backend, params, sides, mem))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(XferEngine { backend: backend.to_string(), initiators, control })
     }
 
     pub fn name(&self) -> &str {
         &self.backend
     }
 
-    /// Prepares both sides' block lists once, creates one request per thread, then measures.
+    /// Prepares the block lists once per (agent, target), creates one request per thread, then
+    /// measures.
     pub fn run(
         &mut self,
         case: &Case,
@@ -93,38 +85,84 @@ impl XferEngine {
         progress: &ProgressBar,
     ) -> Result<Measurement> {
         let layout = Layout::new(case, threads as usize, seed);
-        let block = layout.block;
-        let local_descs: Vec<Desc> =
-            (0..layout.slots).map(|s| self.local.sub_desc(layout.offset(s) as usize, block as usize)).collect();
-        let remote_descs: Vec<Desc> = (0..layout.slots)
-            .map(|s| Desc::new(self.remote.addr + layout.offset(s), block, self.remote.dev_id))
-            .collect();
-        let local = self.agent.prep_local(MemType::Dram, &local_descs)?;
-        let remote = self.agent.prep_remote(&self.peer, MemType::Dram, &remote_descs)?;
         let options = RequestOptions::default().backend(self.backend.clone());
-        let mut workers = layout
-            .local
-            .iter()
-            .zip(&layout.remote)
-            .map(|(l, r)| {
-                let request = self.agent.make_request(case.op, &local, l, &remote, r, options.clone())?;
-                Ok(XferWorker { request })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut prepared: HashMap<(usize, usize), (PreparedLocal, PreparedRemote)> = HashMap::new();
+        let mut workers = Vec::new();
+        for (thread, (l, r)) in layout.local.iter().zip(&layout.remote).enumerate() {
+            let a = thread % self.initiators.len();
+            let initiator = &self.initiators[a];
+            let t = thread % initiator.targets.len();
+            let (local, remote) = match prepared.entry((a, t)) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(initiator.prepare(&layout, t)?),
+            };
+            let request = initiator.agent.make_request(case.op, local, l, remote, r, options.clone())?;
+            workers.push(XferWorker { request });
+        }
         let control = match (check, self.control.as_mut()) {
             (false, _) => None,
             (true, Some(control)) => Some(control),
             (true, None) => bail!("--check needs the target's raw-tcp port"),
         };
+        let first = &self.initiators[0].local;
         if let Some(control) = control {
-            check::xfer_prepare(case.op, &layout, &self.local, control, seed)?;
+            check::xfer_prepare(case.op, &layout, first, control, seed)?;
         }
         let measured = measure(&mut workers, plan, progress)?;
         drop(workers);
         if let (true, Some(control)) = (check, self.control.as_mut()) {
-            check::xfer_verify(case.op, &layout, &self.local, control, seed)
+            check::xfer_verify(case.op, &layout, first, control, seed)
                 .with_context(|| format!("{} {}", self.backend, case.label()))?;
         }
         Ok(measured)
     }
+}
+
+impl Initiator {
+    fn connect(name: &str, backend: &str, params: &str, sides: &[String], mem: u64) -> Result<Initiator> {
+        let agent = Agent::new(name)?;
+        let params = BackendParams::parse(params).context("--params")?;
+        agent.add_backend(backend, params).with_context(|| format!("attaching backend {backend}"))?;
+        let local = memory::host_buffer(mem as usize);
+        let registration =
+            agent.register_buffer(&local).with_context(|| format!("registering {}", format_total(mem)))?;
+        let targets = sides.iter().map(|side| load_target(&agent, side, mem)).collect::<Result<Vec<_>>>()?;
+        Ok(Initiator { agent, local, targets, _registration: registration })
+    }
+
+    /// Both sides' block lists of the layout, against target `t`.
+    fn prepare(&self, layout: &Layout, t: usize) -> Result<(PreparedLocal, PreparedRemote)> {
+        let (peer, region) = &self.targets[t];
+        let block = layout.block;
+        let local_descs: Vec<Desc> =
+            (0..layout.slots).map(|s| self.local.sub_desc(layout.offset(s) as usize, block as usize)).collect();
+        let remote_descs: Vec<Desc> =
+            (0..layout.slots).map(|s| Desc::new(region.addr + layout.offset(s), block, region.dev_id)).collect();
+        Ok((
+            self.agent.prep_local(MemType::Dram, &local_descs)?,
+            self.agent.prep_remote(peer, MemType::Dram, &remote_descs)?,
+        ))
+    }
+}
+
+/// Loads a target's metadata; returns its name and largest DRAM region (at least `mem`).
+fn load_target(agent: &Agent, side: &str, mem: u64) -> Result<(String, Desc)> {
+    let peer =
+        agent.fetch_remote_metadata(side).with_context(|| format!("fetching the target's metadata from {side}"))?;
+    let regions = agent.remote_regions(&peer)?;
+    let remote = regions
+        .iter()
+        .filter(|(mem_type, _)| *mem_type == MemType::Dram)
+        .map(|(_, desc)| *desc)
+        .max_by_key(|desc| desc.len)
+        .ok_or_else(|| anyhow!("the target {peer} published no DRAM region"))?;
+    if remote.len < mem {
+        bail!(
+            "the target's region is {} but this run needs {}: start the target with the same \
+             --block-sizes/--batch/--threads/--scatter (or a larger --mem)",
+            format_total(remote.len),
+            format_total(mem)
+        );
+    }
+    Ok((peer, remote))
 }

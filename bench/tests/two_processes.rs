@@ -99,3 +99,22 @@ fn measured_rows_replay_with_peer_rows_into_plots_and_csv() {
         std::fs::remove_file(path).ok();
     }
 }
+
+#[test]
+fn many_to_one_and_one_to_many_schemes() {
+    let (m2o, stdout) = rows("m2o", "--scheme many-to-one --peers 3 --op both --block-sizes 64K --iters 4 --warmup 1");
+    assert!(stdout.contains("3 initiator agent(s), 1 target(s)"), "{stdout}");
+    assert_eq!(m2o.len(), 2);
+    for row in &m2o {
+        assert_eq!(row["scheme"], "many-to-one:3");
+        assert_eq!(row["threads"], 3, "raised to one thread per agent");
+        assert_eq!(row["bytes"], 64 * 1024 * 3 * 4);
+    }
+    let (o2m, stdout) = rows("o2m", "--scheme one-to-many --peers 2 --threads 4 --block-sizes 4K,1M --iters 3");
+    assert!(stdout.contains("1 initiator agent(s), 2 target(s)"), "{stdout}");
+    assert_eq!(o2m.len(), 2);
+    assert!(o2m.iter().all(|r| r["scheme"] == "one-to-many:2" && r["gbps"].as_f64().unwrap() > 0.0));
+    let refused = xferbench("--scheme one-to-many --check");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("no raw-tcp, --compare or --check"));
+}
