@@ -1,17 +1,17 @@
 //! Harness for the end-to-end suites against real engines: starting and stopping vLLM instances
 //! through `ci/vllm/engine.sh`, binaries of this workspace, HTTP helpers and Prometheus parsing.
 //!
-//! Every process started here runs in its own process group, is killed with its group on drop,
-//! and gets `SIGTERM` if the test process dies (`PR_SET_PDEATHSIG`, armed from a thread that lives
-//! as long as the child); groups still registered when the test binary exits are killed by an
-//! `atexit` hook, so a shared fixture held in a `static` does not leak engines either.
+//! Every process started here runs under a small guardian shell that leads its own process group
+//! and holds a pipe from the test process: when the test process goes away in any way (even
+//! SIGKILL), the pipe closes and the guardian kills the group (SIGTERM, SIGKILL after 15 s). On
+//! drop, and from an `atexit` hook for fixtures held in `static`s, the group is killed directly.
 
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 use std::sync::{mpsc, Mutex, Once};
 use std::time::{Duration, Instant};
 
@@ -70,13 +70,30 @@ pub struct Proc {
     pub log: PathBuf,
     exited: mpsc::Receiver<Option<i32>>,
     exit_status: Option<Option<i32>>,
+    /// The guardian's stdin: closing it (this process ending) makes the guardian kill the group.
+    _lifeline: ChildStdin,
 }
 
+/// Runs "$@" in the guardian's process group and waits for it; a watcher kills the group when
+/// stdin reaches EOF (the test process is gone). TERM is ignored by the watcher so that it
+/// survives its own group's SIGTERM and can follow up with SIGKILL.
+/// (A background job's stdin would be /dev/null: the pipe is handed over as fd 3.)
+const GUARDIAN: &str = r#"
+exec 3<&0
+"$@" </dev/null 3<&- &
+child=$!
+( trap '' TERM; while read -r _ <&3; do :; done; kill -TERM -- -$$ 2>/dev/null; sleep 15; kill -KILL -- -$$ 2>/dev/null ) &
+watcher=$!
+wait "$child"
+status=$?
+kill -KILL "$watcher" 2>/dev/null
+exit "$status"
+"#;
+
 impl Proc {
-    /// Spawns `cmd` (stdout and stderr to `log_dir()/NAME.log`) in a new process group. The child
-    /// is spawned and reaped by a dedicated thread, so that `PR_SET_PDEATHSIG` (tied to the
-    /// spawning thread) fires only when this process dies.
-    pub fn spawn(name: &str, mut cmd: Command) -> Result<Proc, String> {
+    /// Spawns `program args...` (stdout and stderr to `log_dir()/NAME.log`, environment of
+    /// this process plus `envs`) under a guardian in a new process group.
+    pub fn spawn(name: &str, program: &Path, args: &[String], envs: &[(&str, &str)]) -> Result<Proc, String> {
         ATEXIT.call_once(|| {
             // SAFETY: registering a plain extern "C" function.
             unsafe { libc::atexit(kill_registered_groups) };
@@ -84,36 +101,33 @@ impl Proc {
         let log = log_dir().join(format!("{name}.log"));
         let out = File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
         let err = out.try_clone().map_err(|e| e.to_string())?;
-        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: only async-signal-safe calls (setpgid, prctl) between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::setpgid(0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
-        let (pid_tx, pid_rx) = mpsc::channel();
+        let mut cmd = Command::new("bash");
+        cmd.args(["-c", GUARDIAN, "guardian"]).arg(program).args(args);
+        cmd.envs(envs.iter().copied());
+        cmd.stdin(Stdio::piped()).stdout(out).stderr(err);
+        cmd.process_group(0);
+        let mut child = cmd.spawn().map_err(|e| format!("{name}: spawn: {e}"))?;
+        let pgid = child.id() as i32;
+        GROUPS.lock().unwrap_or_else(|p| p.into_inner()).insert(pgid);
+        let lifeline = child.stdin.take().expect("piped stdin");
         let (exit_tx, exit_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name(format!("reaper-{name}"))
-            .spawn(move || match cmd.spawn() {
-                Ok(mut child) => {
-                    let pid = child.id() as i32;
-                    GROUPS.lock().unwrap_or_else(|p| p.into_inner()).insert(pid);
-                    let _ = pid_tx.send(Ok(pid));
-                    let status = child.wait().ok().and_then(|s| s.code());
-                    let _ = exit_tx.send(status);
-                }
-                Err(e) => {
-                    let _ = pid_tx.send(Err(e.to_string()));
-                }
+            .spawn(move || {
+                let status = child.wait().ok().and_then(|s| s.code());
+                let _ = exit_tx.send(status);
             })
             .map_err(|e| e.to_string())?;
-        let pgid = pid_rx.recv_timeout(Duration::from_secs(30)).map_err(|e| format!("{name}: spawn: {e}"))??;
-        Ok(Proc { name: name.to_string(), pgid, log, exited: exit_rx, exit_status: None })
+        Ok(Proc { name: name.to_string(), pgid, log, exited: exit_rx, exit_status: None, _lifeline: lifeline })
+    }
+
+    /// The pid of the real process (the guardian's child), e.g. to pause it.
+    pub fn main_pid(&self) -> Option<i32> {
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pgid)).ok()?;
+        children.split_whitespace().filter_map(|p| p.parse().ok()).find(|&pid: &i32| {
+            // The watcher subshell is a bash too; the real process is the one that is not.
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() != "bash").unwrap_or(false)
+        })
     }
 
     /// Whether the direct child is still running.
@@ -144,6 +158,12 @@ impl Proc {
         }
         GROUPS.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.pgid);
         let _ = self.exited.recv_timeout(Duration::from_secs(5)).map(|s| self.exit_status = Some(s));
+    }
+
+    /// Sends `signal` to the whole group without waiting.
+    pub fn signal_group(&self, signal: i32) {
+        // SAFETY: signalling our own process group.
+        unsafe { libc::kill(-self.pgid, signal) };
     }
 
     pub fn stop(&mut self) {
@@ -209,9 +229,25 @@ impl VllmSettings {
             Some(m) if !m.is_empty() => PathBuf::from(m),
             _ => build_model(&venv)?,
         };
-        let port_base = std::env::var("PD_E2E_PORT_BASE").ok().and_then(|p| p.parse().ok()).unwrap_or(18100);
+        let wanted = std::env::var("PD_E2E_PORT_BASE").ok().and_then(|p| p.parse().ok()).unwrap_or(27100);
+        let port_base = free_port_range(wanted, 50)?;
         Ok(VllmSettings { venv, model, port_base })
     }
+}
+
+/// The first base (from `wanted`, in steps of 100) whose `count` ports all accept a bind on
+/// 127.0.0.1 and on all interfaces: other suites on this machine may hold some.
+pub fn free_port_range(wanted: u16, count: u16) -> Result<u16, String> {
+    for step in 0..20u16 {
+        let base = wanted.saturating_add(step * 100);
+        let free = (base..base.saturating_add(count)).all(|p| {
+            std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() && std::net::TcpListener::bind(("0.0.0.0", p)).is_ok()
+        });
+        if free {
+            return Ok(base);
+        }
+    }
+    Err(format!("no free range of {count} ports from {wanted}"))
 }
 
 /// Runs `ci/vllm/make-model.py` with the venv's python (cached after the first build).
@@ -263,22 +299,25 @@ impl Engine {
 
     /// Spawns the engine; call [`Engine::wait_healthy`] next (lets two engines start together).
     pub fn spawn(settings: &VllmSettings, spec: EngineSpec) -> Result<Engine, String> {
-        let mut cmd = Command::new("bash");
-        cmd.arg(repo_root().join("ci/vllm/engine.sh"))
-            .arg("run")
-            .arg(&spec.name)
-            .args(["--port", &spec.port.to_string()])
-            .args(["--side-port", &spec.side_port.to_string()])
-            .args(["--core", &spec.core.to_string()])
-            .args(["--block-size", &spec.block_size.to_string()])
-            .arg("--venv")
-            .arg(&settings.venv)
-            .arg("--model")
-            .arg(&settings.model);
-        if let Some(p) = spec.events_port {
-            cmd.args(["--events", &format!("tcp://*:{p}")]);
+        let mut args: Vec<String> = vec!["run".into(), spec.name.clone()];
+        for (flag, value) in [
+            ("--port", spec.port.to_string()),
+            ("--side-port", spec.side_port.to_string()),
+            ("--core", spec.core.to_string()),
+            ("--block-size", spec.block_size.to_string()),
+            ("--venv", settings.venv.display().to_string()),
+            ("--model", settings.model.display().to_string()),
+        ] {
+            args.push(flag.into());
+            args.push(value);
         }
-        let proc = Proc::spawn(&spec.name, cmd)?;
+        if let Some(p) = spec.events_port {
+            args.push("--events".into());
+            args.push(format!("tcp://*:{p}"));
+        }
+        let script = repo_root().join("ci/vllm/engine.sh");
+        let proc =
+            Proc::spawn(&spec.name, Path::new("bash"), &[vec![script.display().to_string()], args].concat(), &[])?;
         Ok(Engine { spec, proc, started_in: Duration::ZERO })
     }
 
@@ -468,4 +507,68 @@ pub fn fresh_prompt(tag: &str, words: usize) -> String {
         out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
     }
     out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workspace binaries
+
+/// Builds (if needed) and locates a binary of another workspace package, e.g.
+/// `workspace_bin("pd-sidecar", "pd-sidecar")`. Integration tests cannot use
+/// `CARGO_BIN_EXE_*` for other packages, so this runs `cargo build -p PKG --bin BIN` (a no-op
+/// when up to date; ci/test.sh builds the workspace first).
+pub fn workspace_bin(package: &str, bin: &str) -> Result<PathBuf, String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(repo_root())
+        .args(["build", "--quiet", "-p", package, "--bin", bin])
+        .status()
+        .map_err(|e| format!("cargo build -p {package}: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build -p {package} --bin {bin}: {status}"));
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
+    let path = target.join("debug").join(bin);
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(format!("{} not found after building", path.display()))
+    }
+}
+
+/// Waits (bounded) for `url` to answer 200, failing early when `proc` exits.
+pub fn wait_http_ok(proc: &mut Proc, url: &str, timeout: Duration) -> Result<Duration, String> {
+    let start = Instant::now();
+    loop {
+        if http_status_blocking(url) == Some(200) {
+            return Ok(start.elapsed());
+        }
+        if !proc.running() {
+            return Err(format!("{} exited during start; log tail:\n{}", proc.name, proc.log_tail(30)));
+        }
+        if start.elapsed() > timeout {
+            return Err(format!("{}: {url} not 200 within {timeout:?}; log tail:\n{}", proc.name, proc.log_tail(30)));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Stops one process with SIGSTOP until dropped (SIGCONT), e.g. to hold a request between legs.
+#[derive(Debug)]
+pub struct Paused {
+    pid: i32,
+}
+
+impl Paused {
+    pub fn new(pid: i32) -> Paused {
+        // SAFETY: signalling a process we started.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        Paused { pid }
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe { libc::kill(self.pid, libc::SIGCONT) };
+    }
 }

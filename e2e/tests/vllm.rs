@@ -1,6 +1,7 @@
-//! The suite against a real vLLM (CPU build, `ci/vllm/`): one real prefill and one real decode
-//! are started once for the whole binary (a shared fixture) and every test uses them. Tests run
-//! in name order with `--test-threads 1`; the one that kills the prefill runs last.
+//! The suite against a real vLLM (CPU build, `ci/vllm/`): one real prefill and one real decode,
+//! with `pd-sidecar` in front of the decode (the prefill from its static list), are started once
+//! for the whole binary (a shared fixture) and every test uses them. Tests run in name order with
+//! `--test-threads 1`; the one that kills the prefill runs last.
 //!
 //! Without `PD_VLLM_VENV` every test prints a loud SKIPPED line and passes.
 
@@ -31,10 +32,21 @@ fn timing(what: &str, d: Duration) {
 }
 
 struct Cluster {
-    settings: VllmSettings,
     prefill: Mutex<Engine>,
     decode: Mutex<Engine>,
+    sidecar: Mutex<Proc>,
+    sidecar_url: String,
+    /// `pd-coordinator` with both engines registered (role both, their KV events ingested).
+    _coordinator: Mutex<Proc>,
+    coordinator_url: String,
 }
+
+/// The sidecar's bounds, short so that a failure test ends quickly: the documented worst case
+/// of one request is connect + prefill timeout (per attempt) + the local decode.
+const SIDECAR_CONNECT_TIMEOUT: &str = "1s";
+const SIDECAR_PREFILL_TIMEOUT: &str = "10s";
+/// Every request through the sidecar must end within this, by failover or a clear error.
+const REQUEST_BOUND: Duration = Duration::from_secs(30);
 
 impl Cluster {
     fn prefill(&self) -> MutexGuard<'_, Engine> {
@@ -48,6 +60,9 @@ impl Cluster {
     }
     fn decode_url(&self) -> String {
         self.decode().url()
+    }
+    fn sidecar_alive(&self) -> bool {
+        self.sidecar.lock().unwrap_or_else(|p| p.into_inner()).running()
     }
 }
 
@@ -66,6 +81,8 @@ fn start_cluster() -> Result<Cluster, String> {
         events_port: Some(base + 20 + 2 * offset),
         block_size: BLOCK_SIZE,
     };
+    let sidecar_bin = workspace_bin("pd-sidecar", "pd-sidecar")?;
+    let coordinator_bin = workspace_bin("pd-coordinator", "pd-coordinator")?;
     let t1 = Instant::now();
     // Both start together (one core each): the start is mostly single-threaded Python.
     let mut prefill = Engine::spawn(&settings, spec("vllm-prefill", 0, 0))?;
@@ -81,7 +98,58 @@ fn start_cluster() -> Result<Cluster, String> {
         decode.started_in.as_secs_f64(),
         log_dir().display()
     ));
-    Ok(Cluster { settings, prefill: Mutex::new(prefill), decode: Mutex::new(decode) })
+    let sidecar_addr = format!("127.0.0.1:{}", base + 30);
+    let args: Vec<String> = [
+        ["--listen", &sidecar_addr, "--mode", "vllm"].as_slice(),
+        &["--engine", &decode.url(), "--prefill", &prefill.url()],
+        &["--block-size", &BLOCK_SIZE.to_string(), "--fallback", "local"],
+        &["--connect-timeout", SIDECAR_CONNECT_TIMEOUT, "--prefill-timeout", SIDECAR_PREFILL_TIMEOUT],
+    ]
+    .concat()
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let mut sidecar = Proc::spawn("pd-sidecar", &sidecar_bin, &args, &[("RUST_LOG", "info")])?;
+    let sidecar_url = format!("http://{sidecar_addr}");
+    let took = wait_http_ok(&mut sidecar, &format!("{sidecar_url}/ready"), Duration::from_secs(30))?;
+    timing("sidecar ready", took);
+
+    let coordinator_addr = format!("127.0.0.1:{}", base + 40);
+    let args: Vec<String> =
+        ["--listen", &coordinator_addr, "--no-grpc", "--health-interval-ms", "500", "--lease-ms", "3000"]
+            .into_iter()
+            .map(String::from)
+            .collect();
+    let mut coordinator = Proc::spawn("pd-coordinator", &coordinator_bin, &args, &[("RUST_LOG", "info")])?;
+    let coordinator_url = format!("http://{coordinator_addr}");
+    wait_http_ok(&mut coordinator, &format!("{coordinator_url}/health"), Duration::from_secs(30))?;
+    for engine in [&prefill, &decode] {
+        register(&coordinator_url, engine)?;
+    }
+    Ok(Cluster {
+        prefill: Mutex::new(prefill),
+        decode: Mutex::new(decode),
+        sidecar: Mutex::new(sidecar),
+        sidecar_url,
+        _coordinator: Mutex::new(coordinator),
+        coordinator_url,
+    })
+}
+
+/// Registers a real engine with the coordinator (no sidecar: the coordinator health-checks it).
+fn register(coordinator: &str, engine: &Engine) -> Result<(), String> {
+    let spec = json!({
+        "id": engine.spec.name, "role": "both", "node": "local", "model": MODEL,
+        "engine_url": engine.url(), "kv_events": engine.events_endpoint(), "replay": engine.replay_endpoint(),
+        "block_size": BLOCK_SIZE,
+    });
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let (status, body) =
+        rt.block_on(post_json(&client(), &format!("{coordinator}/v1/engines"), &spec, Duration::from_secs(10)))?;
+    if status != 200 {
+        return Err(format!("registering {} with the coordinator: {status} {body}", engine.spec.name));
+    }
+    Ok(())
 }
 
 /// The shared fixture, or `None` (after a loud SKIPPED line) when the suite cannot run here.
@@ -191,42 +259,51 @@ async fn pd_by_hand(
     post_json(client, &format!("{decode}{route}"), &second, REQUEST_TIMEOUT).await
 }
 
-/// Sends `body` through P/D and returns the generated text (streamed or not).
-async fn pd_text(client: &reqwest::Client, c: &Cluster, route: &str, body: &Value) -> String {
-    let (status, text) = pd_by_hand(client, &c.prefill_url(), &c.decode_url(), route, body).await.expect("P/D request");
-    assert_eq!(status, 200, "P/D request: {text}");
-    if body["stream"].as_bool() == Some(true) {
-        sse_text(&text).expect("stream")
-    } else {
-        response_text(&serde_json::from_str(&text).expect("json"))
-    }
-}
-
 const XFER_COUNT: &str = "vllm:nixl_xfer_time_seconds_count";
 const BY_SOURCE: &str = "vllm:prompt_tokens_by_source_total";
 const EXTERNAL: (&str, &str) = ("source", "external_kv_transfer");
 
+/// The protocol itself (PROTOCOLS.md §1) driven by the test, no sidecar: tells an engine problem
+/// apart from a sidecar problem when t1 fails.
 #[test]
-fn t1_pd_completions_and_chat_streaming_and_not() {
-    let Some(c) = cluster("t1_pd_completions_and_chat_streaming_and_not") else { return };
-    let rt = runtime();
-    rt.block_on(async {
+fn t0_pd_protocol_by_hand() {
+    let Some(c) = cluster("t0_pd_protocol_by_hand") else { return };
+    runtime().block_on(async {
         let client = client();
-        let decode = c.decode_url();
+        let (prefill, decode) = (c.prefill_url(), c.decode_url());
+        let prompt = fresh_prompt("by-hand", 90);
+        let body = request_body(false, &prompt, false);
+        let (status, plain) = post_json(&client, &format!("{decode}/v1/completions"), &body, REQUEST_TIMEOUT)
+            .await
+            .expect("plain request");
+        assert_eq!(status, 200, "{plain}");
+        let reference = response_text(&serde_json::from_str(&plain).expect("json"));
+        reset_prefix_cache(&client, &decode).await;
+        let xfers = metric(&client, &decode, XFER_COUNT, &[]).await;
+        let (status, text) = pd_by_hand(&client, &prefill, &decode, "/v1/completions", &body).await.expect("P/D");
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(response_text(&serde_json::from_str(&text).expect("json")), reference);
+        let after = wait_metric(&client, &decode, XFER_COUNT, &[], Duration::from_secs(10), |v| v > xfers).await;
+        assert!(after > xfers, "the decode made no NIXL transfer");
+    });
+}
+
+#[test]
+fn t1_pd_through_sidecar_completions_and_chat_streaming_and_not() {
+    let Some(c) = cluster("t1_pd_through_sidecar_completions_and_chat_streaming_and_not") else { return };
+    runtime().block_on(async {
+        let client = client();
+        let (decode, sidecar) = (c.decode_url(), c.sidecar_url.clone());
         for (chat, stream) in [(false, false), (false, true), (true, false), (true, true)] {
             let t0 = Instant::now();
             let what = format!("{} stream={stream}", path(chat));
             let prompt = fresh_prompt("pd", 90);
             // Reference: the same request served by the decode alone, then its cache emptied so
             // that the P/D request must pull every block.
-            let (status, plain) = post_json(
-                &client,
-                &format!("{decode}{}", path(chat)),
-                &request_body(chat, &prompt, false),
-                REQUEST_TIMEOUT,
-            )
-            .await
-            .expect("plain request");
+            let (status, plain) =
+                post_json(&client, &format!("{decode}{}", path(chat)), &request_body(chat, &prompt, false), REQUEST_TIMEOUT)
+                    .await
+                    .expect("plain request");
             assert_eq!(status, 200, "{what}: plain request: {plain}");
             let plain: Value = serde_json::from_str(&plain).expect("json");
             let reference = response_text(&plain);
@@ -235,13 +312,26 @@ fn t1_pd_completions_and_chat_streaming_and_not() {
 
             let xfers = metric(&client, &decode, XFER_COUNT, &[]).await;
             let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
-            let text = pd_text(&client, c, path(chat), &request_body(chat, &prompt, stream)).await;
+            let disaggregated = metric(&client, &sidecar, "pd_sidecar_disaggregated_total", &[]).await;
+            let t_req = Instant::now();
+            let (status, text) =
+                post_json(&client, &format!("{sidecar}{}", path(chat)), &request_body(chat, &prompt, stream), REQUEST_TIMEOUT)
+                    .await
+                    .expect("request through the sidecar");
+            let latency = t_req.elapsed();
+            assert_eq!(status, 200, "{what}: through the sidecar: {text}");
+            let text = if stream {
+                sse_text(&text).expect("stream")
+            } else {
+                response_text(&serde_json::from_str(&text).expect("json"))
+            };
             let xfers_after =
                 wait_metric(&client, &decode, XFER_COUNT, &[], Duration::from_secs(10), |v| v > xfers).await;
             let external_after = wait_metric(&client, &decode, BY_SOURCE, &[EXTERNAL], Duration::from_secs(10), |v| {
                 v >= external + prompt_tokens
             })
             .await;
+            let disaggregated_after = metric(&client, &sidecar, "pd_sidecar_disaggregated_total", &[]).await;
 
             assert!(
                 xfers_after > xfers,
@@ -252,9 +342,16 @@ fn t1_pd_completions_and_chat_streaming_and_not() {
                 prompt_tokens,
                 "{what}: external_kv_transfer prompt tokens must grow by the prompt length"
             );
+            assert_eq!(disaggregated_after - disaggregated, 1.0, "{what}: the sidecar counted no disaggregation");
             assert_eq!(text, reference, "{what}: disaggregated text differs from the decode's own");
             assert!(!text.is_empty(), "{what}: empty text");
-            timing(&format!("P/D {what} ({prompt_tokens} prompt tokens, reference + reset + P/D)"), t0.elapsed());
+            timing(
+                &format!(
+                    "P/D through the sidecar {what} ({prompt_tokens} prompt tokens): request {:.0} ms, with reference + reset",
+                    latency.as_secs_f64() * 1e3
+                ),
+                t0.elapsed(),
+            );
         }
     });
 }
@@ -353,5 +450,241 @@ fn t2_kv_event_hashes_equal_ours() {
         "the engine's BlockStored hashes differ from pd_protocols' sha256_cbor chain"
     );
     assert_eq!(&stored_tokens[..ours.len() * bs], &tokens[..ours.len() * bs], "stored token ids differ from /tokenize");
-    let _ = &c.settings;
+}
+
+const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+
+/// A client that disconnects while its request sits between the two legs (the prefill done and
+/// holding its blocks, the decode not started: the decode engine is paused with SIGSTOP). The
+/// prefill's KV usage must come back to its baseline well before vLLM's 30 s lease would free it.
+#[test]
+fn t3_client_gone_between_legs_frees_prefill_blocks() {
+    let Some(c) = cluster("t3_client_gone_between_legs_frees_prefill_blocks") else { return };
+    let rt = runtime();
+    rt.block_on(async {
+        let client = client();
+        let (prefill, sidecar) = (c.prefill_url(), c.sidecar_url.clone());
+        let baseline = metric(&client, &prefill, KV_USAGE, &[]).await;
+        let decode_pid = c.decode().proc.main_pid().expect("the decode's API server pid");
+        let paused = Paused::new(decode_pid);
+        let prompt = fresh_prompt("gone", 400);
+        let body = request_body(false, &prompt, false);
+        let url = format!("{sidecar}/v1/completions");
+        let request = {
+            let client = client.clone();
+            tokio::spawn(async move { post_json(&client, &url, &body, REQUEST_TIMEOUT).await })
+        };
+        // The prefill has answered when its blocks are held (usage above the baseline).
+        let held =
+            wait_metric(&client, &prefill, KV_USAGE, &[], Duration::from_secs(20), |v| v > baseline + 1e-9).await;
+        assert!(held > baseline, "the prefill never held blocks (usage {baseline} -> {held})");
+        request.abort();
+        let _ = request.await;
+        let gone = Instant::now();
+        // Give the sidecar a moment to see the disconnect while the decode is still paused.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(paused);
+        let after =
+            wait_metric(&client, &prefill, KV_USAGE, &[], Duration::from_secs(30), |v| v <= baseline + 1e-9).await;
+        let took = gone.elapsed();
+        timing(&format!("prefill KV usage back to baseline after the client left ({held:.6} -> {after:.6})"), took);
+        assert!(
+            after <= baseline + 1e-9,
+            "the prefill still holds blocks 30 s after the client left ({KV_USAGE} {baseline} -> {held} -> {after})"
+        );
+        assert!(took < Duration::from_secs(10), "freeing the prefill's blocks took {took:?}, not well before 30 s");
+        assert!(c.sidecar_alive(), "the sidecar died");
+    });
+}
+
+/// How one request through the sidecar ended.
+#[derive(Debug)]
+struct Outcome {
+    index: usize,
+    started: Duration,
+    took: Duration,
+    result: Result<(u16, String), String>,
+}
+
+/// Kills the prefill engine (SIGKILL, its whole process group) while requests run through the
+/// sidecar: every request must end within the bound, by failover (the sidecar's local fallback)
+/// or a clear OpenAI-style error; later requests still succeed. Runs last: the prefill stays dead.
+#[test]
+fn t9_prefill_killed_during_a_run() {
+    let Some(c) = cluster("t9_prefill_killed_during_a_run") else { return };
+    let rt = runtime();
+    rt.block_on(async {
+        let client = client();
+        let sidecar = c.sidecar_url.clone();
+        let local_before = metric(&client, &sidecar, "pd_sidecar_local_decode_total", &[]).await;
+        const REQUESTS: usize = 16;
+        const KILL_AFTER: usize = 4;
+        let t0 = Instant::now();
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
+        // Two requests in flight at a time, so the kill lands in the middle of some.
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for _ in 0..2 {
+            let (client, sidecar, next, done_tx) = (client.clone(), sidecar.clone(), next.clone(), done_tx.clone());
+            tokio::spawn(async move {
+                loop {
+                    let index = next.fetch_add(1, Ordering::SeqCst);
+                    if index >= REQUESTS {
+                        return;
+                    }
+                    let chat = index % 2 == 1;
+                    let stream = index % 4 >= 2;
+                    let body = request_body(chat, &fresh_prompt("kill", 200), stream);
+                    let started = t0.elapsed();
+                    let t = Instant::now();
+                    let url = format!("{sidecar}{}", path(chat));
+                    let result = post_json(&client, &url, &body, REQUEST_BOUND + Duration::from_secs(10)).await;
+                    let result = result.map(|(status, text)| {
+                        if status == 200 && stream {
+                            match sse_text(&text) {
+                                Ok(t) => (status, t),
+                                Err(e) => (0, e),
+                            }
+                        } else {
+                            (status, text)
+                        }
+                    });
+                    let _ = done_tx.send(Outcome { index, started, took: t.elapsed(), result });
+                }
+            });
+        }
+        drop(done_tx);
+        let mut outcomes = Vec::new();
+        let mut killed_at = None;
+        let deadline = Instant::now() + REQUEST_BOUND * (REQUESTS as u32);
+        while let Ok(Some(outcome)) = tokio::time::timeout_at(deadline.into(), done_rx.recv()).await {
+            outcomes.push(outcome);
+            if outcomes.len() == KILL_AFTER && killed_at.is_none() {
+                c.prefill().proc.signal_group(libc::SIGKILL);
+                killed_at = Some(t0.elapsed());
+                loud(&format!("vllm-e2e: prefill killed at {:.2} s", t0.elapsed().as_secs_f64()));
+            }
+        }
+        let killed_at = killed_at.expect("the prefill was killed");
+        c.prefill().proc.kill_with(libc::SIGKILL, Duration::from_secs(10));
+        assert_eq!(outcomes.len(), REQUESTS, "requests that never ended: {outcomes:?}");
+        let (mut ok, mut errors, mut after_kill_ok) = (0, 0, 0);
+        for o in &outcomes {
+            assert!(o.took <= REQUEST_BOUND, "request {} took {:?} (bound {REQUEST_BOUND:?}): {o:?}", o.index, o.took);
+            match &o.result {
+                Ok((200, text)) => {
+                    assert!(!text.is_empty(), "request {}: 200 with no text", o.index);
+                    ok += 1;
+                    if o.started > killed_at {
+                        after_kill_ok += 1;
+                    }
+                }
+                Ok((status, text)) => {
+                    // A clear error: a 5xx with an OpenAI-style error object.
+                    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+                    assert!(
+                        *status >= 500 && v["error"]["message"].is_string(),
+                        "request {}: unclear failure {status}: {text}",
+                        o.index
+                    );
+                    errors += 1;
+                }
+                Err(e) => panic!("request {}: transport failure (no answer): {e}", o.index),
+            }
+        }
+        let slowest = outcomes.iter().map(|o| o.took).max().unwrap_or_default();
+        let local_after = metric(&client, &sidecar, "pd_sidecar_local_decode_total", &[]).await;
+        timing(
+            &format!("{REQUESTS} requests, prefill killed after {KILL_AFTER}: {ok} ok ({after_kill_ok} started after the kill), {errors} clear errors, slowest {:.2} s", slowest.as_secs_f64()),
+            t0.elapsed(),
+        );
+        assert!(after_kill_ok > 0, "no request started after the kill succeeded (local fallback): {outcomes:?}");
+        assert!(local_after > local_before, "the sidecar counted no local decode after the prefill died");
+        assert!(c.sidecar_alive(), "the sidecar died");
+        assert_eq!(http_status_blocking(&format!("{}/health", c.decode_url())), Some(200), "the decode is unhealthy");
+
+        // The coordinator drops the dead engine (health checks every 500 ms, lease 3 s).
+        let coordinator = c.coordinator_url.clone();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut state = coordinator_alive(&client, &coordinator, "vllm-prefill").await;
+        while state == Some(true) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            state = coordinator_alive(&client, &coordinator, "vllm-prefill").await;
+        }
+        let since_kill = t0.elapsed().saturating_sub(killed_at);
+        timing("coordinator dropped the killed prefill (since the kill)", since_kill);
+        assert_ne!(state, Some(true), "the coordinator still lists the killed prefill as alive");
+        assert_eq!(coordinator_alive(&client, &coordinator, "vllm-decode").await, Some(true), "the decode is not alive");
+        // And pairs only with the live decode now.
+        let pair = json!({"request_id": "e2e-after-kill", "model": MODEL, "prompt": "after the kill"});
+        let (status, text) =
+            post_json(&client, &format!("{coordinator}/v1/pair"), &pair, Duration::from_secs(10)).await.expect("pair");
+        assert_eq!(status, 200, "{text}");
+        let d: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(d["decode"]["id"], "vllm-decode", "{d}");
+        assert!(d["prefill"].is_null() || d["prefill"]["id"] != "vllm-prefill", "paired with the dead prefill: {d}");
+    });
+}
+
+/// The coordinator, fed by the real engines' KV events, pairs a request with the engine that
+/// holds its prefix: the engine doing the prompt's work (the prefill, or the decode when it
+/// prefills locally) is the one the prompt was sent to, with every full block counted as overlap.
+#[test]
+fn t2b_coordinator_prefers_the_engine_holding_the_prefix() {
+    let Some(c) = cluster("t2b_coordinator_prefers_the_engine_holding_the_prefix") else { return };
+    runtime().block_on(async {
+        let client = client();
+        let coordinator = c.coordinator_url.clone();
+        let engines = [("vllm-prefill", c.prefill_url()), ("vllm-decode", c.decode_url())];
+        for (holder, url) in &engines {
+            let t0 = Instant::now();
+            let prompt = fresh_prompt(&format!("held-by-{holder}"), 120);
+            let tokens = tokenize(&client, url, &prompt).await;
+            let full_blocks = (tokens.len() / BLOCK_SIZE as usize) as u64;
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0});
+            let (status, text) =
+                post_json(&client, &format!("{url}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("request");
+            assert_eq!(status, 200, "{text}");
+            // The events reach the coordinator asynchronously: ask until the overlap shows.
+            let deadline = Instant::now() + Duration::from_secs(15);
+            let mut n = 0;
+            let (worker, overlap, decision) = loop {
+                n += 1;
+                let pair = json!({"request_id": format!("e2e-pair-{holder}-{n}"), "model": MODEL, "token_ids": tokens});
+                let (status, text) =
+                    post_json(&client, &format!("{coordinator}/v1/pair"), &pair, Duration::from_secs(10))
+                        .await
+                        .expect("pair");
+                assert_eq!(status, 200, "pair: {text}");
+                let d: Value = serde_json::from_str(&text).expect("pair json");
+                let (worker, overlap) = if d["prefill"].is_object() {
+                    (d["prefill"]["id"].as_str().unwrap_or_default().to_string(), d["prefill_overlap_blocks"].as_u64())
+                } else {
+                    (d["decode"]["id"].as_str().unwrap_or_default().to_string(), d["decode_overlap_blocks"].as_u64())
+                };
+                let overlap = overlap.unwrap_or(0);
+                if (worker == *holder && overlap == full_blocks) || Instant::now() > deadline {
+                    break (worker, overlap, d);
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            };
+            timing(&format!("coordinator pairs toward {holder} ({full_blocks} blocks held)"), t0.elapsed());
+            assert_eq!(worker, *holder, "the prompt's work went elsewhere: {decision}");
+            assert_eq!(overlap, full_blocks, "overlap blocks: {decision}");
+        }
+    });
+}
+
+/// Whether the coordinator lists `id` as alive (None: not listed).
+async fn coordinator_alive(client: &reqwest::Client, coordinator: &str, id: &str) -> Option<bool> {
+    let text = client
+        .get(format!("{coordinator}/v1/engines"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let list: Value = serde_json::from_str(&text).ok()?;
+    list.as_array()?.iter().find(|e| e["id"].as_str() == Some(id)).map(|e| e["alive"].as_bool().unwrap_or(false))
 }
