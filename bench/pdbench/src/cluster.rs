@@ -19,6 +19,9 @@ pub struct Engine {
     pub url: String,
     /// None for engines pdbench did not start (`--vllm`).
     pub pid: Option<u32>,
+    /// Where its KV-event publisher can be reached (`tcp://127.0.0.1:port`), when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
 }
 
 /// How to start simulated engines.
@@ -66,9 +69,13 @@ impl SimCluster {
                 .env_remove("PD_SIM_HOST")
                 .env_remove("PD_SIM_CONFIG")
                 .env("RUST_LOG", std::env::var("PDBENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into()));
-            if opts.kv_events {
-                cmd.args(["--kv-events-endpoint", &format!("tcp://*:{}", free_port()?)]);
-            }
+            let kv_events = if opts.kv_events {
+                let port = free_port()?;
+                cmd.args(["--kv-events-endpoint", &format!("tcp://*:{port}")]);
+                Some(format!("tcp://127.0.0.1:{port}"))
+            } else {
+                None
+            };
             cmd.args(&opts.args);
             let p = Proc::spawn(name, cmd, log_dir)?;
             let url = format!("http://127.0.0.1:{port}");
@@ -77,6 +84,7 @@ impl SimCluster {
                 role: role.to_string(),
                 url: url.clone(),
                 pid: Some(p.pid()),
+                kv_events,
             });
             cluster.group.push(p);
             pending.push(url);

@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod cluster;
+pub mod daemons;
 pub mod metrics;
 pub mod plot;
 pub mod procs;

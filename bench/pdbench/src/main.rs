@@ -11,6 +11,7 @@ use serde_json::json;
 
 use pdbench::client::{Target, Timeouts};
 use pdbench::cluster::{self, Engine, KvReport, SimCluster, SimOptions};
+use pdbench::daemons::{DaemonOptions, Daemons};
 use pdbench::plot::{self, Series};
 use pdbench::procs::{self, Group};
 use pdbench::runner::{self, Arrival, RunConfig, RunResult};
@@ -528,16 +529,22 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
     let http = runner::http_client(4, Duration::from_secs(5))?;
     let coordinator_bin = c.coordinator_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-coordinator"));
     let sidecar_bin = c.sidecar_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-sidecar"));
-    let daemons = !c.vllm && usable_daemon(&coordinator_bin) && usable_daemon(&sidecar_bin);
-    let mode = match c.mode {
-        ClusterMode::Auto | ClusterMode::Direct => "direct",
-        ClusterMode::Sidecar => anyhow::bail!(
-            "sidecar mode: pd-sidecar/pd-coordinator ({}, {}) {}",
-            sidecar_bin.display(),
-            coordinator_bin.display(),
-            if daemons { "are there, but pdbench does not drive them yet" } else { "are not built or not usable yet" }
-        ),
+    let daemons_usable = !c.vllm && usable_daemon(&coordinator_bin) && usable_daemon(&sidecar_bin);
+    let with_daemons = match c.mode {
+        ClusterMode::Direct => false,
+        ClusterMode::Auto => daemons_usable,
+        ClusterMode::Sidecar => {
+            anyhow::ensure!(!c.vllm, "--mode sidecar starts its own engines; it does not combine with --vllm");
+            anyhow::ensure!(
+                daemons_usable,
+                "--mode sidecar: {} or {} is missing or does not answer --help",
+                coordinator_bin.display(),
+                sidecar_bin.display()
+            );
+            true
+        }
     };
+    let mode = if with_daemons { "sidecar" } else { "direct" };
     let log_dir = c.sim.log_dir("cluster")?;
 
     // Engines: started simulators, or real vLLM instances already running.
@@ -549,6 +556,7 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
             role: role.into(),
             url: url.trim_end_matches('/').into(),
             pid: None,
+            kv_events: None,
         };
         c.prefill_url
             .iter()
@@ -561,20 +569,28 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
             .map(|i| (format!("prefill-{i}"), "prefill"))
             .chain((0..c.decodes).map(|i| (format!("decode-{i}"), "decode")))
             .collect();
-        let started = SimCluster::start(&names, &c.sim.options(50, 1000, false), &log_dir, &http).await?;
+        let started = SimCluster::start(&names, &c.sim.options(50, 1000, with_daemons), &log_dir, &http).await?;
         let engines = started.engines.clone();
         sims = Some(started);
         engines
     };
-    let pids: Vec<u32> = sims.as_ref().map(|s| s.group.pids()).unwrap_or_default();
+    let daemons = if with_daemons {
+        let opts = DaemonOptions {
+            coordinator_bin: coordinator_bin.clone(),
+            sidecar_bin: sidecar_bin.clone(),
+            model: c.workload.model.clone().unwrap_or_else(|| "sim-model".into()),
+            startup_timeout: Duration::from_secs(c.sim.startup_timeout_secs),
+        };
+        Some(Daemons::start(&engines, &opts, &log_dir, &http).await?)
+    } else {
+        None
+    };
+    let mut pids: Vec<u32> = sims.as_ref().map(|s| s.group.pids()).unwrap_or_default();
+    pids.extend(daemons.as_ref().map(|d| d.group.pids()).unwrap_or_default());
     if let Some(p) = &c.pids_file {
         write_json(p, &json!(pids))?;
     }
     eprintln!("cluster up ({mode} P/D): logs in {}", log_dir.display());
-    // Test hook: the children must be stopped by unwinding when pdbench panics.
-    if std::env::var_os("PDBENCH_TEST_PANIC_AFTER_START").is_some() {
-        panic!("PDBENCH_TEST_PANIC_AFTER_START is set");
-    }
     for e in &engines {
         eprintln!(
             "  {:<10} {:<8} {}{}",
@@ -584,14 +600,39 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
             e.pid.map(|p| format!("  pid {p}")).unwrap_or_default()
         );
     }
+    if let Some(d) = &daemons {
+        eprintln!("  {:<10} {:<8} {}  pid {}", "coordinator", "", d.coordinator_url, d.coordinator_pid);
+        for s in &d.sidecars {
+            eprintln!("  {:<10} {:<8} {}  pid {}", format!("sidecar:{}", s.engine), s.role, s.url, s.pid);
+        }
+    }
+    // Test hook: the children must be stopped by unwinding when pdbench panics.
+    if std::env::var_os("PDBENCH_TEST_PANIC_AFTER_START").is_some() {
+        panic!("PDBENCH_TEST_PANIC_AFTER_START is set");
+    }
 
     let urls = |role: &str| engines.iter().filter(|e| e.role == role).map(|e| e.url.clone()).collect::<Vec<_>>();
-    let target = Target::direct_pd(urls("prefill"), urls("decode"), true, c.local_below);
+    let target = match &daemons {
+        Some(d) => Target::round_robin(d.entry_urls()),
+        None => Target::direct_pd(urls("prefill"), urls("decode"), true, c.local_below),
+    };
     let (before, _) = cluster::scrape(&http, &engines).await;
+    let decisions_before = match &daemons {
+        Some(d) => Some(d.decisions(&http).await),
+        None => None,
+    };
     let r = runner::run(Arc::new(target), &spec, &cfg).await?;
     let (after, unreachable) = cluster::scrape(&http, &engines).await;
     let kv = KvReport::from(after.since(before));
     let s = &r.summary;
+    // Who decided: pdbench itself (direct), or the sidecars and the coordinator.
+    let (disaggregated, local, daemon_decisions) = match (&daemons, decisions_before) {
+        (Some(d), Some(b)) => {
+            let dd = d.decisions(&http).await.since(b);
+            (dd.sidecar_disaggregated as u64, dd.sidecar_local as u64, Some(dd))
+        }
+        _ => (s.disaggregated, s.local, None),
+    };
 
     println!(
         "pdbench cluster: {} prefill + {} decode engines, {mode} P/D",
@@ -613,7 +654,13 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
         kv.prefix_hits,
         kv.prefix_queries
     );
-    println!("decisions    {} disaggregated, {} local", s.disaggregated, s.local);
+    println!("decisions    {disaggregated} disaggregated, {local} local");
+    if let Some(d) = &daemon_decisions {
+        println!(
+            "coordinator  {} disaggregated, {} local-prefill pairings",
+            d.coordinator_disaggregated, d.coordinator_local_prefill
+        );
+    }
     if !unreachable.is_empty() {
         println!("metrics      unreachable: {}", unreachable.join(", "));
     }
@@ -631,7 +678,9 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
                 "failed": s.failed,
                 "errors": s.errors,
                 "kv": kv,
-                "decisions": {"disaggregated": s.disaggregated, "local": s.local},
+                "decisions": {"disaggregated": disaggregated, "local": local, "daemons": daemon_decisions},
+                "coordinator": daemons.as_ref().map(|d| json!({"url": d.coordinator_url, "pid": d.coordinator_pid})),
+                "sidecars": daemons.as_ref().map(|d| d.sidecars.clone()),
                 "log_dir": log_dir,
             }),
         )?;
@@ -639,6 +688,8 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
     if let Some(p) = &c.out.plot {
         write_plots(p, &r);
     }
+    // Daemons first (they hold connections to the engines), then the engines.
+    drop(daemons);
     drop(sims);
     Ok(())
 }

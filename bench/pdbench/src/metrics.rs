@@ -19,6 +19,15 @@ pub fn sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Sum of the samples named `name` whose label set contains `label` (e.g. `reason="local"`).
+pub fn sum_labeled(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .filter(|l| l.split('}').next().is_some_and(|labels| labels.contains(label)))
+        .map(|l| sum(l, name))
+        .sum()
+}
+
 /// Whether any sample named `name` is present.
 pub fn has(text: &str, name: &str) -> bool {
     text.lines().any(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
@@ -45,5 +54,7 @@ mod tests {
         assert_eq!(sum(T, "vllm:absent"), 0.0);
         assert!(has(T, "vllm:h_count") && !has(T, "vllm:h"));
         assert_eq!(sum_any(T, &["vllm:y_total", "vllm:h_sum"]), 0.25);
+        assert_eq!(sum_labeled(T, "vllm:x_total", "engine=\"1\""), 4.5);
+        assert_eq!(sum_labeled(T, "vllm:x_total", "engine=\"2\""), 0.0);
     }
 }

@@ -11,14 +11,45 @@ use common::*;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+/// Whether the suite's daemons are built next to pdbench (`cargo test --workspace` builds them).
+fn daemons_built() -> bool {
+    let dir = pdbench().parent().unwrap().to_path_buf();
+    let ok = ["pd-coordinator", "pd-sidecar"].iter().all(|b| {
+        Command::new(dir.join(b)).arg("--help").output().is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+    });
+    if !ok {
+        eprintln!("LOUD SKIP: pd-coordinator / pd-sidecar not built next to pdbench; sidecar-mode test skipped");
+    }
+    ok
+}
+
 #[test]
 fn cluster_runs_50_requests_and_leaves_no_process() {
-    let dir = TempDir::new("cluster50");
+    cluster_50("direct", 4);
+}
+
+#[test]
+fn cluster_with_sidecars_and_coordinator_runs_50_requests_and_leaves_no_process() {
+    if !daemons_built() {
+        return;
+    }
+    let r = cluster_50("sidecar", 9);
+    // The sidecars and the coordinator made every decision, and they agree.
+    let d = &r["decisions"];
+    assert_eq!(d["disaggregated"].as_u64().unwrap() + d["local"].as_u64().unwrap(), 50, "{d}");
+    assert_eq!(d["daemons"]["coordinator_disaggregated"], d["daemons"]["sidecar_disaggregated"], "{d}");
+    assert_eq!(r["sidecars"].as_array().unwrap().len(), 4);
+}
+
+fn cluster_50(mode: &str, processes: usize) -> serde_json::Value {
+    let dir = TempDir::new(&format!("cluster50-{mode}"));
     let sim = sim_bin();
     let report = dir.path("report.json");
     let (status, stdout, stderr) = run_pdbench(
         &[
             "cluster",
+            "--mode",
+            mode,
             "--requests",
             "50",
             "--no-progress",
@@ -44,23 +75,27 @@ fn cluster_runs_50_requests_and_leaves_no_process() {
     assert_eq!(r["kv"]["failed_transfers"], 0.0);
     // Shared system prompts: the prefills find them cached after their first use.
     assert!(r["kv"]["prefix_hit_rate"].as_f64().unwrap() > 0.2, "{}", r["kv"]);
-    assert_eq!(r["decisions"]["disaggregated"], 50);
+    if mode == "direct" {
+        assert_eq!(r["decisions"]["disaggregated"], 50);
+    }
     assert!(r["summary"]["ttft_ms"]["p50"].as_f64().unwrap() > 0.0);
     assert!(r["summary"]["itl_ms"]["count"].as_u64().unwrap() > 0);
     assert_eq!(r["engines"].as_array().unwrap().len(), 4);
-    assert_eq!(pids.len(), 4);
-    for needle in ["50 ok, 0 failed", "KV moved", "prefix hits", "50 disaggregated", "TTFT", "ITL"] {
+    assert_eq!(pids.len(), processes);
+    for needle in ["50 ok, 0 failed", "KV moved", "prefix hits", "disaggregated", "TTFT", "ITL"] {
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }
     assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived pdbench's exit");
+    eprintln!("{stdout}");
+    r
 }
 
 /// Starts a long cluster run and waits (bounded) until its children are up.
-fn start_long_cluster(dir: &TempDir, extra_env: &[(&str, &str)]) -> (Guard, Vec<u32>) {
+fn start_long_cluster(dir: &TempDir, mode: &str, extra_env: &[(&str, &str)]) -> (Guard, Vec<u32>) {
     let sim = sim_bin();
     let pids_file = dir.path("pids.json");
     let mut cmd = Command::new(pdbench());
-    cmd.args(["cluster", "--requests", "1000000", "--rate", "20", "--no-progress"])
+    cmd.args(["cluster", "--mode", mode, "--requests", "1000000", "--rate", "20", "--no-progress"])
         .args(["--sim-bin", sim.to_str().unwrap(), "--log-dir", dir.0.to_str().unwrap()])
         .args(["--pids-file", pids_file.to_str().unwrap()]);
     for (k, v) in extra_env {
@@ -80,14 +115,25 @@ fn start_long_cluster(dir: &TempDir, extra_env: &[(&str, &str)]) -> (Guard, Vec<
         assert!(Instant::now() < deadline, "pdbench never wrote {}", pids_file.display());
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(pids.len(), 4);
+    assert_eq!(pids.len(), if mode == "sidecar" { 9 } else { 4 });
     (g, pids)
 }
 
 #[test]
 fn sigint_stops_every_child() {
-    let dir = TempDir::new("sigint");
-    let (mut g, pids) = start_long_cluster(&dir, &[]);
+    sigint("direct");
+}
+
+#[test]
+fn sigint_stops_every_child_with_sidecars() {
+    if daemons_built() {
+        sigint("sidecar");
+    }
+}
+
+fn sigint(mode: &str) {
+    let dir = TempDir::new(&format!("sigint-{mode}"));
+    let (mut g, pids) = start_long_cluster(&dir, mode, &[]);
     let _cleanup = PidsGuard(pids.clone());
     // Let the workload run a little, then interrupt as Ctrl-C would.
     std::thread::sleep(Duration::from_millis(500));
@@ -102,7 +148,7 @@ fn sigint_stops_every_child() {
 #[test]
 fn sigterm_stops_every_child() {
     let dir = TempDir::new("sigterm");
-    let (mut g, pids) = start_long_cluster(&dir, &[]);
+    let (mut g, pids) = start_long_cluster(&dir, "direct", &[]);
     let _cleanup = PidsGuard(pids.clone());
     kill(Pid::from_raw(g.pid() as i32), Signal::SIGTERM).unwrap();
     let status = g.wait(Duration::from_secs(20));
@@ -114,7 +160,7 @@ fn sigterm_stops_every_child() {
 fn panic_stops_every_child() {
     let dir = TempDir::new("panic");
     // A test hook: pdbench panics right after its cluster is up; unwinding must stop the children.
-    let (mut g, pids) = start_long_cluster(&dir, &[("PDBENCH_TEST_PANIC_AFTER_START", "1")]);
+    let (mut g, pids) = start_long_cluster(&dir, "direct", &[("PDBENCH_TEST_PANIC_AFTER_START", "1")]);
     let _cleanup = PidsGuard(pids.clone());
     let status = g.wait(Duration::from_secs(20));
     assert!(!status.success(), "pdbench should have panicked");

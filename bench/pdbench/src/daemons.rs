@@ -1,0 +1,175 @@
+//! The suite's own daemons around simulated engines: one `pd-coordinator`, and one
+//! `pd-sidecar` in front of every engine (registering it, with its KV events, at the
+//! coordinator). Clients enter through the decode engines' sidecars, which ask the coordinator
+//! for a prefill and do the handoff.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::cluster::Engine;
+use crate::metrics;
+use crate::procs::{free_port, Group, Proc, ProcError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Proc(#[from] ProcError),
+    #[error("the coordinator at {url} listed {seen} of {want} engines after {secs} s")]
+    NotRegistered { url: String, seen: usize, want: usize, secs: u64 },
+}
+
+/// Where the daemons' binaries are and how long they get to start.
+#[derive(Debug, Clone)]
+pub struct DaemonOptions {
+    pub coordinator_bin: PathBuf,
+    pub sidecar_bin: PathBuf,
+    pub model: String,
+    pub startup_timeout: Duration,
+}
+
+/// A sidecar in front of one engine.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sidecar {
+    pub engine: String,
+    pub role: String,
+    pub url: String,
+    pub pid: u32,
+}
+
+/// Running daemons; dropping this stops them.
+#[derive(Debug)]
+pub struct Daemons {
+    pub coordinator_url: String,
+    pub coordinator_pid: u32,
+    pub sidecars: Vec<Sidecar>,
+    pub group: Group,
+}
+
+fn child_log() -> String {
+    std::env::var("PDBENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into())
+}
+
+impl Daemons {
+    /// Starts the coordinator, then a sidecar per engine, and waits until the coordinator knows
+    /// every engine (so the first requests are already paired).
+    pub async fn start(
+        engines: &[Engine],
+        opts: &DaemonOptions,
+        log_dir: &std::path::Path,
+        http: &reqwest::Client,
+    ) -> Result<Daemons, DaemonError> {
+        let mut group = Group::default();
+        let port = free_port()?;
+        let coordinator_url = format!("http://127.0.0.1:{port}");
+        let mut cmd = Command::new(&opts.coordinator_bin);
+        cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--grpc-listen", &format!("127.0.0.1:{}", free_port()?)])
+            .args(["--no-grpc", "--workers", "1"])
+            .env("RUST_LOG", child_log())
+            .env_remove("PD_COORDINATOR_CONFIG");
+        let coordinator = group.push(Proc::spawn("coordinator", cmd, log_dir)?);
+        let coordinator_pid = coordinator.pid();
+        coordinator.wait_healthy(http, &format!("{coordinator_url}/health"), opts.startup_timeout).await?;
+
+        let mut sidecars = Vec::new();
+        for e in engines {
+            let port = free_port()?;
+            let url = format!("http://127.0.0.1:{port}");
+            let mut cmd = Command::new(&opts.sidecar_bin);
+            cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--engine", &e.url, "--mode", "vllm"])
+                .args(["--coordinator", &coordinator_url, "--engine-id", &e.name, "--role", &e.role])
+                .args(["--node", "local", "--model", &opts.model, "--advertise-url", &url, "--workers", "1"])
+                .env("RUST_LOG", child_log())
+                .env_remove("PD_SIDECAR_CONFIG");
+            if let Some(ev) = &e.kv_events {
+                cmd.args(["--kv-events", ev]);
+            }
+            // Without a pairing (coordinator unreachable) a decode sidecar falls back to the
+            // static list: every prefill engine.
+            if e.role == "decode" {
+                for p in engines.iter().filter(|p| p.role == "prefill") {
+                    cmd.args(["--prefill", &p.url]);
+                }
+            }
+            let p = group.push(Proc::spawn(&format!("sidecar-{}", e.name), cmd, log_dir)?);
+            sidecars.push(Sidecar { engine: e.name.clone(), role: e.role.clone(), url, pid: p.pid() });
+        }
+        for (i, s) in sidecars.iter().enumerate() {
+            group.proc_mut(i + 1).wait_healthy(http, &format!("{}/health", s.url), opts.startup_timeout).await?;
+        }
+        let daemons = Daemons { coordinator_url, coordinator_pid, sidecars, group };
+        daemons.wait_registered(http, engines.len(), opts.startup_timeout).await?;
+        Ok(daemons)
+    }
+
+    async fn wait_registered(&self, http: &reqwest::Client, want: usize, timeout: Duration) -> Result<(), DaemonError> {
+        let deadline = Instant::now() + timeout;
+        let url = format!("{}/v1/engines", self.coordinator_url);
+        loop {
+            let seen = match http.get(&url).timeout(Duration::from_secs(2)).send().await {
+                Ok(r) => r.json::<serde_json::Value>().await.ok().and_then(|v| v.as_array().map(Vec::len)).unwrap_or(0),
+                Err(_) => 0,
+            };
+            if seen >= want {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(DaemonError::NotRegistered { url, seen, want, secs: timeout.as_secs() });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The decode sidecars: where clients send requests.
+    pub fn entry_urls(&self) -> Vec<String> {
+        self.sidecars.iter().filter(|s| s.role == "decode").map(|s| s.url.clone()).collect()
+    }
+
+    /// Decisions as the daemons counted them.
+    pub async fn decisions(&self, http: &reqwest::Client) -> Decisions {
+        let mut d = Decisions::default();
+        for s in &self.sidecars {
+            if let Some(t) = get_text(http, &format!("{}/metrics", s.url)).await {
+                d.sidecar_disaggregated += metrics::sum(&t, "pd_sidecar_disaggregated_total");
+                d.sidecar_local += metrics::sum(&t, "pd_sidecar_local_decode_total");
+            }
+        }
+        if let Some(t) = get_text(http, &format!("{}/metrics", self.coordinator_url)).await {
+            let by =
+                |r: &str| metrics::sum_labeled(&t, "pd_coordinator_pair_decisions_total", &format!("reason=\"{r}\""));
+            d.coordinator_disaggregated = by("disaggregated");
+            d.coordinator_local_prefill = by("local_prefill");
+        }
+        d
+    }
+}
+
+async fn get_text(http: &reqwest::Client, url: &str) -> Option<String> {
+    let r = http.get(url).timeout(Duration::from_secs(5)).send().await.ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    r.text().await.ok()
+}
+
+/// Disaggregated vs local decisions, from the sidecars' and the coordinator's counters.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Decisions {
+    pub sidecar_disaggregated: f64,
+    pub sidecar_local: f64,
+    pub coordinator_disaggregated: f64,
+    pub coordinator_local_prefill: f64,
+}
+
+impl Decisions {
+    pub fn since(self, b: Decisions) -> Decisions {
+        Decisions {
+            sidecar_disaggregated: self.sidecar_disaggregated - b.sidecar_disaggregated,
+            sidecar_local: self.sidecar_local - b.sidecar_local,
+            coordinator_disaggregated: self.coordinator_disaggregated - b.coordinator_disaggregated,
+            coordinator_local_prefill: self.coordinator_local_prefill - b.coordinator_local_prefill,
+        }
+    }
+}
