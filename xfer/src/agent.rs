@@ -9,7 +9,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use xfer_core::{
-    Backend, BackendContext, BackendParams, Capabilities, Desc, HostBuffer, LocalRegion, MemType, NotifSink, Op,
+    Backend, BackendContext, BackendParams, Capabilities, Desc, HostMemory, LocalRegion, MemType, NotifSink, Op,
     RemoteSeg,
 };
 
@@ -61,7 +61,7 @@ impl std::fmt::Debug for Agent {
 pub struct Registration {
     agent: Arc<AgentInner>,
     entries: Vec<Arc<LocalEntry>>,
-    _owner: Option<Arc<HostBuffer>>,
+    _owner: Option<Arc<dyn HostMemory>>,
 }
 
 impl std::fmt::Debug for Registration {
@@ -153,11 +153,12 @@ impl Agent {
         unsafe { self.inner.register(mem_type, descs, None) }
     }
 
-    /// Registers a host buffer; the registration keeps it alive.
-    pub fn register_buffer(&self, buffer: &Arc<HostBuffer>) -> Result<Registration, XferError> {
-        // SAFETY: the registration holds an `Arc` of the buffer, so its memory outlives the
-        // registration; `HostBuffer` only hands out copies, never references.
-        unsafe { self.inner.register(MemType::Dram, &[buffer.desc()], Some(Arc::clone(buffer))) }
+    /// Registers host memory (a `HostBuffer`, a `SharedFile`); the registration keeps it alive.
+    pub fn register_buffer<M: HostMemory>(&self, memory: &Arc<M>) -> Result<Registration, XferError> {
+        let owner: Arc<dyn HostMemory> = Arc::clone(memory) as Arc<dyn HostMemory>;
+        // SAFETY: the registration holds an `Arc` of the memory, so it outlives the registration;
+        // `HostMemory` types own their bytes and only hand out copies (the trait's contract).
+        unsafe { self.inner.register(MemType::Dram, &[memory.desc()], Some(owner)) }
     }
 
     /// This agent's metadata blob: name, backends' connection info, registrations' keys.
@@ -294,7 +295,7 @@ impl AgentInner {
         self: &Arc<Self>,
         mem_type: MemType,
         descs: &[Desc],
-        owner: Option<Arc<HostBuffer>>,
+        owner: Option<Arc<dyn HostMemory>>,
     ) -> Result<Registration, XferError> {
         if descs.is_empty() {
             return Err(XferError::InvalidArgument("empty descriptor list".into()));

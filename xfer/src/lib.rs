@@ -39,6 +39,6 @@ pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
 pub use xfer_core::{
-    Backend, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc, HostBuffer, MemType, Op,
-    RefusalCode,
+    Backend, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc, HostBuffer, HostMemory,
+    MemType, Op, RefusalCode, SharedFile,
 };

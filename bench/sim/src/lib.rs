@@ -2,6 +2,7 @@
 //! bytes in real memory, moved between simulators through `xfer`, so the P/D suite can be
 //! developed, tested and benchmarked without GPUs. See `bench/sim/README.md`.
 
+#![forbid(unsafe_code)]
 pub mod chat;
 pub mod config;
 pub mod content;
@@ -19,5 +20,4 @@ pub mod respond;
 pub mod rooms;
 pub mod serve;
 pub mod sglang;
-pub mod shm;
 pub mod tokenizer;

@@ -4,14 +4,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use xfer::{Agent, HostBuffer, Registration, XferError};
-
-use crate::shm::ShmMap;
+use xfer::{Agent, HostBuffer, Registration, SharedFile, XferError};
 
 #[derive(Debug)]
 enum Backing {
     Heap(Arc<HostBuffer>),
-    Shm(ShmMap),
+    Shm(Arc<SharedFile>),
 }
 
 /// Registered pool memory. Field order matters: the registration drops before the memory.
@@ -29,14 +27,14 @@ impl PoolMemory {
     }
 
     pub fn shm(path: &Path, block_bytes: usize, num_blocks: usize) -> std::io::Result<Self> {
-        let map = ShmMap::create(path, block_bytes * num_blocks)?;
+        let map = Arc::new(SharedFile::create(path, block_bytes * num_blocks)?);
         Ok(PoolMemory { registration: None, backing: Backing::Shm(map), block_bytes })
     }
 
     pub fn register(&mut self, agent: &Agent) -> Result<(), XferError> {
         let registration = match &self.backing {
             Backing::Heap(buf) => agent.register_buffer(buf)?,
-            Backing::Shm(map) => map.register(agent)?,
+            Backing::Shm(map) => agent.register_buffer(map)?,
         };
         self.registration = Some(registration);
         Ok(())

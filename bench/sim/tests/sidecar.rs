@@ -4,14 +4,15 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use common::{prefill_body, words, Sim, WAIT};
 use pd_protocols::hash::none_hash;
 use pd_sim::content;
 use pd_sim::engine::Prompt;
-use pd_sim::shm::ShmMap;
 use pd_sim::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use xfer::SharedFile;
 
 async fn reserve(s: &Sim, n: usize) -> (String, Vec<u64>) {
     let (status, r) = s.post("/admin/reserve", &json!({"num_blocks": n})).await;
@@ -82,11 +83,11 @@ async fn a_colocated_agent_pulls_into_the_shared_pool() {
     let block_bytes = common::get_json(&format!("{}/admin/pool", d.url)).await["block_bytes"].as_u64().unwrap();
     let (reservation, local_ids) = reserve(&d, remote_ids.len()).await;
 
-    let pool = ShmMap::open(&path).unwrap();
+    let pool = Arc::new(SharedFile::open(&path).unwrap());
     let moved = tokio::task::spawn_blocking(move || {
         let agent = xfer::Agent::new("sidecar-under-test").unwrap();
         agent.add_backend("tcp", xfer::BackendParams::new().with("listen", "127.0.0.1:0")).unwrap();
-        let registration = pool.register(&agent).unwrap();
+        let registration = agent.register_buffer(&pool).unwrap();
         let peer = agent.fetch_remote_metadata(&side_channel).unwrap();
         let (_, remote_pool) = agent.remote_regions(&peer).unwrap()[0];
         let local: Vec<xfer::Desc> =

@@ -6,6 +6,73 @@ use crate::mem::Desc;
 
 const PAGE: usize = 4096;
 
+/// Memory an agent may register without `unsafe`: it stays mapped while any `Arc` of it lives,
+/// and it hands out copies, never references.
+///
+/// # Safety
+/// `desc()` must describe memory owned by the value for its whole life, readable and writable,
+/// and never handed out as Rust references (remote peers may write it at any time).
+pub unsafe trait HostMemory: Send + Sync + std::fmt::Debug + 'static {
+    fn desc(&self) -> Desc;
+}
+
+/// A raw, bounds-checked byte range that only hands out copies: the one place the host-memory
+/// types touch their bytes.
+#[derive(Debug)]
+pub(crate) struct RawRegion {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: all access goes through raw copies whose ordering is the application's responsibility
+// (see `HostBuffer`); the owner of the region keeps it alive.
+unsafe impl Send for RawRegion {}
+// SAFETY: as above.
+unsafe impl Sync for RawRegion {}
+
+impl RawRegion {
+    /// # Safety
+    /// `ptr .. ptr + len` must stay valid for reads and writes for the region's life.
+    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        RawRegion { ptr, len }
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr as usize as u64
+    }
+
+    /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
+    pub(crate) fn sub_desc(&self, offset: usize, len: usize) -> Desc {
+        self.check(offset, len);
+        Desc::new(self.addr() + offset as u64, len as u64, 0)
+    }
+
+    pub(crate) fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        self.check(offset, dst.len());
+        // SAFETY: the range is inside the region (checked, valid by `new`'s contract) and `dst`
+        // is a distinct Rust buffer, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) }
+    }
+
+    pub(crate) fn write_at(&self, offset: usize, src: &[u8]) {
+        self.check(offset, src.len());
+        // SAFETY: as in `read_at`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) }
+    }
+
+    fn check(&self, offset: usize, len: usize) {
+        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "range outside buffer");
+    }
+}
+
 /// A zero-initialised, page-aligned host allocation meant for registration.
 ///
 /// Its bytes may be written by remote peers while it is registered, so it hands out copies
@@ -13,15 +80,8 @@ const PAGE: usize = 4096;
 /// completions and notifications, as with any memory shared with a NIC.
 #[derive(Debug)]
 pub struct HostBuffer {
-    ptr: *mut u8,
-    len: usize,
+    region: RawRegion,
 }
-
-// SAFETY: the buffer is a plain heap allocation owned by this value; all access goes through
-// raw copies whose ordering is the application's responsibility (see the type docs).
-unsafe impl Send for HostBuffer {}
-// SAFETY: as above.
-unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     /// Allocates `len` zeroed bytes (at least one page is reserved so the address is unique).
@@ -32,7 +92,8 @@ impl HostBuffer {
         if ptr.is_null() {
             alloc::handle_alloc_error(layout);
         }
-        HostBuffer { ptr, len }
+        // SAFETY: a fresh allocation of at least `len` bytes, freed only in `drop`.
+        HostBuffer { region: unsafe { RawRegion::new(ptr, len) } }
     }
 
     fn layout(len: usize) -> Layout {
@@ -40,60 +101,56 @@ impl HostBuffer {
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.region.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     pub fn addr(&self) -> u64 {
-        self.ptr as usize as u64
+        self.region.addr()
     }
 
     /// The descriptor of the whole buffer (device 0).
     pub fn desc(&self) -> Desc {
-        Desc::new(self.addr(), self.len as u64, 0)
+        Desc::new(self.addr(), self.len() as u64, 0)
     }
 
     /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
     pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
-        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "range outside buffer");
-        Desc::new(self.addr() + offset as u64, len as u64, 0)
+        self.region.sub_desc(offset, len)
     }
 
     /// Copies `dst.len()` bytes starting at `offset` out of the buffer.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        self.check(offset, dst.len());
-        // SAFETY: the range is inside the allocation (checked) and `dst` is a distinct Rust
-        // buffer, so the regions do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) }
+        self.region.read_at(offset, dst)
     }
 
     /// Copies `src` into the buffer at `offset`.
     pub fn write_at(&self, offset: usize, src: &[u8]) {
-        self.check(offset, src.len());
-        // SAFETY: the range is inside the allocation (checked) and `src` is a distinct Rust
-        // buffer, so the regions do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) }
+        self.region.write_at(offset, src)
     }
 
     /// Copies the whole buffer out.
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len];
+        let mut out = vec![0u8; self.len()];
         self.read_at(0, &mut out);
         out
     }
+}
 
-    fn check(&self, offset: usize, len: usize) {
-        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "range outside buffer");
+// SAFETY: the allocation lives until drop and is only accessed through copies.
+unsafe impl HostMemory for HostBuffer {
+    fn desc(&self) -> Desc {
+        HostBuffer::desc(self)
     }
 }
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from `alloc_zeroed` with this same layout and is freed once.
-        unsafe { alloc::dealloc(self.ptr, Self::layout(self.len)) }
+        unsafe { alloc::dealloc(self.region.ptr(), Self::layout(self.region.len())) }
     }
 }
 

@@ -10,6 +10,7 @@ mod completion;
 mod error;
 mod host;
 mod mem;
+mod shared_file;
 pub mod split;
 
 pub use backend::{
@@ -18,5 +19,6 @@ pub use backend::{
 };
 pub use completion::{Completer, Completion, Status};
 pub use error::{BackendError, RefusalCode};
-pub use host::HostBuffer;
+pub use host::{HostBuffer, HostMemory};
 pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin};
+pub use shared_file::SharedFile;
