@@ -32,5 +32,12 @@ step "benchmark smoke run (consistency-checked, two processes)"
 cargo run --quiet --locked -p xfer-bench --bin xferbench -- \
   --backend tcp --compare --op both --block-sizes 64K,1M --iters 20 --warmup 2 --check --no-progress
 
+step "transfer comparison against the peers (smoke: 64K, one run; installs NIXL, Mooncake, iperf3 into the cache)"
+peers_out=$(mktemp -d)
+SIZES=64K REPEAT=1 OUT=$peers_out XFERBENCH=target/debug/xferbench bench/peers/compare.sh >/dev/null
+grep -q '| READ | 64K |' "$peers_out/peers.md" && test -s "$peers_out/peers.png"
+cat "$peers_out/peers.md"
+rm -rf "$peers_out"
+
 echo
 echo "all checks passed"
