@@ -28,6 +28,9 @@ pub struct DaemonOptions {
     pub sidecar_bin: PathBuf,
     pub model: String,
     pub startup_timeout: Duration,
+    /// Extra flags for the coordinator and for every sidecar.
+    pub coordinator_args: Vec<String>,
+    pub sidecar_args: Vec<String>,
 }
 
 /// A sidecar in front of one engine.
@@ -68,7 +71,8 @@ impl Daemons {
         cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--grpc-listen", &format!("127.0.0.1:{}", free_port()?)])
             .args(["--no-grpc", "--workers", "1"])
             .env("RUST_LOG", child_log())
-            .env_remove("PD_COORDINATOR_CONFIG");
+            .env_remove("PD_COORDINATOR_CONFIG")
+            .args(&opts.coordinator_args);
         let coordinator = group.push(Proc::spawn("coordinator", cmd, log_dir)?);
         let coordinator_pid = coordinator.pid();
         coordinator.wait_healthy(http, &format!("{coordinator_url}/health"), opts.startup_timeout).await?;
@@ -93,6 +97,7 @@ impl Daemons {
                     cmd.args(["--prefill", &p.url]);
                 }
             }
+            cmd.args(&opts.sidecar_args);
             let p = group.push(Proc::spawn(&format!("sidecar-{}", e.name), cmd, log_dir)?);
             sidecars.push(Sidecar { engine: e.name.clone(), role: e.role.clone(), url, pid: p.pid() });
         }

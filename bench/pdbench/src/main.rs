@@ -222,6 +222,49 @@ impl SimArgs {
     }
 }
 
+/// Starting the suite's daemons.
+#[derive(Debug, Clone, Args)]
+struct DaemonArgs {
+    /// The pd-coordinator binary (default: next to pdbench, else $PATH).
+    #[arg(long)]
+    coordinator_bin: Option<PathBuf>,
+    /// The pd-sidecar binary (default: next to pdbench, else $PATH).
+    #[arg(long)]
+    sidecar_bin: Option<PathBuf>,
+    /// Extra flag for pd-coordinator (repeat; e.g. --coordinator-arg=--local-prefill-max-tokens=0).
+    #[arg(long, allow_hyphen_values = true)]
+    coordinator_arg: Vec<String>,
+    /// Extra flag for every pd-sidecar (repeat).
+    #[arg(long, allow_hyphen_values = true)]
+    sidecar_arg: Vec<String>,
+}
+
+impl DaemonArgs {
+    fn bins(&self) -> (PathBuf, PathBuf) {
+        (
+            self.coordinator_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-coordinator")),
+            self.sidecar_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-sidecar")),
+        )
+    }
+
+    fn usable(&self) -> bool {
+        let (c, s) = self.bins();
+        usable_daemon(&c) && usable_daemon(&s)
+    }
+
+    fn options(&self, model: Option<&str>, startup_timeout_secs: u64) -> DaemonOptions {
+        let (coordinator_bin, sidecar_bin) = self.bins();
+        DaemonOptions {
+            coordinator_bin,
+            sidecar_bin,
+            model: model.unwrap_or("sim-model").to_string(),
+            startup_timeout: Duration::from_secs(startup_timeout_secs),
+            coordinator_args: self.coordinator_arg.clone(),
+            sidecar_args: self.sidecar_arg.clone(),
+        }
+    }
+}
+
 /// Routing setups compare-routing knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum SetupKind {
@@ -232,7 +275,8 @@ enum SetupKind {
     /// P/D driven by pdbench: the prefill chosen by the request's shared-prefix id (the engine
     /// that already cached it), decode in turn — a stand-in for KV-aware pairing.
     PdPrefixAffinity,
-    /// pd-coordinator pairing through pd-sidecars (needs both binaries).
+    /// Requests enter through the decode engines' pd-sidecars, which pair them through
+    /// pd-coordinator (KV events, prefix index, load) — needs both binaries.
     Coordinator,
     /// vllm-router in P/D mode in front of the engines (needs --vllm-router).
     VllmRouter,
@@ -244,7 +288,12 @@ struct CompareCmd {
     #[arg(long, default_value_t = 4)]
     engines: usize,
     /// Setups to compare, in order.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "round-robin,pd-round-robin,pd-prefix-affinity")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "round-robin,pd-round-robin,pd-prefix-affinity,coordinator"
+    )]
     setups: Vec<SetupKind>,
     /// The vllm-router executable (PyPI `vllm-router`), for the vllm-router setup.
     #[arg(long)]
@@ -255,6 +304,8 @@ struct CompareCmd {
         default_value = "--host 127.0.0.1 --port {port} --vllm-pd-disaggregation {prefills} {decodes} --policy round_robin"
     )]
     vllm_router_args: String,
+    #[command(flatten)]
+    daemons: DaemonArgs,
     #[command(flatten)]
     sim: SimArgs,
     #[command(flatten)]
@@ -286,12 +337,8 @@ struct ClusterCmd {
     decodes: usize,
     #[arg(long, value_enum, default_value = "auto")]
     mode: ClusterMode,
-    /// The pd-coordinator binary (default: next to pdbench).
-    #[arg(long)]
-    coordinator_bin: Option<PathBuf>,
-    /// The pd-sidecar binary (default: next to pdbench).
-    #[arg(long)]
-    sidecar_bin: Option<PathBuf>,
+    #[command(flatten)]
+    daemons: DaemonArgs,
     /// Use already-running real vLLM engines (--prefill-url, --decode-url) instead of starting
     /// simulators; pdbench does the P/D handoff.
     #[arg(long, requires_all = ["prefill_url", "decode_url"])]
@@ -416,9 +463,24 @@ async fn prepare_setup(
         SetupKind::RoundRobin => Prepared { target: Target::round_robin(urls), _extra: Group::default() },
         SetupKind::PdRoundRobin => Prepared { target: Target::direct_pd(p, d, false, 0), _extra: Group::default() },
         SetupKind::PdPrefixAffinity => Prepared { target: Target::direct_pd(p, d, true, 0), _extra: Group::default() },
-        SetupKind::Coordinator => anyhow::bail!(
-            "the coordinator setup needs working pd-coordinator and pd-sidecar daemons; pdbench does not drive them yet"
-        ),
+        SetupKind::Coordinator => {
+            let (cb, sb) = c.daemons.bins();
+            anyhow::ensure!(
+                c.daemons.usable(),
+                "{} or {} is missing or does not answer --help",
+                cb.display(),
+                sb.display()
+            );
+            let roles: Vec<Engine> = engines
+                .iter()
+                .enumerate()
+                .map(|(i, e)| Engine { role: if i < half { "prefill" } else { "decode" }.into(), ..e.clone() })
+                .collect();
+            let opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+            let d = Daemons::start(&roles, &opts, log_dir, http).await?;
+            let target = Target::round_robin(d.entry_urls());
+            Prepared { target, _extra: d.group }
+        }
         SetupKind::VllmRouter => {
             let bin = c.vllm_router.clone().context("the vllm-router setup needs --vllm-router PATH")?;
             let port = procs::free_port()?;
@@ -450,7 +512,8 @@ async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     let http = runner::http_client(4, Duration::from_secs(5))?;
     let log_dir = c.sim.log_dir("compare")?;
     let names: Vec<(String, &str)> = (0..c.engines).map(|i| (format!("engine-{i}"), "both")).collect();
-    let sims = SimCluster::start(&names, &c.sim.options(100, 1000, false), &log_dir, &http).await?;
+    let kv_events = c.setups.contains(&SetupKind::Coordinator);
+    let sims = SimCluster::start(&names, &c.sim.options(100, 1000, kv_events), &log_dir, &http).await?;
     eprintln!("{} engines up (logs in {})", sims.engines.len(), log_dir.display());
     let mut rows = Vec::new();
     for &kind in &c.setups {
@@ -496,8 +559,8 @@ async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
         let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
         println!(
             "{setup:<20} {:>8} {:>7} {:>14.2} {:>12.2} {:>12.2} {:>9.1}% {:>10.2}",
-            s["ok"],
-            s["failed"],
+            s["ok"].as_u64().unwrap_or(0),
+            s["failed"].as_u64().unwrap_or(0),
             f(&s["ttft_ms"]["mean"]),
             f(&s["ttft_ms"]["p50"]),
             f(&s["ttft_ms"]["p99"]),
@@ -527,9 +590,8 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
     let spec = c.workload.spec()?;
     let cfg = c.load.config();
     let http = runner::http_client(4, Duration::from_secs(5))?;
-    let coordinator_bin = c.coordinator_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-coordinator"));
-    let sidecar_bin = c.sidecar_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-sidecar"));
-    let daemons_usable = !c.vllm && usable_daemon(&coordinator_bin) && usable_daemon(&sidecar_bin);
+    let (coordinator_bin, sidecar_bin) = c.daemons.bins();
+    let daemons_usable = !c.vllm && c.daemons.usable();
     let with_daemons = match c.mode {
         ClusterMode::Direct => false,
         ClusterMode::Auto => daemons_usable,
@@ -575,12 +637,7 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
         engines
     };
     let daemons = if with_daemons {
-        let opts = DaemonOptions {
-            coordinator_bin: coordinator_bin.clone(),
-            sidecar_bin: sidecar_bin.clone(),
-            model: c.workload.model.clone().unwrap_or_else(|| "sim-model".into()),
-            startup_timeout: Duration::from_secs(c.sim.startup_timeout_secs),
-        };
+        let opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
         Some(Daemons::start(&engines, &opts, &log_dir, &http).await?)
     } else {
         None
