@@ -1,0 +1,290 @@
+//! Test harness: `pd-coordinator` and `pd-sim` processes on free loopback ports, killed on
+//! drop, every wait bounded.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub const WAIT: Duration = Duration::from_secs(15);
+pub const MODEL: &str = "sim-model";
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap()
+}
+
+/// Where the test's log files go (kept for a failing run).
+fn log_file(name: &str) -> std::fs::File {
+    let dir = std::env::temp_dir().join(format!("pd-coordinator-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::File::create(dir.join(format!("{name}.log"))).unwrap()
+}
+
+/// pd-sim sits next to pd-coordinator in the target directory (`cargo test --workspace`
+/// builds it); when only this crate's tests were built, build it now.
+pub fn pd_sim_path() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-coordinator")).parent().unwrap().to_path_buf();
+    let path = dir.join("pd-sim");
+    if !path.exists() {
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "-p", "pd-sim", "--bin", "pd-sim"]);
+        if dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("running cargo build -p pd-sim");
+        assert!(status.success(), "cargo build -p pd-sim failed");
+    }
+    assert!(path.exists(), "pd-sim not found at {}", path.display());
+    path
+}
+
+pub struct Proc {
+    child: Child,
+}
+
+/// Spawns `cmd` with its output in a log file, killed on drop.
+pub fn spawn(cmd: Command, name: &str) -> Proc {
+    Proc::spawn(cmd, name)
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command, name: &str) -> Proc {
+        let log = log_file(name);
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
+        Proc { child }
+    }
+
+    /// SIGKILL, no cleanup.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+async fn wait_healthy(url: &str, what: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(r) = client().get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{what} at {url} did not become healthy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A simulated engine with KV events and replay.
+pub struct Sim {
+    pub proc: Proc,
+    pub id: String,
+    pub port: u16,
+    pub url: String,
+    pub events: u16,
+    pub replay: u16,
+    extra: Vec<String>,
+}
+
+impl Sim {
+    pub async fn start(id: &str, extra: &[&str]) -> Sim {
+        Self::start_on(id, free_port(), free_port(), free_port(), extra).await
+    }
+
+    pub async fn start_on(id: &str, port: u16, events: u16, replay: u16, extra: &[&str]) -> Sim {
+        let mut cmd = Command::new(pd_sim_path());
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--engine-id", id, "--workers", "1"])
+            .args(["--kv-events-endpoint", &format!("tcp://*:{events}")])
+            .args(["--kv-events-replay-endpoint", &format!("tcp://*:{replay}")])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .env_remove("PYTHONHASHSEED")
+            .env_remove("VLLM_HOST_IP")
+            .env_remove("VLLM_NIXL_SIDE_CHANNEL_PORT");
+        let proc = Proc::spawn(cmd, &format!("sim-{id}-{port}"));
+        let url = format!("http://127.0.0.1:{port}");
+        wait_healthy(&url, "pd-sim").await;
+        Sim { proc, id: id.into(), port, url, events, replay, extra: extra.iter().map(|s| s.to_string()).collect() }
+    }
+
+    /// The registration body (as a sidecar would send it); `sidecar_url` optional.
+    pub fn spec(&self, role: &str, sidecar_url: Option<&str>) -> Value {
+        let mut spec = json!({
+            "id": self.id, "role": role, "node": "node-1", "model": MODEL, "engine_url": self.url,
+            "kv_events": format!("tcp://*:{}", self.events), "replay": format!("tcp://*:{}", self.replay),
+            "block_size": 16,
+        });
+        if let Some(url) = sidecar_url {
+            spec["sidecar_url"] = url.into();
+        }
+        spec
+    }
+
+    /// A completion with a token-id prompt, so the engine caches (and publishes) its blocks.
+    pub async fn complete(&self, tokens: &[u32]) {
+        let r = client()
+            .post(format!("{}/v1/completions", self.url))
+            .json(&json!({"prompt": tokens, "max_tokens": 1}))
+            .send()
+            .await
+            .expect("completion");
+        assert!(r.status().is_success(), "completion on {}: {}", self.id, r.status());
+    }
+
+    pub async fn complete_text(&self, text: &str) {
+        let r = client()
+            .post(format!("{}/v1/completions", self.url))
+            .json(&json!({"prompt": text, "max_tokens": 1}))
+            .send()
+            .await
+            .expect("completion");
+        assert!(r.status().is_success(), "completion on {}: {}", self.id, r.status());
+    }
+}
+
+/// A coordinator daemon.
+pub struct Coord {
+    pub proc: Proc,
+    pub http: u16,
+    pub grpc: u16,
+    pub url: String,
+    args: Vec<String>,
+}
+
+impl Coord {
+    pub async fn start(args: &[&str]) -> Coord {
+        Self::start_on(free_port(), free_port(), args).await
+    }
+
+    pub async fn start_on(http: u16, grpc: u16, args: &[&str]) -> Coord {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pd-coordinator"));
+        cmd.args(["--listen", &format!("127.0.0.1:{http}"), "--grpc-listen", &format!("127.0.0.1:{grpc}")])
+            .args(["--workers", "2", "--log", "info,pd_coordinator=debug"])
+            .args(args)
+            .env_remove("PYTHONHASHSEED")
+            .env_remove("RUST_LOG");
+        let proc = Proc::spawn(cmd, &format!("coordinator-{http}"));
+        let url = format!("http://127.0.0.1:{http}");
+        wait_healthy(&url, "pd-coordinator").await;
+        Coord { proc, http, grpc, url, args: args.iter().map(|s| s.to_string()).collect() }
+    }
+
+    /// kill -9 and start again on the same ports with the same flags.
+    pub async fn restart(&mut self) {
+        self.proc.kill9();
+        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        *self = Coord::start_on(self.http, self.grpc, &args).await;
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, body.to_string().into_bytes()).await
+    }
+
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = client()
+            .post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"));
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = client().get(format!("{}{path}", self.url)).send().await.unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    pub async fn delete(&self, path: &str) -> u16 {
+        client().delete(format!("{}{path}", self.url)).send().await.unwrap().status().as_u16()
+    }
+
+    pub async fn register(&self, spec: &Value) {
+        let (status, body) = self.post("/v1/engines", spec).await;
+        assert_eq!(status, 200, "register: {body}");
+    }
+
+    pub async fn heartbeat(&self, id: &str) -> (u16, Value) {
+        self.post(&format!("/v1/engines/{id}/heartbeat"), &json!({})).await
+    }
+
+    /// `id` → alive, from GET /v1/engines.
+    pub async fn alive(&self) -> std::collections::HashMap<String, bool> {
+        let (status, list) = self.get("/v1/engines").await;
+        assert_eq!(status, 200);
+        list.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["id"].as_str().unwrap().to_string(), e["alive"].as_bool().unwrap()))
+            .collect()
+    }
+
+    /// Blocks indexed for `engine` (GET /v1/index/stats).
+    pub async fn indexed(&self, engine: &str) -> u64 {
+        let (_, stats) = self.get("/v1/index/stats").await;
+        stats["models"][MODEL]["engines"][engine].as_u64().unwrap_or(0)
+    }
+
+    pub async fn pair(&self, body: &Value) -> (u16, Value) {
+        self.post("/v1/pair", body).await
+    }
+
+    /// A counter or gauge from /metrics (first sample whose name and labels start with `key`).
+    pub async fn metric(&self, key: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await;
+        let text = text.as_str().unwrap().to_string();
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("metric {key} missing"))
+    }
+}
+
+/// Polls `check` until it holds or `within` passes; returns how long it took.
+pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if check().await {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Token ids `from .. from + n`.
+pub fn tokens(from: u32, n: u32) -> Vec<u32> {
+    (from..from + n).collect()
+}

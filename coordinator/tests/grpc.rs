@@ -1,0 +1,108 @@
+//! Every gRPC method once against the real daemon, with the same answers as the HTTP API.
+
+mod common;
+
+use common::{free_port, Coord, MODEL};
+use pd_coordinator::api::grpc::proto::coordinator_client::CoordinatorClient;
+use pd_coordinator::api::grpc::proto::{
+    DeregisterRequest, Empty, EngineSpec, HeartbeatRequest, Load, PairRequest, ReportEvent, ReportRequest, Role,
+};
+use tonic::Code;
+
+fn spec(id: &str, role: Role) -> EngineSpec {
+    EngineSpec {
+        id: id.into(),
+        role: role.into(),
+        node: "n1".into(),
+        model: MODEL.into(),
+        engine_url: format!("http://127.0.0.1:{}", free_port()),
+        sidecar_url: Some(format!("http://127.0.0.1:{}", free_port())),
+        kv_events: None,
+        replay: None,
+        xfer_side_channel: Some("127.0.0.1:5600".into()),
+        block_size: 16,
+        capacity_blocks: Some(1024),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_grpc_method_once() {
+    let coord = Coord::start(&["--health-interval-ms", "0"]).await;
+    let mut client = CoordinatorClient::connect(format!("http://127.0.0.1:{}", coord.grpc)).await.unwrap();
+
+    let reg = client.register(spec("d0", Role::Decode)).await.unwrap().into_inner();
+    assert_eq!((reg.engine.as_str(), reg.lease_ms, reg.heartbeat_ms), ("d0", 3000, 1000));
+    client.register(spec("p0", Role::Prefill)).await.unwrap();
+    let mut bad = spec("x", Role::Unspecified);
+    bad.role = 0;
+    assert_eq!(client.register(bad).await.unwrap_err().code(), Code::InvalidArgument);
+
+    let load = Load { running: Some(2), active_decode_blocks: Some(10), ..Load::default() };
+    let notices =
+        client.heartbeat(HeartbeatRequest { engine: "d0".into(), load: Some(load) }).await.unwrap().into_inner();
+    assert!(notices.dead_engines.is_empty() && notices.release.is_empty());
+
+    let list = client.list_engines(Empty {}).await.unwrap().into_inner();
+    assert_eq!(list.engines.len(), 2);
+    let d0 = list.engines.iter().find(|e| e.spec.as_ref().unwrap().id == "d0").unwrap();
+    assert!(d0.alive);
+    assert_eq!(d0.load.unwrap().running, Some(2));
+    assert_eq!(d0.spec.as_ref().unwrap().capacity_blocks, Some(1024));
+
+    let pair = PairRequest {
+        request_id: "r1".into(),
+        model: MODEL.into(),
+        token_ids: (0..640).collect(),
+        ..PairRequest::default()
+    };
+    let d = client.pair(pair).await.unwrap().into_inner();
+    assert_eq!(d.decode.as_ref().unwrap().id, "d0");
+    assert_eq!(d.prefill.as_ref().unwrap().id, "p0");
+    assert_eq!(d.reason, "disaggregated");
+    let unknown = PairRequest { request_id: "r2".into(), model: "other".into(), ..PairRequest::default() };
+    assert_eq!(client.pair(unknown).await.unwrap_err().code(), Code::Unavailable);
+
+    let report = ReportRequest {
+        request_id: "r1".into(),
+        event: ReportEvent::PrefillDone.into(),
+        engine: Some("p0".into()),
+        kv_transfer_params: Some(r#"{"remote_request_id": "r1"}"#.into()),
+        error: None,
+    };
+    client.report(report).await.unwrap();
+    let garbage = ReportRequest {
+        request_id: "r1".into(),
+        event: ReportEvent::Finished.into(),
+        kv_transfer_params: Some("{not json".into()),
+        ..ReportRequest::default()
+    };
+    assert_eq!(client.report(garbage).await.unwrap_err().code(), Code::InvalidArgument);
+
+    let stats = client.index_stats(Empty {}).await.unwrap().into_inner();
+    // The routed prompt is speculatively on both engines for a moment.
+    let model = &stats.models[MODEL];
+    assert_eq!(model.blocks, 40);
+    assert_eq!(model.engines["d0"], 40);
+
+    client.deregister(DeregisterRequest { engine: "d0".into() }).await.unwrap();
+    let gone = client.heartbeat(HeartbeatRequest { engine: "d0".into(), load: None }).await.unwrap_err();
+    assert_eq!(gone.code(), Code::NotFound);
+    // The prefill that held r1's blocks is told to free them (no sidecar answered the call).
+    let mut dead = Vec::new();
+    let notices = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            let n = client.heartbeat(HeartbeatRequest { engine: "p0".into(), load: None }).await.unwrap().into_inner();
+            dead.extend(n.dead_engines.iter().cloned());
+            if !n.release.is_empty() {
+                return n;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("release notice within 5 s");
+    assert_eq!(notices.release[0].request_id, "r1");
+    assert_eq!(notices.release[0].prefill, "p0");
+    assert_eq!(notices.release[0].kv_transfer_params, r#"{"remote_request_id": "r1"}"#);
+    assert_eq!(dead, vec!["d0".to_string()]);
+}

@@ -1,0 +1,147 @@
+//! Pairing over real processes: simulated engines publish KV events for what they really
+//! cached, the coordinator ingests them and routes to the engine holding the prefix — from
+//! token ids and from prompt text through the same tokenizer.json the engines use. A
+//! coordinator killed and restarted rebuilds its index from re-registration and replay.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{eventually, tokens, Coord, Sim, MODEL};
+use serde_json::json;
+
+/// A word-level tokenizer.json ("w0".."w499", whitespace pre-tokenizer) shared by the
+/// simulated engines and the coordinator.
+fn write_tokenizer(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), 0.into());
+    for i in 0..500 {
+        vocab.insert(format!("w{i}"), (i + 1).into());
+    }
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    path
+}
+
+fn words(from: usize, n: usize) -> String {
+    (from..from + n).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pairing_follows_real_kv_events() {
+    let dir = std::env::temp_dir().join(format!("pd-coord-pairing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = write_tokenizer(&dir);
+    let tok = tokenizer.to_str().unwrap();
+    let p0 = Sim::start("p0", &["--tokenizer", tok]).await;
+    let p1 = Sim::start("p1", &["--tokenizer", tok]).await;
+    let d0 = Sim::start("d0", &["--tokenizer", tok]).await;
+    let d1 = Sim::start("d1", &["--tokenizer", tok]).await;
+    let coord = Coord::start(&["--tokenizer", tok]).await;
+    coord.register(&p0.spec("prefill", None)).await;
+    coord.register(&p1.spec("prefill", None)).await;
+    coord.register(&d0.spec("decode", None)).await;
+    coord.register(&d1.spec("decode", None)).await;
+
+    // p1 really computes a 10-block prefix; its events reach the index.
+    let prefix = tokens(1000, 160);
+    p1.complete(&prefix).await;
+    eventually(Duration::from_secs(5), "p1's blocks indexed", || async { coord.indexed("p1").await == 10 }).await;
+
+    // A longer prompt sharing that prefix goes to p1 for prefill (disaggregated: nothing of it
+    // is on a decode), with the overlap counted.
+    let mut prompt = prefix.clone();
+    prompt.extend(tokens(5000, 320));
+    let (status, d) = coord.pair(&json!({"request_id": "r1", "model": MODEL, "token_ids": prompt})).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["reason"], "disaggregated");
+    assert_eq!(d["prefill"]["id"], "p1");
+    assert_eq!(d["prefill_overlap_blocks"], 10);
+    assert_eq!(d["prefill"]["engine_url"], p1.url.as_str());
+    coord.post("/v1/report", &json!({"request_id": "r1", "event": "finished"})).await;
+
+    // Another prefix cached on p0 through prompt text: the coordinator tokenizes the same way.
+    let text = words(100, 64);
+    p0.complete_text(&text).await;
+    eventually(Duration::from_secs(5), "p0's blocks indexed", || async { coord.indexed("p0").await == 4 }).await;
+    let long = format!("{text} {}", words(200, 200));
+    let (status, d) = coord.pair(&json!({"request_id": "r2", "model": MODEL, "prompt": long})).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!((d["prefill"]["id"].as_str(), d["prefill_overlap_blocks"].as_u64()), (Some("p0"), Some(4)));
+    coord.post("/v1/report", &json!({"request_id": "r2", "event": "finished"})).await;
+
+    // A decode holding most of the prompt prefills it itself.
+    let decoded = tokens(20_000, 320);
+    d1.complete(&decoded).await;
+    eventually(Duration::from_secs(5), "d1's blocks indexed", || async { coord.indexed("d1").await == 20 }).await;
+    let mut mostly_cached = decoded.clone();
+    mostly_cached.extend(tokens(30_000, 32));
+    let (_, d) = coord.pair(&json!({"request_id": "r3", "model": MODEL, "token_ids": mostly_cached})).await;
+    assert_eq!((d["decode"]["id"].as_str(), d["reason"].as_str()), (Some("d1"), Some("local_prefill")), "{d}");
+    assert_eq!(d["prefill"], serde_json::Value::Null);
+    assert_eq!(d["decode_overlap_blocks"], 20);
+    coord.post("/v1/report", &json!({"request_id": "r3", "event": "finished"})).await;
+
+    // The caller's own engine stays the decode when it is not much worse...
+    for (i, local) in ["d0", "d1", "d0"].iter().enumerate() {
+        let fresh = tokens(40_000 + 100 * i as u32, 64);
+        let req = json!({"request_id": format!("l{i}"), "model": MODEL, "token_ids": fresh, "local_engine": local});
+        let (_, d) = coord.pair(&req).await;
+        assert_eq!(d["decode"]["id"].as_str(), Some(*local), "{d}");
+        coord.post("/v1/report", &json!({"request_id": format!("l{i}"), "event": "finished"})).await;
+    }
+    // ...but not when another decode already holds most of the prompt.
+    let req = json!({"request_id": "l3", "model": MODEL, "token_ids": decoded, "local_engine": "d0"});
+    let (_, d) = coord.pair(&req).await;
+    assert_eq!(d["decode"]["id"].as_str(), Some("d1"), "{d}");
+    let (_, stats) = coord.get("/v1/index/stats").await;
+    assert!(stats["models"][MODEL]["blocks"].as_u64().unwrap() >= 34, "{stats}");
+    assert!(coord.metric("pd_coordinator_kv_block_events_total").await >= 34.0);
+    assert!(coord.metric("pd_coordinator_pair_decisions_total{reason=\"disaggregated\"}").await >= 2.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_rebuilds_from_reregistration_and_replay() {
+    let p0 = Sim::start("p0", &[]).await;
+    let p1 = Sim::start("p1", &[]).await;
+    let d0 = Sim::start("d0", &[]).await;
+    let mut coord = Coord::start(&[]).await;
+    let sims = [(&p0, "prefill"), (&p1, "prefill"), (&d0, "decode")];
+    for (sim, role) in sims {
+        coord.register(&sim.spec(role, None)).await;
+    }
+    let prefix = tokens(1, 256);
+    p1.complete(&prefix).await;
+    eventually(Duration::from_secs(5), "indexed", || async { coord.indexed("p1").await == 16 }).await;
+
+    // The coordinator dies; while it is away the engines keep caching.
+    coord.proc.kill9();
+    p0.complete(&tokens(900, 64)).await;
+    coord.restart().await;
+    let restarted = Instant::now();
+
+    // The sidecars' next heartbeats get 404 and they register again (as a sidecar does).
+    for (sim, role) in sims {
+        let (status, _) = coord.heartbeat(&sim.id).await;
+        assert_eq!(status, 404);
+        coord.register(&sim.spec(role, None)).await;
+    }
+    eventually(Duration::from_secs(5), "index rebuilt through replay", || async {
+        coord.indexed("p1").await == 16 && coord.indexed("p0").await == 4
+    })
+    .await;
+    let mut prompt = prefix.clone();
+    prompt.extend(tokens(7000, 256));
+    let (status, d) = coord.pair(&json!({"request_id": "after", "model": MODEL, "token_ids": prompt})).await;
+    assert_eq!(status, 200);
+    assert_eq!((d["prefill"]["id"].as_str(), d["prefill_overlap_blocks"].as_u64()), (Some("p1"), Some(16)));
+    println!("restarted coordinator rebuilt its index and paired by prefix {:?} after restart", restarted.elapsed());
+    assert!(restarted.elapsed() < Duration::from_secs(5));
+    assert!(coord.metric("pd_coordinator_kv_event_replayed_batches_total").await >= 2.0);
+}
