@@ -166,3 +166,39 @@ fn panic_stops_every_child() {
     assert!(!status.success(), "pdbench should have panicked");
     assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived a panic");
 }
+
+#[test]
+fn vllm_variant_drives_engines_it_did_not_start() {
+    // Simulators stand in for already-running vLLM engines: pdbench must use them as given,
+    // start nothing, and stop nothing.
+    let (p, d) = (Sim::start(&[]), Sim::start(&[]));
+    let dir = TempDir::new("vllm-variant");
+    let report = dir.path("report.json");
+    let (status, stdout, stderr) = run_pdbench(
+        &[
+            "cluster",
+            "--vllm",
+            "--prefill-url",
+            &p.url,
+            "--decode-url",
+            &d.url,
+            "--requests",
+            "12",
+            "--model",
+            "sim-model",
+            "--no-progress",
+            "--log-dir",
+            dir.0.to_str().unwrap(),
+            "--json",
+            report.to_str().unwrap(),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(status.success(), "{status}\n{stdout}\n{stderr}");
+    let r = read_json(&report);
+    assert_eq!(r["ok"], 12, "{r}");
+    assert_eq!(r["mode"], "direct");
+    assert_eq!(r["pids"].as_array().unwrap().len(), 0);
+    assert!(r["kv"]["bytes"].as_f64().unwrap() > 0.0, "{}", r["kv"]);
+    assert!(alive(p.guard.pid()) && alive(d.guard.pid()), "pdbench stopped engines it did not start");
+}
