@@ -465,6 +465,9 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
         let client = client();
         let (prefill, sidecar) = (c.prefill_url(), c.sidecar_url.clone());
         let baseline = metric(&client, &prefill, KV_USAGE, &[]).await;
+        let cancelled = ("outcome", "cancelled");
+        let cancelled_before = metric(&client, &sidecar, "pd_sidecar_requests_total", &[cancelled]).await;
+        let releases_before = metric(&client, &sidecar, "pd_sidecar_releases_ok_total", &[]).await;
         let decode_pid = c.decode().proc.main_pid().expect("the decode's API server pid");
         let paused = Paused::new(decode_pid);
         let prompt = fresh_prompt("gone", 400);
@@ -487,7 +490,16 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
         let after =
             wait_metric(&client, &prefill, KV_USAGE, &[], Duration::from_secs(30), |v| v <= baseline + 1e-9).await;
         let took = gone.elapsed();
-        timing(&format!("prefill KV usage back to baseline after the client left ({held:.6} -> {after:.6})"), took);
+        let cancelled_after = metric(&client, &sidecar, "pd_sidecar_requests_total", &[cancelled]).await;
+        let releases_after = metric(&client, &sidecar, "pd_sidecar_releases_ok_total", &[]).await;
+        timing(
+            &format!(
+                "prefill KV usage back to baseline after the client left ({held:.6} -> {after:.6}; sidecar: {} cancelled, {} released)",
+                cancelled_after - cancelled_before,
+                releases_after - releases_before
+            ),
+            took,
+        );
         assert!(
             after <= baseline + 1e-9,
             "the prefill still holds blocks 30 s after the client left ({KV_USAGE} {baseline} -> {held} -> {after})"
