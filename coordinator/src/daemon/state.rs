@@ -28,6 +28,9 @@ use crate::store::etcd::EtcdStore;
 const NOTICE_MAX_AGE: Duration = Duration::from_secs(600);
 /// Longest request id accepted, bytes.
 const MAX_REQUEST_ID: usize = 512;
+/// Only a prompt's first blocks are hashed: prefixes longer than this are not worth telling
+/// apart, and hashing stays bounded (it runs on the request's thread).
+const MAX_HASHED_BLOCKS: usize = 16_384;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
@@ -478,10 +481,14 @@ impl Coordinator {
                 .ok_or_else(no_decode)?
         };
         let (hashes, tokens, precision) = match (&req.token_ids, &req.prompt) {
-            (Some(ids), _) => (self.hasher.token_hashes(ids, block_size), ids.len() as u64, Precision::Exact),
+            (Some(ids), _) => {
+                let hashed = &ids[..ids.len().min(MAX_HASHED_BLOCKS * block_size as usize)];
+                (self.hasher.token_hashes(hashed, block_size), ids.len() as u64, Precision::Exact)
+            }
             (None, Some(text)) => {
-                let hashed =
+                let mut hashed =
                     self.hasher.text_hashes(text, block_size).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+                hashed.hashes.truncate(MAX_HASHED_BLOCKS);
                 (hashed.hashes, hashed.prompt_tokens, hashed.precision)
             }
             (None, None) => (Vec::new(), 0, Precision::Exact),

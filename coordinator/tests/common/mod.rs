@@ -39,7 +39,19 @@ pub fn pd_sim_path() -> PathBuf {
         if dir.ends_with("release") {
             build.arg("--release");
         }
-        let status = build.status().expect("running cargo build -p pd-sim");
+        // Bounded: should the outer cargo still hold the build lock, say so instead of hanging.
+        let mut child = build.spawn().expect("running cargo build -p pd-sim");
+        let deadline = Instant::now() + Duration::from_secs(900);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("cargo build -p pd-sim did not finish; build it first (cargo build -p pd-sim)");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
         assert!(status.success(), "cargo build -p pd-sim failed");
     }
     assert!(path.exists(), "pd-sim not found at {}", path.display());
