@@ -34,6 +34,8 @@ pub struct SimOptions {
     pub decode_us_per_token: u64,
     /// Each engine publishes KV events on a free port (for a coordinator).
     pub kv_events: bool,
+    /// Keep each engine's KV pool in a shared-memory file in this directory (for sidecar pull).
+    pub shm_dir: Option<PathBuf>,
     pub startup_timeout: Duration,
 }
 
@@ -43,6 +45,17 @@ pub struct SimCluster {
     pub engines: Vec<Engine>,
     pub group: Group,
     pub log_dir: PathBuf,
+    /// Shared-memory pool files, removed once the engines are stopped.
+    shm_files: Vec<PathBuf>,
+}
+
+impl Drop for SimCluster {
+    fn drop(&mut self) {
+        self.group.stop();
+        for f in &self.shm_files {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 impl SimCluster {
@@ -53,7 +66,12 @@ impl SimCluster {
         log_dir: &Path,
         http: &reqwest::Client,
     ) -> Result<SimCluster, ProcError> {
-        let mut cluster = SimCluster { engines: Vec::new(), group: Group::default(), log_dir: log_dir.to_path_buf() };
+        let mut cluster = SimCluster {
+            engines: Vec::new(),
+            group: Group::default(),
+            log_dir: log_dir.to_path_buf(),
+            shm_files: Vec::new(),
+        };
         // Spawn all, then wait for all: startups overlap.
         let mut pending = Vec::new();
         for (name, role) in names {
@@ -76,6 +94,11 @@ impl SimCluster {
             } else {
                 None
             };
+            if let Some(dir) = &opts.shm_dir {
+                let f = dir.join(format!("pdbench-{}-{name}", std::process::id()));
+                cmd.arg("--shm-path").arg(&f);
+                cluster.shm_files.push(f);
+            }
             cmd.args(&opts.args);
             let p = Proc::spawn(name, cmd, log_dir)?;
             let url = format!("http://127.0.0.1:{port}");

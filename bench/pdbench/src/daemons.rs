@@ -31,6 +31,9 @@ pub struct DaemonOptions {
     /// Extra flags for the coordinator and for every sidecar.
     pub coordinator_args: Vec<String>,
     pub sidecar_args: Vec<String>,
+    /// Sidecar P/D protocol: `vllm` (the decode engine pulls) or `pull` (the decode's sidecar
+    /// pulls into the engine's shared-memory pool).
+    pub sidecar_mode: String,
 }
 
 /// A sidecar in front of one engine.
@@ -82,7 +85,7 @@ impl Daemons {
             let port = free_port()?;
             let url = format!("http://127.0.0.1:{port}");
             let mut cmd = Command::new(&opts.sidecar_bin);
-            cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--engine", &e.url, "--mode", "vllm"])
+            cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--engine", &e.url, "--mode", &opts.sidecar_mode])
                 .args(["--coordinator", &coordinator_url, "--engine-id", &e.name, "--role", &e.role])
                 .args(["--node", "local", "--model", &opts.model, "--advertise-url", &url, "--workers", "1"])
                 .env("RUST_LOG", child_log())
@@ -139,6 +142,10 @@ impl Daemons {
             if let Some(t) = get_text(http, &format!("{}/metrics", s.url)).await {
                 d.sidecar_disaggregated += metrics::sum(&t, "pd_sidecar_disaggregated_total");
                 d.sidecar_local += metrics::sum(&t, "pd_sidecar_local_decode_total");
+                d.sidecar_pull_bytes += metrics::sum(&t, "pd_sidecar_pull_bytes_total");
+                d.sidecar_pulls += metrics::sum(&t, "pd_sidecar_pulls_ok_total");
+                d.sidecar_handoff_seconds +=
+                    metrics::sum_labeled(&t, "pd_sidecar_phase_seconds_sum", "phase=\"kv_handoff\"");
             }
         }
         if let Some(t) = get_text(http, &format!("{}/metrics", self.coordinator_url)).await {
@@ -166,6 +173,10 @@ pub struct Decisions {
     pub sidecar_local: f64,
     pub coordinator_disaggregated: f64,
     pub coordinator_local_prefill: f64,
+    /// Sidecar pull mode: bytes the sidecars pulled, their pulls, and time in the KV handoff phase.
+    pub sidecar_pull_bytes: f64,
+    pub sidecar_pulls: f64,
+    pub sidecar_handoff_seconds: f64,
 }
 
 impl Decisions {
@@ -175,6 +186,9 @@ impl Decisions {
             sidecar_local: self.sidecar_local - b.sidecar_local,
             coordinator_disaggregated: self.coordinator_disaggregated - b.coordinator_disaggregated,
             coordinator_local_prefill: self.coordinator_local_prefill - b.coordinator_local_prefill,
+            sidecar_pull_bytes: self.sidecar_pull_bytes - b.sidecar_pull_bytes,
+            sidecar_pulls: self.sidecar_pulls - b.sidecar_pulls,
+            sidecar_handoff_seconds: self.sidecar_handoff_seconds - b.sidecar_handoff_seconds,
         }
     }
 }

@@ -201,13 +201,20 @@ struct SimArgs {
 }
 
 impl SimArgs {
-    fn options(&self, prefill_default: u64, decode_default: u64, kv_events: bool) -> SimOptions {
+    fn options(
+        &self,
+        prefill_default: u64,
+        decode_default: u64,
+        kv_events: bool,
+        shm_dir: Option<PathBuf>,
+    ) -> SimOptions {
         SimOptions {
             bin: self.sim_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-sim")),
             args: self.sim_arg.clone(),
             prefill_us_per_token: self.prefill_us_per_token.unwrap_or(prefill_default),
             decode_us_per_token: self.decode_us_per_token.unwrap_or(decode_default),
             kv_events,
+            shm_dir,
             startup_timeout: Duration::from_secs(self.startup_timeout_secs),
         }
     }
@@ -261,6 +268,7 @@ impl DaemonArgs {
             startup_timeout: Duration::from_secs(startup_timeout_secs),
             coordinator_args: self.coordinator_arg.clone(),
             sidecar_args: self.sidecar_arg.clone(),
+            sidecar_mode: "vllm".into(),
         }
     }
 }
@@ -352,6 +360,13 @@ struct ClusterCmd {
     /// Prompts shorter than this many words are prefilled on the decode itself (a local decision).
     #[arg(long, default_value_t = 0)]
     local_below: usize,
+    /// Sidecar mode: the decode sidecars pull the KV blocks into their engine's shared-memory
+    /// pool (engines started with --shm-path under --shm-dir) instead of the engine pulling.
+    #[arg(long)]
+    pull: bool,
+    /// Directory of the shared-memory pool files for --pull.
+    #[arg(long, default_value = "/dev/shm")]
+    shm_dir: PathBuf,
     /// Write the pids of the started processes (JSON list) here once all are up.
     #[arg(long)]
     pids_file: Option<PathBuf>,
@@ -513,7 +528,7 @@ async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     let log_dir = c.sim.log_dir("compare")?;
     let names: Vec<(String, &str)> = (0..c.engines).map(|i| (format!("engine-{i}"), "both")).collect();
     let kv_events = c.setups.contains(&SetupKind::Coordinator);
-    let sims = SimCluster::start(&names, &c.sim.options(100, 1000, kv_events), &log_dir, &http).await?;
+    let sims = SimCluster::start(&names, &c.sim.options(100, 1000, kv_events, None), &log_dir, &http).await?;
     eprintln!("{} engines up (logs in {})", sims.engines.len(), log_dir.display());
     let mut rows = Vec::new();
     for &kind in &c.setups {
@@ -606,7 +621,12 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
             true
         }
     };
-    let mode = if with_daemons { "sidecar" } else { "direct" };
+    anyhow::ensure!(!c.pull || with_daemons, "--pull needs the sidecar mode (pd-sidecar and pd-coordinator built)");
+    let mode = match (with_daemons, c.pull) {
+        (true, true) => "sidecar-pull",
+        (true, false) => "sidecar",
+        _ => "direct",
+    };
     let log_dir = c.sim.log_dir("cluster")?;
 
     // Engines: started simulators, or real vLLM instances already running.
@@ -631,13 +651,22 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
             .map(|i| (format!("prefill-{i}"), "prefill"))
             .chain((0..c.decodes).map(|i| (format!("decode-{i}"), "decode")))
             .collect();
-        let started = SimCluster::start(&names, &c.sim.options(50, 1000, with_daemons), &log_dir, &http).await?;
+        let started = SimCluster::start(
+            &names,
+            &c.sim.options(50, 1000, with_daemons, c.pull.then(|| c.shm_dir.clone())),
+            &log_dir,
+            &http,
+        )
+        .await?;
         let engines = started.engines.clone();
         sims = Some(started);
         engines
     };
     let daemons = if with_daemons {
-        let opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+        let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+        if c.pull {
+            opts.sidecar_mode = "pull".into();
+        }
         Some(Daemons::start(&engines, &opts, &log_dir, &http).await?)
     } else {
         None
@@ -680,12 +709,19 @@ async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
     };
     let r = runner::run(Arc::new(target), &spec, &cfg).await?;
     let (after, unreachable) = cluster::scrape(&http, &engines).await;
-    let kv = KvReport::from(after.since(before));
+    let mut kv = KvReport::from(after.since(before));
     let s = &r.summary;
     // Who decided: pdbench itself (direct), or the sidecars and the coordinator.
     let (disaggregated, local, daemon_decisions) = match (&daemons, decisions_before) {
         (Some(d), Some(b)) => {
             let dd = d.decisions(&http).await.since(b);
+            if c.pull {
+                // The sidecars moved the bytes, not the engines.
+                kv.bytes += dd.sidecar_pull_bytes;
+                kv.transfers += dd.sidecar_pulls;
+                kv.xfer_seconds += dd.sidecar_handoff_seconds;
+                kv.gb_per_s = if kv.xfer_seconds > 0.0 { kv.bytes / kv.xfer_seconds / 1e9 } else { 0.0 };
+            }
             (dd.sidecar_disaggregated as u64, dd.sidecar_local as u64, Some(dd))
         }
         _ => (s.disaggregated, s.local, None),

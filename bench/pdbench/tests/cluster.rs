@@ -25,7 +25,20 @@ fn daemons_built() -> bool {
 
 #[test]
 fn cluster_runs_50_requests_and_leaves_no_process() {
-    cluster_50("direct", 4);
+    cluster_50("direct", 4, &[]);
+}
+
+#[test]
+fn cluster_with_sidecar_pull_moves_kv_through_shared_memory_pools() {
+    if !daemons_built() {
+        return;
+    }
+    let shm = TempDir::new("shm");
+    let r = cluster_50("sidecar", 9, &["--pull", "--shm-dir", shm.0.to_str().unwrap()]);
+    assert_eq!(r["mode"], "sidecar-pull");
+    assert!(r["decisions"]["daemons"]["sidecar_pull_bytes"].as_f64().unwrap() > 0.0, "{}", r["decisions"]);
+    let left: Vec<_> = std::fs::read_dir(&shm.0).unwrap().collect();
+    assert!(left.is_empty(), "shared-memory pool files left behind: {left:?}");
 }
 
 #[test]
@@ -33,7 +46,7 @@ fn cluster_with_sidecars_and_coordinator_runs_50_requests_and_leaves_no_process(
     if !daemons_built() {
         return;
     }
-    let r = cluster_50("sidecar", 9);
+    let r = cluster_50("sidecar", 9, &[]);
     // The sidecars and the coordinator made every decision, and they agree.
     let d = &r["decisions"];
     assert_eq!(d["disaggregated"].as_u64().unwrap() + d["local"].as_u64().unwrap(), 50, "{d}");
@@ -41,8 +54,8 @@ fn cluster_with_sidecars_and_coordinator_runs_50_requests_and_leaves_no_process(
     assert_eq!(r["sidecars"].as_array().unwrap().len(), 4);
 }
 
-fn cluster_50(mode: &str, processes: usize) -> serde_json::Value {
-    let dir = TempDir::new(&format!("cluster50-{mode}"));
+fn cluster_50(mode: &str, processes: usize, extra: &[&str]) -> serde_json::Value {
+    let dir = TempDir::new(&format!("cluster50-{mode}{}", extra.len()));
     let sim = sim_bin();
     let report = dir.path("report.json");
     let (status, stdout, stderr) = run_pdbench(
@@ -59,7 +72,11 @@ fn cluster_50(mode: &str, processes: usize) -> serde_json::Value {
             dir.0.to_str().unwrap(),
             "--json",
             report.to_str().unwrap(),
-        ],
+        ]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect::<Vec<_>>(),
         Duration::from_secs(120),
     );
     assert!(status.success(), "pdbench cluster failed: {status}\n{stdout}\n{stderr}");
