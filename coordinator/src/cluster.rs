@@ -151,14 +151,16 @@ impl Cluster {
     ) -> Result<Decision, PairError> {
         let empty = PrefixIndex::default();
         let index = self.indexes.get(req.model).unwrap_or(&empty);
-        let overlaps = index.overlaps(req.block_hashes, now);
+        let mut overlaps = Vec::new();
+        index.prefix_matches(req.block_hashes, now, &mut overlaps);
+        let overlap = |engine| overlaps.binary_search_by_key(&engine, |&(e, _)| e).map_or(0, |i| overlaps[i].1);
         let new_blocks = req.block_hashes.len() as u64;
         let candidates = |engines: Vec<usize>| -> Vec<Candidate> {
             engines
                 .into_iter()
                 .map(|engine| Candidate {
                     engine,
-                    overlap_blocks: overlaps.get(&engine).copied().unwrap_or(0) as u64,
+                    overlap_blocks: overlap(engine) as u64,
                     load: self.load(engine),
                 })
                 .collect()

@@ -40,22 +40,46 @@ pub struct Handoffs {
     /// After this long a handoff that never finished is phantom load and is dropped.
     max_age: Duration,
     live: HashMap<String, Handoff>,
+    /// What `live` adds up to per engine (by engine id), kept as handoffs change: pairing asks
+    /// for every candidate's load on every decision.
+    loads: Vec<Load>,
+}
+
+/// Adds (`add`) or takes back a handoff's share of its engines' load.
+fn account(loads: &mut Vec<Load>, h: &Handoff, add: bool) {
+    let mut apply = |engine: usize, value: fn(&mut Load) -> &mut u64| {
+        if loads.len() <= engine {
+            loads.resize(engine + 1, Load::default());
+        }
+        let value = value(&mut loads[engine]);
+        *value = if add { *value + h.blocks } else { value.saturating_sub(h.blocks) };
+    };
+    match (h.stage, h.prefill) {
+        (Stage::Prefilling, Some(prefill)) => apply(prefill, |l| &mut l.queued_prefill_blocks),
+        (Stage::Decoding, _) => apply(h.decode, |l| &mut l.active_decode_blocks),
+        _ => {}
+    }
 }
 
 impl Handoffs {
     pub fn new(max_age: Duration) -> Self {
-        Handoffs { max_age, live: HashMap::new() }
+        Handoffs { max_age, live: HashMap::new(), loads: Vec::new() }
     }
 
     /// A routing decision: `prefill` is `None` when the decode prefills locally.
     pub fn routed(&mut self, request: &str, prefill: Option<usize>, decode: usize, blocks: u64, now: Instant) {
         let stage = if prefill.is_some() { Stage::Prefilling } else { Stage::Decoding };
-        self.live.insert(request.to_string(), Handoff { prefill, decode, blocks, stage, deadline: now + self.max_age });
+        let handoff = Handoff { prefill, decode, blocks, stage, deadline: now + self.max_age };
+        account(&mut self.loads, &handoff, true);
+        if let Some(old) = self.live.insert(request.to_string(), handoff) {
+            account(&mut self.loads, &old, false);
+        }
     }
 
     pub fn prefill_done(&mut self, request: &str) {
         if let Some(h) = self.live.get_mut(request) {
             if h.stage == Stage::Prefilling {
+                account(&mut self.loads, h, false);
                 h.stage = Stage::Held;
             }
         }
@@ -63,19 +87,24 @@ impl Handoffs {
 
     pub fn decode_started(&mut self, request: &str) {
         if let Some(h) = self.live.get_mut(request) {
+            account(&mut self.loads, h, false);
             h.stage = Stage::Decoding;
+            account(&mut self.loads, h, true);
         }
     }
 
     /// The request ended (any outcome); its load is gone.
     pub fn finished(&mut self, request: &str) -> Option<Handoff> {
-        self.live.remove(request)
+        let handoff = self.live.remove(request)?;
+        account(&mut self.loads, &handoff, false);
+        Some(handoff)
     }
 
     /// An engine died: handoffs touching it end; blocks held for a dead decode are released;
     /// sidecars of requests whose prefill died are told.
     pub fn engine_died(&mut self, dead: usize) -> Vec<Action> {
         let mut actions = Vec::new();
+        let loads = &mut self.loads;
         self.live.retain(|request, h| {
             let decode_died = h.decode == dead;
             let prefill_died = h.prefill == Some(dead);
@@ -86,7 +115,11 @@ impl Handoffs {
             } else if prefill_died && h.stage != Stage::Decoding {
                 actions.push(Action::Notify { request: request.clone(), decode: h.decode, dead });
             }
-            !(decode_died || prefill_died && h.stage != Stage::Decoding)
+            let keep = !(decode_died || prefill_died && h.stage != Stage::Decoding);
+            if !keep {
+                account(loads, h, false);
+            }
+            keep
         });
         actions.sort();
         actions
@@ -95,9 +128,11 @@ impl Handoffs {
     /// Drops handoffs past their deadline (phantom load); held blocks are released.
     pub fn expire(&mut self, now: Instant) -> Vec<Action> {
         let mut actions = Vec::new();
+        let loads = &mut self.loads;
         self.live.retain(|request, h| {
             let keep = h.deadline > now;
             if !keep {
+                account(loads, h, false);
                 if let (Some(prefill), Stage::Held) = (h.prefill, h.stage) {
                     actions.push(Action::Release { request: request.clone(), prefill });
                 }
@@ -110,16 +145,7 @@ impl Handoffs {
 
     /// The load the coordinator itself put on an engine.
     pub fn load(&self, engine: usize) -> Load {
-        let mut load = Load::default();
-        for h in self.live.values() {
-            if h.prefill == Some(engine) && h.stage == Stage::Prefilling {
-                load.queued_prefill_blocks += h.blocks;
-            }
-            if h.decode == engine && h.stage == Stage::Decoding {
-                load.active_decode_blocks += h.blocks;
-            }
-        }
-        load
+        self.loads.get(engine).copied().unwrap_or_default()
     }
 
     pub fn len(&self) -> usize {
@@ -175,5 +201,46 @@ mod tests {
         let actions = h.expire(now + Duration::from_secs(31));
         assert_eq!(actions, vec![Action::Release { request: "stuck".into(), prefill: 0 }]);
         assert_eq!(h.len(), 1);
+    }
+
+    /// The running totals always equal a sum over the live handoffs.
+    #[test]
+    fn loads_match_a_recount() {
+        let now = Instant::now();
+        let mut h = Handoffs::new(Duration::from_secs(30));
+        let mut x = 7u64;
+        for step in 0..5000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let request = format!("r{}", x % 40);
+            let at = now + Duration::from_millis(step * 20);
+            match x % 9 {
+                0..=2 => h.routed(
+                    &request,
+                    matches!(x % 3, 1 | 2).then_some((x >> 8) as usize % 5),
+                    (x >> 16) as usize % 5,
+                    x % 17,
+                    at,
+                ),
+                3 => h.prefill_done(&request),
+                4 => h.decode_started(&request),
+                5 => drop(h.finished(&request)),
+                6 => drop(h.engine_died((x >> 8) as usize % 5)),
+                _ => drop(h.expire(at)),
+            }
+            for engine in 0..5 {
+                let mut want = Load::default();
+                for handoff in h.live.values() {
+                    if handoff.prefill == Some(engine) && handoff.stage == Stage::Prefilling {
+                        want.queued_prefill_blocks += handoff.blocks;
+                    }
+                    if handoff.decode == engine && handoff.stage == Stage::Decoding {
+                        want.active_decode_blocks += handoff.blocks;
+                    }
+                }
+                assert_eq!(h.load(engine), want, "step {step}, engine {engine}");
+            }
+        }
     }
 }

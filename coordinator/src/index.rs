@@ -1,11 +1,32 @@
 //! Which engines hold which KV blocks, per model: fed by KV events (exact) or by routing
 //! decisions (approximate, with a time to live), queried for the longest cached prefix of a
 //! request on every engine.
+//!
+//! How it stays small and fast (figures in `coordinator/BENCH.md`):
+//! - One open-addressing table keyed by block hash. A block's slot is its hash, a meta word and a
+//!   bitset of the engines that hold it exactly; engines are numbered densely per index, so up to
+//!   128 engines fit a 32-byte slot, whatever their global ids. A lookup walks the request's
+//!   hashes a chunk at a time, probing the whole chunk before reading it so the cache misses
+//!   overlap, and intersects bitsets: two words per block for 128 engines.
+//! - Forgetting an engine (it died, restarted, cleared its cache, or its event stream had a gap)
+//!   is O(1): it is logged as a reset, and its bit counts as stale in every slot stamped before
+//!   the reset. Reads mask stale bits; a slot drops them when it is next written; `expire` (or
+//!   too many pending resets) sweeps the rest out.
+//! - Approximate entries live in a second table, one slot per block with two entries inline
+//!   (engine, its reset epoch and the deadline packed in a word; more engines in a side map),
+//!   flagged on the block's slot, so exact entries carry no timestamp.
+//! - A tier other than GPU is kept in a side map, flagged too: the common case costs nothing.
 
-use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+mod approx;
+mod table;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use pd_protocols::kv_events::KvEvent;
+
+use self::approx::Approx;
+use self::table::Slots;
 
 /// Where a block lives on an engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -18,27 +39,169 @@ pub enum Tier {
 impl Tier {
     /// From an event's `medium` (vLLM says "GPU" even on CPU builds; absent means GPU).
     pub fn from_medium(medium: Option<&str>) -> Tier {
-        match medium.map(str::to_ascii_uppercase).as_deref() {
-            None | Some("GPU") => Tier::Gpu,
-            Some("CPU") => Tier::Cpu,
+        match medium {
+            None => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("GPU") => Tier::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("CPU") => Tier::Cpu,
             Some(_) => Tier::Other,
         }
     }
 }
 
-/// A holder of a block: exact (from events) or approximate until `expires`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Holder {
-    engine: usize,
-    tier: Tier,
-    expires: Option<Instant>,
+// A block's slot: [hash, meta, exact-holder bitset words..., padding].
+const BITS: usize = 2;
+const STAMP: u64 = 0xffff_ffff;
+const OCCUPIED: u64 = 1 << 32;
+const HAS_APPROX: u64 = 1 << 33;
+const HAS_TIER: u64 = 1 << 34;
+
+/// Resets pending before `remove_engine` sweeps by itself (each costs a few words per lookup
+/// at most, and `expire` normally sweeps long before).
+const MAX_PENDING_RESETS: usize = 64;
+/// Tables this small are swept at once on a reset (cheaper than carrying the reset).
+const EAGER_SWEEP_BELOW: usize = 4096;
+/// Blocks probed ahead of reading them in a lookup (the first chunk is shorter: a request
+/// whose first block nobody holds costs a few probes only).
+const CHUNK: usize = 32;
+const FIRST_CHUNK: usize = 8;
+const NONE: usize = usize::MAX;
+/// Deadlines are `i32` milliseconds from the clock origin; past this the origin moves up.
+const REBASE_AFTER: Duration = Duration::from_secs(12 * 24 * 3600);
+/// Engines one index numbers (bitsets grow with them).
+const MAX_ENGINES: usize = 1 << 15;
+
+fn stride_for(words: usize) -> usize {
+    (BITS + words).next_power_of_two().max(4)
 }
 
-/// The index of one model's blocks. Engines are small integer ids the caller assigns.
+fn set_bit(bits: &mut Vec<u64>, local: u32) {
+    let word = local as usize / 64;
+    if bits.len() <= word {
+        bits.resize(word + 1, 0);
+    }
+    bits[word] |= 1 << (local % 64);
+}
+
+/// Calls `f` with the position of every set bit.
+fn each_bit(bits: &[u64], mut f: impl FnMut(u32)) {
+    for (w, &word) in bits.iter().enumerate() {
+        let mut rest = word;
+        while rest != 0 {
+            f(w as u32 * 64 + rest.trailing_zeros());
+            rest &= rest - 1;
+        }
+    }
+}
+
+/// Engines as the caller numbers them, and the dense numbers this index uses.
 #[derive(Debug, Default)]
+struct Engines {
+    local: HashMap<usize, u32>,
+    global: Vec<usize>,
+    exact: Vec<usize>,
+    approx: Vec<usize>,
+}
+
+/// Engine resets since the last sweep.
+#[derive(Debug, Default)]
+struct Resets {
+    /// Resets so far; a slot written now is stamped with it.
+    seq: u32,
+    /// `seq` at the last sweep: every slot's stamp is at least this.
+    base: u32,
+    /// `stale[k]`: the engines reset after stamp `base + k` (a bitset).
+    stale: Vec<Vec<u64>>,
+}
+
+impl Resets {
+    /// Engines whose bits are stale in a slot stamped `stamp`.
+    #[inline]
+    fn stale(&self, stamp: u32) -> Option<&[u64]> {
+        if stamp == self.seq {
+            None
+        } else {
+            Some(&self.stale[(stamp - self.base) as usize])
+        }
+    }
+
+    fn push(&mut self, local: u32) {
+        for bits in &mut self.stale {
+            set_bit(bits, local);
+        }
+        let mut bits = Vec::new();
+        set_bit(&mut bits, local);
+        self.stale.push(bits);
+        self.seq += 1;
+    }
+}
+
+/// Drops the stale bits of a block's slot and stamps it current.
+fn clean(slot: &mut [u64], words: usize, resets: &Resets, tiers: &mut HashMap<(u64, u32), Tier>) {
+    let stamp = (slot[1] & STAMP) as u32;
+    let Some(stale) = resets.stale(stamp) else { return };
+    let has_tier = slot[1] & HAS_TIER != 0;
+    for (w, &mask) in stale.iter().enumerate().take(words) {
+        let dropped = slot[BITS + w] & mask;
+        slot[BITS + w] &= !mask;
+        if has_tier && dropped != 0 {
+            each_bit(&[dropped], |bit| {
+                tiers.remove(&(slot[0], w as u32 * 64 + bit));
+            });
+        }
+    }
+    slot[1] = (slot[1] & !STAMP) | u64::from(resets.seq);
+}
+
+/// Instants as `i32` milliseconds from an origin (saturating; floor, so never later).
+#[derive(Debug, Default, Clone, Copy)]
+struct Clock {
+    origin: Option<Instant>,
+}
+
+impl Clock {
+    fn ms(&self, t: Instant) -> i32 {
+        let Some(origin) = self.origin else { return 0 };
+        let ms = if t >= origin { (t - origin).as_millis() as i128 } else { -((origin - t).as_millis() as i128) };
+        ms.clamp(i32::MIN.into(), i32::MAX.into()) as i32
+    }
+}
+
+/// The index of one model's blocks. Engines are small integer ids the caller assigns; an index
+/// numbers up to 32768 of them (events and guesses for more are ignored).
 pub struct PrefixIndex {
-    blocks: HashMap<u64, Vec<Holder>>,
-    by_engine: HashMap<usize, HashSet<u64>>,
+    blocks: Slots,
+    /// Bitset words per block (64 engines each).
+    words: usize,
+    approx: Approx,
+    tiers: HashMap<(u64, u32), Tier>,
+    engines: Engines,
+    resets: Resets,
+    clock: Clock,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        PrefixIndex {
+            blocks: Slots::new(stride_for(1)),
+            words: 1,
+            approx: Approx::new(1),
+            tiers: HashMap::new(),
+            engines: Engines::default(),
+            resets: Resets::default(),
+            clock: Clock::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for PrefixIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixIndex")
+            .field("blocks", &self.blocks.len())
+            .field("entries", &self.entries())
+            .field("engines", &self.engines.global.len())
+            .field("pending_resets", &self.resets.stale.len())
+            .finish()
+    }
 }
 
 impl PrefixIndex {
@@ -47,13 +210,20 @@ impl PrefixIndex {
         match event {
             KvEvent::BlockStored { block_hashes, medium, .. } => {
                 let tier = Tier::from_medium(medium.as_deref());
-                for hash in block_hashes {
-                    self.insert(engine, hash.as_u64(), tier, None);
+                let Some(local) = self.local(engine) else { return };
+                for chunk in block_hashes.chunks(CHUNK) {
+                    // Touch every block's first slot before writing: the cache misses overlap.
+                    let warm = chunk.iter().fold(0, |acc, h| acc ^ self.blocks.touch(h.as_u64()));
+                    std::hint::black_box(warm);
+                    for hash in chunk {
+                        self.store(local, hash.as_u64(), tier);
+                    }
                 }
             }
             KvEvent::BlockRemoved { block_hashes, .. } => {
+                let Some(local) = self.known(engine) else { return };
                 for hash in block_hashes {
-                    self.remove(engine, hash.as_u64());
+                    self.remove(local, hash.as_u64());
                 }
             }
             KvEvent::AllBlocksCleared => self.remove_engine(engine),
@@ -64,105 +234,352 @@ impl PrefixIndex {
     /// Records blocks an engine probably holds (a routing decision, or a speculative entry
     /// right after one), until `expires`. An event for the same block makes it exact.
     pub fn insert_approximate(&mut self, engine: usize, hashes: &[u64], expires: Instant) {
-        for &hash in hashes {
-            self.insert(engine, hash, Tier::Gpu, Some(expires));
+        if hashes.is_empty() {
+            return;
         }
-    }
-
-    fn insert(&mut self, engine: usize, hash: u64, tier: Tier, expires: Option<Instant>) {
-        let holders = self.blocks.entry(hash).or_default();
-        match holders.iter_mut().find(|h| h.engine == engine) {
-            // An exact entry is never downgraded to an approximate one.
-            Some(existing) if expires.is_some() && existing.expires.is_none() => {}
-            Some(existing) => *existing = Holder { engine, tier, expires },
-            None => holders.push(Holder { engine, tier, expires }),
-        }
-        self.by_engine.entry(engine).or_default().insert(hash);
-    }
-
-    fn remove(&mut self, engine: usize, hash: u64) {
-        if let Some(holders) = self.blocks.get_mut(&hash) {
-            holders.retain(|h| h.engine != engine);
-            if holders.is_empty() {
-                self.blocks.remove(&hash);
+        let Some(local) = self.local(engine) else { return };
+        self.clock.origin.get_or_insert(expires);
+        let deadline = self.clock.ms(expires);
+        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+        for chunk in hashes.chunks(CHUNK) {
+            // Touch every block's first slots before writing: the cache misses overlap.
+            let warm = chunk.iter().fold(0, |acc, &h| acc ^ self.blocks.touch(h) ^ self.approx.touch(h));
+            std::hint::black_box(warm);
+            for &hash in chunk {
+                let i = self.slot_for(hash);
+                if self.blocks.slot(i)[word] & bit != 0 {
+                    continue; // an exact entry is never downgraded to an approximate one
+                }
+                if self.approx.upsert(hash, local, deadline, &self.resets) {
+                    self.engines.approx[local as usize] += 1;
+                }
+                self.blocks.slot_mut(i)[1] |= HAS_APPROX;
             }
-        }
-        if let Some(hashes) = self.by_engine.get_mut(&engine) {
-            hashes.remove(&hash);
         }
     }
 
     /// Drops every entry of an engine (it died, restarted, or cleared its cache).
     pub fn remove_engine(&mut self, engine: usize) {
-        for hash in self.by_engine.remove(&engine).unwrap_or_default() {
-            if let Some(holders) = self.blocks.get_mut(&hash) {
-                holders.retain(|h| h.engine != engine);
-                if holders.is_empty() {
-                    self.blocks.remove(&hash);
-                }
-            }
+        let Some(local) = self.known(engine) else { return };
+        let l = local as usize;
+        if self.engines.exact[l] == 0 && self.engines.approx[l] == 0 {
+            return;
+        }
+        self.resets.push(local);
+        self.engines.exact[l] = 0;
+        self.engines.approx[l] = 0;
+        if self.blocks.len() < EAGER_SWEEP_BELOW || self.resets.stale.len() >= MAX_PENDING_RESETS {
+            self.sweep();
         }
     }
 
-    /// Drops approximate entries that expired by `now`.
+    /// Drops approximate entries that expired by `now`, and sweeps out what engine resets left.
     pub fn expire(&mut self, now: Instant) {
-        let mut emptied = Vec::new();
-        for (hash, holders) in &mut self.blocks {
-            holders.retain(|h| {
-                let keep = h.expires.is_none_or(|at| at > now);
-                if !keep {
-                    if let Some(set) = self.by_engine.get_mut(&h.engine) {
-                        set.remove(hash);
-                    }
+        if self.approx.len() > 0 {
+            let now_ms = self.clock.ms(now);
+            // Keep deadlines far from the ends of i32 milliseconds: move the origin up.
+            let shift = if now_ms > REBASE_AFTER.as_millis() as i32 { now_ms } else { 0 };
+            if let Some(origin) = self.clock.origin.as_mut() {
+                *origin += Duration::from_millis(shift as u64);
+            }
+            let counts = &mut self.engines.approx;
+            let mut emptied = Vec::new();
+            self.approx.expire(
+                now_ms,
+                shift,
+                &self.resets,
+                |local| counts[local as usize] -= 1,
+                |hash| emptied.push(hash),
+            );
+            for hash in emptied {
+                if let Some(i) = self.blocks.find(hash) {
+                    let slot = self.blocks.slot_mut(i);
+                    slot[1] &= !HAS_APPROX;
+                    clean(slot, self.words, &self.resets, &mut self.tiers);
+                    self.remove_if_empty(i);
                 }
-                keep
-            });
-            if holders.is_empty() {
-                emptied.push(*hash);
             }
         }
-        for hash in emptied {
-            self.blocks.remove(&hash);
-        }
+        self.sweep();
     }
 
     /// For each engine holding the first block, how many leading blocks of `hashes` it holds
     /// consecutively (entries expired by `now` do not count).
     pub fn overlaps(&self, hashes: &[u64], now: Instant) -> HashMap<usize, usize> {
-        let live = |h: &&Holder| h.expires.is_none_or(|at| at > now);
-        let mut matched: HashMap<usize, usize> = HashMap::new();
-        let Some(first) = hashes.first() else { return matched };
-        let mut active: Vec<usize> = match self.blocks.get(first) {
-            Some(holders) => holders.iter().filter(live).map(|h| h.engine).collect(),
-            None => return matched,
-        };
-        for engine in &active {
-            matched.insert(*engine, 1);
-        }
-        for hash in &hashes[1..] {
-            let Some(holders) = self.blocks.get(hash) else { break };
-            active.retain(|engine| holders.iter().filter(live).any(|h| h.engine == *engine));
-            if active.is_empty() {
-                break;
-            }
-            for engine in &active {
-                *matched.get_mut(engine).expect("active engines are matched") += 1;
-            }
-        }
-        matched
+        let mut matches = Vec::new();
+        self.prefix_matches(hashes, now, &mut matches);
+        matches.into_iter().collect()
     }
 
-    /// Blocks indexed for an engine.
+    /// [`PrefixIndex::overlaps`] into a reusable vector: `(engine, leading blocks held)` for
+    /// every engine holding the first block, by engine.
+    pub fn prefix_matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>) {
+        out.clear();
+        if hashes.is_empty() || self.blocks.len() == 0 {
+            return;
+        }
+        let words = self.words;
+        let now = self.clock.ms(now);
+        // active: engines holding every block so far; live: holders of the current block.
+        let mut scratch = vec![0u64; 2 * words];
+        let (active, live) = scratch.split_at_mut(words);
+        let (mut found, mut guesses) = ([NONE; CHUNK], [NONE; CHUNK]);
+        let mut end = hashes.len();
+        let mut start = 0;
+        'chunks: while start < hashes.len() {
+            let len = if start == 0 { FIRST_CHUNK } else { CHUNK };
+            let chunk = &hashes[start..hashes.len().min(start + len)];
+            // Independent probes first, so that their cache misses overlap; then those of the
+            // approximate entries of flagged blocks.
+            for (slot, &hash) in found.iter_mut().zip(chunk) {
+                *slot = self.blocks.find(hash).unwrap_or(NONE);
+            }
+            for (guess, &i) in guesses.iter_mut().zip(&found[..chunk.len()]) {
+                if i == NONE {
+                    break;
+                }
+                let slot = self.blocks.slot(i);
+                *guess = if slot[1] & HAS_APPROX != 0 { self.approx.find(slot[0]).unwrap_or(NONE) } else { NONE };
+            }
+            for (k, &i) in found[..chunk.len()].iter().enumerate() {
+                let at = start + k;
+                if i == NONE {
+                    end = at;
+                    break 'chunks;
+                }
+                self.live_exact(i, live);
+                if guesses[k] != NONE {
+                    self.approx.live(guesses[k], now, &self.resets, live);
+                }
+                let mut any = 0;
+                for (w, (a, &l)) in active.iter_mut().zip(live.iter()).enumerate() {
+                    if at == 0 {
+                        *a = l;
+                    } else {
+                        let mut dropped = *a & !l;
+                        while dropped != 0 {
+                            out.push((w * 64 + dropped.trailing_zeros() as usize, at));
+                            dropped &= dropped - 1;
+                        }
+                        *a &= l;
+                    }
+                    any |= *a;
+                }
+                if any == 0 {
+                    break 'chunks;
+                }
+            }
+            start += chunk.len();
+        }
+        each_bit(active, |local| out.push((local as usize, end)));
+        for (engine, _) in out.iter_mut() {
+            *engine = self.engines.global[*engine];
+        }
+        out.sort_unstable();
+    }
+
+    /// Where `engine` holds block `hash` now, if it does (approximate entries count as GPU).
+    pub fn holds(&self, engine: usize, hash: u64, now: Instant) -> Option<Tier> {
+        let local = self.known(engine)?;
+        let i = self.blocks.find(hash)?;
+        let mut live = vec![0u64; self.words];
+        self.live_exact(i, &mut live);
+        if let Some(j) = self.approx.find(hash) {
+            self.approx.live(j, self.clock.ms(now), &self.resets, &mut live);
+        }
+        if live[local as usize / 64] & 1 << (local % 64) == 0 {
+            return None;
+        }
+        Some(self.tiers.get(&(hash, local)).copied().unwrap_or(Tier::Gpu))
+    }
+
+    /// Blocks indexed for an engine (approximate entries count until `expire` drops them).
     pub fn engine_blocks(&self, engine: usize) -> usize {
-        self.by_engine.get(&engine).map_or(0, HashSet::len)
+        self.known(engine).map_or(0, |l| self.engines.exact[l as usize] + self.engines.approx[l as usize])
     }
 
+    /// (block, engine) entries, exact and approximate.
+    pub fn entries(&self) -> usize {
+        self.engines.exact.iter().sum::<usize>() + self.engines.approx.iter().sum::<usize>()
+    }
+
+    /// Blocks some engine holds (approximate entries count until `expire` drops them).
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        if self.resets.stale.is_empty() {
+            return self.blocks.len();
+        }
+        // Resets not swept yet: count the blocks with a holder left.
+        let mut live = vec![0u64; self.words];
+        (0..self.blocks.cap())
+            .filter(|&i| {
+                let slot = self.blocks.slot(i);
+                if slot[1] == 0 {
+                    return false;
+                }
+                self.live_exact(i, &mut live);
+                if let Some(j) = self.approx.find(slot[0]) {
+                    // Expired entries count until `expire` drops them.
+                    self.approx.live(j, i32::MIN, &self.resets, &mut live);
+                }
+                live.iter().any(|&w| w != 0)
+            })
+            .count()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.len() == 0
+    }
+
+    /// Heap bytes this index holds (tables at capacity, side maps estimated).
+    pub fn heap_bytes(&self) -> usize {
+        fn map<K, V>(m: &HashMap<K, V>) -> usize {
+            // hashbrown: a power of two of buckets, at most 7/8 full, each (K, V) and a control byte.
+            let buckets = if m.capacity() == 0 { 0 } else { (m.capacity() * 8 / 7).next_power_of_two() };
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let e = &self.engines;
+        self.blocks.heap_bytes()
+            + self.approx.heap_bytes()
+            + map(&self.tiers)
+            + map(&e.local)
+            + (e.global.capacity() + e.exact.capacity() + e.approx.capacity()) * 8
+            + self.resets.stale.iter().map(|b| b.capacity() * 8 + 24).sum::<usize>()
+    }
+
+    // ---- internals ----
+
+    fn known(&self, engine: usize) -> Option<u32> {
+        self.engines.local.get(&engine).copied()
+    }
+
+    /// The dense number of `engine`, assigned on first sight (widening block slots when the
+    /// bitsets need another word); `None` past the engines an index can number.
+    fn local(&mut self, engine: usize) -> Option<u32> {
+        if let Some(local) = self.known(engine) {
+            return Some(local);
+        }
+        let e = &mut self.engines;
+        if e.global.len() >= MAX_ENGINES {
+            tracing::warn!(engine, "the prefix index numbers {MAX_ENGINES} engines at most; ignoring this one");
+            return None;
+        }
+        let local = e.global.len() as u32;
+        e.local.insert(engine, local);
+        e.global.push(engine);
+        e.exact.push(0);
+        e.approx.push(0);
+        let words = local as usize / 64 + 1;
+        if words > self.words {
+            self.words = words;
+            if stride_for(words) != self.blocks.stride() {
+                self.blocks.rebuild(stride_for(words), self.blocks.cap());
+            }
+            self.approx.widen(words);
+        }
+        Some(local)
+    }
+
+    /// The slot of block `hash`, cleaned, created empty if needed.
+    fn slot_for(&mut self, hash: u64) -> usize {
+        match self.blocks.find(hash) {
+            Some(i) => {
+                clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
+                i
+            }
+            None => self.blocks.insert(hash, OCCUPIED | u64::from(self.resets.seq)),
+        }
+    }
+
+    fn store(&mut self, local: u32, hash: u64, tier: Tier) {
+        let i = self.slot_for(hash);
+        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+        let slot = self.blocks.slot_mut(i);
+        let meta = slot[1];
+        if slot[word] & bit == 0 {
+            slot[word] |= bit;
+            self.engines.exact[local as usize] += 1;
+            if meta & HAS_APPROX != 0 {
+                self.drop_approx(i, hash, local);
+            }
+        }
+        if tier != Tier::Gpu {
+            self.tiers.insert((hash, local), tier);
+            self.blocks.slot_mut(i)[1] |= HAS_TIER;
+        } else if meta & HAS_TIER != 0 {
+            self.tiers.remove(&(hash, local));
+        }
+    }
+
+    fn remove(&mut self, local: u32, hash: u64) {
+        let Some(i) = self.blocks.find(hash) else { return };
+        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+        let slot = self.blocks.slot_mut(i);
+        clean(slot, self.words, &self.resets, &mut self.tiers);
+        let meta = slot[1];
+        if slot[word] & bit != 0 {
+            slot[word] &= !bit;
+            self.engines.exact[local as usize] -= 1;
+            if meta & HAS_TIER != 0 {
+                self.tiers.remove(&(hash, local));
+            }
+        }
+        if meta & HAS_APPROX != 0 {
+            self.drop_approx(i, hash, local);
+        }
+        self.remove_if_empty(i);
+    }
+
+    /// Removes `local`'s approximate entry for block slot `i`, and the flag if it was the last.
+    fn drop_approx(&mut self, i: usize, hash: u64, local: u32) {
+        let (had, left) = self.approx.remove(hash, local, &self.resets);
+        if had {
+            self.engines.approx[local as usize] -= 1;
+        }
+        if !left {
+            self.blocks.slot_mut(i)[1] &= !HAS_APPROX;
+        }
+    }
+
+    fn remove_if_empty(&mut self, i: usize) {
+        let slot = self.blocks.slot(i);
+        if slot[1] & HAS_APPROX == 0 && slot[BITS..BITS + self.words].iter().all(|&w| w == 0) {
+            self.blocks.remove_at(i);
+        }
+    }
+
+    /// Exact holders of block slot `i`, stale bits masked.
+    #[inline]
+    fn live_exact(&self, i: usize, out: &mut [u64]) {
+        let slot = self.blocks.slot(i);
+        out.copy_from_slice(&slot[BITS..BITS + self.words]);
+        if let Some(stale) = self.resets.stale((slot[1] & STAMP) as u32) {
+            for (o, &s) in out.iter_mut().zip(stale) {
+                *o &= !s;
+            }
+        }
+    }
+
+    /// Drops what pending resets left behind: stale approximate entries, stale bits, and blocks
+    /// nobody holds any more.
+    fn sweep(&mut self) {
+        if self.resets.stale.is_empty() {
+            return;
+        }
+        let mut emptied = Vec::new();
+        self.approx.sweep(&self.resets, |hash| emptied.push(hash));
+        for hash in emptied {
+            if let Some(i) = self.blocks.find(hash) {
+                self.blocks.slot_mut(i)[1] &= !HAS_APPROX;
+            }
+        }
+        let (words, resets, tiers) = (self.words, &self.resets, &mut self.tiers);
+        self.blocks.retain(|slot| {
+            clean(slot, words, resets, tiers);
+            slot[1] & HAS_APPROX != 0 || slot[BITS..BITS + words].iter().any(|&w| w != 0)
+        });
+        self.resets.base = self.resets.seq;
+        self.resets.stale.clear();
+        self.blocks.shrink();
     }
 }
 
@@ -175,15 +592,23 @@ mod tests {
     use super::*;
 
     fn stored(hashes: &[u64]) -> KvEvent {
+        stored_on(hashes, "GPU")
+    }
+
+    fn stored_on(hashes: &[u64], medium: &str) -> KvEvent {
         KvEvent::BlockStored {
             block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
             parent_block_hash: None,
             token_ids: vec![],
             block_size: 16,
             lora_id: None,
-            medium: Some("GPU".into()),
+            medium: Some(medium.into()),
             lora_name: None,
         }
+    }
+
+    fn removed(hashes: &[u64]) -> KvEvent {
+        KvEvent::BlockRemoved { block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(), medium: None }
     }
 
     #[test]
@@ -208,7 +633,7 @@ mod tests {
         let mut index = PrefixIndex::default();
         index.apply(1, &stored(&[10, 11]));
         index.apply(2, &stored(&[10, 11]));
-        index.apply(1, &KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(11)], medium: None });
+        index.apply(1, &removed(&[11]));
         assert_eq!(index.overlaps(&[10, 11], now).get(&1), Some(&1));
         index.apply(2, &KvEvent::AllBlocksCleared);
         assert_eq!(index.engine_blocks(2), 0);
@@ -232,5 +657,72 @@ mod tests {
         // A later guess never downgrades an exact entry.
         index.insert_approximate(2, &[10], now);
         assert_eq!(index.overlaps(&[10], later).get(&2), Some(&1));
+        assert_eq!(index.len(), 1);
+    }
+
+    #[test]
+    fn tiers_are_kept_per_engine() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        index.apply(1, &stored_on(&[10, 11], "cpu"));
+        index.apply(2, &stored(&[10]));
+        index.insert_approximate(3, &[10], now + Duration::from_secs(1));
+        assert_eq!(index.holds(1, 10, now), Some(Tier::Cpu));
+        assert_eq!(index.holds(2, 10, now), Some(Tier::Gpu));
+        assert_eq!(index.holds(3, 10, now), Some(Tier::Gpu));
+        assert_eq!(index.holds(3, 10, now + Duration::from_secs(1)), None);
+        index.apply(1, &stored(&[10]));
+        assert_eq!(index.holds(1, 10, now), Some(Tier::Gpu));
+        assert_eq!(index.holds(1, 11, now), Some(Tier::Cpu));
+        assert_eq!(index.holds(4, 10, now), None);
+        index.apply(1, &KvEvent::AllBlocksCleared);
+        assert_eq!(index.holds(1, 11, now), None);
+        assert!(index.tiers.is_empty(), "a reset drops the engine's tiers");
+    }
+
+    /// Resets stay pending on a large table: reads mask them, writes and sweeps drop them.
+    #[test]
+    fn lazy_resets_on_a_large_table() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        let many: Vec<u64> = (0..2 * EAGER_SWEEP_BELOW as u64).collect();
+        index.apply(1, &stored(&many));
+        index.apply(2, &stored(&many[..10]));
+        index.insert_approximate(3, &many[..5], now + Duration::from_secs(5));
+        index.apply(1, &KvEvent::AllBlocksCleared);
+        assert_eq!(index.resets.stale.len(), 1, "not swept yet");
+        assert_eq!(index.engine_blocks(1), 0);
+        assert_eq!(index.len(), 10);
+        assert_eq!(index.entries(), 15);
+        assert_eq!(index.overlaps(&many[..20], now), HashMap::from([(2, 10), (3, 5)]));
+        // The engine comes back with part of it; its old bits stay gone.
+        index.apply(1, &stored(&many[..3]));
+        index.apply(1, &stored(&many[100..103]));
+        assert_eq!(index.overlaps(&many[..20], now).get(&1), Some(&3));
+        assert_eq!(index.engine_blocks(1), 6);
+        index.remove_engine(3);
+        index.expire(now);
+        assert!(index.resets.stale.is_empty());
+        assert_eq!(index.len(), 13);
+        assert_eq!(index.entries(), 16);
+        assert_eq!(index.blocks.len(), 13, "swept");
+        assert_eq!(index.approx.len(), 0);
+    }
+
+    /// More than 64 engines widen the bitsets; more than 128 the slots.
+    #[test]
+    fn many_engines() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        for engine in 0..300 {
+            index.apply(engine * 1000, &stored(&[1, 2, 3][..1 + engine % 3]));
+        }
+        let overlaps = index.overlaps(&[1, 2, 3], now);
+        assert_eq!(overlaps.len(), 300);
+        for engine in 0..300 {
+            assert_eq!(overlaps[&(engine * 1000)], 1 + engine % 3);
+        }
+        index.apply(299_000, &KvEvent::AllBlocksCleared);
+        assert_eq!(index.overlaps(&[1, 2, 3], now).len(), 299);
     }
 }

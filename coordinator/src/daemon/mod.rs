@@ -3,6 +3,7 @@
 
 mod events;
 mod health;
+mod ops;
 mod release;
 pub mod state;
 

@@ -1,0 +1,324 @@
+//! The API operations both edges (HTTP, gRPC) call: register, heartbeat, deregister, list,
+//! pair, report, index stats, metrics.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::api::{
+    ApiError, EngineSpecJson, EngineView, IndexStats, LoadJson, ModelStats, Notices, PairDecisionJson, PairReason,
+    PairRequestJson, Registration, ReportEvent, ReportJson,
+};
+use crate::cluster::{PairError, PairRequest, Preference};
+use crate::metrics::{inc, DeathCause, Gauges};
+use crate::pairing::Load;
+use crate::prompt::Precision;
+
+use super::state::{endpoint, engines, Coordinator, HeldParams, Origin};
+
+/// Longest request id accepted, bytes.
+const MAX_REQUEST_ID: usize = 512;
+/// Only a prompt's first blocks are hashed: prefixes longer than this are not worth telling
+/// apart, and hashing stays bounded (it runs on the request's thread).
+const MAX_HASHED_BLOCKS: usize = 16_384;
+
+impl Coordinator {
+    pub async fn register(self: &Arc<Self>, spec: EngineSpecJson) -> Result<Registration, ApiError> {
+        spec.validate().map_err(ApiError::BadRequest)?;
+        let spec = spec.to_spec();
+        let lease_id = match &self.store {
+            Some(store) => match store.register(&spec).await {
+                Ok(lease) => Some(lease),
+                Err(err) => {
+                    inc(&self.metrics.store_errors);
+                    tracing::warn!(%err, engine = %spec.id, "etcd: registration kept locally only");
+                    None
+                }
+            },
+            None => None,
+        };
+        let id = spec.id.clone();
+        {
+            let mut inner = self.inner.lock();
+            self.apply_register(&mut inner, spec, Origin::Registered, lease_id, Instant::now());
+        }
+        inc(&self.metrics.registrations);
+        tracing::info!(engine = %id, "registered");
+        Ok(Registration { engine: id, lease_ms: self.config.lease_ms, heartbeat_ms: self.config.heartbeat_ms })
+    }
+
+    pub async fn heartbeat(self: &Arc<Self>, id: &str, load: Option<LoadJson>) -> Result<Notices, ApiError> {
+        let unknown = || ApiError::NotFound(format!("unknown or dead engine {id:?}: register again"));
+        if let Some(store) = &self.store {
+            let known = {
+                let inner = self.inner.lock();
+                let engine = inner.cluster.membership.id_of(id).ok_or_else(unknown)?;
+                let entry = inner.cluster.membership.get(engine).ok_or_else(unknown)?;
+                if !entry.is_alive() {
+                    return Err(unknown());
+                }
+                inner.meta[engine].lease_id.map(|lease| (engine, lease, entry.spec.clone()))
+            };
+            if let Some((engine, lease, spec)) = known {
+                match store.heartbeat(&spec, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        let jobs = {
+                            let mut inner = self.inner.lock();
+                            let alive = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive());
+                            if alive && inner.meta[engine].lease_id == Some(lease) {
+                                self.on_died(&mut inner, engine, DeathCause::Store, Instant::now())
+                            } else {
+                                Vec::new()
+                            }
+                        };
+                        self.spawn_releases(jobs);
+                        return Err(unknown());
+                    }
+                    Err(err) => {
+                        inc(&self.metrics.store_errors);
+                        tracing::warn!(%err, engine = id, "etcd: heartbeat renewed locally only");
+                    }
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut inner = self.inner.lock();
+        let inner = &mut *inner;
+        let engine = inner.cluster.membership.heartbeat(id, now).map_err(|_| unknown())?;
+        inc(&self.metrics.heartbeats);
+        if let Some(load) = load {
+            if load.active_decode_blocks.is_some() || load.queued_prefill_blocks.is_some() {
+                inner.cluster.report_load(
+                    engine,
+                    Load {
+                        active_decode_blocks: load.active_decode_blocks.unwrap_or(0),
+                        queued_prefill_blocks: load.queued_prefill_blocks.unwrap_or(0),
+                    },
+                );
+            }
+            inner.meta[engine].load = Some(load);
+        }
+        let seen = inner.meta[engine].notice_seq;
+        let mut dead = Vec::new();
+        let mut once = HashSet::new();
+        for death in inner.deaths.iter().filter(|d| d.seq > seen && d.id != id) {
+            if once.insert(death.id.as_str()) {
+                dead.push(death.id.clone());
+            }
+        }
+        inner.meta[engine].notice_seq = inner.death_seq;
+        let release = inner.pending.remove(id).unwrap_or_default().into_iter().map(|(n, _)| n).collect();
+        Ok(Notices { dead_engines: dead, release })
+    }
+
+    pub async fn deregister(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
+        let (jobs, lease) = {
+            let mut inner = self.inner.lock();
+            let inner = &mut *inner;
+            let engine = inner
+                .cluster
+                .membership
+                .id_of(id)
+                .ok_or_else(|| ApiError::NotFound(format!("unknown engine {id:?}")))?;
+            let alive = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive());
+            let jobs =
+                if alive { self.on_died(inner, engine, DeathCause::Deregistered, Instant::now()) } else { Vec::new() };
+            inner.meta[engine].left = true;
+            (jobs, inner.meta[engine].lease_id.take())
+        };
+        self.spawn_releases(jobs);
+        if let Some(store) = &self.store {
+            if let Err(err) = store.deregister(id, lease).await {
+                inc(&self.metrics.store_errors);
+                tracing::warn!(%err, engine = id, "etcd: deregistration not stored");
+            }
+        }
+        Ok(())
+    }
+
+    pub fn list(&self) -> Vec<EngineView> {
+        let inner = self.inner.lock();
+        let indexed = |engine: usize, model: &str| {
+            inner
+                .cluster
+                .indexes()
+                .filter(|(m, _)| *m == model)
+                .map(|(_, index)| index.engine_blocks(engine) as u64)
+                .sum()
+        };
+        engines(&inner.cluster)
+            .map(|(i, e)| EngineView {
+                spec: EngineSpecJson::from_spec(&e.spec),
+                alive: e.is_alive(),
+                generation: e.generation,
+                origin: inner.meta[i].origin.as_str(),
+                load: inner.meta[i].load,
+                indexed_blocks: indexed(i, &e.spec.model),
+            })
+            .collect()
+    }
+
+    pub fn pair(&self, req: PairRequestJson) -> Result<PairDecisionJson, ApiError> {
+        let start = Instant::now();
+        let result = self.pair_inner(req);
+        match &result {
+            Ok(decision) => {
+                inc(match decision.reason {
+                    PairReason::Disaggregated => &self.metrics.pair_disaggregated,
+                    PairReason::LocalPrefill => &self.metrics.pair_local_prefill,
+                });
+                self.metrics.pair_latency.observe(start.elapsed());
+            }
+            Err(ApiError::Unavailable(_)) => inc(&self.metrics.pair_no_decode),
+            Err(_) => inc(&self.metrics.pair_invalid),
+        }
+        result
+    }
+
+    fn pair_inner(&self, req: PairRequestJson) -> Result<PairDecisionJson, ApiError> {
+        if req.request_id.is_empty() || req.request_id.len() > MAX_REQUEST_ID {
+            return Err(ApiError::BadRequest(format!("'request_id' must be 1..{MAX_REQUEST_ID} bytes")));
+        }
+        if req.model.is_empty() {
+            return Err(ApiError::BadRequest("'model' must not be empty".into()));
+        }
+        let no_decode = || ApiError::Unavailable(format!("no live decode engine serves model {:?}", req.model));
+        // The block size most of the model's live engines use keys its index.
+        let block_size = {
+            let inner = self.inner.lock();
+            let mut sizes: HashMap<u32, usize> = HashMap::new();
+            for (_, e) in engines(&inner.cluster).filter(|(_, e)| e.is_alive() && e.spec.model == req.model) {
+                *sizes.entry(e.spec.block_size).or_default() += 1;
+            }
+            sizes
+                .into_iter()
+                .max_by_key(|&(size, n)| (n, std::cmp::Reverse(size)))
+                .map(|(size, _)| size)
+                .ok_or_else(no_decode)?
+        };
+        let (hashes, tokens, precision) = match (&req.token_ids, &req.prompt) {
+            (Some(ids), _) => {
+                let hashed = &ids[..ids.len().min(MAX_HASHED_BLOCKS * block_size as usize)];
+                (self.hasher.token_hashes(hashed, block_size), ids.len() as u64, Precision::Exact)
+            }
+            (None, Some(text)) => {
+                let mut hashed =
+                    self.hasher.text_hashes(text, block_size).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+                hashed.hashes.truncate(MAX_HASHED_BLOCKS);
+                (hashed.hashes, hashed.prompt_tokens, hashed.precision)
+            }
+            (None, None) => (Vec::new(), 0, Precision::Exact),
+        };
+        let prompt_tokens = req.prompt_tokens.unwrap_or(tokens);
+        let uniform = [rand::random::<f64>(), rand::random::<f64>()];
+        let now = Instant::now();
+        let mut inner = self.inner.lock();
+        let prefer = req
+            .local_engine
+            .as_deref()
+            .and_then(|id| inner.cluster.membership.id_of(id))
+            .map(|engine| Preference { engine, max_cost_ratio: self.config.local_decode_slack });
+        let request = PairRequest {
+            request_id: &req.request_id,
+            model: &req.model,
+            block_hashes: &hashes,
+            prompt_tokens,
+            block_size,
+        };
+        let decision = inner.cluster.pair_preferring(request, prefer, now, uniform).map_err(|e| match e {
+            PairError::NoDecode(_) => no_decode(),
+        })?;
+        // Where events cannot confirm what was routed, remember it for longer.
+        let approx_until = now + Duration::from_secs_f64(self.config.approx_ttl_secs);
+        for engine in std::iter::once(decision.decode).chain(decision.prefill) {
+            let without_events = inner.cluster.membership.get(engine).is_some_and(|e| e.spec.kv_events.is_none());
+            if precision == Precision::Approximate || without_events {
+                inner.cluster.model_index_mut(&req.model).insert_approximate(engine, &hashes, approx_until);
+            }
+        }
+        let spec_of = |engine: usize| inner.cluster.membership.get(engine).map(|e| endpoint(&e.spec));
+        let decode =
+            spec_of(decision.decode).ok_or_else(|| ApiError::Internal("decision names an unknown engine".into()))?;
+        let prefill = decision.prefill.and_then(spec_of);
+        let reason = if prefill.is_some() { PairReason::Disaggregated } else { PairReason::LocalPrefill };
+        Ok(PairDecisionJson {
+            request_id: req.request_id,
+            decode,
+            prefill,
+            decode_overlap_blocks: decision.decode_overlap_blocks,
+            prefill_overlap_blocks: decision.prefill_overlap_blocks,
+            reason,
+        })
+    }
+
+    pub fn report(&self, report: ReportJson) -> Result<(), ApiError> {
+        if report.request_id.is_empty() || report.request_id.len() > MAX_REQUEST_ID {
+            return Err(ApiError::BadRequest(format!("'request_id' must be 1..{MAX_REQUEST_ID} bytes")));
+        }
+        inc(&self.metrics.reports);
+        let mut inner = self.inner.lock();
+        let id = report.request_id;
+        match report.event {
+            ReportEvent::PrefillDone => {
+                inner.cluster.handoffs.prefill_done(&id);
+                if let Some(params) = report.kv_transfer_params {
+                    inner.params.insert(id, HeldParams { params, at: Instant::now() });
+                }
+            }
+            ReportEvent::DecodeStarted => inner.cluster.handoffs.decode_started(&id),
+            ReportEvent::Finished | ReportEvent::Failed => {
+                if let Some(error) = report.error {
+                    tracing::debug!(request = %id, %error, "request failed");
+                }
+                inner.cluster.handoffs.finished(&id);
+                inner.params.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn index_stats(&self) -> IndexStats {
+        let inner = self.inner.lock();
+        let mut stats = IndexStats::default();
+        for (model, index) in inner.cluster.indexes() {
+            let mut entry = ModelStats { blocks: index.len() as u64, ..ModelStats::default() };
+            for (i, e) in engines(&inner.cluster).filter(|(_, e)| e.spec.model == model) {
+                let n = index.engine_blocks(i) as u64;
+                entry.entries += n;
+                entry.engines.insert(e.spec.id.clone(), n);
+            }
+            stats.models.insert(model.to_string(), entry);
+        }
+        stats
+    }
+
+    pub fn render_metrics(&self) -> String {
+        let mut gauges = Gauges::default();
+        {
+            let inner = self.inner.lock();
+            for (_, e) in engines(&inner.cluster) {
+                if e.is_alive() {
+                    gauges.engines_alive += 1;
+                } else {
+                    gauges.engines_dead += 1;
+                }
+            }
+            gauges.handoffs_in_flight = inner.cluster.handoffs.len() as u64;
+            gauges.pending_releases = inner.pending.values().map(|l| l.len() as u64).sum();
+            for (model, index) in inner.cluster.indexes() {
+                let entries = engines(&inner.cluster).map(|(i, _)| index.engine_blocks(i) as u64).sum();
+                gauges.index.push((model.to_string(), index.len() as u64, entries));
+            }
+        }
+        gauges.index.sort();
+        let c = &self.ingest_counters;
+        let m = &self.metrics;
+        use std::sync::atomic::Ordering::Relaxed;
+        m.event_gaps.store(c.gaps.load(Relaxed), Relaxed);
+        m.event_replays.store(c.replays.load(Relaxed), Relaxed);
+        m.event_replayed_batches.store(c.replayed_batches.load(Relaxed), Relaxed);
+        m.event_resets.store(c.resets.load(Relaxed), Relaxed);
+        m.render(&gauges)
+    }
+}

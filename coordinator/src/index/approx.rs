@@ -1,0 +1,346 @@
+//! Approximate entries: per block, which engines probably hold it and until when.
+//!
+//! One slot per block: `[hash, meta, engine bitset words..., entries...]`. The bitset says who
+//! has an entry, so a read is a few word operations however many engines guessed; the entries
+//! (deadline and engine, one word each) are kept sorted by deadline, so a read only visits
+//! those that expired since the last `expire` (usually none). A few entries fit in the slot;
+//! more spill to a vector of their own. Engine resets are handled as for exact entries: the
+//! slot's stamp in the meta word says which resets it has seen.
+
+use super::table::Slots;
+use super::{Resets, BITS, STAMP};
+
+const OCCUPIED: u64 = 1 << 63;
+const SPILLED: u64 = 1 << 62;
+/// Where a spilled slot's entries are in `Approx::spill` (meta bits 32..62).
+const SPILL_SHIFT: u32 = 32;
+const SPILL_MASK: u64 = (1 << 30) - 1;
+
+/// An entry: the deadline (biased so that entries sort by it) above the engine's number + 1.
+fn entry(local: u32, deadline: i32) -> u64 {
+    u64::from(deadline as u32 ^ 0x8000_0000) << 32 | u64::from(local + 1)
+}
+
+pub(super) fn engine(entry: u64) -> u32 {
+    (entry as u32) - 1
+}
+
+pub(super) fn deadline(entry: u64) -> i32 {
+    ((entry >> 32) as u32 ^ 0x8000_0000) as i32
+}
+
+/// Approximate entries by block.
+#[derive(Debug)]
+pub(super) struct Approx {
+    slots: Slots,
+    words: usize,
+    spill: Vec<Vec<u64>>,
+    free: Vec<u32>,
+}
+
+fn stride_for(words: usize) -> usize {
+    (BITS + words + 2).next_power_of_two()
+}
+
+impl Approx {
+    pub fn new(words: usize) -> Self {
+        Approx { slots: Slots::new(stride_for(words)), words, spill: Vec::new(), free: Vec::new() }
+    }
+
+    /// Blocks with approximate entries.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.slots.heap_bytes()
+            + self.spill.capacity() * std::mem::size_of::<Vec<u64>>()
+            + self.spill.iter().map(|v| v.capacity() * 8).sum::<usize>()
+            + self.free.capacity() * 4
+    }
+
+    fn inline(&self) -> usize {
+        self.slots.stride() - BITS - self.words
+    }
+
+    /// Bitsets get `words` words (more engines): slots are re-laid.
+    pub fn widen(&mut self, words: usize) {
+        if words <= self.words {
+            return;
+        }
+        let mut wider = Approx::new(words);
+        std::mem::swap(&mut wider.spill, &mut self.spill);
+        std::mem::swap(&mut wider.free, &mut self.free);
+        wider.slots.rebuild(wider.slots.stride(), self.slots.cap());
+        for i in 0..self.slots.cap() {
+            let s = self.slots.slot(i);
+            if s[1] == 0 {
+                continue;
+            }
+            let j = wider.slots.insert(s[0], s[1]);
+            wider.slots.slot_mut(j)[BITS..BITS + self.words].copy_from_slice(&s[BITS..BITS + self.words]);
+            if s[1] & SPILLED == 0 {
+                // The inline room may differ: add the entries one by one (they may spill).
+                for &e in s[BITS + self.words..].iter().take_while(|&&e| e != 0) {
+                    wider.insert_entry(j, e);
+                }
+            }
+        }
+        *self = wider;
+    }
+
+    /// See [`Slots::touch`].
+    #[inline]
+    pub fn touch(&self, hash: u64) -> u64 {
+        self.slots.touch(hash)
+    }
+
+    /// Where block `hash`'s entries are.
+    #[inline]
+    pub fn find(&self, hash: u64) -> Option<usize> {
+        self.slots.find(hash)
+    }
+
+    /// The entries of slot `j`, by deadline.
+    #[inline]
+    fn entries(&self, j: usize) -> &[u64] {
+        let s = self.slots.slot(j);
+        if s[1] & SPILLED != 0 {
+            &self.spill[((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize]
+        } else {
+            let inline = &s[BITS + self.words..];
+            &inline[..inline.iter().position(|&e| e == 0).unwrap_or(inline.len())]
+        }
+    }
+
+    /// Adds to `out` the engines of slot `j` whose entries are live at `now`.
+    #[inline]
+    pub fn live(&self, j: usize, now: i32, resets: &Resets, out: &mut [u64]) {
+        let s = self.slots.slot(j);
+        let stale = resets.stale((s[1] & STAMP) as u32);
+        let expired = self.entries(j).iter().take_while(|&&e| deadline(e) <= now);
+        // Without expired entries (the usual case) the bitset is the answer.
+        let mut gone = [0u64; 4];
+        let mut spare = Vec::new();
+        let gone: &mut [u64] = if self.words <= 4 {
+            &mut gone[..self.words]
+        } else {
+            spare.resize(self.words, 0);
+            &mut spare
+        };
+        for &e in expired {
+            gone[engine(e) as usize / 64] |= 1 << (engine(e) % 64);
+        }
+        for (w, o) in out.iter_mut().enumerate() {
+            let mask = stale.and_then(|m| m.get(w)).copied().unwrap_or(0) | gone[w];
+            *o |= s[BITS + w] & !mask;
+        }
+    }
+
+    /// Drops the entries of engines reset since slot `j` was stamped, and stamps it current.
+    fn clean(&mut self, j: usize, resets: &Resets) {
+        let s = self.slots.slot(j);
+        let Some(stale) = resets.stale((s[1] & STAMP) as u32) else { return };
+        let mut dropped = false;
+        let words = self.words;
+        let s = self.slots.slot_mut(j);
+        for (w, &mask) in stale.iter().enumerate().take(words) {
+            dropped |= s[BITS + w] & mask != 0;
+            s[BITS + w] &= !mask;
+        }
+        s[1] = (s[1] & !STAMP) | u64::from(resets.seq);
+        if dropped {
+            let bits = s[BITS..BITS + words].to_vec();
+            self.retain_entries(j, |e| bits[engine(e) as usize / 64] & 1 << (engine(e) % 64) != 0);
+        }
+    }
+
+    /// Keeps the entries of slot `j` that `keep` wants, preserving order; re-inlines a spilled
+    /// list that fits again.
+    fn retain_entries(&mut self, j: usize, mut keep: impl FnMut(u64) -> bool) {
+        let (words, inline) = (self.words, self.inline());
+        let s = self.slots.slot_mut(j);
+        if s[1] & SPILLED == 0 {
+            let area = &mut s[BITS + words..];
+            let mut n = 0;
+            for k in 0..area.len() {
+                let e = area[k];
+                if e != 0 && keep(e) {
+                    area[n] = e;
+                    n += 1;
+                }
+            }
+            area[n..].fill(0);
+            return;
+        }
+        let at = ((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize;
+        let list = &mut self.spill[at];
+        list.retain(|&e| keep(e));
+        if list.len() <= inline {
+            let list = std::mem::take(list);
+            self.free.push(at as u32);
+            let s = self.slots.slot_mut(j);
+            s[1] &= !(SPILLED | SPILL_MASK << SPILL_SHIFT);
+            let area = &mut s[BITS + words..];
+            area.fill(0);
+            area[..list.len()].copy_from_slice(&list);
+        }
+    }
+
+    /// Adds an entry to slot `j` in deadline order (spilling when the slot is full).
+    fn insert_entry(&mut self, j: usize, e: u64) {
+        let (words, inline) = (self.words, self.inline());
+        let s = self.slots.slot_mut(j);
+        if s[1] & SPILLED != 0 {
+            let list = &mut self.spill[((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize];
+            let at = list.partition_point(|&x| x < e);
+            list.insert(at, e);
+            return;
+        }
+        let area = &mut s[BITS + words..];
+        let n = area.iter().position(|&x| x == 0).unwrap_or(inline);
+        if n < inline {
+            let at = area[..n].partition_point(|&x| x < e);
+            area.copy_within(at..n, at + 1);
+            area[at] = e;
+            return;
+        }
+        let mut list = Vec::with_capacity(inline * 2);
+        list.extend_from_slice(area);
+        let at = list.partition_point(|&x| x < e);
+        list.insert(at, e);
+        area.fill(0);
+        let index = match self.free.pop() {
+            Some(free) => {
+                self.spill[free as usize] = list;
+                free as u64
+            }
+            None => {
+                self.spill.push(list);
+                (self.spill.len() - 1) as u64
+            }
+        };
+        assert!(index <= SPILL_MASK, "too many spilled approximate blocks");
+        s[1] |= SPILLED | index << SPILL_SHIFT;
+    }
+
+    /// Sets `local`'s deadline for `hash`; true when the engine had no live entry there.
+    pub fn upsert(&mut self, hash: u64, local: u32, at: i32, resets: &Resets) -> bool {
+        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+        let j = match self.slots.find(hash) {
+            Some(j) => {
+                self.clean(j, resets);
+                j
+            }
+            None => self.slots.insert(hash, OCCUPIED | u64::from(resets.seq)),
+        };
+        let had = self.slots.slot(j)[word] & bit != 0;
+        if had {
+            self.retain_entries(j, |e| engine(e) != local);
+        }
+        self.slots.slot_mut(j)[word] |= bit;
+        self.insert_entry(j, entry(local, at));
+        !had
+    }
+
+    /// Removes `local`'s entry for `hash`: whether it had a live one, and whether the block has
+    /// entries left.
+    pub fn remove(&mut self, hash: u64, local: u32, resets: &Resets) -> (bool, bool) {
+        let Some(j) = self.slots.find(hash) else { return (false, false) };
+        self.clean(j, resets);
+        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+        let had = self.slots.slot(j)[word] & bit != 0;
+        if had {
+            self.slots.slot_mut(j)[word] &= !bit;
+            self.retain_entries(j, |e| engine(e) != local);
+        }
+        let left = !self.entries(j).is_empty();
+        if !left {
+            self.free_slot(j);
+        }
+        (had, left)
+    }
+
+    fn free_slot(&mut self, j: usize) {
+        let meta = self.slots.slot(j)[1];
+        if meta & SPILLED != 0 {
+            let at = (meta >> SPILL_SHIFT) & SPILL_MASK;
+            self.spill[at as usize] = Vec::new();
+            self.free.push(at as u32);
+        }
+        self.slots.remove_at(j);
+    }
+
+    /// Drops stale entries, and those whose deadline is at or before `now` (calling `expired`
+    /// with each of those); then moves every deadline `shift` earlier (the clock's origin moved
+    /// up); calls `gone` with each block left without entries.
+    pub fn expire(
+        &mut self,
+        now: i32,
+        shift: i32,
+        resets: &Resets,
+        mut expired: impl FnMut(u32),
+        mut gone: impl FnMut(u64),
+    ) {
+        for j in 0..self.slots.cap() {
+            if self.slots.slot(j)[1] == 0 {
+                continue;
+            }
+            self.clean(j, resets);
+            let ends = self.entries(j).first().is_some_and(|&e| deadline(e) <= now);
+            if ends || shift != 0 {
+                let words = self.words;
+                let mut cleared = vec![0u64; words];
+                self.retain_entries(j, |e| {
+                    let live = deadline(e) > now;
+                    if !live {
+                        expired(engine(e));
+                        cleared[engine(e) as usize / 64] |= 1 << (engine(e) % 64);
+                    }
+                    live
+                });
+                let s = self.slots.slot_mut(j);
+                for (w, c) in cleared.iter().enumerate() {
+                    s[BITS + w] &= !c;
+                }
+                if shift != 0 {
+                    let rebased = |e: u64| entry(engine(e), deadline(e).saturating_sub(shift));
+                    if s[1] & SPILLED != 0 {
+                        let at = ((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize;
+                        self.spill[at].iter_mut().for_each(|e| *e = rebased(*e));
+                    } else {
+                        s[BITS + words..].iter_mut().filter(|e| **e != 0).for_each(|e| *e = rebased(*e));
+                    }
+                }
+            }
+        }
+        self.drop_empty(&mut gone);
+    }
+
+    /// Drops what resets left behind; calls `gone` with each block left without entries.
+    pub fn sweep(&mut self, resets: &Resets, mut gone: impl FnMut(u64)) {
+        for j in 0..self.slots.cap() {
+            if self.slots.slot(j)[1] != 0 {
+                self.clean(j, resets);
+            }
+        }
+        self.drop_empty(&mut gone);
+    }
+
+    fn drop_empty(&mut self, gone: &mut impl FnMut(u64)) {
+        let words = self.words;
+        self.slots.retain(|s| {
+            // Spilled lists are never empty (they re-inline first).
+            let empty = s[1] & SPILLED == 0 && s[BITS + words] == 0;
+            if empty {
+                gone(s[0]);
+            }
+            !empty
+        });
+        self.slots.shrink();
+        if self.free.len() == self.spill.len() {
+            self.spill.clear();
+            self.free.clear();
+        }
+    }
+}
