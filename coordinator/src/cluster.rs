@@ -158,11 +158,7 @@ impl Cluster {
         let candidates = |engines: Vec<usize>| -> Vec<Candidate> {
             engines
                 .into_iter()
-                .map(|engine| Candidate {
-                    engine,
-                    overlap_blocks: overlap(engine) as u64,
-                    load: self.load(engine),
-                })
+                .map(|engine| Candidate { engine, overlap_blocks: overlap(engine) as u64, load: self.load(engine) })
                 .collect()
         };
         let decodes = candidates(self.membership.live(req.model, Role::decodes));

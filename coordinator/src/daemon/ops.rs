@@ -57,7 +57,29 @@ impl Coordinator {
                 if !entry.is_alive() {
                     return Err(unknown());
                 }
-                inner.meta[engine].lease_id.map(|lease| (engine, lease, entry.spec.clone()))
+                let meta = &inner.meta[engine];
+                (engine, meta.lease_id, meta.origin, entry.spec.clone())
+            };
+            let known = match known {
+                (engine, Some(lease), _, spec) => Some((engine, lease, spec)),
+                // Registered while etcd was unreachable: store it now, so the other
+                // coordinators learn of it.
+                (engine, None, Origin::Registered, spec) => {
+                    match store.register(&spec).await {
+                        Ok(lease) => {
+                            let mut inner = self.inner.lock();
+                            if inner.meta[engine].lease_id.is_none() {
+                                inner.meta[engine].lease_id = Some(lease);
+                            }
+                        }
+                        Err(err) => {
+                            inc(&self.metrics.store_errors);
+                            tracing::warn!(%err, engine = id, "etcd: still unreachable");
+                        }
+                    }
+                    None
+                }
+                (_, None, Origin::Static, _) => None,
             };
             if let Some((engine, lease, spec)) = known {
                 match store.heartbeat(&spec, lease).await {
