@@ -34,4 +34,5 @@ d=$!
 wait "$p" && wait "$d" || { echo "an engine did not start" >&2; exit 1; }
 
 target/debug/pdbench cluster --vllm \
-  --prefill-url "http://127.0.0.1:$prefill_port" --decode-url "http://127.0.0.1:$decode_port" "$@"
+  --prefill-url "http://127.0.0.1:$prefill_port" --decode-url "http://127.0.0.1:$decode_port" \
+  --model tiny-llama "$@"

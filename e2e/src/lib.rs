@@ -74,15 +74,22 @@ pub struct Proc {
     _lifeline: ChildStdin,
 }
 
-/// Runs "$@" in the guardian's process group and waits for it; a watcher kills the group when
-/// stdin reaches EOF (the test process is gone). TERM is ignored by the watcher so that it
-/// survives its own group's SIGTERM and can follow up with SIGKILL.
-/// (A background job's stdin would be /dev/null: the pipe is handed over as fd 3.)
+/// Runs "$@" in the guardian's process group and waits for it. A watcher reads the pipe from the
+/// test process; at EOF (the test process is gone) it sends SIGTERM to the group — ignoring it
+/// itself —, waits up to 15 s for the main process, then SIGKILLs the group (itself included).
+/// A SIGTERM from the test (stop) also ends the watcher. (A background job's stdin would be
+/// /dev/null: the pipe is handed over as fd 3.)
 const GUARDIAN: &str = r#"
 exec 3<&0
 "$@" </dev/null 3<&- &
 child=$!
-( trap '' TERM; while read -r _ <&3; do :; done; kill -TERM -- -$$ 2>/dev/null; sleep 15; kill -KILL -- -$$ 2>/dev/null ) &
+(
+  while read -r _ <&3; do :; done
+  trap '' TERM
+  kill -TERM -- -$$ 2>/dev/null
+  for _ in $(seq 150); do kill -0 "$child" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL -- -$$ 2>/dev/null
+) &
 watcher=$!
 wait "$child"
 status=$?
@@ -121,13 +128,22 @@ impl Proc {
         Ok(Proc { name: name.to_string(), pgid, log, exited: exit_rx, exit_status: None, _lifeline: lifeline })
     }
 
-    /// The pid of the real process (the guardian's child), e.g. to pause it.
+    /// The pid of the real process (the guardian's child), e.g. to pause it; waits up to 5 s
+    /// for the guardian to have started it.
     pub fn main_pid(&self) -> Option<i32> {
-        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pgid)).ok()?;
-        children.split_whitespace().filter_map(|p| p.parse().ok()).find(|&pid: &i32| {
-            // The watcher subshell is a bash too; the real process is the one that is not.
-            std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() != "bash").unwrap_or(false)
-        })
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let children =
+                std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.pgid)).unwrap_or_default();
+            let found = children.split_whitespace().filter_map(|p| p.parse().ok()).find(|&pid: &i32| {
+                // The watcher subshell is a bash too; the real process is the one that is not.
+                std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() != "bash").unwrap_or(false)
+            });
+            if found.is_some() || Instant::now() > deadline {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Whether the direct child is still running.
