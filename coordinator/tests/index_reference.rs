@@ -1,14 +1,22 @@
-//! The prefix index against a naive reference model, over many random event sequences.
+//! The prefix index against a naive reference model, over many random operation sequences:
+//! stores and removals (any tier, duplicates), approximate entries with deadlines, time passing,
+//! `expire`, `AllBlocksCleared` and `remove_engine`, with sparse engine ids and tables large
+//! enough that resets stay pending. Every query, count and tier is compared after every step; a
+//! failing sequence is shrunk and printed.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use pd_coordinator::index::PrefixIndex;
+use pd_coordinator::index::{PrefixIndex, Tier};
 use pd_protocols::kv_events::{BlockHash, KvEvent};
 
 struct Rng(u64);
 
 impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
@@ -19,33 +27,315 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
-}
 
-/// The obviously-correct model: a set of blocks per engine.
-#[derive(Default)]
-struct Reference {
-    held: HashMap<usize, HashSet<u64>>,
-}
-
-impl Reference {
-    fn overlaps(&self, hashes: &[u64]) -> HashMap<usize, usize> {
-        self.held
-            .iter()
-            .map(|(&engine, set)| (engine, hashes.iter().take_while(|h| set.contains(h)).count()))
-            .filter(|&(_, n)| n > 0)
-            .collect()
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
     }
 }
 
-fn hashes(list: &[u64]) -> Vec<BlockHash> {
-    list.iter().map(|&h| BlockHash::Int(h)).collect()
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum State {
+    Exact(Tier),
+    /// Until this many milliseconds after the start.
+    Approx(u64),
+}
+
+/// The obviously-correct model: per engine, the state of each block it holds.
+#[derive(Default)]
+struct Reference {
+    held: HashMap<usize, HashMap<u64, State>>,
+}
+
+impl Reference {
+    fn live(state: State, now_ms: u64) -> bool {
+        match state {
+            State::Exact(_) => true,
+            State::Approx(until) => until > now_ms,
+        }
+    }
+
+    fn overlaps(&self, hashes: &[u64], now_ms: u64) -> HashMap<usize, usize> {
+        self.held
+            .iter()
+            .map(|(&engine, blocks)| {
+                let n = hashes.iter().take_while(|h| blocks.get(h).is_some_and(|&s| Self::live(s, now_ms))).count();
+                (engine, n)
+            })
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+
+    fn holds(&self, engine: usize, hash: u64, now_ms: u64) -> Option<Tier> {
+        match self.held.get(&engine)?.get(&hash)? {
+            State::Exact(tier) => Some(*tier),
+            &State::Approx(until) if until > now_ms => Some(Tier::Gpu),
+            State::Approx(_) => None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.held.values().flat_map(|blocks| blocks.keys()).collect::<HashSet<_>>().len()
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Stored { engine: usize, hashes: Vec<u64>, medium: Option<&'static str> },
+    Removed { engine: usize, hashes: Vec<u64> },
+    Cleared { engine: usize },
+    RemoveEngine { engine: usize },
+    Approx { engine: usize, hashes: Vec<u64>, ttl_ms: u64 },
+    Advance { ms: u64 },
+    Expire,
+    Query { hashes: Vec<u64> },
+}
+
+/// How one sequence draws its operations.
+#[derive(Clone, Copy, Debug)]
+struct Profile {
+    engines: &'static [usize],
+    /// Block hashes are drawn as `0..space`, then mapped to 64-bit values when `spread`.
+    space: u64,
+    spread: bool,
+    /// Longest run a store or removal covers.
+    run: u64,
+    steps: usize,
+}
+
+const SMALL: Profile = Profile { engines: &[0, 1, 2, 3, 4, 5], space: 40, spread: false, run: 8, steps: 400 };
+const SPARSE: Profile =
+    Profile { engines: &[0, 3, 64, 65, 127, 128, 1000, 70_000], space: 60, spread: true, run: 12, steps: 400 };
+/// 150 engines appearing as the sequence goes (bitsets widen mid-way), many per block
+/// (approximate entries spill out of their slots).
+const MANY: Profile = Profile { engines: &ENGINES_150, space: 24, spread: true, run: 10, steps: 600 };
+const ENGINES_150: [usize; 150] = {
+    let mut ids = [0; 150];
+    let mut i = 0;
+    while i < 150 {
+        ids[i] = i * 7 + 3;
+        i += 1;
+    }
+    ids
+};
+const LARGE: Profile = Profile { engines: &[0, 1, 2, 7, 200], space: 30_000, spread: true, run: 3000, steps: 150 };
+
+fn block(profile: &Profile, n: u64) -> u64 {
+    if profile.spread {
+        n.wrapping_mul(0xd6e8_feb8_6659_fd93).rotate_left(17) ^ 0xa5a5
+    } else {
+        n
+    }
+}
+
+fn run_of(rng: &mut Rng, profile: &Profile) -> Vec<u64> {
+    let start = rng.below(profile.space);
+    let len = 1 + rng.below(profile.run);
+    let mut run: Vec<u64> = (start..start + len).map(|n| block(profile, n % profile.space)).collect();
+    if rng.below(8) == 0 {
+        let dup = run[rng.below(run.len() as u64) as usize];
+        run.push(dup);
+    }
+    run
+}
+
+fn generate(seed: u64, profile: &Profile) -> Vec<Op> {
+    let mut rng = Rng::new(seed);
+    let mut ops = Vec::new();
+    for _ in 0..profile.steps {
+        let engine = rng.pick(profile.engines);
+        ops.push(match rng.below(100) {
+            0..=39 => Op::Stored {
+                engine,
+                hashes: run_of(&mut rng, profile),
+                medium: rng.pick(&[Some("GPU"), Some("GPU"), Some("CPU"), None, Some("disk")]),
+            },
+            40..=59 => Op::Removed { engine, hashes: run_of(&mut rng, profile) },
+            60..=62 => Op::Cleared { engine },
+            63..=64 => Op::RemoveEngine { engine },
+            65..=79 => Op::Approx { engine, hashes: run_of(&mut rng, profile), ttl_ms: rng.below(3000) },
+            80..=87 => Op::Advance { ms: rng.below(1500) },
+            88..=91 => Op::Expire,
+            _ => Op::Query { hashes: run_of(&mut rng, profile) },
+        });
+        // Every step is followed by a query near the last operation's blocks.
+        let mut query = run_of(&mut rng, profile);
+        if let Some(Op::Stored { hashes, .. } | Op::Approx { hashes, .. } | Op::Removed { hashes, .. }) = ops.last() {
+            if rng.below(2) == 0 {
+                query = hashes.clone();
+                query.extend(run_of(&mut rng, profile));
+            }
+        }
+        ops.push(Op::Query { hashes: query });
+    }
+    ops
+}
+
+fn stored(hashes: &[u64], medium: Option<&str>) -> KvEvent {
+    KvEvent::BlockStored {
+        block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+        parent_block_hash: None,
+        token_ids: vec![],
+        block_size: 16,
+        lora_id: None,
+        medium: medium.map(str::to_owned),
+        lora_name: None,
+    }
+}
+
+/// Runs `ops` on a fresh index and the reference; the first disagreement, if any.
+fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
+    let t0 = Instant::now();
+    let mut now_ms = 0u64;
+    let (mut index, mut reference) = (PrefixIndex::default(), Reference::default());
+    let mut matches = Vec::new();
+    for (step, op) in ops.iter().enumerate() {
+        let now = t0 + Duration::from_millis(now_ms);
+        match op {
+            Op::Stored { engine, hashes, medium } => {
+                index.apply(*engine, &stored(hashes, *medium));
+                let tier = Tier::from_medium(*medium);
+                let blocks = reference.held.entry(*engine).or_default();
+                for h in hashes {
+                    blocks.insert(*h, State::Exact(tier));
+                }
+            }
+            Op::Removed { engine, hashes } => {
+                let block_hashes = hashes.iter().map(|&h| BlockHash::Int(h)).collect();
+                index.apply(*engine, &KvEvent::BlockRemoved { block_hashes, medium: None });
+                if let Some(blocks) = reference.held.get_mut(engine) {
+                    for h in hashes {
+                        blocks.remove(h);
+                    }
+                }
+            }
+            Op::Cleared { engine } => {
+                index.apply(*engine, &KvEvent::AllBlocksCleared);
+                reference.held.remove(engine);
+            }
+            Op::RemoveEngine { engine } => {
+                index.remove_engine(*engine);
+                reference.held.remove(engine);
+            }
+            Op::Approx { engine, hashes, ttl_ms } => {
+                index.insert_approximate(*engine, hashes, now + Duration::from_millis(*ttl_ms));
+                let blocks = reference.held.entry(*engine).or_default();
+                for h in hashes {
+                    match blocks.get(h) {
+                        Some(State::Exact(_)) => {}
+                        _ => {
+                            blocks.insert(*h, State::Approx(now_ms + ttl_ms));
+                        }
+                    }
+                }
+            }
+            Op::Advance { ms } => now_ms += ms,
+            Op::Expire => {
+                index.expire(now);
+                for blocks in reference.held.values_mut() {
+                    blocks.retain(|_, s| Reference::live(*s, now_ms));
+                }
+            }
+            Op::Query { hashes } => {
+                let got = index.overlaps(hashes, now);
+                let want = reference.overlaps(hashes, now_ms);
+                if got != want {
+                    return Err(format!("step {step}: overlaps({hashes:?}) = {got:?}, reference {want:?}"));
+                }
+                index.prefix_matches(hashes, now, &mut matches);
+                let mut sorted: Vec<_> = want.into_iter().collect();
+                sorted.sort_unstable();
+                if matches != sorted {
+                    return Err(format!("step {step}: prefix_matches {matches:?}, reference {sorted:?}"));
+                }
+                for &engine in profile.engines.iter().take(3) {
+                    for h in hashes.iter().take(4) {
+                        let (got, want) = (index.holds(engine, *h, now), reference.holds(engine, *h, now_ms));
+                        if got != want {
+                            return Err(format!("step {step}: holds({engine}, {h}) = {got:?}, reference {want:?}"));
+                        }
+                    }
+                }
+            }
+        }
+        for &engine in profile.engines {
+            let want = reference.held.get(&engine).map_or(0, HashMap::len);
+            if index.engine_blocks(engine) != want {
+                return Err(format!(
+                    "step {step}: engine_blocks({engine}) = {}, reference {want}",
+                    index.engine_blocks(engine)
+                ));
+            }
+        }
+        let entries: usize = reference.held.values().map(HashMap::len).sum();
+        if index.entries() != entries {
+            return Err(format!("step {step}: entries() = {}, reference {entries}", index.entries()));
+        }
+        if step % 16 == 0 || matches!(op, Op::Cleared { .. } | Op::RemoveEngine { .. } | Op::Expire) {
+            let (len, want) = (index.len(), reference.len());
+            if len != want || index.is_empty() != (want == 0) {
+                return Err(format!("step {step}: len() = {len}, reference {want}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Removes operations while the sequence still fails: halves, then quarters, ..., then singles.
+fn shrink(mut ops: Vec<Op>, profile: &Profile) -> (Vec<Op>, String) {
+    let mut error = check(&ops, profile).expect_err("shrink a failing sequence");
+    let mut chunk = ops.len() / 2;
+    while chunk > 0 {
+        let mut at = 0;
+        while at < ops.len() {
+            let mut fewer = ops.clone();
+            fewer.drain(at..(at + chunk).min(ops.len()));
+            match check(&fewer, profile) {
+                Err(e) => (ops, error) = (fewer, e),
+                Ok(()) => at += chunk,
+            }
+        }
+        chunk /= 2;
+    }
+    (ops, error)
+}
+
+fn matches_reference(profile: &Profile, seeds: std::ops::RangeInclusive<u64>) {
+    for seed in seeds {
+        let ops = generate(seed, profile);
+        if check(&ops, profile).is_err() {
+            let (ops, error) = shrink(ops, profile);
+            panic!("seed {seed}: {error}\nshrunk to {} operations:\n{ops:#?}", ops.len());
+        }
+    }
 }
 
 #[test]
 fn matches_the_reference_model() {
+    matches_reference(&SMALL, 1..=150);
+}
+
+#[test]
+fn matches_the_reference_model_with_sparse_engine_ids() {
+    matches_reference(&SPARSE, 1..=100);
+}
+
+#[test]
+fn matches_the_reference_model_with_many_engines_per_block() {
+    matches_reference(&MANY, 1..=40);
+}
+
+#[test]
+fn matches_the_reference_model_on_large_tables() {
+    // Thousands of blocks: resets stay pending (read through masks) until a sweep.
+    matches_reference(&LARGE, 1..=12);
+}
+
+/// The original sequence shape: exact events only, one query per step.
+#[test]
+fn exact_events_only() {
     let now = Instant::now();
     for seed in 1..=40u64 {
-        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut rng = Rng::new(seed);
         let (mut index, mut reference) = (PrefixIndex::default(), Reference::default());
         for _ in 0..400 {
             let engine = rng.below(6) as usize;
@@ -55,23 +345,19 @@ fn matches_the_reference_model() {
             };
             match rng.below(10) {
                 0..=5 => {
-                    let event = KvEvent::BlockStored {
-                        block_hashes: hashes(&run),
-                        parent_block_hash: None,
-                        token_ids: vec![],
-                        block_size: 16,
-                        lora_id: None,
-                        medium: Some(if rng.below(2) == 0 { "GPU" } else { "CPU" }.into()),
-                        lora_name: None,
-                    };
-                    index.apply(engine, &event);
-                    reference.held.entry(engine).or_default().extend(&run);
+                    let medium = if rng.below(2) == 0 { "GPU" } else { "CPU" };
+                    index.apply(engine, &stored(&run, Some(medium)));
+                    let blocks = reference.held.entry(engine).or_default();
+                    for h in &run {
+                        blocks.insert(*h, State::Exact(Tier::from_medium(Some(medium))));
+                    }
                 }
                 6..=8 => {
-                    index.apply(engine, &KvEvent::BlockRemoved { block_hashes: hashes(&run), medium: None });
-                    if let Some(set) = reference.held.get_mut(&engine) {
+                    let block_hashes = run.iter().map(|&h| BlockHash::Int(h)).collect();
+                    index.apply(engine, &KvEvent::BlockRemoved { block_hashes, medium: None });
+                    if let Some(blocks) = reference.held.get_mut(&engine) {
                         for h in &run {
-                            set.remove(h);
+                            blocks.remove(h);
                         }
                     }
                 }
@@ -84,9 +370,9 @@ fn matches_the_reference_model() {
                 let start = rng.below(30);
                 (start..start + rng.below(12)).collect()
             };
-            assert_eq!(index.overlaps(&query, now), reference.overlaps(&query), "seed {seed}, query {query:?}");
+            assert_eq!(index.overlaps(&query, now), reference.overlaps(&query, 0), "seed {seed}, query {query:?}");
         }
-        let total: usize = reference.held.values().map(HashSet::len).sum();
+        let total: usize = reference.held.values().map(HashMap::len).sum();
         let indexed: usize = (0..6).map(|e| index.engine_blocks(e)).sum();
         assert_eq!(indexed, total, "seed {seed}");
         // Approximate entries never outlive their deadline.

@@ -39,7 +39,8 @@ async fn pairing_follows_real_kv_events() {
     let tokenizer = write_tokenizer(&dir);
     let tok = tokenizer.to_str().unwrap();
     let p0 = Sim::start("p0", &["--tokenizer", tok]).await;
-    let p1 = Sim::start("p1", &["--tokenizer", tok]).await;
+    // p1 publishes like older vLLM: events as tagged arrays, hashes as raw digests.
+    let p1 = Sim::start("p1", &["--tokenizer", tok, "--kv-events-layout", "array", "--kv-events-bytes-hashes"]).await;
     let d0 = Sim::start("d0", &["--tokenizer", tok]).await;
     let d1 = Sim::start("d1", &["--tokenizer", tok]).await;
     let coord = Coord::start(&["--tokenizer", tok]).await;
@@ -144,4 +145,36 @@ async fn restart_rebuilds_from_reregistration_and_replay() {
     println!("restarted coordinator rebuilt its index and paired by prefix {:?} after restart", restarted.elapsed());
     assert!(restarted.elapsed() < Duration::from_secs(5));
     assert!(coord.metric("pd_coordinator_kv_event_replayed_batches_total").await >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approximate_mode_remembers_routed_prompts() {
+    // No tokenizer, engines without events (nothing listens at their URLs; health off):
+    // prompt text is hashed in chunks and routed prefixes are remembered for a while.
+    let coord = Coord::start(&["--health-interval-ms", "0", "--speculative-ttl-ms", "100"]).await;
+    for (id, role) in [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")] {
+        let port = common::free_port();
+        let spec = json!({"id": id, "role": role, "node": "n", "model": MODEL,
+                          "engine_url": format!("http://127.0.0.1:{port}"), "block_size": 16});
+        coord.register(&spec).await;
+    }
+    let system = "You are a helpful assistant. ".repeat(40);
+    let first = format!("{system} Question one about something else entirely. {}", "x ".repeat(400));
+    let (_, d1) = coord.pair(&json!({"request_id": "a1", "model": MODEL, "prompt": first})).await;
+    assert_eq!(d1["reason"], "disaggregated", "{d1}");
+    for event in ["prefill_done", "decode_started", "finished"] {
+        coord.post("/v1/report", &json!({"request_id": "a1", "event": event})).await;
+    }
+    // Past the speculative TTL, a prompt sharing the long system text still finds the engines
+    // it was routed to.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // (a long distinct tail, so that the decode's cached share stays small: disaggregated)
+    let second = format!("{system} A different question. {}", "y ".repeat(2000));
+    let (_, d2) = coord.pair(&json!({"request_id": "a2", "model": MODEL, "prompt": second})).await;
+    assert_eq!(d2["prefill"]["id"], d1["prefill"]["id"], "{d2}");
+    assert_eq!(d2["decode"]["id"], d1["decode"]["id"], "{d2}");
+    for overlap in [&d2["prefill_overlap_blocks"], &d2["decode_overlap_blocks"]] {
+        let blocks = overlap.as_u64().unwrap();
+        assert!(blocks >= 15, "the shared system text ({} bytes) is ≥ 15 chunks of 64: {d2}", system.len());
+    }
 }
