@@ -306,10 +306,12 @@ struct CompareCmd {
     /// The vllm-router executable (PyPI `vllm-router`), for the vllm-router setup.
     #[arg(long)]
     vllm_router: Option<PathBuf>,
-    /// Its arguments; {port}, {prefills} (`--prefill URL` each) and {decodes} (`--decode URL` each) are substituted.
+    /// Its arguments; {port}, {metrics_port} (free ports), {prefills} (`--prefill URL` each) and
+    /// {decodes} (`--decode URL` each) are substituted. The default suits vllm-router 0.1.17.
     #[arg(
         long,
-        default_value = "--host 127.0.0.1 --port {port} --vllm-pd-disaggregation {prefills} {decodes} --policy round_robin"
+        default_value = "--host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {metrics_port} \
+                         --vllm-pd-disaggregation {prefills} {decodes} --policy round_robin"
     )]
     vllm_router_args: String,
     #[command(flatten)]
@@ -499,6 +501,7 @@ async fn prepare_setup(
         SetupKind::VllmRouter => {
             let bin = c.vllm_router.clone().context("the vllm-router setup needs --vllm-router PATH")?;
             let port = procs::free_port()?;
+            let metrics_port = procs::free_port()?;
             let prefills: Vec<String> = p.iter().flat_map(|u| ["--prefill".to_string(), u.clone()]).collect();
             let decodes: Vec<String> = d.iter().flat_map(|u| ["--decode".to_string(), u.clone()]).collect();
             let mut args = Vec::new();
@@ -506,7 +509,9 @@ async fn prepare_setup(
                 match a {
                     "{prefills}" => args.extend(prefills.iter().cloned()),
                     "{decodes}" => args.extend(decodes.iter().cloned()),
-                    _ => args.push(a.replace("{port}", &port.to_string())),
+                    _ => args.push(
+                        a.replace("{port}", &port.to_string()).replace("{metrics_port}", &metrics_port.to_string()),
+                    ),
                 }
             }
             let mut cmd = std::process::Command::new(&bin);

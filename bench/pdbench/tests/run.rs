@@ -196,3 +196,43 @@ fn compare_routing_runs_every_setup_on_the_same_workload() {
     }
     eprintln!("{stdout}");
 }
+
+/// vllm-router (PyPI) in P/D mode in front of the simulators, when `$PDBENCH_VLLM_ROUTER` names
+/// its executable (`pip install vllm-router`).
+#[test]
+fn compare_routing_with_vllm_router() {
+    let Ok(router) = std::env::var("PDBENCH_VLLM_ROUTER") else {
+        eprintln!("LOUD SKIP: PDBENCH_VLLM_ROUTER is not set (path to a vllm-router executable); test skipped");
+        return;
+    };
+    let dir = TempDir::new("vllm-router");
+    let json = dir.path("cmp.json");
+    let sim = sim_bin();
+    let (status, stdout, stderr) = run_pdbench(
+        &[
+            "compare-routing",
+            "--setups",
+            "pd-round-robin,vllm-router",
+            "--vllm-router",
+            &router,
+            "--sim-bin",
+            sim.to_str().unwrap(),
+            "--log-dir",
+            dir.0.to_str().unwrap(),
+            "--requests",
+            "40",
+            "--output-len",
+            "4",
+            "--no-progress",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(status.success(), "{status}\n{stdout}\n{stderr}");
+    let r = read_json(&json);
+    let router_row = &r["setups"][1];
+    assert_eq!(router_row["setup"], "VllmRouter");
+    assert_eq!(router_row["summary"]["ok"], 40, "{router_row}");
+    assert!(router_row["kv"]["bytes"].as_f64().unwrap() > 0.0, "vllm-router did no P/D handoff: {router_row}");
+}
