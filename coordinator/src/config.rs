@@ -178,6 +178,20 @@ impl Config {
         if self.heartbeat_ms >= self.lease_ms {
             return bad("heartbeat-ms must be shorter than lease-ms");
         }
+        // Instants plus these must not overflow.
+        let year_ms = 365 * 86_400_000;
+        let millis = [
+            self.lease_ms,
+            self.heartbeat_ms,
+            self.health_interval_ms,
+            self.health_timeout_ms,
+            self.tick_ms,
+            self.speculative_ttl_ms,
+            self.release_timeout_ms,
+        ];
+        if millis.iter().any(|&ms| ms > year_ms) {
+            return bad("times must be below a year");
+        }
         if self.health_failures == 0 || self.health_timeout_ms == 0 {
             return bad("health-failures and health-timeout-ms must be positive");
         }
@@ -193,8 +207,8 @@ impl Config {
             self.local_prefill_max_ratio,
             self.local_decode_slack,
         ];
-        if finite.iter().any(|v| !v.is_finite() || *v < 0.0 || *v > 1e9) {
-            return bad("weights and times must be finite, non-negative and below 1e9");
+        if finite.iter().any(|v| !v.is_finite() || *v < 0.0 || *v > 1e7) {
+            return bad("weights and times must be finite, non-negative and below 1e7");
         }
         self.store_url()?;
         Ok(())
@@ -322,6 +336,9 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(matches!(Config::from_args(args(&["--heartbeat-ms", "5000"])), Err(ConfigError::Invalid(_))));
         assert!(matches!(Config::from_args(args(&["--store", "redis://x"])), Err(ConfigError::Invalid(_))));
+        let huge = u64::MAX.to_string();
+        assert!(matches!(Config::from_args(args(&["--speculative-ttl-ms", &huge])), Err(ConfigError::Invalid(_))));
+        assert!(matches!(Config::from_args(args(&["--approx-ttl-secs", "inf"])), Err(ConfigError::Invalid(_))));
         let etcd = Config::from_args(args(&["--store", "etcd://a:1,b:2"])).unwrap();
         assert_eq!(etcd.store_url().unwrap(), StoreUrl::Etcd(vec!["http://a:1".into(), "http://b:2".into()]));
     }

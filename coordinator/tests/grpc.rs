@@ -37,6 +37,9 @@ async fn every_grpc_method_once() {
     bad.role = 0;
     assert_eq!(client.register(bad).await.unwrap_err().code(), Code::InvalidArgument);
 
+    // Absurd figures are accepted and clamped (they must not break the cost arithmetic).
+    let huge = Load { active_decode_blocks: Some(u64::MAX), queued_prefill_blocks: Some(u64::MAX), ..Load::default() };
+    client.heartbeat(HeartbeatRequest { engine: "p0".into(), load: Some(huge) }).await.unwrap();
     let load = Load { running: Some(2), active_decode_blocks: Some(10), ..Load::default() };
     let notices =
         client.heartbeat(HeartbeatRequest { engine: "d0".into(), load: Some(load) }).await.unwrap().into_inner();

@@ -21,6 +21,8 @@ const MAX_REQUEST_ID: usize = 512;
 /// Only a prompt's first blocks are hashed: prefixes longer than this are not worth telling
 /// apart, and hashing stays bounded (it runs on the request's thread).
 const MAX_HASHED_BLOCKS: usize = 16_384;
+/// Reported load is clamped so that cost arithmetic on it cannot overflow.
+const MAX_REPORTED_BLOCKS: u64 = 1 << 40;
 
 impl Coordinator {
     pub async fn register(self: &Arc<Self>, spec: EngineSpecJson) -> Result<Registration, ApiError> {
@@ -114,8 +116,8 @@ impl Coordinator {
                 inner.cluster.report_load(
                     engine,
                     Load {
-                        active_decode_blocks: load.active_decode_blocks.unwrap_or(0),
-                        queued_prefill_blocks: load.queued_prefill_blocks.unwrap_or(0),
+                        active_decode_blocks: load.active_decode_blocks.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
+                        queued_prefill_blocks: load.queued_prefill_blocks.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
                     },
                 );
             }
