@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, Semaphore};
 
 use crate::client::{Outcome, Target, Timeouts};
 use crate::stats::{Collector, Slo, Summary};
-use crate::workload::{generate, ChatState, WorkloadSpec};
+use crate::workload::{ChatState, Workload, WorkloadSpec};
 
 /// How conversations arrive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -79,9 +79,12 @@ pub fn http_client(concurrency: usize, connect_timeout: Duration) -> reqwest::Re
 /// Runs the workload to the end and returns its measurements.
 pub async fn run(target: Arc<Target>, spec: &WorkloadSpec, cfg: &RunConfig) -> anyhow::Result<RunResult> {
     let http = http_client(cfg.concurrency, Duration::from_secs(5))?;
-    let conversations = Arc::new(generate(spec));
+    let workload = Arc::new(Workload::new(spec));
     let total = spec.total_requests();
-    let offsets = arrival_offsets(conversations.len(), cfg.rate, cfg.arrival, spec.seed);
+    let offsets = arrival_offsets(workload.len(), cfg.rate, cfg.arrival, spec.seed);
+    // Without a rate the run is closed-loop: each of `concurrency` slots carries one conversation
+    // at a time, all its turns, so only that many conversations (and tasks) exist at once.
+    let closed_loop = cfg.rate.filter(|r| *r > 0.0 && r.is_finite()).is_none();
     let permits = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
     let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
     let bar = if cfg.progress && total > 0 {
@@ -99,23 +102,42 @@ pub async fn run(target: Arc<Target>, spec: &WorkloadSpec, cfg: &RunConfig) -> a
     let mut tasks = tokio::task::JoinSet::new();
     let cfg2 = cfg.clone();
     let launcher = {
-        let conversations = Arc::clone(&conversations);
+        let workload = Arc::clone(&workload);
         async move {
             for (i, off) in offsets.into_iter().enumerate() {
                 tokio::time::sleep_until(tokio::time::Instant::from_std(started + off)).await;
-                let (target, http, permits, tx, spec, convs, cfg) = (
+                let slot = if closed_loop {
+                    match Arc::clone(&permits).acquire_owned().await {
+                        Ok(p) => Some(p),
+                        Err(_) => break,
+                    }
+                } else {
+                    None
+                };
+                // Reap finished conversations as we go.
+                while tasks.try_join_next().is_some() {}
+                let (target, http, permits, tx, spec, workload, cfg) = (
                     Arc::clone(&target),
                     http.clone(),
                     Arc::clone(&permits),
                     tx.clone(),
                     Arc::clone(&spec),
-                    Arc::clone(&conversations),
+                    Arc::clone(&workload),
                     cfg2.clone(),
                 );
                 tasks.spawn(async move {
-                    let mut state = ChatState::new(&convs[i]);
+                    let conv = workload.conversation(i);
+                    let mut state = ChatState::new(&conv);
                     while let Some(req) = state.next_request(&spec) {
-                        let Ok(_permit) = permits.acquire().await else { return };
+                        // The conversation's slot (closed loop) or one permit per request.
+                        let _permit = if slot.is_some() {
+                            None
+                        } else {
+                            match permits.acquire().await {
+                                Ok(p) => Some(p),
+                                Err(_) => return,
+                            }
+                        };
                         let o = target.send(&http, &req, cfg.stream, cfg.timeouts).await;
                         let text = o.text.clone();
                         let failed = !o.ok();

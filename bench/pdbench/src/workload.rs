@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -161,7 +162,7 @@ pub struct Message {
 pub struct Conversation {
     pub id: usize,
     pub prefix_id: Option<usize>,
-    pub system: Option<String>,
+    pub system: Option<Arc<str>>,
     pub user_turns: Vec<String>,
     pub max_tokens: Vec<u64>,
 }
@@ -215,7 +216,7 @@ impl Request {
 
 impl<'a> ChatState<'a> {
     pub fn new(conv: &'a Conversation) -> Self {
-        let history = conv.system.iter().map(|s| Message { role: "system", content: s.clone() }).collect();
+        let history = conv.system.iter().map(|s| Message { role: "system", content: s.to_string() }).collect();
         ChatState { conv, history, turn: 0 }
     }
 
@@ -243,30 +244,60 @@ impl<'a> ChatState<'a> {
     }
 }
 
-/// The planned workload: every conversation, generated from the seed.
+/// The planned workload: conversations generated on demand from the seed (a run of millions of
+/// requests never holds them all), each a function of `(seed, id)` only.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    spec: WorkloadSpec,
+    systems: Vec<Arc<str>>,
+}
+
+impl Workload {
+    pub fn new(spec: &WorkloadSpec) -> Self {
+        // System prompts: distinct per prefix id, independent of everything else.
+        let systems = (0..spec.prefixes)
+            .map(|p| {
+                let mut prng = StdRng::seed_from_u64(spec.seed ^ (0x5eed_0000 + p as u64));
+                Arc::from(format!("system{p} {}", random_words(&mut prng, spec.prefix_len.saturating_sub(1))))
+            })
+            .collect();
+        Workload { spec: spec.clone(), systems }
+    }
+
+    pub fn spec(&self) -> &WorkloadSpec {
+        &self.spec
+    }
+
+    pub fn len(&self) -> usize {
+        self.spec.conversations
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.spec.conversations == 0
+    }
+
+    /// Conversation `id`.
+    pub fn conversation(&self, id: usize) -> Conversation {
+        let spec = &self.spec;
+        let mut rng =
+            StdRng::seed_from_u64(spec.seed.rotate_left(17) ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let prefix_id = (spec.prefixes > 0).then(|| id % spec.prefixes);
+        let user_turns = (0..spec.turns)
+            .map(|t| {
+                let n = spec.prompt_len.sample(&mut rng) as usize;
+                // A unique leading word so distinct conversations never share the user part.
+                format!("c{id}t{t} {}", random_words(&mut rng, n.saturating_sub(1)))
+            })
+            .collect();
+        let max_tokens = (0..spec.turns).map(|_| spec.output_len.sample(&mut rng)).collect();
+        Conversation { id, prefix_id, system: prefix_id.map(|p| Arc::clone(&self.systems[p])), user_turns, max_tokens }
+    }
+}
+
+/// Every conversation at once (small workloads, tests).
 pub fn generate(spec: &WorkloadSpec) -> Vec<Conversation> {
-    let mut rng = StdRng::seed_from_u64(spec.seed);
-    // System prompts: distinct per prefix id, generated first so they do not depend on the rest.
-    let systems: Vec<String> = (0..spec.prefixes)
-        .map(|p| {
-            let mut prng = StdRng::seed_from_u64(spec.seed ^ (0x5eed_0000 + p as u64));
-            format!("system{p} {}", random_words(&mut prng, spec.prefix_len.saturating_sub(1)))
-        })
-        .collect();
-    (0..spec.conversations)
-        .map(|id| {
-            let prefix_id = (spec.prefixes > 0).then(|| id % spec.prefixes);
-            let user_turns = (0..spec.turns)
-                .map(|t| {
-                    let n = spec.prompt_len.sample(&mut rng) as usize;
-                    // A unique leading word so distinct conversations never share the user part.
-                    format!("c{id}t{t} {}", random_words(&mut rng, n.saturating_sub(1)))
-                })
-                .collect();
-            let max_tokens = (0..spec.turns).map(|_| spec.output_len.sample(&mut rng)).collect();
-            Conversation { id, prefix_id, system: prefix_id.map(|p| systems[p].clone()), user_turns, max_tokens }
-        })
-        .collect()
+    let w = Workload::new(spec);
+    (0..w.len()).map(|i| w.conversation(i)).collect()
 }
 
 #[cfg(test)]
@@ -370,6 +401,9 @@ mod tests {
         let c = Request { api: Api::Completions, ..r };
         let b = c.body(false);
         assert!(b["prompt"].as_str().unwrap().starts_with("system0 "));
+        // Lazily generated conversations equal the eager ones.
+        let w = Workload::new(&s);
+        assert_eq!(w.conversation(5), convs[5]);
         assert_eq!(b["stream"], false);
         assert!(b.get("stream_options").is_none());
         assert_eq!(Api::Chat.path(), "/v1/chat/completions");
