@@ -158,10 +158,15 @@ async fn approximate_mode_remembers_routed_prompts() {
                           "engine_url": format!("http://127.0.0.1:{port}"), "block_size": 16});
         coord.register(&spec).await;
     }
+    // d0's sidecar reports a busy engine (request counts only, as it scrapes vLLM's metrics).
+    let busy = json!({"load": {"running": 40, "waiting": 12, "kv_usage": 0.9}});
+    let (status, _) = coord.post("/v1/engines/d0/heartbeat", &busy).await;
+    assert_eq!(status, 200);
     let system = "You are a helpful assistant. ".repeat(40);
     let first = format!("{system} Question one about something else entirely. {}", "x ".repeat(400));
     let (_, d1) = coord.pair(&json!({"request_id": "a1", "model": MODEL, "prompt": first})).await;
     assert_eq!(d1["reason"], "disaggregated", "{d1}");
+    assert_eq!(d1["decode"]["id"], "d1", "the busy decode is avoided: {d1}");
     for event in ["prefill_done", "decode_started", "finished"] {
         coord.post("/v1/report", &json!({"request_id": "a1", "event": event})).await;
     }

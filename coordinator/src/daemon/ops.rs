@@ -112,12 +112,24 @@ impl Coordinator {
         let engine = inner.cluster.membership.heartbeat(id, now).map_err(|_| unknown())?;
         inc(&self.metrics.heartbeats);
         if let Some(load) = load {
-            if load.active_decode_blocks.is_some() || load.queued_prefill_blocks.is_some() {
+            // Block figures when given; else estimates from KV usage × capacity, or from
+            // request counts × the average prompt.
+            let per_request = inner.avg_prompt_blocks.max(1.0);
+            let capacity = inner.cluster.membership.get(engine).and_then(|e| e.spec.capacity_blocks);
+            let estimate = |requests: Option<u64>| requests.map(|n| (n as f64 * per_request) as u64);
+            let active = load.active_decode_blocks.or_else(|| match (load.kv_usage, capacity) {
+                (Some(usage), Some(capacity)) if usage.is_finite() => {
+                    Some((usage.clamp(0.0, 1.0) * capacity as f64) as u64)
+                }
+                _ => estimate(load.running),
+            });
+            let queued = load.queued_prefill_blocks.or_else(|| estimate(load.waiting));
+            if active.is_some() || queued.is_some() {
                 inner.cluster.report_load(
                     engine,
                     Load {
-                        active_decode_blocks: load.active_decode_blocks.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
-                        queued_prefill_blocks: load.queued_prefill_blocks.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
+                        active_decode_blocks: active.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
+                        queued_prefill_blocks: queued.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
                     },
                 );
             }
@@ -238,6 +250,9 @@ impl Coordinator {
         let uniform = [rand::random::<f64>(), rand::random::<f64>()];
         let now = Instant::now();
         let mut inner = self.inner.lock();
+        if !hashes.is_empty() {
+            inner.avg_prompt_blocks = 0.95 * inner.avg_prompt_blocks + 0.05 * hashes.len() as f64;
+        }
         let prefer = req
             .local_engine
             .as_deref()

@@ -92,6 +92,9 @@ pub(crate) struct Inner {
     pub(super) params: HashMap<String, HeldParams>,
     pub(super) pending: HashMap<String, Vec<(ReleaseNotice, Instant)>>,
     pub(super) last_upkeep: Instant,
+    /// Moving average of pair requests' prompt blocks: turns reported request counts into
+    /// block estimates.
+    pub(super) avg_prompt_blocks: f64,
 }
 
 /// Everything the tasks and API edges share.
@@ -149,6 +152,7 @@ impl Coordinator {
                 params: HashMap::new(),
                 pending: HashMap::new(),
                 last_upkeep: Instant::now(),
+                avg_prompt_blocks: 16.0,
             }),
             config,
             metrics: Metrics::default(),
