@@ -505,6 +505,10 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
             "the prefill still holds blocks 30 s after the client left ({KV_USAGE} {baseline} -> {held} -> {after})"
         );
         assert!(took < Duration::from_secs(10), "freeing the prefill's blocks took {took:?}, not well before 30 s");
+        // The sidecar saw the client leave and freed the held blocks itself (a discarded
+        // one-token decode with the prefill's params), rather than waiting for the lease.
+        assert!(cancelled_after > cancelled_before, "the sidecar did not count the request as cancelled");
+        assert!(releases_after > releases_before, "the sidecar released nothing");
         assert!(c.sidecar_alive(), "the sidecar died");
     });
 }
