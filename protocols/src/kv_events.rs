@@ -8,6 +8,8 @@
 
 use rmpv::Value;
 
+mod stream;
+
 /// A block hash as an event carries it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum BlockHash {
@@ -87,139 +89,15 @@ fn shape(what: impl Into<String>) -> DecodeError {
     DecodeError::Shape(what.into())
 }
 
+/// Decodes one PUB message's payload (every form above). Never panics on untrusted bytes.
 pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
-    let mut reader = bytes;
-    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
-        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    if !reader.is_empty() {
-        return Err(shape(format!("{} trailing bytes after the batch", reader.len())));
-    }
-    let (ts, events, rank) = match &value {
-        Value::Array(items) if (2..=3).contains(&items.len()) => (&items[0], &items[1], items.get(2)),
-        Value::Map(_) => (
-            field(&value, "ts").ok_or_else(|| shape("batch map without ts"))?,
-            field(&value, "events").ok_or_else(|| shape("batch map without events"))?,
-            field(&value, "data_parallel_rank"),
-        ),
-        other => return Err(shape(format!("batch is {}", kind_of(other)))),
-    };
-    let ts = ts.as_f64().or_else(|| ts.as_i64().map(|v| v as f64)).ok_or_else(|| shape("ts is not a number"))?;
-    let events = events.as_array().ok_or_else(|| shape("events is not an array"))?;
-    let dp_rank = match rank {
-        None | Some(Value::Nil) => None,
-        Some(v) => Some(v.as_i64().ok_or_else(|| shape("data_parallel_rank is not an integer"))?),
-    };
-    let events = events.iter().map(decode_event).collect::<Result<_, _>>()?;
-    Ok(EventBatch { ts, events, dp_rank })
+    stream::decode_batch(bytes)
 }
 
-fn kind_of(value: &Value) -> &'static str {
-    match value {
-        Value::Nil => "nil",
-        Value::Boolean(_) => "a boolean",
-        Value::Integer(_) => "an integer",
-        Value::F32(_) | Value::F64(_) => "a float",
-        Value::String(_) => "a string",
-        Value::Binary(_) => "binary",
-        Value::Array(_) => "an array",
-        Value::Map(_) => "a map",
-        Value::Ext(..) => "an extension",
-    }
-}
-
-fn field<'a>(map: &'a Value, key: &str) -> Option<&'a Value> {
-    map.as_map()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
-}
-
-/// Field accessor over either layout: by name in a map, by position in a legacy array.
-struct Fields<'a> {
-    value: &'a Value,
-    names: &'static [&'static str],
-}
-
-impl<'a> Fields<'a> {
-    fn get(&self, name: &str) -> Option<&'a Value> {
-        let found = match self.value {
-            Value::Map(_) => field(self.value, name),
-            Value::Array(items) => {
-                let index = self.names.iter().position(|n| *n == name)?;
-                items.get(index + 1)
-            }
-            _ => None,
-        };
-        found.filter(|v| !v.is_nil())
-    }
-}
-
+/// Legacy event arrays: the fields after the tag, in order.
 const STORED: &[&str] =
     &["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"];
 const REMOVED: &[&str] = &["block_hashes", "medium"];
-
-fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
-    let tag = match value {
-        Value::Map(_) => field(value, "type").and_then(Value::as_str),
-        Value::Array(items) => items.first().and_then(Value::as_str),
-        _ => None,
-    }
-    .ok_or_else(|| shape(format!("event is {} without a type tag", kind_of(value))))?;
-    match tag {
-        "BlockStored" => {
-            let f = Fields { value, names: STORED };
-            let token_ids = match f.get("token_ids") {
-                None => Vec::new(),
-                Some(v) => v
-                    .as_array()
-                    .ok_or_else(|| shape("token_ids is not an array"))?
-                    .iter()
-                    .map(|t| {
-                        t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| shape("token id out of range"))
-                    })
-                    .collect::<Result<_, _>>()?,
-            };
-            Ok(KvEvent::BlockStored {
-                block_hashes: hashes(f.get("block_hashes"))?,
-                parent_block_hash: f.get("parent_block_hash").map(hash).transpose()?,
-                token_ids,
-                block_size: f
-                    .get("block_size")
-                    .and_then(Value::as_u64)
-                    .and_then(|v| u32::try_from(v).ok())
-                    .ok_or_else(|| shape("block_size missing or invalid"))?,
-                lora_id: f.get("lora_id").and_then(Value::as_i64),
-                medium: f.get("medium").and_then(Value::as_str).map(str::to_owned),
-                lora_name: f.get("lora_name").and_then(Value::as_str).map(str::to_owned),
-            })
-        }
-        "BlockRemoved" => {
-            let f = Fields { value, names: REMOVED };
-            Ok(KvEvent::BlockRemoved {
-                block_hashes: hashes(f.get("block_hashes"))?,
-                medium: f.get("medium").and_then(Value::as_str).map(str::to_owned),
-            })
-        }
-        "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
-        other => Ok(KvEvent::Other { kind: other.to_string() }),
-    }
-}
-
-fn hashes(value: Option<&Value>) -> Result<Vec<BlockHash>, DecodeError> {
-    match value {
-        None => Ok(Vec::new()),
-        Some(v) => v.as_array().ok_or_else(|| shape("block_hashes is not an array"))?.iter().map(hash).collect(),
-    }
-}
-
-fn hash(value: &Value) -> Result<BlockHash, DecodeError> {
-    match value {
-        Value::Integer(i) => i
-            .as_u64()
-            .or_else(|| i.as_i64().map(|v| v as u64))
-            .map(BlockHash::Int)
-            .ok_or_else(|| shape("block hash out of range")),
-        Value::Binary(bytes) => Ok(BlockHash::Bytes(bytes.clone())),
-        other => Err(shape(format!("block hash is {}", kind_of(other)))),
-    }
-}
 
 fn hash_value(hash: &BlockHash) -> Value {
     match hash {
@@ -280,6 +158,142 @@ pub fn encode_batch(batch: &EventBatch, format: EventFormat) -> Vec<u8> {
     let mut out = Vec::new();
     rmpv::encode::write_value(&mut out, &value).expect("writing to a Vec cannot fail");
     out
+}
+
+/// The value-tree decoder `decode_batch` replaced, kept as the reference it is tested against.
+#[cfg(test)]
+mod reference {
+    use super::*;
+
+    pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
+        let mut reader = bytes;
+        let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
+            .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+        if !reader.is_empty() {
+            return Err(shape(format!("{} trailing bytes after the batch", reader.len())));
+        }
+        let (ts, events, rank) = match &value {
+            Value::Array(items) if (2..=3).contains(&items.len()) => (&items[0], &items[1], items.get(2)),
+            Value::Map(_) => (
+                field(&value, "ts").ok_or_else(|| shape("batch map without ts"))?,
+                field(&value, "events").ok_or_else(|| shape("batch map without events"))?,
+                field(&value, "data_parallel_rank"),
+            ),
+            other => return Err(shape(format!("batch is {}", kind_of(other)))),
+        };
+        let ts = ts.as_f64().or_else(|| ts.as_i64().map(|v| v as f64)).ok_or_else(|| shape("ts is not a number"))?;
+        let events = events.as_array().ok_or_else(|| shape("events is not an array"))?;
+        let dp_rank = match rank {
+            None | Some(Value::Nil) => None,
+            Some(v) => Some(v.as_i64().ok_or_else(|| shape("data_parallel_rank is not an integer"))?),
+        };
+        let events = events.iter().map(decode_event).collect::<Result<_, _>>()?;
+        Ok(EventBatch { ts, events, dp_rank })
+    }
+
+    fn kind_of(value: &Value) -> &'static str {
+        match value {
+            Value::Nil => "nil",
+            Value::Boolean(_) => "a boolean",
+            Value::Integer(_) => "an integer",
+            Value::F32(_) | Value::F64(_) => "a float",
+            Value::String(_) => "a string",
+            Value::Binary(_) => "binary",
+            Value::Array(_) => "an array",
+            Value::Map(_) => "a map",
+            Value::Ext(..) => "an extension",
+        }
+    }
+
+    fn field<'a>(map: &'a Value, key: &str) -> Option<&'a Value> {
+        map.as_map()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
+    }
+
+    /// Field accessor over either layout: by name in a map, by position in a legacy array.
+    struct Fields<'a> {
+        value: &'a Value,
+        names: &'static [&'static str],
+    }
+
+    impl<'a> Fields<'a> {
+        fn get(&self, name: &str) -> Option<&'a Value> {
+            let found = match self.value {
+                Value::Map(_) => field(self.value, name),
+                Value::Array(items) => {
+                    let index = self.names.iter().position(|n| *n == name)?;
+                    items.get(index + 1)
+                }
+                _ => None,
+            };
+            found.filter(|v| !v.is_nil())
+        }
+    }
+
+    fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
+        let tag = match value {
+            Value::Map(_) => field(value, "type").and_then(Value::as_str),
+            Value::Array(items) => items.first().and_then(Value::as_str),
+            _ => None,
+        }
+        .ok_or_else(|| shape(format!("event is {} without a type tag", kind_of(value))))?;
+        match tag {
+            "BlockStored" => {
+                let f = Fields { value, names: STORED };
+                let token_ids = match f.get("token_ids") {
+                    None => Vec::new(),
+                    Some(v) => v
+                        .as_array()
+                        .ok_or_else(|| shape("token_ids is not an array"))?
+                        .iter()
+                        .map(|t| {
+                            t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| shape("token id out of range"))
+                        })
+                        .collect::<Result<_, _>>()?,
+                };
+                Ok(KvEvent::BlockStored {
+                    block_hashes: hashes(f.get("block_hashes"))?,
+                    parent_block_hash: f.get("parent_block_hash").map(hash).transpose()?,
+                    token_ids,
+                    block_size: f
+                        .get("block_size")
+                        .and_then(Value::as_u64)
+                        .and_then(|v| u32::try_from(v).ok())
+                        .ok_or_else(|| shape("block_size missing or invalid"))?,
+                    lora_id: f.get("lora_id").and_then(Value::as_i64),
+                    medium: f.get("medium").and_then(Value::as_str).map(str::to_owned),
+                    lora_name: f.get("lora_name").and_then(Value::as_str).map(str::to_owned),
+                })
+            }
+            "BlockRemoved" => {
+                let f = Fields { value, names: REMOVED };
+                Ok(KvEvent::BlockRemoved {
+                    block_hashes: hashes(f.get("block_hashes"))?,
+                    medium: f.get("medium").and_then(Value::as_str).map(str::to_owned),
+                })
+            }
+            "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+            other => Ok(KvEvent::Other { kind: other.to_string() }),
+        }
+    }
+
+    fn hashes(value: Option<&Value>) -> Result<Vec<BlockHash>, DecodeError> {
+        match value {
+            None => Ok(Vec::new()),
+            Some(v) => v.as_array().ok_or_else(|| shape("block_hashes is not an array"))?.iter().map(hash).collect(),
+        }
+    }
+
+    fn hash(value: &Value) -> Result<BlockHash, DecodeError> {
+        match value {
+            Value::Integer(i) => i
+                .as_u64()
+                .or_else(|| i.as_i64().map(|v| v as u64))
+                .map(BlockHash::Int)
+                .ok_or_else(|| shape("block hash out of range")),
+            Value::Binary(bytes) => Ok(BlockHash::Bytes(bytes.clone())),
+            other => Err(shape(format!("block hash is {}", kind_of(other)))),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -370,6 +384,171 @@ mod tests {
             bytes[at] = (state >> 32) as u8;
             bytes.truncate(bytes.len() - (i % 3));
             let _ = decode_batch(&bytes);
+        }
+    }
+
+    /// Same answer as the value-tree decoder: equal batches, equal shape errors, msgpack errors
+    /// for the same inputs.
+    fn same_as_reference(bytes: &[u8]) {
+        match (decode_batch(bytes), reference::decode_batch(bytes)) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "{bytes:02x?}"),
+            (Err(DecodeError::Shape(a)), Err(DecodeError::Shape(b))) => assert_eq!(a, b, "{bytes:02x?}"),
+            (Err(DecodeError::Msgpack(_)), Err(DecodeError::Msgpack(_))) => {}
+            (a, b) => panic!("{a:?} but the reference says {b:?} for {bytes:02x?}"),
+        }
+    }
+
+    struct Gen(u64);
+
+    impl Gen {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+
+        /// Any scalar or small container, `depth` levels deep at most.
+        fn any(&mut self, depth: u32) -> Value {
+            match self.below(if depth == 0 { 9 } else { 11 }) {
+                0 => Value::Nil,
+                1 => Value::Boolean(self.below(2) == 0),
+                2 => Value::from(self.next() >> self.below(64)),
+                3 => Value::from(-((self.next() >> (1 + self.below(63))) as i64)),
+                4 => Value::F32(self.below(1000) as f32 / 3.0),
+                5 => Value::F64(self.next() as f64),
+                6 => Value::from(["GPU", "CPU", "BlockStored", "type", "x"][self.below(5) as usize]),
+                7 => Value::Binary((0..self.below(40)).map(|i| i as u8).collect()),
+                8 => Value::Ext(3, vec![1, 2, 3]),
+                9 => Value::Array((0..self.below(4)).map(|_| self.any(depth - 1)).collect()),
+                _ => Value::Map((0..self.below(3)).map(|_| (self.any(depth - 1), self.any(depth - 1))).collect()),
+            }
+        }
+
+        /// A field value: usually the right type, sometimes anything.
+        fn field(&mut self, name: &str) -> Value {
+            if self.below(8) == 0 {
+                return self.any(2);
+            }
+            match name {
+                "type" => {
+                    Value::from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"][self.below(4) as usize])
+                }
+                "block_hashes" => Value::Array((0..self.below(6)).map(|_| self.hash()).collect()),
+                "parent_block_hash" => self.hash(),
+                "token_ids" => Value::Array(
+                    (0..self.below(40)).map(|_| Value::from(self.next() >> (24 + self.below(40)))).collect(),
+                ),
+                "block_size" => Value::from(self.next() >> (28 + self.below(36))),
+                "medium" | "lora_name" => Value::from(["GPU", "cpu", "Disk"][self.below(3) as usize]),
+                _ => Value::from(self.next() as i64 >> self.below(64)),
+            }
+        }
+
+        fn hash(&mut self) -> Value {
+            match self.below(3) {
+                0 => Value::from(self.next()),
+                1 => Value::from(-((self.next() >> 1) as i64)),
+                _ => Value::Binary((0..self.below(33)).map(|i| i as u8).collect()),
+            }
+        }
+
+        fn event(&mut self) -> Value {
+            const NAMES: [&str; 10] = [
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+                "locality",
+                "group_idx",
+            ];
+            if self.below(3) == 0 {
+                // Legacy array: the tag, then fields in order, maybe cut short or nil.
+                let tag = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "Unknown"][self.below(4) as usize];
+                let names = if tag == "BlockRemoved" { REMOVED } else { STORED };
+                let mut items = vec![if self.below(10) == 0 { self.any(1) } else { Value::from(tag) }];
+                for name in names.iter().take(self.below(names.len() as u64 + 2) as usize) {
+                    items.push(if self.below(6) == 0 { Value::Nil } else { self.field(name) });
+                }
+                return Value::Array(items);
+            }
+            let mut pairs = Vec::new();
+            for _ in 0..self.below(12) {
+                let name = NAMES[self.below(NAMES.len() as u64) as usize];
+                let key = if self.below(20) == 0 { self.any(1) } else { Value::from(name) };
+                let value = if self.below(8) == 0 { Value::Nil } else { self.field(name) };
+                pairs.push((key, value));
+            }
+            if self.below(5) != 0 {
+                let at = self.below(pairs.len() as u64 + 1) as usize;
+                pairs.insert(at, (Value::from("type"), self.field("type")));
+            }
+            Value::Map(pairs)
+        }
+
+        fn batch(&mut self) -> Value {
+            let events = Value::Array((0..self.below(5)).map(|_| self.event()).collect());
+            let ts = if self.below(10) == 0 { self.any(1) } else { Value::F64(1.7e9) };
+            let rank = if self.below(3) == 0 { self.any(1) } else { Value::from(self.below(4)) };
+            match self.below(10) {
+                0 => Value::Map(vec![
+                    (Value::from("events"), events),
+                    (Value::from("ts"), ts),
+                    (Value::from("data_parallel_rank"), rank),
+                    (Value::from("extra"), self.any(2)),
+                ]),
+                1 => Value::Array(vec![ts, events]),
+                2 => self.any(3),
+                _ => Value::Array(vec![ts, events, rank]),
+            }
+        }
+    }
+
+    #[test]
+    fn decodes_exactly_like_the_value_tree_decoder() {
+        let mut gen = Gen(0x9e37_79b9_7f4a_7c15);
+        for _ in 0..20_000 {
+            let bytes = pack(gen.batch());
+            same_as_reference(&bytes);
+            // And the same bytes damaged: a byte changed, cut short, or extended.
+            let mut damaged = bytes.clone();
+            let at = gen.below(damaged.len() as u64) as usize;
+            damaged[at] = gen.next() as u8;
+            same_as_reference(&damaged);
+            same_as_reference(&bytes[..gen.below(bytes.len() as u64) as usize]);
+            damaged.push(0xc0);
+            same_as_reference(&damaged);
+        }
+        for form in [EventFormat::TaggedMap, EventFormat::LegacyArray] {
+            same_as_reference(&encode_batch(&batch(), form));
+        }
+    }
+
+    /// Nesting around the depth limit, in every kind of container and leaf, fails or passes as
+    /// it did.
+    #[test]
+    fn depth_limit_as_before() {
+        let leaves = [Value::Nil, Value::from(7), Value::from("s"), Value::Binary(vec![1]), Value::Ext(1, vec![2])];
+        for leaf in leaves {
+            for depth in 0..12 {
+                for in_map in [false, true] {
+                    let mut v = leaf.clone();
+                    for _ in 0..depth {
+                        v = if in_map { Value::Map(vec![(Value::from("k"), v)]) } else { Value::Array(vec![v]) };
+                    }
+                    let event =
+                        Value::Map(vec![(Value::from("type"), Value::from("AllBlocksCleared")), (Value::from("x"), v)]);
+                    same_as_reference(&pack(Value::Array(vec![Value::F64(1.0), Value::Array(vec![event])])));
+                }
+            }
         }
     }
 }
