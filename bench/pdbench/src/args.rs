@@ -1,0 +1,389 @@
+//! The command line: subcommands and their flag groups.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use pdbench::client::Timeouts;
+use pdbench::cluster::SimOptions;
+use pdbench::daemons::DaemonOptions;
+use pdbench::procs;
+use pdbench::runner::{Arrival, RunConfig};
+use pdbench::stats::Slo;
+use pdbench::workload::{Api, Dist, WorkloadSpec};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "pdbench",
+    version,
+    about = "Load generator and local cluster launcher for prefill/decode LLM serving"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Drive a workload against running endpoints and report TTFT, ITL, end-to-end latency,
+    /// throughput, goodput and errors.
+    Run(RunCmd),
+    /// Start a simulator cluster and run the same shared-prefix workload through several routing
+    /// setups; print mean TTFT side by side.
+    CompareRouting(CompareCmd),
+    /// Start a complete local P/D cluster (2 prefill + 2 decode engines), drive a sample workload
+    /// and print a report; Ctrl-C stops everything.
+    Cluster(ClusterCmd),
+}
+
+/// What requests to send.
+#[derive(Debug, Clone, Args)]
+pub struct WorkloadArgs {
+    /// Requests in all (conversations × turns; rounded up to whole conversations).
+    #[arg(long, default_value_t = 100)]
+    pub requests: usize,
+    /// Turns per conversation; each turn resends the history with the previous answers.
+    #[arg(long, default_value_t = 1)]
+    pub turns: usize,
+    /// New user-message length per turn, tokens (words): N, uniform:LO:HI or normal:MEAN:STD.
+    #[arg(long, default_value = "uniform:32:128")]
+    pub prompt_len: Dist,
+    /// max_tokens per request: N, uniform:LO:HI or normal:MEAN:STD.
+    #[arg(long, default_value = "32")]
+    pub output_len: Dist,
+    /// Distinct shared system prompts (0: none); conversation i uses prompt i mod N.
+    #[arg(long, default_value_t = 4)]
+    pub prefixes: usize,
+    /// Length of each shared system prompt, tokens (words).
+    #[arg(long, default_value_t = 256)]
+    pub prefix_len: usize,
+    /// Endpoint: /v1/completions or /v1/chat/completions.
+    #[arg(long, value_enum, default_value = "completions")]
+    pub api: Api,
+    /// `model` field of each request (omitted when not given).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Seed of the workload (prompts, lengths, Poisson arrivals).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+impl WorkloadArgs {
+    pub fn spec(&self) -> anyhow::Result<WorkloadSpec> {
+        anyhow::ensure!(self.turns >= 1, "--turns must be at least 1");
+        Ok(WorkloadSpec {
+            conversations: self.requests.div_ceil(self.turns),
+            turns: self.turns,
+            prompt_len: self.prompt_len,
+            output_len: self.output_len,
+            prefixes: self.prefixes,
+            prefix_len: self.prefix_len,
+            api: self.api,
+            model: self.model.clone(),
+            seed: self.seed,
+        })
+    }
+}
+
+/// How to send them.
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    /// Conversations started per second (default: as fast as --concurrency allows).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Arrival process when --rate is given.
+    #[arg(long, value_enum, default_value = "poisson")]
+    pub arrival: Arrival,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Non-streaming requests (TTFT is then the whole request; no ITL).
+    #[arg(long)]
+    pub no_stream: bool,
+    /// Whole-request timeout, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout_secs: f64,
+    /// Longest silence inside a stream, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub idle_timeout_secs: f64,
+    /// TTFT SLO for goodput, milliseconds.
+    #[arg(long)]
+    pub slo_ttft_ms: Option<f64>,
+    /// Mean inter-token latency SLO for goodput, milliseconds.
+    #[arg(long)]
+    pub slo_itl_ms: Option<f64>,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl LoadArgs {
+    pub fn config(&self) -> RunConfig {
+        RunConfig {
+            rate: self.rate,
+            arrival: self.arrival,
+            concurrency: self.concurrency.max(1),
+            stream: !self.no_stream,
+            timeouts: Timeouts {
+                request: Duration::from_secs_f64(self.timeout_secs.max(0.001)),
+                idle: Duration::from_secs_f64(self.idle_timeout_secs.max(0.001)),
+            },
+            slo: Slo { ttft_ms: self.slo_ttft_ms, itl_ms: self.slo_itl_ms },
+            progress: !self.no_progress,
+        }
+    }
+}
+
+/// Where results go.
+#[derive(Debug, Clone, Args)]
+pub struct OutputArgs {
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write plots PREFIX-cdf.{svg,png} (TTFT and end-to-end CDF) and PREFIX-ttft-hist.{svg,png}.
+    #[arg(long, value_name = "PREFIX")]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunCmd {
+    /// Base URL of an endpoint (sidecar, router, coordinator entry point, bare engine); repeat
+    /// for round-robin over several.
+    #[arg(long, required_unless_present = "prefill_url")]
+    pub url: Vec<String>,
+    /// pdbench itself does the P/D handoff: prefill call to one of these, then the decode call to
+    /// one of --decode-url with the returned kv_transfer_params.
+    #[arg(long, requires = "decode_url", conflicts_with = "url")]
+    pub prefill_url: Vec<String>,
+    #[arg(long, requires = "prefill_url")]
+    pub decode_url: Vec<String>,
+    /// With --prefill-url: pick the prefill by shared-prefix id instead of in turn.
+    #[arg(long)]
+    pub prefix_affinity: bool,
+    /// With --prefill-url: prompts shorter than this many words go to the decode alone.
+    #[arg(long, default_value_t = 0)]
+    pub local_below: usize,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// Starting simulated engines.
+#[derive(Debug, Clone, Args)]
+pub struct SimArgs {
+    /// The pd-sim binary (default: next to pdbench, else $PATH).
+    #[arg(long)]
+    pub sim_bin: Option<PathBuf>,
+    /// Simulated prefill time per uncached prompt token, microseconds.
+    #[arg(long)]
+    pub prefill_us_per_token: Option<u64>,
+    /// Simulated decode time per output token, microseconds.
+    #[arg(long)]
+    pub decode_us_per_token: Option<u64>,
+    /// Extra flag for every pd-sim (repeat; e.g. --sim-arg=--num-blocks=8192).
+    #[arg(long, allow_hyphen_values = true)]
+    pub sim_arg: Vec<String>,
+    /// Directory for the children's logs (default: a fresh one under the temp dir).
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// Seconds each child gets to answer /health.
+    #[arg(long, default_value_t = 30)]
+    pub startup_timeout_secs: u64,
+}
+
+impl SimArgs {
+    pub fn options(
+        &self,
+        prefill_default: u64,
+        decode_default: u64,
+        kv_events: bool,
+        shm_dir: Option<PathBuf>,
+    ) -> SimOptions {
+        SimOptions {
+            bin: self.sim_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-sim")),
+            args: self.sim_arg.clone(),
+            prefill_us_per_token: self.prefill_us_per_token.unwrap_or(prefill_default),
+            decode_us_per_token: self.decode_us_per_token.unwrap_or(decode_default),
+            kv_events,
+            shm_dir,
+            startup_timeout: Duration::from_secs(self.startup_timeout_secs),
+        }
+    }
+
+    pub fn log_dir(&self, what: &str) -> anyhow::Result<PathBuf> {
+        let dir = match &self.log_dir {
+            Some(d) => d.clone(),
+            None => std::env::temp_dir().join(format!("pdbench-{what}-{}", std::process::id())),
+        };
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(dir)
+    }
+}
+
+/// Starting the suite's daemons.
+#[derive(Debug, Clone, Args)]
+pub struct DaemonArgs {
+    /// The pd-coordinator binary (default: next to pdbench, else $PATH).
+    #[arg(long)]
+    pub coordinator_bin: Option<PathBuf>,
+    /// The pd-sidecar binary (default: next to pdbench, else $PATH).
+    #[arg(long)]
+    pub sidecar_bin: Option<PathBuf>,
+    /// Extra flag for pd-coordinator (repeat; e.g. --coordinator-arg=--local-prefill-max-tokens=0).
+    #[arg(long, allow_hyphen_values = true)]
+    pub coordinator_arg: Vec<String>,
+    /// Extra flag for every pd-sidecar (repeat).
+    #[arg(long, allow_hyphen_values = true)]
+    pub sidecar_arg: Vec<String>,
+}
+
+impl DaemonArgs {
+    pub fn bins(&self) -> (PathBuf, PathBuf) {
+        (
+            self.coordinator_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-coordinator")),
+            self.sidecar_bin.clone().unwrap_or_else(|| procs::sibling_binary("pd-sidecar")),
+        )
+    }
+
+    pub fn usable(&self) -> bool {
+        let (c, s) = self.bins();
+        usable_daemon(&c) && usable_daemon(&s)
+    }
+
+    pub fn options(&self, model: Option<&str>, startup_timeout_secs: u64) -> DaemonOptions {
+        let (coordinator_bin, sidecar_bin) = self.bins();
+        DaemonOptions {
+            coordinator_bin,
+            sidecar_bin,
+            model: model.unwrap_or("sim-model").to_string(),
+            startup_timeout: Duration::from_secs(startup_timeout_secs),
+            coordinator_args: self.coordinator_arg.clone(),
+            sidecar_args: self.sidecar_arg.clone(),
+            sidecar_mode: "vllm".into(),
+        }
+    }
+}
+
+/// Routing setups compare-routing knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SetupKind {
+    /// Every engine serves whole requests, chosen in turn (no disaggregation).
+    RoundRobin,
+    /// P/D driven by pdbench: prefill and decode engines each chosen in turn.
+    PdRoundRobin,
+    /// P/D driven by pdbench: the prefill chosen by the request's shared-prefix id (the engine
+    /// that already cached it), decode in turn — a stand-in for KV-aware pairing.
+    PdPrefixAffinity,
+    /// Requests enter through the decode engines' pd-sidecars, which pair them through
+    /// pd-coordinator (KV events, prefix index, load) — needs both binaries.
+    Coordinator,
+    /// vllm-router in P/D mode in front of the engines (needs --vllm-router).
+    VllmRouter,
+}
+
+#[derive(Debug, Args)]
+pub struct CompareCmd {
+    /// Engines to start; the P/D setups use the first half as prefills, the rest as decodes.
+    #[arg(long, default_value_t = 4)]
+    pub engines: usize,
+    /// Setups to compare, in order.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "round-robin,pd-round-robin,pd-prefix-affinity,coordinator"
+    )]
+    pub setups: Vec<SetupKind>,
+    /// The vllm-router executable (PyPI `vllm-router`), for the vllm-router setup.
+    #[arg(long)]
+    pub vllm_router: Option<PathBuf>,
+    /// Its arguments; {port}, {metrics_port} (free ports), {prefills} (`--prefill URL` each) and
+    /// {decodes} (`--decode URL` each) are substituted. The default suits vllm-router 0.1.17.
+    #[arg(
+        long,
+        default_value = "--host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {metrics_port} \
+                         --vllm-pd-disaggregation {prefills} {decodes} --policy round_robin"
+    )]
+    pub vllm_router_args: String,
+    #[command(flatten)]
+    pub daemons: DaemonArgs,
+    #[command(flatten)]
+    pub sim: SimArgs,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// Write every setup's results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ClusterMode {
+    /// Sidecars and coordinator when their binaries are usable, else direct.
+    Auto,
+    /// pdbench does the P/D handoff itself (prefill call, then decode call).
+    Direct,
+    /// Requests enter through the decode engines' pd-sidecars, paired by pd-coordinator.
+    Sidecar,
+}
+
+#[derive(Debug, Args)]
+pub struct ClusterCmd {
+    /// Prefill engines to start.
+    #[arg(long, default_value_t = 2)]
+    pub prefills: usize,
+    /// Decode engines to start.
+    #[arg(long, default_value_t = 2)]
+    pub decodes: usize,
+    #[arg(long, value_enum, default_value = "auto")]
+    pub mode: ClusterMode,
+    #[command(flatten)]
+    pub daemons: DaemonArgs,
+    /// Use already-running real vLLM engines (--prefill-url, --decode-url) instead of starting
+    /// simulators; pdbench does the P/D handoff.
+    #[arg(long, requires_all = ["prefill_url", "decode_url"])]
+    pub vllm: bool,
+    /// With --vllm: a prefill engine's base URL (repeat).
+    #[arg(long, requires = "vllm")]
+    pub prefill_url: Vec<String>,
+    /// With --vllm: a decode engine's base URL (repeat).
+    #[arg(long, requires = "vllm")]
+    pub decode_url: Vec<String>,
+    /// Prompts shorter than this many words are prefilled on the decode itself (a local decision).
+    #[arg(long, default_value_t = 0)]
+    pub local_below: usize,
+    /// Sidecar mode: the decode sidecars pull the KV blocks into their engine's shared-memory
+    /// pool (engines started with --shm-path under --shm-dir) instead of the engine pulling.
+    #[arg(long)]
+    pub pull: bool,
+    /// Directory of the shared-memory pool files for --pull.
+    #[arg(long, default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    /// Write the pids of the started processes (JSON list) here once all are up.
+    #[arg(long)]
+    pub pids_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub sim: SimArgs,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+/// Whether a daemon binary is there and answers `--help` (the skeletons print nothing).
+pub fn usable_daemon(bin: &Path) -> bool {
+    std::process::Command::new(bin)
+        .arg("--help")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map(|o| o.status.success() && !o.stdout.is_empty())
+        .unwrap_or(false)
+}
