@@ -1,0 +1,928 @@
+//! coordbench: the coordinator's KV prefix index and pairing at cluster scale, against issue 6's
+//! bars (128 engines, 1 M indexed blocks: 128-block lookup p99 ≤ 20 µs, ingestion ≥ 2 M block
+//! events/s, ≥ 50 k pairing decisions/s on one core, ≤ 64 bytes per (block, engine) entry).
+//!
+//! ```text
+//! cargo run --release -p pd-coordinator --example coordbench [-- --json] [--engines 128]
+//!     [--blocks 1000000] [--lookups 200000] [--decisions 200000] [--seed 1]
+//! ```
+//!
+//! The workload: shared system prompts ("families", a popular few held by most engines, the
+//! first one 128 blocks long and held by every engine) under conversations (8-160 blocks each,
+//! held by the prefill and decode engine that served them, sometimes by one or three), until the
+//! index holds the requested number of distinct blocks. Every engine's blocks arrive as vLLM
+//! `BlockStored` events with their token ids, encoded with `pd_protocols::kv_events`; ingestion
+//! is timed through `decode_batch` + `PrefixIndex::apply`, and through `apply` alone. Memory is
+//! what a counting global allocator sees the index keep. Everything runs on one thread.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use pd_coordinator::cluster::{Cluster, PairRequest, Settings};
+use pd_coordinator::index::PrefixIndex;
+use pd_coordinator::membership::{EngineSpec, Role};
+use pd_protocols::kv_events::{decode_batch, encode_batch, BlockHash, EventBatch, EventFormat, KvEvent};
+
+/// Counts live heap bytes, so that the index's footprint is measured, not estimated.
+struct Counting;
+
+static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call forwards to the system allocator with the caller's arguments unchanged;
+// the counter is only bookkeeping.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded under the caller's contract.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded under the caller's contract.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded under the caller's contract.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(new_size, Ordering::Relaxed);
+            LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Nanoseconds this thread has run on a CPU (the kernel's schedstat): time spent waiting for
+/// a CPU on a busy machine does not count.
+fn cpu_ns() -> Option<u64> {
+    std::fs::read_to_string("/proc/thread-self/schedstat").ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// A phase's wall-clock and on-CPU time.
+#[derive(Clone, Copy)]
+struct Span {
+    wall: Duration,
+    cpu: Option<Duration>,
+}
+
+fn measure(f: impl FnOnce()) -> Span {
+    let (cpu, start) = (cpu_ns(), Instant::now());
+    f();
+    let wall = start.elapsed();
+    let cpu = cpu.zip(cpu_ns()).map(|(a, b)| Duration::from_nanos(b.saturating_sub(a)));
+    Span { wall, cpu }
+}
+
+impl Span {
+    /// `n` per second of wall time, and per second on a CPU.
+    fn rates(self, n: usize) -> (f64, Option<f64>) {
+        (n as f64 / self.wall.as_secs_f64(), self.cpu.map(|c| n as f64 / c.as_secs_f64().max(1e-9)))
+    }
+
+    fn describe(self, n: usize, unit: &str) -> String {
+        let (wall, cpu) = self.rates(n);
+        match cpu {
+            Some(cpu) => format!("{:.2} M {unit}/s ({:.2} M/s per CPU-second)", wall / 1e6, cpu / 1e6),
+            None => format!("{:.2} M {unit}/s", wall / 1e6),
+        }
+    }
+}
+
+fn live_bytes() -> usize {
+    LIVE_BYTES.load(Ordering::Relaxed)
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// `k` distinct engines out of `n`.
+    fn subset(&mut self, n: usize, k: usize) -> Vec<usize> {
+        let mut all: Vec<usize> = (0..n).collect();
+        for i in 0..k.min(n) {
+            let j = i + self.below(n - i);
+            all.swap(i, j);
+        }
+        all.truncate(k.min(n));
+        all
+    }
+}
+
+struct Options {
+    json: bool,
+    engines: usize,
+    blocks: usize,
+    lookups: usize,
+    decisions: usize,
+    seed: u64,
+    /// Skip the pairing run without events (it is the slow one to set up).
+    events_only: bool,
+}
+
+fn options() -> Options {
+    let mut o = Options {
+        json: false,
+        engines: 128,
+        blocks: 1_000_000,
+        lookups: 200_000,
+        decisions: 200_000,
+        seed: 1,
+        events_only: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| -> usize {
+            args.next().and_then(|v| v.replace('_', "").parse().ok()).unwrap_or_else(|| panic!("{name} needs a number"))
+        };
+        match arg.as_str() {
+            "--json" => o.json = true,
+            "--engines" => o.engines = value("--engines").clamp(2, 4096),
+            "--blocks" => o.blocks = value("--blocks").max(1000),
+            "--lookups" => o.lookups = value("--lookups").max(100),
+            "--decisions" => o.decisions = value("--decisions").max(100),
+            "--seed" => o.seed = value("--seed") as u64,
+            "--events-only" => o.events_only = true,
+            "-h" | "--help" => {
+                println!(
+                    "coordbench [--json] [--engines 128] [--blocks 1000000] [--lookups 200000] [--decisions 200000] [--seed 1] [--events-only]"
+                );
+                std::process::exit(0);
+            }
+            other => panic!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    o
+}
+
+const BLOCK_SIZE: usize = 16;
+const REQUEST_BLOCKS: usize = 128;
+const FAMILIES: usize = 200;
+
+/// A shared system prompt and the engines holding it.
+struct Family {
+    blocks: Vec<u64>,
+    holders: Vec<usize>,
+}
+
+/// A conversation under a family, and the engines holding it.
+struct Conversation {
+    family: usize,
+    blocks: Vec<u64>,
+    holders: Vec<usize>,
+}
+
+struct Universe {
+    families: Vec<Family>,
+    conversations: Vec<Conversation>,
+    /// Cumulative popularity of families (Zipf, s = 1).
+    popularity: Vec<f64>,
+}
+
+impl Universe {
+    fn generate(rng: &mut Rng, engines: usize, target_blocks: usize) -> Universe {
+        let mut families: Vec<Family> = (0..FAMILIES)
+            .map(|f| {
+                let len = if f == 0 { REQUEST_BLOCKS } else { rng.range(4, 48) };
+                let holders = (engines as f64 / (1.0 + f as f64 / 4.0)).round().clamp(2.0, engines as f64) as usize;
+                Family { blocks: (0..len).map(|_| rng.next()).collect(), holders: rng.subset(engines, holders) }
+            })
+            .collect();
+        let weights: Vec<f64> = (0..FAMILIES).map(|f| 1.0 / (f + 1) as f64).collect();
+        let total: f64 = weights.iter().sum();
+        let popularity: Vec<f64> = weights
+            .iter()
+            .scan(0.0, |acc, w| {
+                *acc += w / total;
+                Some(*acc)
+            })
+            .collect();
+        let mut universe = Universe { families: Vec::new(), conversations: Vec::new(), popularity };
+        let mut distinct: usize = families.iter().map(|f| f.blocks.len()).sum();
+        while distinct < target_blocks {
+            let family = universe.pick_family(rng);
+            let len = rng.range(8, 160).min(target_blocks - distinct).max(1);
+            let fam = &mut families[family];
+            // Served by a prefill and a decode (both keep the blocks), sometimes locally by one
+            // engine, sometimes re-routed to a third; mostly engines that had the system prompt.
+            let count = match rng.below(10) {
+                0..=1 => 1,
+                2..=8 => 2,
+                _ => 3,
+            };
+            let mut holders = Vec::with_capacity(count);
+            while holders.len() < count {
+                let engine =
+                    if rng.below(10) < 8 { fam.holders[rng.below(fam.holders.len())] } else { rng.below(engines) };
+                if !holders.contains(&engine) {
+                    holders.push(engine);
+                }
+            }
+            for &engine in &holders {
+                if !fam.holders.contains(&engine) {
+                    fam.holders.push(engine);
+                }
+            }
+            universe.conversations.push(Conversation {
+                family,
+                blocks: (0..len).map(|_| rng.next()).collect(),
+                holders,
+            });
+            distinct += len;
+        }
+        universe.families = families;
+        universe
+    }
+
+    fn pick_family(&self, rng: &mut Rng) -> usize {
+        let u = rng.unit();
+        self.popularity.partition_point(|&p| p < u).min(FAMILIES - 1)
+    }
+
+    fn distinct_blocks(&self) -> usize {
+        self.families.iter().map(|f| f.blocks.len()).sum::<usize>()
+            + self.conversations.iter().map(|c| c.blocks.len()).sum::<usize>()
+    }
+
+    fn entries(&self) -> usize {
+        self.families.iter().map(|f| f.blocks.len() * f.holders.len()).sum::<usize>()
+            + self.conversations.iter().map(|c| c.blocks.len() * c.holders.len()).sum::<usize>()
+    }
+
+    /// A request: a conversation's family prompt and history, then new blocks, 128 in all.
+    fn request(&self, rng: &mut Rng, out: &mut Vec<u64>) {
+        out.clear();
+        let c = &self.conversations[rng.below(self.conversations.len())];
+        out.extend(&self.families[c.family].blocks);
+        out.extend(&c.blocks);
+        out.truncate(REQUEST_BLOCKS);
+        while out.len() < REQUEST_BLOCKS {
+            out.push(rng.next());
+        }
+    }
+}
+
+fn stored(blocks: &[u64], parent: Option<u64>, rng: &mut Rng) -> KvEvent {
+    KvEvent::BlockStored {
+        block_hashes: blocks.iter().map(|&h| BlockHash::Int(h)).collect(),
+        parent_block_hash: parent.map(BlockHash::Int),
+        token_ids: (0..blocks.len() * BLOCK_SIZE).map(|_| rng.below(150_000) as u32).collect(),
+        block_size: BLOCK_SIZE as u32,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+    }
+}
+
+/// Every engine's `BlockStored` events for the universe, in batches of up to 8 events, engines
+/// interleaved as their streams would arrive.
+fn build_batches(universe: &Universe, engines: usize, rng: &mut Rng) -> Vec<(usize, EventBatch)> {
+    let mut per_engine: Vec<Vec<KvEvent>> = (0..engines).map(|_| Vec::new()).collect();
+    let mut has_family = vec![vec![false; FAMILIES]; engines];
+    for (f, family) in universe.families.iter().enumerate() {
+        for &engine in &family.holders {
+            // Families whose holders have no conversation under them still hold the prompt.
+            if rng.below(2) == 0 {
+                per_engine[engine].push(stored(&family.blocks, None, rng));
+                has_family[engine][f] = true;
+            }
+        }
+    }
+    for c in &universe.conversations {
+        let family = &universe.families[c.family];
+        for &engine in &c.holders {
+            if !has_family[engine][c.family] {
+                per_engine[engine].push(stored(&family.blocks, None, rng));
+                has_family[engine][c.family] = true;
+            }
+            per_engine[engine].push(stored(&c.blocks, family.blocks.last().copied(), rng));
+        }
+    }
+    for (f, family) in universe.families.iter().enumerate() {
+        for &engine in &family.holders {
+            if !has_family[engine][f] {
+                per_engine[engine].push(stored(&family.blocks, None, rng));
+                has_family[engine][f] = true;
+            }
+        }
+    }
+    let mut queues: Vec<std::vec::IntoIter<KvEvent>> = per_engine.into_iter().map(Vec::into_iter).collect();
+    let mut batches = Vec::new();
+    let mut ts = 1.764e9;
+    loop {
+        let mut any = false;
+        for (engine, queue) in queues.iter_mut().enumerate() {
+            let events: Vec<KvEvent> = queue.by_ref().take(1 + rng.below(8)).collect();
+            if !events.is_empty() {
+                any = true;
+                ts += 0.001;
+                batches.push((engine, EventBatch { ts, events, dp_rank: Some(0) }));
+            }
+        }
+        if !any {
+            return batches;
+        }
+    }
+}
+
+fn block_events(batch: &EventBatch) -> usize {
+    batch
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored { block_hashes, .. } | KvEvent::BlockRemoved { block_hashes, .. } => {
+                block_hashes.len()
+            }
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Steady state: new conversations stored, old ones evicted one block per `BlockRemoved` (as
+/// vLLM's LRU eviction publishes them).
+fn churn_batches(universe: &Universe, rng: &mut Rng, count: usize) -> Vec<(usize, EventBatch)> {
+    let mut batches = Vec::new();
+    for k in 0..count {
+        let old = &universe.conversations[k % universe.conversations.len()];
+        let family = &universe.families[old.family];
+        let fresh: Vec<u64> = (0..old.blocks.len()).map(|_| rng.next()).collect();
+        for &engine in &old.holders {
+            let mut events = vec![stored(&fresh, family.blocks.last().copied(), rng)];
+            events.extend(
+                old.blocks.iter().map(|&h| KvEvent::BlockRemoved {
+                    block_hashes: vec![BlockHash::Int(h)],
+                    medium: Some("GPU".into()),
+                }),
+            );
+            batches.push((engine, EventBatch { ts: 1.764e9 + k as f64, events, dp_rank: Some(0) }));
+        }
+    }
+    batches
+}
+
+#[derive(Default)]
+struct Latency {
+    samples: Vec<u32>,
+}
+
+impl Latency {
+    fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        self.samples.push(start.elapsed().as_nanos().min(u32::MAX as u128) as u32);
+        out
+    }
+
+    fn summary(mut self) -> Summary {
+        self.samples.sort_unstable();
+        let n = self.samples.len();
+        let at = |q: f64| f64::from(self.samples[((n as f64 * q) as usize).min(n - 1)]) / 1000.0;
+        let total: u64 = self.samples.iter().map(|&s| u64::from(s)).sum();
+        Summary {
+            count: n,
+            mean_us: total as f64 / n as f64 / 1000.0,
+            p50_us: at(0.50),
+            p99_us: at(0.99),
+            p999_us: at(0.999),
+            max_us: at(1.0),
+        }
+    }
+}
+
+struct Summary {
+    count: usize,
+    mean_us: f64,
+    p50_us: f64,
+    p99_us: f64,
+    p999_us: f64,
+    max_us: f64,
+}
+
+struct Report {
+    rows: Vec<(String, String, String)>,
+    json: String,
+}
+
+impl Report {
+    fn row(&mut self, what: &str, figure: String, bar: &str) {
+        self.rows.push((what.into(), figure, bar.into()));
+    }
+
+    fn field(&mut self, key: &str, value: impl std::fmt::Display) {
+        if !self.json.is_empty() {
+            self.json.push_str(", ");
+        }
+        let _ = write!(self.json, "\"{key}\": {value}");
+    }
+
+    fn latency(&mut self, key: &str, what: &str, s: &Summary, bar: &str) {
+        self.row(
+            what,
+            format!(
+                "p50 {:.2} µs, p99 {:.2} µs, p99.9 {:.2} µs, max {:.1} µs",
+                s.p50_us, s.p99_us, s.p999_us, s.max_us
+            ),
+            bar,
+        );
+        for (name, v) in [("p50_us", s.p50_us), ("p99_us", s.p99_us), ("p999_us", s.p999_us), ("max_us", s.max_us)] {
+            self.field(&format!("{key}_{name}"), format!("{v:.3}"));
+        }
+        self.field(&format!("{key}_mean_us"), format!("{:.3}", s.mean_us));
+    }
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let threads = std::thread::available_parallelism().map_or(0, usize::from);
+    format!("{cpu}, {threads} threads available (the benchmark uses one)")
+}
+
+fn main() {
+    let o = options();
+    let mut rng = Rng(o.seed);
+    let mut report = Report { rows: Vec::new(), json: String::new() };
+    let progress = |what: &str| {
+        if !o.json {
+            eprintln!("coordbench: {what}");
+        }
+    };
+
+    progress("generating the workload");
+    let universe = Universe::generate(&mut rng, o.engines, o.blocks);
+    let batches = build_batches(&universe, o.engines, &mut rng);
+    let encoded: Vec<(usize, Vec<u8>)> =
+        batches.iter().map(|(e, b)| (*e, encode_batch(b, EventFormat::TaggedMap))).collect();
+    let events: usize = batches.iter().map(|(_, b)| block_events(b)).sum();
+    let payload: usize = encoded.iter().map(|(_, p)| p.len()).sum();
+    report.field("engines", o.engines);
+    report.field("distinct_blocks", universe.distinct_blocks());
+    report.field("entries", universe.entries());
+    report.field("batches", batches.len());
+    report.field("block_events", events);
+
+    // Decoding alone (what the ingest threads do before handing batches on).
+    progress("decoding");
+    let decode_only = measure(|| {
+        for (_, payload) in &encoded {
+            std::hint::black_box(decode_batch(payload).expect("our own encoding decodes"));
+        }
+    });
+
+    // Ingestion, decode + apply, into a fresh index.
+    progress("ingesting: decode + apply");
+    let mut decoded_index = PrefixIndex::default();
+    let decode_apply = measure(|| {
+        for (engine, payload) in &encoded {
+            let batch = decode_batch(payload).expect("our own encoding decodes");
+            for event in &batch.events {
+                decoded_index.apply(*engine, event);
+            }
+        }
+    });
+    drop(decoded_index);
+    drop(encoded);
+
+    // Ingestion, apply only (pre-decoded), into the index the lookups use; its heap is measured.
+    progress("ingesting: apply only");
+    let before = live_bytes();
+    let mut index = PrefixIndex::default();
+    let apply_only = measure(|| {
+        for (engine, batch) in &batches {
+            for event in &batch.events {
+                index.apply(*engine, event);
+            }
+        }
+    });
+    let heap = live_bytes() - before;
+    assert_eq!(index.len(), universe.distinct_blocks(), "every distinct block indexed");
+    assert_eq!(index.entries(), universe.entries(), "every (block, engine) entry indexed");
+    let per_entry = heap as f64 / index.entries() as f64;
+    report.row(
+        "index",
+        format!("{} distinct blocks, {} (block, engine) entries, {} engines", index.len(), index.entries(), o.engines),
+        "",
+    );
+    report.row(
+        "ingestion, decode + apply",
+        format!(
+            "{} ({events} events, {:.0} MB of msgpack with token ids)",
+            decode_apply.describe(events, "block events"),
+            payload as f64 / 1e6
+        ),
+        "≥ 2 M/s",
+    );
+    report.row("decoding only", decode_only.describe(events, "block events"), "");
+    report.row("ingestion, apply only", apply_only.describe(events, "block events"), "");
+    for (key, span) in [("ingest_decode_apply", decode_apply), ("decode", decode_only), ("ingest_apply", apply_only)] {
+        let (wall, cpu) = span.rates(events);
+        report.field(&format!("{key}_events_per_s"), format!("{wall:.0}"));
+        if let Some(cpu) = cpu {
+            report.field(&format!("{key}_events_per_cpu_s"), format!("{cpu:.0}"));
+        }
+    }
+    report.row(
+        "memory",
+        format!(
+            "{per_entry:.1} bytes per (block, engine) entry ({:.1} MB live heap; {:.1} bytes per block)",
+            heap as f64 / 1e6,
+            heap as f64 / index.len() as f64
+        ),
+        "≤ 64 B",
+    );
+    report.field("heap_bytes", heap);
+    report.field("heap_bytes_reported", index.heap_bytes());
+    report.field("bytes_per_entry", format!("{per_entry:.2}"));
+
+    // Lookups.
+    progress("lookups");
+    let now = Instant::now();
+    let mut request = Vec::with_capacity(REQUEST_BLOCKS);
+    let mut matches = Vec::new();
+    for _ in 0..o.lookups / 10 {
+        universe.request(&mut rng, &mut request);
+        index.prefix_matches(&request, now, &mut matches);
+    }
+    let (mut fast, mut map) = (Latency::default(), Latency::default());
+    let mut matched_engines = 0usize;
+    for _ in 0..o.lookups {
+        universe.request(&mut rng, &mut request);
+        fast.time(|| index.prefix_matches(&request, now, &mut matches));
+        matched_engines += matches.len();
+        universe.request(&mut rng, &mut request);
+        std::hint::black_box(map.time(|| index.overlaps(&request, now)));
+    }
+    let hot = &universe.families[0].blocks;
+    let (mut hot_fast, mut hot_map) = (Latency::default(), Latency::default());
+    for _ in 0..o.lookups / 10 {
+        hot_fast.time(|| index.prefix_matches(hot, now, &mut matches));
+        std::hint::black_box(hot_map.time(|| index.overlaps(hot, now)));
+    }
+    assert!(matches.iter().all(|&(_, n)| n == REQUEST_BLOCKS) && matches.len() == universe.families[0].holders.len());
+    let (fast, map, hot_fast, hot_map) = (fast.summary(), map.summary(), hot_fast.summary(), hot_map.summary());
+    report.latency("lookup", "lookup, 128 blocks (prefix_matches)", &fast, "p99 ≤ 20 µs");
+    report.latency("lookup_map", "lookup, 128 blocks (overlaps → HashMap)", &map, "p99 ≤ 20 µs");
+    report.latency("lookup_all_held", "lookup, 128 blocks all held by all engines", &hot_fast, "");
+    report.latency("lookup_all_held_map", "  same through overlaps → HashMap", &hot_map, "");
+    report.field("lookup_mean_matched_engines", format!("{:.2}", matched_engines as f64 / fast.count as f64));
+
+    // Steady-state churn: stores of new conversations with per-block evictions of old ones.
+    progress("churn");
+    let churn = churn_batches(&universe, &mut rng, 20_000.min(universe.conversations.len()));
+    let churn_events: usize = churn.iter().map(|(_, b)| block_events(b)).sum();
+    let churn_encoded: Vec<(usize, Vec<u8>)> =
+        churn.iter().map(|(e, b)| (*e, encode_batch(b, EventFormat::TaggedMap))).collect();
+    let mut churn_index = PrefixIndex::default();
+    for (engine, batch) in &batches {
+        for event in &batch.events {
+            churn_index.apply(*engine, event);
+        }
+    }
+    let churn_decode_apply = measure(|| {
+        for (engine, payload) in &churn_encoded {
+            let batch = decode_batch(payload).expect("decodes");
+            for event in &batch.events {
+                churn_index.apply(*engine, event);
+            }
+        }
+    });
+    drop(churn_index);
+    let churn_apply = measure(|| {
+        for (engine, batch) in &churn {
+            for event in &batch.events {
+                index.apply(*engine, event);
+            }
+        }
+    });
+    report.row(
+        "churn (store + 1-block removals), decode + apply",
+        format!("{} ({churn_events} events)", churn_decode_apply.describe(churn_events, "block events")),
+        "",
+    );
+    report.row("churn, apply only", churn_apply.describe(churn_events, "block events"), "");
+    for (key, span) in [("churn_decode_apply", churn_decode_apply), ("churn_apply", churn_apply)] {
+        let (wall, cpu) = span.rates(churn_events);
+        report.field(&format!("{key}_events_per_s"), format!("{wall:.0}"));
+        if let Some(cpu) = cpu {
+            report.field(&format!("{key}_events_per_cpu_s"), format!("{cpu:.0}"));
+        }
+    }
+    drop((churn, churn_encoded, index));
+
+    // Worst case for memory: every block on exactly one engine.
+    progress("memory, one holder per block");
+    let hashes: Vec<u64> = (0..o.blocks).map(|_| rng.next()).collect();
+    let before = live_bytes();
+    let mut single = PrefixIndex::default();
+    for (k, chunk) in hashes.chunks(64).enumerate() {
+        let event = KvEvent::BlockStored {
+            block_hashes: chunk.iter().map(|&h| BlockHash::Int(h)).collect(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: BLOCK_SIZE as u32,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+        };
+        single.apply(k % o.engines, &event);
+    }
+    let single_heap = live_bytes() - before;
+    let single_per_entry = single_heap as f64 / single.entries() as f64;
+    report.row(
+        "memory, worst case (one engine per block)",
+        format!("{single_per_entry:.1} bytes per entry ({} entries)", single.entries()),
+        "",
+    );
+    report.field("bytes_per_entry_single_holder", format!("{single_per_entry:.2}"));
+    drop((single, hashes));
+
+    // Pairing through the Cluster, with engines publishing events (the usual case) and without
+    // (approximate mode: every guess lives its full time to live).
+    progress("pairing, engines publishing events");
+    let with_events = pairing(&universe, &batches, &o, &mut rng, true);
+    let mut runs = vec![("pair", "pairing through Cluster::pair, one thread", with_events, "≥ 50 k/s")];
+    if !o.events_only {
+        progress("pairing, no events");
+        let without = pairing(&universe, &batches, &o, &mut rng, false);
+        runs.push(("pair_no_events", "  same, engines without events (guesses live 2 s)", without, ""));
+    }
+    let event_rate = runs[0].2.event_rate;
+    for (key, what, p, bar) in &runs {
+        let (per_s, per_cpu_s) = p.span.rates(p.count);
+        report.row(
+            what,
+            format!(
+                "{:.0} k decisions/s{} (p50 {:.2} µs, p99 {:.2} µs; {:.0} % disaggregated, {:.1} of 128 blocks cached)",
+                per_s / 1e3,
+                per_cpu_s.map_or(String::new(), |c| format!(", {:.0} k per CPU-second", c / 1e3)),
+                p.latency.p50_us,
+                p.latency.p99_us,
+                100.0 * p.disaggregated,
+                p.cached_blocks
+            ),
+            bar,
+        );
+        report.field(&format!("{key}_decisions_per_s"), format!("{per_s:.0}"));
+        if let Some(c) = per_cpu_s {
+            report.field(&format!("{key}_decisions_per_cpu_s"), format!("{c:.0}"));
+        }
+        report.field(&format!("{key}_p50_us"), format!("{:.3}", p.latency.p50_us));
+        report.field(&format!("{key}_p99_us"), format!("{:.3}", p.latency.p99_us));
+    }
+    report.row(
+        "  events applied meanwhile (not in the figure)",
+        format!("{:.2} M block events/s", event_rate / 1e6),
+        "",
+    );
+
+    if o.json {
+        println!("{{{}}}", report.json);
+    } else {
+        println!("coordbench: {}", machine());
+        let width = report.rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+        for (what, figure, bar) in &report.rows {
+            let pad = width - what.chars().count();
+            if bar.is_empty() {
+                println!("{what}{:pad$}  {figure}", "");
+            } else {
+                println!("{what}{:pad$}  {figure}   [bar: {bar}]", "");
+            }
+        }
+    }
+}
+
+/// An identity hasher for sets of block hashes (they are random already).
+#[derive(Default)]
+struct Identity(u64);
+
+impl std::hash::Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type BlockSet = std::collections::HashSet<u64, std::hash::BuildHasherDefault<Identity>>;
+
+struct Pairing {
+    latency: Summary,
+    /// The measured rounds' time, and how many decisions they made.
+    span: Span,
+    count: usize,
+    disaggregated: f64,
+    cached_blocks: f64,
+    /// Block events applied by simulated engines during the run, per second of applying.
+    event_rate: f64,
+}
+
+/// Decisions through `Cluster::pair` on 64 prefill + 64 decode engines (for 128) holding the
+/// universe. With `events`, each engine publishes `BlockStored` for the blocks a decision sent
+/// it, 50 ms (simulated) after the decision, and evicts its oldest blocks past its capacity with
+/// `BlockRemoved`; the coordinator applies those outside the timed region. Requests finish after
+/// 2000 are in flight; upkeep (`tick`) runs every 100 ms of simulated time, inside the timed
+/// region. Speculative entries live 2 s; the run warms up for that long (at one decision per
+/// 20 µs, the bar's rate) before measuring.
+fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rng: &mut Rng, events: bool) -> Pairing {
+    let mut cluster = Cluster::new(Settings::default());
+    let t0 = Instant::now();
+    for engine in 0..o.engines {
+        let role = if engine < o.engines / 2 { Role::Prefill } else { Role::Decode };
+        cluster.register(
+            EngineSpec {
+                id: format!("engine-{engine}"),
+                role,
+                node: format!("node-{}", engine / 8),
+                model: "m".into(),
+                engine_url: format!("http://node-{}:{}", engine / 8, 8000 + engine % 8),
+                sidecar_url: None,
+                kv_events: None,
+                replay: None,
+                xfer_side_channel: None,
+                block_size: BLOCK_SIZE as u32,
+                capacity_blocks: None,
+            },
+            t0,
+        );
+    }
+    // What each engine holds, oldest first, for its events.
+    let mut resident: Vec<(std::collections::VecDeque<u64>, BlockSet)> =
+        (0..o.engines).map(|_| Default::default()).collect();
+    for (engine, batch) in batches {
+        cluster.apply_events(*engine, batch);
+        for event in &batch.events {
+            if let KvEvent::BlockStored { block_hashes, .. } = event {
+                let (order, set) = &mut resident[*engine];
+                for h in block_hashes {
+                    if set.insert(h.as_u64()) {
+                        order.push_back(h.as_u64());
+                    }
+                }
+            }
+        }
+    }
+    let capacity = resident.iter().map(|(order, _)| order.len()).max().unwrap_or(0) + 1000;
+    let step = Duration::from_micros(20);
+    let delay = 2500; // decisions: 50 ms
+    let warmup = (Settings::default().speculative_ttl.as_micros() / step.as_micros()) as usize + 5000;
+    let total = warmup + o.decisions;
+    let ids: Vec<String> = (0..total).map(|i| format!("req-{i}")).collect();
+    let names: Vec<String> = (0..o.engines).map(|engine| format!("engine-{engine}")).collect();
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut pending: std::collections::VecDeque<(usize, usize, Vec<u64>)> = std::collections::VecDeque::new();
+    let mut latency = Latency::default();
+    let (mut disaggregated, mut cached, mut measured) = (0usize, 0u64, 0usize);
+    let (mut applied, mut applying) = (0usize, Duration::ZERO);
+    let (mut wall, mut cpu) = (Duration::ZERO, Some(Duration::ZERO));
+    let mut now = t0;
+    const ROUND: usize = 1000;
+    for round in (0..total).step_by(ROUND) {
+        // Requests are drawn before the round, events delivered after it: only the
+        // coordinator's work is inside.
+        let range = round..total.min(round + ROUND);
+        let requests: Vec<(Vec<u64>, [f64; 2])> = range
+            .clone()
+            .map(|_| {
+                let mut request = Vec::with_capacity(REQUEST_BLOCKS);
+                universe.request(rng, &mut request);
+                (request, [rng.unit(), rng.unit()])
+            })
+            .collect();
+        let mut decisions = Vec::with_capacity(ROUND);
+        let timed = round >= warmup;
+        let span = measure(|| {
+            for (i, (request, uniform)) in range.clone().zip(&requests) {
+                now += step;
+                // One request's coordinator work: the decision, finishing the oldest request
+                // once 2000 are in flight, and (amortised) upkeep.
+                let mut run = || {
+                    let req = PairRequest {
+                        request_id: &ids[i],
+                        model: "m",
+                        block_hashes: request,
+                        prompt_tokens: (REQUEST_BLOCKS * BLOCK_SIZE) as u64,
+                        block_size: BLOCK_SIZE as u32,
+                    };
+                    let decision = cluster.pair(req, now, *uniform).expect("a decode is live");
+                    in_flight.push_back(i);
+                    if in_flight.len() > 2000 {
+                        cluster.handoffs.finished(&ids[in_flight.pop_front().expect("not empty")]);
+                    }
+                    if i % 5000 == 0 {
+                        // No sidecars renew leases here; renew them so that upkeep keeps them.
+                        for name in &names {
+                            let _ = cluster.membership.heartbeat(name, now);
+                        }
+                        cluster.tick(now);
+                    }
+                    decision
+                };
+                decisions.push(if timed { latency.time(run) } else { run() });
+            }
+        });
+        if timed {
+            wall += span.wall;
+            cpu = cpu.zip(span.cpu).map(|(a, b)| a + b);
+            measured += decisions.len();
+            disaggregated += decisions.iter().filter(|d| d.prefill.is_some()).count();
+            cached += decisions.iter().map(|d| d.decode_overlap_blocks.max(d.prefill_overlap_blocks)).sum::<u64>();
+        }
+        if !events {
+            continue;
+        }
+        for (i, (decision, (request, _))) in range.clone().zip(decisions.iter().zip(requests)) {
+            for engine in std::iter::once(decision.decode).chain(decision.prefill) {
+                pending.push_back((i + delay, engine, request.clone()));
+            }
+        }
+        let until = range.end + ROUND;
+        while pending.front().is_some_and(|p| p.0 < until) {
+            let (_, engine, blocks) = pending.pop_front().expect("not empty");
+            let (order, set) = &mut resident[engine];
+            let fresh: Vec<u64> = blocks.into_iter().filter(|&h| set.insert(h)).collect();
+            order.extend(&fresh);
+            let mut batch_events = Vec::new();
+            if !fresh.is_empty() {
+                batch_events.push(KvEvent::BlockStored {
+                    block_hashes: fresh.iter().map(|&h| BlockHash::Int(h)).collect(),
+                    parent_block_hash: None,
+                    token_ids: Vec::new(),
+                    block_size: BLOCK_SIZE as u32,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                    lora_name: None,
+                });
+            }
+            while order.len() > capacity {
+                let old = order.pop_front().expect("over capacity");
+                set.remove(&old);
+                batch_events.push(KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(old)], medium: None });
+            }
+            let batch = EventBatch { ts: 0.0, events: batch_events, dp_rank: Some(0) };
+            let start = Instant::now();
+            cluster.apply_events(engine, &batch);
+            applying += start.elapsed();
+            applied += block_events(&batch);
+        }
+    }
+    Pairing {
+        latency: latency.summary(),
+        span: Span { wall, cpu },
+        count: measured,
+        disaggregated: disaggregated as f64 / measured as f64,
+        cached_blocks: cached as f64 / measured as f64,
+        event_rate: applied as f64 / applying.as_secs_f64().max(1e-9),
+    }
+}
