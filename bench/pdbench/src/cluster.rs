@@ -101,6 +101,7 @@ impl SimCluster {
             }
             cmd.args(&opts.args);
             let p = Proc::spawn(name, cmd, log_dir)?;
+            tracing::debug!(name, bin = %opts.bin.display(), "engine started");
             let url = format!("http://127.0.0.1:{port}");
             cluster.engines.push(Engine {
                 name: name.clone(),

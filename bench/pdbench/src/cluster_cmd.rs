@@ -196,5 +196,9 @@ pub async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
     // Daemons first (they hold connections to the engines), then the engines.
     drop(daemons);
     drop(sims);
+    // Logs in a directory of our own choosing are only worth keeping when something failed.
+    if c.sim.log_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&log_dir);
+    }
     Ok(())
 }

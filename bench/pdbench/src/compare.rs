@@ -147,5 +147,9 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
         write_json(p, &json!({"workload": spec, "engines": sims.engines, "setups": rows}))?;
     }
     drop(sims);
+    // Logs in a directory of our own choosing are only worth keeping when something failed.
+    if c.sim.log_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&log_dir);
+    }
     Ok(())
 }

@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
-    #[error("starting {name} ({bin}): {source}")]
+    #[error("starting {name} ({bin}): {source} (built? `cargo build -p pd-sim -p pd-coordinator -p pd-sidecar`, or name it with --sim-bin / --coordinator-bin / --sidecar-bin)")]
     Spawn { name: String, bin: String, source: std::io::Error },
     #[error("{name} exited during startup ({status}); last log lines:\n{log}")]
     Exited { name: String, status: String, log: String },
