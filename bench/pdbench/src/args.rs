@@ -117,6 +117,9 @@ pub struct LoadArgs {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Open a new connection per request (no keep-alive pool).
+    #[arg(long)]
+    pub no_keepalive: bool,
 }
 
 impl LoadArgs {
@@ -132,6 +135,7 @@ impl LoadArgs {
             },
             slo: Slo { ttft_ms: self.slo_ttft_ms, itl_ms: self.slo_itl_ms },
             progress: !self.no_progress,
+            no_keepalive: self.no_keepalive,
         }
     }
 }
