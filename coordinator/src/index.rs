@@ -323,23 +323,15 @@ impl PrefixIndex {
         // active: engines holding every block so far; live: holders of the current block.
         let mut scratch = vec![0u64; 2 * words];
         let (active, live) = scratch.split_at_mut(words);
-        let (mut found, mut guesses) = ([NONE; CHUNK], [NONE; CHUNK]);
+        let mut found = [NONE; CHUNK];
         let mut end = hashes.len();
         let mut start = 0;
         'chunks: while start < hashes.len() {
             let len = if start == 0 { FIRST_CHUNK } else { CHUNK };
             let chunk = &hashes[start..hashes.len().min(start + len)];
-            // Independent probes first, so that their cache misses overlap; then those of the
-            // approximate entries of flagged blocks.
+            // Independent probes first, so that their cache misses overlap.
             for (slot, &hash) in found.iter_mut().zip(chunk) {
                 *slot = self.blocks.find(hash).unwrap_or(NONE);
-            }
-            for (guess, &i) in guesses.iter_mut().zip(&found[..chunk.len()]) {
-                if i == NONE {
-                    break;
-                }
-                let slot = self.blocks.slot(i);
-                *guess = if slot[1] & HAS_APPROX != 0 { self.approx.find(slot[0]).unwrap_or(NONE) } else { NONE };
             }
             for (k, &i) in found[..chunk.len()].iter().enumerate() {
                 let at = start + k;
@@ -348,8 +340,14 @@ impl PrefixIndex {
                     break 'chunks;
                 }
                 self.live_exact(i, live);
-                if guesses[k] != NONE {
-                    self.approx.live(guesses[k], now, &self.resets, live);
+                // Guesses only matter for engines still matching that do not hold the block
+                // exactly (on the first block, for every engine).
+                let slot = self.blocks.slot(i);
+                let undecided = at == 0 || active.iter().zip(live.iter()).any(|(a, l)| a & !l != 0);
+                if slot[1] & HAS_APPROX != 0 && undecided {
+                    if let Some(j) = self.approx.find(slot[0]) {
+                        self.approx.live(j, now, &self.resets, live);
+                    }
                 }
                 let mut any = 0;
                 for (w, (a, &l)) in active.iter_mut().zip(live.iter()).enumerate() {
