@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use pd_protocols::kv_events::EventFormat;
 use pd_sim::config::{Config, EventLayout, Role};
 use pd_sim::engine::Engine;
@@ -63,6 +64,11 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         "pd-sim ready"
     );
     let app = pd_sim::http::router(engine);
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle holds each one back for the
+    // client's delayed ACK (~40 ms on reused connections), which would dominate every TTFT.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
