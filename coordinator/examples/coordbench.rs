@@ -788,7 +788,8 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
                 model: "m".into(),
                 engine_url: format!("http://node-{}:{}", engine / 8, 8000 + engine % 8),
                 sidecar_url: None,
-                kv_events: None,
+                // Declared publishers: the coordinator then trusts their events for what they hold.
+                kv_events: events.then(|| format!("tcp://node-{}:{}", engine / 8, 5557 + engine % 8)),
                 replay: None,
                 xfer_side_channel: None,
                 block_size: BLOCK_SIZE as u32,

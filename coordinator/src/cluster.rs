@@ -194,10 +194,15 @@ impl Cluster {
         self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
         // Both engines will hold the prefix shortly; say so until their events confirm it.
         let speculative_until = now + self.settings.speculative_ttl;
-        let index = self.indexes.entry(req.model.to_string()).or_default();
-        index.insert_approximate(decision.decode, req.block_hashes, speculative_until);
-        if let Some(prefill) = decision.prefill {
-            index.insert_approximate(prefill, req.block_hashes, speculative_until);
+        let chosen =
+            [Some((decision.decode, decision.decode_overlap_blocks)), prefill.map(|p| (p.engine, p.overlap_blocks))];
+        for (engine, overlap) in chosen.into_iter().flatten() {
+            // An engine that publishes events confirms what it holds, so its matched prefix
+            // needs no guess; one without events keeps its routed prefix fresh (TTL).
+            let publishes = self.membership.get(engine).is_some_and(|e| e.spec.kv_events.is_some());
+            let skip = if publishes { (overlap as usize).min(req.block_hashes.len()) } else { 0 };
+            let index = self.indexes.entry(req.model.to_string()).or_default();
+            index.insert_approximate(engine, &req.block_hashes[skip..], speculative_until);
         }
         Ok(decision)
     }
