@@ -1,1 +1,107 @@
-//! The sidecar: a decode-first P/D proxy next to one engine.
+//! `pd-sidecar`: a decode-first prefill/decode proxy next to one engine (see `README.md`).
+//!
+//! A client's completion request becomes a disaggregated execution: the sidecar picks a
+//! prefill engine (upstream router's header checked against an allowlist, the coordinator's
+//! pairing, or a static list), runs the prefill leg, hands the prefill's `kv_transfer_params`
+//! verbatim to the local engine's decode leg and streams the answer back; SGLang's bootstrap
+//! protocol and a sidecar-pull mode (the sidecar moves the KV blocks itself with `xfer`) are
+//! the other two modes. Every wait is bounded, and blocks a prefill holds for a decode that
+//! will not come are released at once.
+//!
+//! Layout: [`config`] (flags, env, TOML), [`allowlist`] and [`target`] (who may be called),
+//! [`json`] and [`rewrite`] (pure body rewriting), [`routing`] (which prefill), [`prefill`] and
+//! [`decode`] (the legs), [`sglang`], [`pull`], [`release`], [`coordinator`], [`metrics`],
+//! [`errors`], [`server`] (HTTP surface and accept loop).
+
+#![forbid(unsafe_code)]
+
+pub mod allowlist;
+pub mod config;
+pub mod coordinator;
+pub mod decode;
+pub mod errors;
+pub mod ids;
+pub mod json;
+pub mod load;
+pub mod metrics;
+pub mod prefill;
+pub mod proxy;
+pub mod pull;
+pub mod release;
+pub mod rewrite;
+pub mod routing;
+pub mod server;
+pub mod sglang;
+pub mod state;
+pub mod target;
+pub mod tls;
+pub mod upstream;
+pub mod xfer_link;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use anyhow::Context;
+
+use crate::config::{Config, Mode, ReleaseMethod};
+use crate::state::State;
+
+/// A running sidecar's address and shared state (tests read its metrics).
+#[derive(Debug)]
+pub struct Running {
+    pub addr: std::net::SocketAddr,
+    pub state: Arc<State>,
+}
+
+/// Builds the shared state from a configuration.
+pub fn build_state(cfg: Config) -> anyhow::Result<Arc<State>> {
+    let resolved = cfg.resolve()?;
+    let tls = tls::client_config(cfg.upstream_ca.as_deref()).context("upstream TLS")?;
+    let client = upstream::client(cfg.connect_timeout, tls);
+    let wants_xfer = cfg.mode == Mode::Pull || cfg.release_method == ReleaseMethod::Xfer;
+    let xfer = if wants_xfer {
+        Some(xfer_link::XferLink::new(&cfg.xfer_listen).context("starting the xfer agent")?)
+    } else {
+        None
+    };
+    let coordinator = match &cfg.coordinator {
+        Some(_) => Some(Arc::new(coordinator::Coordinator::new(&cfg, &resolved.engines[0])?)),
+        None => None,
+    };
+    let mut state = State::new(cfg, resolved, client, xfer);
+    state.coordinator = coordinator;
+    Ok(Arc::new(state))
+}
+
+/// Binds the listener and serves until `shutdown` resolves; `on_bound` learns the address
+/// (tests bind port 0).
+pub async fn run(
+    cfg: Config,
+    shutdown: impl Future<Output = ()>,
+    on_bound: impl FnOnce(&Running),
+) -> anyhow::Result<()> {
+    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(c), Some(k)) => Some(tls::server_config(c, k).context("listener TLS")?),
+        _ => None,
+    };
+    let listener =
+        tokio::net::TcpListener::bind(&cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    let drain = cfg.drain_timeout;
+    let state = build_state(cfg)?;
+    tracing::info!(
+        %addr,
+        mode = ?state.cfg.mode,
+        engines = state.engines.len(),
+        prefills = state.prefills.len(),
+        coordinator = state.cfg.coordinator.as_deref().unwrap_or("-"),
+        tls = tls.is_some(),
+        "pd-sidecar listening"
+    );
+    on_bound(&Running { addr, state: Arc::clone(&state) });
+    let link = tokio::spawn(coordinator::run(Arc::clone(&state)));
+    server::serve(listener, server::router(Arc::clone(&state)), tls, shutdown, drain).await;
+    coordinator::leave(&state).await;
+    link.abort();
+    Ok(())
+}

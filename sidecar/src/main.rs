@@ -1,1 +1,58 @@
-fn main() {}
+//! The sidecar: a decode-first P/D proxy next to one engine.
+
+use pd_sidecar::config::Config;
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,hyper=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = match Config::from_args(std::env::args().collect()) {
+        Ok(c) => c,
+        Err(pd_sidecar::config::ConfigError::Args(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("pd-sidecar: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cfg.workers {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = match rt.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pd-sidecar: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(pd_sidecar::run(cfg, shutdown_signal(), |r| {
+        // One line on stdout for launchers and tests that bind port 0.
+        println!("pd-sidecar listening on {}", r.addr);
+    }));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pd-sidecar: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down: draining requests in flight");
+}

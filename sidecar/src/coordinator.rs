@@ -1,0 +1,647 @@
+//! The coordinator link (coordinator/API.md): registration, heartbeats carrying the engine's
+//! load, a pairing per request, reports, and the notices heartbeats bring back (dead engines,
+//! releases). Every call is short and bounded; while the coordinator is unreachable the
+//! sidecar pairs from its last view of the engines, then from the static list.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{Method, StatusCode};
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use tokio::sync::mpsc;
+
+use crate::config::Config;
+use crate::errors::UpstreamError;
+use crate::load::{self, Load};
+use crate::metrics::{inc, Metrics};
+use crate::rewrite::Prompt;
+use crate::state::State;
+use crate::target::Target;
+use crate::upstream::{self, HttpClient};
+
+/// `EngineSpec` of the API (optional fields omitted when unset: the coordinator rejects
+/// unknown fields, so only these are ever sent).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct EngineSpec {
+    pub id: String,
+    pub role: &'static str,
+    pub node: String,
+    pub model: String,
+    pub engine_url: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sidecar_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub xfer_side_channel: Option<String>,
+    pub block_size: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity_blocks: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Registered {
+    engine: String,
+    #[serde(default)]
+    heartbeat_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct Notices {
+    #[serde(default)]
+    pub dead_engines: Vec<String>,
+    #[serde(default)]
+    pub release: Vec<ReleaseNotice>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ReleaseNotice {
+    pub request_id: String,
+    #[serde(default)]
+    pub prefill: Option<String>,
+    pub kv_transfer_params: Box<RawValue>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Endpoint {
+    pub id: String,
+    pub engine_url: String,
+    #[serde(default)]
+    pub sidecar_url: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PairDecision {
+    #[serde(default)]
+    pub prefill: Option<Endpoint>,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// What the sidecar takes from a pairing decision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Pairing {
+    /// Skip the prefill leg (the uncached part is short, or no prefill is worth it).
+    Local,
+    Prefill(Target),
+}
+
+#[derive(Serialize)]
+struct PairRequest<'a> {
+    request_id: &'a str,
+    model: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a [u32]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    local_engine: Option<&'a str>,
+}
+
+/// `Report` of the API.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub request_id: String,
+    pub event: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<Box<RawValue>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One engine of the coordinator's view.
+#[derive(Debug, Deserialize)]
+struct EngineView {
+    id: String,
+    #[serde(default)]
+    role: Option<String>,
+    engine_url: String,
+    #[serde(default)]
+    alive: Option<bool>,
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    liveness: Option<serde_json::Value>,
+}
+
+impl EngineView {
+    fn is_alive(&self) -> bool {
+        if let Some(a) = self.alive {
+            return a;
+        }
+        let dead = |s: &str| s.to_ascii_lowercase().contains("dead");
+        !(self.state.as_deref().is_some_and(dead) || self.liveness.as_ref().is_some_and(|l| dead(&l.to_string())))
+    }
+
+    fn prefills(&self) -> bool {
+        self.role.as_deref().is_none_or(|r| r == "prefill" || r == "both")
+    }
+}
+
+#[derive(Debug)]
+pub struct Coordinator {
+    base: Target,
+    timeout: Duration,
+    backoff: Duration,
+    spec: EngineSpec,
+    pairing: bool,
+    bootstrap_port: u16,
+    /// The id the coordinator confirmed at registration.
+    engine: RwLock<Option<String>>,
+    heartbeat: Mutex<Duration>,
+    /// While set and in the future, calls on the request path are skipped.
+    down_until: Mutex<Option<Instant>>,
+    /// Prefill-capable engines alive at the last successful `GET /v1/engines`.
+    view: RwLock<Vec<Target>>,
+    reports: mpsc::Sender<Report>,
+    report_rx: Mutex<Option<mpsc::Receiver<Report>>>,
+    stopping: AtomicBool,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+impl Coordinator {
+    pub fn new(cfg: &Config, engine: &Target) -> Result<Coordinator, crate::target::TargetError> {
+        let base = Target::parse(cfg.coordinator.as_deref().unwrap_or_default(), "http", None)?;
+        let node = cfg.node.clone().unwrap_or_else(hostname);
+        let port = cfg.listen.rsplit(':').next().unwrap_or("0");
+        let spec = EngineSpec {
+            id: cfg.engine_id.clone().unwrap_or_else(|| format!("{node}:{port}")),
+            role: cfg.role.as_str(),
+            node,
+            model: cfg.model.clone().unwrap_or_default(),
+            engine_url: cfg.advertise_engine_url.clone().unwrap_or_else(|| engine.base.clone()),
+            sidecar_url: cfg.advertise_url.clone(),
+            kv_events: cfg.kv_events.clone(),
+            replay: cfg.kv_events_replay.clone(),
+            xfer_side_channel: cfg.xfer_side_channel.clone(),
+            block_size: u32::try_from(cfg.block_size).unwrap_or(u32::MAX),
+            capacity_blocks: cfg.capacity_blocks,
+        };
+        let (tx, rx) = mpsc::channel(4096);
+        Ok(Coordinator {
+            base,
+            timeout: cfg.coordinator_timeout,
+            backoff: cfg.coordinator_backoff,
+            spec,
+            pairing: !cfg.no_pairing,
+            bootstrap_port: cfg.bootstrap_port,
+            engine: RwLock::new(None),
+            heartbeat: Mutex::new(Duration::from_secs(1)),
+            down_until: Mutex::new(None),
+            view: RwLock::new(Vec::new()),
+            reports: tx,
+            report_rx: Mutex::new(Some(rx)),
+            stopping: AtomicBool::new(false),
+        })
+    }
+
+    pub fn spec(&self) -> &EngineSpec {
+        &self.spec
+    }
+
+    /// The id this sidecar's engine has at the coordinator.
+    pub fn engine_id(&self) -> String {
+        self.engine.read().clone().unwrap_or_else(|| self.spec.id.clone())
+    }
+
+    fn is_down(&self) -> bool {
+        self.down_until.lock().is_some_and(|t| Instant::now() < t)
+    }
+
+    fn mark_down(&self, metrics: &Metrics, why: &str) {
+        inc(&metrics.coordinator_errors);
+        let mut d = self.down_until.lock();
+        if d.is_none_or(|t| Instant::now() >= t) {
+            tracing::warn!(coordinator = %self.base.base, %why, "coordinator unreachable; using the last view and the static list");
+        }
+        *d = Some(Instant::now() + self.backoff);
+    }
+
+    fn mark_up(&self) {
+        *self.down_until.lock() = None;
+    }
+
+    /// The last view's prefill engines (empty when never fetched).
+    pub fn view(&self) -> Vec<Target> {
+        self.view.read().clone()
+    }
+
+    async fn call(
+        &self,
+        client: &HttpClient,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(StatusCode, bytes::Bytes), UpstreamError> {
+        let req = upstream::json_request(method, &self.base.url(path), body)
+            .map_err(|e| UpstreamError::Io { target: self.base.base.clone(), reason: e.to_string() })?;
+        let started = Instant::now();
+        let resp = upstream::send(client, &self.base, req, self.timeout).await?;
+        let status = resp.status();
+        let left = self.timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+        let body = upstream::collect(&self.base, resp.into_body(), 4 << 20, left).await?;
+        Ok((status, body))
+    }
+
+    /// Asks for a pairing; `None` when pairing is off, the coordinator is down or has no
+    /// answer (the caller falls back to the view or the static list).
+    pub async fn pair(
+        &self,
+        state: &State,
+        request_id: &str,
+        model: Option<&str>,
+        prompt: Option<&Prompt>,
+    ) -> Option<Pairing> {
+        if !self.pairing || self.is_down() {
+            return None;
+        }
+        let (token_ids, text) = match prompt {
+            Some(Prompt::Tokens(t)) => (Some(t.as_slice()), None),
+            Some(Prompt::Text(s)) => (None, Some(s.as_str())),
+            None => (None, None),
+        };
+        let engine = self.engine_id();
+        let req = PairRequest {
+            request_id,
+            model: model.unwrap_or(&self.spec.model),
+            token_ids,
+            prompt: text,
+            prompt_tokens: prompt.map(|p| p.estimated_tokens(state.cfg.chars_per_token)),
+            local_engine: Some(&engine),
+        };
+        let body = serde_json::to_vec(&req).ok()?;
+        match self.call(&state.client, Method::POST, "/v1/pair", Some(body)).await {
+            Ok((s, body)) if s.is_success() => {
+                self.mark_up();
+                let d: PairDecision = match serde_json::from_slice(&body) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        self.mark_down(&state.metrics, &format!("unreadable pairing: {e}"));
+                        return None;
+                    }
+                };
+                inc(&state.metrics.pairings);
+                Some(decision(d, &state.cfg.prefill_scheme, self.bootstrap_port))
+            }
+            // 503: no live decode for the model; the coordinator works, we just decide alone.
+            Ok((s, _)) if s == StatusCode::SERVICE_UNAVAILABLE => None,
+            Ok((s, _)) => {
+                self.mark_down(&state.metrics, &format!("pairing answered {s}"));
+                None
+            }
+            Err(e) => {
+                self.mark_down(&state.metrics, &e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Queues a report (never waits; dropped when the queue is full or the link is down).
+    pub fn report(&self, metrics: &Metrics, report: Report) {
+        if self.reports.try_send(report).is_err() {
+            inc(&metrics.reports_dropped);
+        }
+    }
+
+    pub fn stop(&self) {
+        self.stopping.store(true, Relaxed);
+    }
+
+    async fn register(&self, client: &HttpClient) -> Result<(), String> {
+        let body = serde_json::to_vec(&self.spec).map_err(|e| e.to_string())?;
+        let (status, body) =
+            self.call(client, Method::POST, "/v1/engines", Some(body)).await.map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("registration answered {status}: {}", String::from_utf8_lossy(&body)));
+        }
+        let r: Registered = serde_json::from_slice(&body).map_err(|e| format!("unreadable registration: {e}"))?;
+        if let Some(ms) = r.heartbeat_ms.filter(|&ms| ms > 0) {
+            *self.heartbeat.lock() = Duration::from_millis(ms.clamp(50, 60_000));
+        }
+        tracing::info!(engine = %r.engine, "registered with the coordinator");
+        *self.engine.write() = Some(r.engine);
+        Ok(())
+    }
+
+    async fn refresh_view(&self, client: &HttpClient, scheme: &str) -> Result<(), String> {
+        let (status, body) = self.call(client, Method::GET, "/v1/engines", None).await.map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("engine list answered {status}"));
+        }
+        let views: Vec<EngineView> = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        let own = self.engine_id();
+        let targets = views
+            .iter()
+            .filter(|v| v.is_alive() && v.prefills() && v.id != own)
+            .filter_map(|v| {
+                let mut t = Target::parse(&v.engine_url, scheme, Some(self.bootstrap_port)).ok()?;
+                t.id = Some(v.id.clone());
+                Some(t)
+            })
+            .collect();
+        *self.view.write() = targets;
+        Ok(())
+    }
+}
+
+fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16) -> Pairing {
+    let local = d.reason.as_deref() == Some("local_prefill");
+    match d.prefill {
+        Some(p) if !local => match Target::parse(&p.engine_url, scheme, Some(bootstrap_port)) {
+            Ok(mut t) => {
+                t.id = Some(p.id);
+                Pairing::Prefill(t)
+            }
+            Err(_) => Pairing::Local,
+        },
+        _ => Pairing::Local,
+    }
+}
+
+/// The link's background work: register, heartbeat with load, act on notices, refresh the
+/// view, and send queued reports. Ends when [`Coordinator::stop`] is called.
+pub async fn run(state: Arc<State>) {
+    let Some(c) = state.coordinator.clone() else { return };
+    if let Some(rx) = c.report_rx.lock().take() {
+        tokio::spawn(send_reports(Arc::clone(&state), rx));
+    }
+    let mut registered = false;
+    let mut beats: u64 = 0;
+    while !c.stopping.load(Relaxed) {
+        let interval = *c.heartbeat.lock();
+        if !registered {
+            match c.register(&state.client).await {
+                Ok(()) => {
+                    registered = true;
+                    c.mark_up();
+                    beats = 0;
+                }
+                Err(e) => c.mark_down(&state.metrics, &e),
+            }
+        }
+        if registered {
+            let load = engine_load(&state).await;
+            match heartbeat(&c, &state, load).await {
+                Ok(Some(notices)) => handle_notices(&state, &c, notices),
+                Ok(None) => registered = false, // 404: re-register at once
+                Err(e) => c.mark_down(&state.metrics, &e),
+            }
+            if beats.is_multiple_of(5) {
+                if let Err(e) = c.refresh_view(&state.client, &state.cfg.prefill_scheme).await {
+                    tracing::debug!(%e, "cannot refresh the engine view");
+                }
+            }
+            beats += 1;
+            if !registered {
+                continue;
+            }
+        }
+        let pause = if registered { interval } else { interval.max(Duration::from_secs(1)) };
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// Leaves the coordinator gracefully (bounded).
+pub async fn leave(state: &State) {
+    let Some(c) = &state.coordinator else { return };
+    c.stop();
+    let Some(id) = c.engine.read().clone() else { return };
+    let _ = c.call(&state.client, Method::DELETE, &format!("/v1/engines/{id}"), None).await;
+}
+
+async fn heartbeat(c: &Coordinator, state: &State, load: Load) -> Result<Option<Notices>, String> {
+    #[derive(Serialize)]
+    struct Beat {
+        load: Load,
+    }
+    let id = c.engine_id();
+    let body = serde_json::to_vec(&Beat { load }).map_err(|e| e.to_string())?;
+    let (status, body) = c
+        .call(&state.client, Method::POST, &format!("/v1/engines/{id}/heartbeat"), Some(body))
+        .await
+        .map_err(|e| e.to_string())?;
+    if status == StatusCode::NOT_FOUND {
+        return Ok(None);
+    }
+    if !status.is_success() {
+        return Err(format!("heartbeat answered {status}"));
+    }
+    c.mark_up();
+    if body.is_empty() {
+        return Ok(Some(Notices::default()));
+    }
+    serde_json::from_slice(&body).map(Some).map_err(|e| format!("unreadable notices: {e}"))
+}
+
+fn handle_notices(state: &Arc<State>, c: &Coordinator, notices: Notices) {
+    for id in &notices.dead_engines {
+        inc(&state.metrics.notices_dead_engines);
+        tracing::warn!(engine = %id, "coordinator reports engine dead");
+        state.dead.mark(id);
+        if let Some(t) = c.view.read().iter().find(|t| t.id.as_deref() == Some(id)) {
+            state.dead.mark(&t.base);
+        }
+    }
+    for r in notices.release {
+        let state = Arc::clone(state);
+        tokio::spawn(async move {
+            let outcome = crate::release::release(&state, &r.request_id, r.kv_transfer_params.get(), None, None).await;
+            if let Err(e) = outcome {
+                tracing::warn!(request_id = %r.request_id, prefill = ?r.prefill, %e, "release from a notice failed");
+            }
+        });
+    }
+}
+
+/// The engine's load over all ranks (bounded by the coordinator timeout).
+async fn engine_load(state: &State) -> Load {
+    let mut loads = Vec::with_capacity(state.engines.len());
+    for t in state.engines.all() {
+        let Ok(req) = upstream::json_request(Method::GET, &t.url("/metrics"), None) else { continue };
+        let timeout = state.cfg.coordinator_timeout.max(Duration::from_millis(500));
+        let Ok(resp) = upstream::send(&state.client, t, req, timeout).await else { continue };
+        if !resp.status().is_success() {
+            continue;
+        }
+        if let Ok(body) = upstream::collect(t, resp.into_body(), 16 << 20, timeout).await {
+            loads.push(load::parse(&String::from_utf8_lossy(&body)));
+        }
+    }
+    load::combine(&loads)
+}
+
+async fn send_reports(state: Arc<State>, mut rx: mpsc::Receiver<Report>) {
+    let Some(c) = state.coordinator.clone() else { return };
+    let limit = Arc::new(tokio::sync::Semaphore::new(16));
+    while let Some(report) = rx.recv().await {
+        if c.is_down() {
+            inc(&state.metrics.reports_dropped);
+            continue;
+        }
+        let Ok(permit) = Arc::clone(&limit).acquire_owned().await else { return };
+        let (state, c) = (Arc::clone(&state), Arc::clone(&c));
+        tokio::spawn(async move {
+            let _permit = permit;
+            let Ok(body) = serde_json::to_vec(&report) else { return };
+            match c.call(&state.client, Method::POST, "/v1/report", Some(body)).await {
+                Ok((s, _)) if s.is_success() => {}
+                Ok((s, b)) => {
+                    inc(&state.metrics.reports_dropped);
+                    tracing::debug!(status = %s, body = %String::from_utf8_lossy(&b), "report refused");
+                }
+                Err(e) => c.mark_down(&state.metrics, &e.to_string()),
+            }
+        });
+    }
+}
+
+/// A request's reports to the coordinator; a reporter dropped without an ending reports
+/// `failed`.
+#[derive(Debug)]
+pub struct Reporter {
+    c: Arc<Coordinator>,
+    metrics: Arc<Metrics>,
+    request_id: String,
+    done: bool,
+}
+
+impl Reporter {
+    pub fn new(state: &State, request_id: &str) -> Option<Reporter> {
+        let c = state.coordinator.as_ref()?;
+        Some(Reporter {
+            c: Arc::clone(c),
+            metrics: Arc::clone(&state.metrics),
+            request_id: request_id.to_string(),
+            done: false,
+        })
+    }
+
+    fn send(&self, event: &'static str, engine: Option<String>, params: Option<&str>, error: Option<&str>) {
+        let kv_transfer_params = params.and_then(|p| RawValue::from_string(p.to_string()).ok());
+        self.c.report(
+            &self.metrics,
+            Report {
+                request_id: self.request_id.clone(),
+                event,
+                engine,
+                kv_transfer_params,
+                error: error.map(String::from),
+            },
+        );
+    }
+
+    /// The prefill holds the KV under `params` (so the coordinator can release it if this
+    /// decode dies).
+    pub fn prefill_done(&self, prefill_engine: Option<&str>, params: &str) {
+        self.send("prefill_done", prefill_engine.map(String::from), Some(params), None);
+    }
+
+    pub fn finished(mut self) {
+        self.done = true;
+        self.send("finished", Some(self.c.engine_id()), None, None);
+    }
+
+    pub fn failed(mut self, error: &str) {
+        self.done = true;
+        self.send("failed", Some(self.c.engine_id()), None, Some(error));
+    }
+}
+
+impl Drop for Reporter {
+    fn drop(&mut self) {
+        if !self.done {
+            self.send("failed", Some(self.c.engine_id()), None, Some("request dropped"));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decisions_and_views() {
+        let d: PairDecision = serde_json::from_str(
+            r#"{"request_id": "r", "decode": {"id": "d0", "engine_url": "http://d:1", "node": "n"},
+                "prefill": {"id": "p0", "engine_url": "http://10.0.0.5:8100", "node": "n"},
+                "decode_overlap_blocks": 0, "prefill_overlap_blocks": 3, "reason": "disaggregated"}"#,
+        )
+        .unwrap();
+        let Pairing::Prefill(t) = decision(d, "http", 8998) else { panic!() };
+        assert_eq!(
+            (t.base.as_str(), t.id.as_deref(), t.bootstrap_port),
+            ("http://10.0.0.5:8100", Some("p0"), Some(8998))
+        );
+        let local: PairDecision = serde_json::from_str(
+            r#"{"request_id": "r", "decode": {"id": "d0", "engine_url": "http://d:1", "node": "n"}, "prefill": null,
+                "decode_overlap_blocks": 9, "prefill_overlap_blocks": 0, "reason": "local_prefill"}"#,
+        )
+        .unwrap();
+        assert_eq!(decision(local, "http", 1), Pairing::Local);
+
+        let views: Vec<EngineView> = serde_json::from_str(
+            r#"[{"id": "a", "role": "prefill", "engine_url": "http://a:1", "alive": true},
+                {"id": "b", "role": "decode", "engine_url": "http://b:1"},
+                {"id": "c", "role": "both", "engine_url": "http://c:1", "state": "Dead"},
+                {"id": "e", "engine_url": "http://e:1", "liveness": {"dead": {"since_ms": 3}}}]"#,
+        )
+        .unwrap();
+        let usable: Vec<&str> = views.iter().filter(|v| v.is_alive() && v.prefills()).map(|v| v.id.as_str()).collect();
+        assert_eq!(usable, ["a"]);
+    }
+
+    #[test]
+    fn wire_shapes() {
+        let spec = EngineSpec {
+            id: "n:8000".into(),
+            role: "decode",
+            node: "n".into(),
+            model: "m".into(),
+            engine_url: "http://127.0.0.1:8200".into(),
+            sidecar_url: None,
+            kv_events: None,
+            replay: None,
+            xfer_side_channel: None,
+            block_size: 16,
+            capacity_blocks: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&spec).unwrap(),
+            r#"{"id":"n:8000","role":"decode","node":"n","model":"m","engine_url":"http://127.0.0.1:8200","block_size":16}"#
+        );
+        let params = RawValue::from_string(r#"{"b": 1.00000000000000000001, "a": 2}"#.into()).unwrap();
+        let r = Report {
+            request_id: "r".into(),
+            event: "prefill_done",
+            engine: Some("p0".into()),
+            kv_transfer_params: Some(params),
+            error: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"request_id":"r","event":"prefill_done","engine":"p0","kv_transfer_params":{"b": 1.00000000000000000001, "a": 2}}"#
+        );
+        let n: Notices = serde_json::from_str(
+            r#"{"dead_engines": ["p1"], "release": [{"request_id": "r", "prefill": "p1", "kv_transfer_params": {"x": 1}}]}"#,
+        )
+        .unwrap();
+        assert_eq!((n.dead_engines.len(), n.release[0].kv_transfer_params.get()), (1, r#"{"x": 1}"#));
+    }
+}

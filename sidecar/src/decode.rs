@@ -1,0 +1,352 @@
+//! The decode leg on the local engine: pick a rank (another one if the first cannot be reached),
+//! wait — bounded — for the response head and its first body byte, then relay the body to the
+//! client frame by frame, cutting a stream that goes idle. The release guard of the prefill's
+//! blocks is disarmed only once the decode produced output (it then has pulled them).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, Response, StatusCode};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+
+use crate::coordinator::Reporter;
+use crate::errors::{ApiError, UpstreamError};
+use crate::metrics::{inc, Metrics, Outcome, Phase, Tracker};
+use crate::release::ReleaseGuard;
+use crate::state::State;
+use crate::upstream::{self, LegHeaders};
+
+/// One decode call.
+#[derive(Debug)]
+pub struct DecodeCall<'a> {
+    /// Path and query, as the client sent them.
+    pub path: &'a str,
+    pub headers: &'a HeaderMap,
+    pub request_id: &'a str,
+    pub body: Bytes,
+    /// The body differs from the client's (content-length must be recomputed).
+    pub rewritten: bool,
+    /// When the prefill answered (times the KV handoff).
+    pub prefilled_at: Option<Instant>,
+}
+
+/// What the request carries to its end: its bookkeeping, the blocks to free if the decode does
+/// not happen, and the coordinator's reports.
+#[derive(Debug)]
+pub struct Finish {
+    pub tracker: Tracker,
+    pub release: Option<ReleaseGuard>,
+    pub reporter: Option<Reporter>,
+}
+
+impl Finish {
+    pub fn fail(self, error: &ApiError) -> Response<Body> {
+        if let Some(r) = self.reporter {
+            r.failed(&error.message);
+        }
+        // `release` (if still armed) frees the prefill's blocks as it drops here.
+        drop(self.release);
+        self.tracker.finish(error.outcome());
+        error.response()
+    }
+}
+
+/// The decode's response head and first body frame.
+#[derive(Debug)]
+pub struct Opened {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub incoming: Incoming,
+    pub first: Option<Frame<Bytes>>,
+    pub sse: bool,
+}
+
+/// Sends the decode call (another rank when one cannot be reached) and waits, within the
+/// first-byte timeout, for the head and the first body frame.
+pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiError> {
+    let started = Instant::now();
+    let first_byte = state.cfg.decode_first_byte_timeout;
+    let headers = upstream::leg_headers(
+        call.headers,
+        LegHeaders {
+            request_id: call.request_id,
+            authorization: state.upstream_auth.as_ref(),
+            rewritten: call.rewritten,
+            identity: false,
+        },
+        &[],
+    );
+    let mut tried = Vec::with_capacity(state.engines.len());
+    let (resp, _rank) = loop {
+        let Some(rank) = state.engines.pick(&tried) else {
+            return Err(ApiError::unavailable("the decode engine is unavailable"));
+        };
+        let target = state.engines.rank(rank.index).clone();
+        let req = upstream::post(&target, call.path, headers.clone(), call.body.clone());
+        let left = first_byte.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+        match upstream::send(&state.client, &target, req, left).await {
+            Ok(r) => break (r, rank),
+            Err(e @ UpstreamError::Connect { .. }) => {
+                tried.push(rank.index);
+                if tried.len() < state.engines.len() {
+                    inc(&state.metrics.decode_rank_failovers);
+                    tracing::warn!(engine = %target.base, %e, "decode rank unreachable; trying another");
+                    continue;
+                }
+                tracing::error!(engine = %target.base, %e, "decode engine unreachable");
+                return Err(ApiError::unavailable(format!("the decode engine is unavailable: {e}")));
+            }
+            Err(e @ UpstreamError::Timeout { .. }) => {
+                return Err(ApiError::gateway_timeout(format!(
+                    "the decode engine did not answer within {:.3} s: {e}",
+                    first_byte.as_secs_f64()
+                )));
+            }
+            Err(e) => return Err(ApiError::bad_gateway(format!("the decode engine failed: {e}"))),
+        }
+    };
+    if let Some(at) = call.prefilled_at {
+        state.metrics.phase(Phase::KvHandoff).since(at);
+    }
+    let status = resp.status();
+    let (parts, mut incoming) = resp.into_parts();
+    let headers = upstream::response_headers(&parts.headers);
+    let sse = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let left = first_byte.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+    let first = match tokio::time::timeout(left, next_data_frame(&mut incoming)).await {
+        Err(_) => {
+            return Err(ApiError::gateway_timeout(format!(
+                "the decode engine sent no output within {:.3} s",
+                first_byte.as_secs_f64()
+            )))
+        }
+        Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("the decode engine broke off its response: {e}"))),
+        Ok(Ok(frame)) => frame,
+    };
+    state.metrics.phase(Phase::DecodeFirstByte).since(started);
+    Ok(Opened { status, headers, incoming, first, sse })
+}
+
+/// The outcome a decode answer's status counts as.
+pub fn outcome_of(status: StatusCode) -> Outcome {
+    if status.is_success() {
+        Outcome::Ok
+    } else if status.is_client_error() {
+        Outcome::ClientError
+    } else {
+        Outcome::EngineError
+    }
+}
+
+/// Relays an opened decode response to the client; `fin` settles when the body ends or the
+/// client leaves.
+pub fn relay(state: &State, opened: Opened, fin: Finish) -> Response<Body> {
+    let relay = Relay {
+        first: opened.first,
+        inner: opened.incoming,
+        idle: state.cfg.stream_idle_timeout,
+        last_activity: Instant::now(),
+        timer: Box::pin(tokio::time::sleep(state.cfg.stream_idle_timeout)),
+        sse: opened.sse,
+        outcome: outcome_of(opened.status),
+        fin: Some(fin),
+        metrics: Arc::clone(&state.metrics),
+        ended: false,
+    };
+    let mut r = Response::new(Body::new(relay));
+    *r.status_mut() = opened.status;
+    *r.headers_mut() = opened.headers;
+    r
+}
+
+/// The whole decode leg of a vLLM-style request.
+pub async fn run(state: &Arc<State>, call: DecodeCall<'_>, mut fin: Finish) -> Response<Body> {
+    let opened = match open(state, &call).await {
+        Ok(o) => o,
+        Err(e) => return fin.fail(&e),
+    };
+    if opened.status.is_success() {
+        // Output exists, so the engine has the KV: the prefill's blocks are its business now.
+        if let Some(g) = fin.release.as_mut() {
+            g.disarm();
+        }
+    } else {
+        tracing::warn!(status = %opened.status, "decode engine answered an error");
+        // The decode did not use the blocks: free them now.
+        drop(fin.release.take());
+    }
+    relay(state, opened, fin)
+}
+
+/// The next frame carrying data (trailers pass as frames too), or `None` at the end.
+async fn next_data_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hyper::Error> {
+    loop {
+        match std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(e),
+            Some(Ok(f)) => {
+                if f.data_ref().is_some_and(Bytes::is_empty) {
+                    continue;
+                }
+                return Ok(Some(f));
+            }
+        }
+    }
+}
+
+/// The decode's body on its way to the client: frames pass unchanged; silence longer than
+/// `idle` ends it (with an SSE error event when streaming); its end or its drop (the client
+/// left) settles the request's outcome and reports.
+struct Relay {
+    first: Option<Frame<Bytes>>,
+    inner: Incoming,
+    idle: Duration,
+    last_activity: Instant,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    sse: bool,
+    outcome: Outcome,
+    fin: Option<Finish>,
+    metrics: Arc<Metrics>,
+    ended: bool,
+}
+
+impl Relay {
+    /// A body of known length may not be polled to its end: settle on its last frame.
+    fn settle_if_done(&mut self) {
+        if self.inner.is_end_stream() {
+            let outcome = self.outcome;
+            self.settle(outcome, None);
+        }
+    }
+
+    fn settle(&mut self, outcome: Outcome, error: Option<&str>) {
+        self.ended = true;
+        if let Some(fin) = self.fin.take() {
+            if let Some(r) = fin.reporter {
+                match error {
+                    None if outcome == Outcome::Ok => r.finished(),
+                    None => r.failed(&format!("decode answered {outcome:?}")),
+                    Some(e) => r.failed(e),
+                }
+            }
+            drop(fin.release);
+            fin.tracker.finish(outcome);
+        }
+    }
+}
+
+impl HttpBody for Relay {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if let Some(f) = this.first.take() {
+            this.last_activity = Instant::now();
+            this.settle_if_done();
+            return Poll::Ready(Some(Ok(f)));
+        }
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(f))) => {
+                this.last_activity = Instant::now();
+                this.settle_if_done();
+                Poll::Ready(Some(Ok(f)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                let msg = format!("the decode engine broke off its response: {e}");
+                this.settle(Outcome::EngineError, Some(&msg));
+                Poll::Ready(Some(Err(msg.into())))
+            }
+            Poll::Ready(None) => {
+                let outcome = this.outcome;
+                this.settle(outcome, None);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                // The timer is moved only when it fires early (cheaper than per frame).
+                loop {
+                    let deadline = this.last_activity + this.idle;
+                    if this.timer.deadline().into_std() < deadline {
+                        this.timer.as_mut().reset(deadline.into());
+                    }
+                    if this.timer.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    if Instant::now() >= this.last_activity + this.idle {
+                        break;
+                    }
+                }
+                inc(&this.metrics.stream_idle_timeouts);
+                let msg = format!("the decode stream was idle for {:.3} s", this.idle.as_secs_f64());
+                tracing::warn!("{msg}; cutting it");
+                this.settle(Outcome::Timeout, Some(&msg));
+                if this.sse {
+                    let event = ApiError::gateway_timeout(msg).body();
+                    let mut chunk = Vec::with_capacity(event.len() + 8);
+                    chunk.extend_from_slice(b"data: ");
+                    chunk.extend_from_slice(&event);
+                    chunk.extend_from_slice(b"\n\n");
+                    Poll::Ready(Some(Ok(Frame::data(Bytes::from(chunk)))))
+                } else {
+                    Poll::Ready(Some(Err(msg.into())))
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none() && (self.ended || self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let inner = self.inner.size_hint();
+        match self.first.as_ref().and_then(Frame::data_ref) {
+            None => inner,
+            Some(d) => {
+                let n = d.len() as u64;
+                let mut h = SizeHint::new();
+                h.set_lower(inner.lower() + n);
+                if let Some(u) = inner.upper() {
+                    h.set_upper(u + n);
+                }
+                h
+            }
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if !self.ended {
+            // The client went away mid-stream; dropping `inner` closes the engine's connection,
+            // which aborts the request there.
+            if let Some(fin) = self.fin.take() {
+                if let Some(r) = fin.reporter {
+                    r.failed("client disconnected");
+                }
+                drop(fin.release);
+                drop(fin.tracker); // counts as cancelled
+            }
+        }
+    }
+}
+
+/// A response that streams `incoming` back unchanged (pass-through paths).
+pub fn passthrough(status: StatusCode, headers: &HeaderMap, incoming: Incoming) -> Response<Body> {
+    let mut r = Response::new(Body::new(incoming));
+    *r.status_mut() = status;
+    *r.headers_mut() = upstream::response_headers(headers);
+    r
+}

@@ -1,0 +1,125 @@
+//! Errors of each leg (`thiserror`), and the one place they become HTTP: OpenAI-style JSON
+//! `{"error": {"message", "type", "param", "code"}}` as vLLM writes it.
+
+use axum::body::Body;
+use http::{header, Response, StatusCode};
+use serde::Serialize;
+
+use crate::metrics::Outcome;
+
+/// What can go wrong talking to an upstream (engine, prefill, coordinator).
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("cannot connect to {target}: {reason}")]
+    Connect { target: String, reason: String },
+    #[error("{target} did not answer within {secs:.3} s")]
+    Timeout { target: String, secs: f64 },
+    #[error("{target}: {reason}")]
+    Io { target: String, reason: String },
+    #[error("{target}: response body larger than {limit} bytes")]
+    TooLarge { target: String, limit: usize },
+}
+
+impl UpstreamError {
+    /// Whether nothing reached the upstream (a retry elsewhere is always safe).
+    pub fn is_connect(&self) -> bool {
+        matches!(self, UpstreamError::Connect { .. })
+    }
+}
+
+/// An error answered to the client by the sidecar itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into() }
+    }
+
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, message)
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
+
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, message)
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 => "BadRequestError",
+            401 => "AuthenticationError",
+            404 => "NotFoundError",
+            413 => "RequestTooLargeError",
+            502 => "BadGatewayError",
+            503 => "ServiceUnavailableError",
+            504 => "GatewayTimeoutError",
+            _ => "InternalServerError",
+        }
+    }
+
+    /// The outcome a request answered with this error counts as.
+    pub fn outcome(&self) -> Outcome {
+        match self.status.as_u16() {
+            401 => Outcome::Unauthorized,
+            504 => Outcome::Timeout,
+            502 => Outcome::PrefillFailed,
+            503 => Outcome::DecodeUnavailable,
+            400..=499 => Outcome::ClientError,
+            _ => Outcome::EngineError,
+        }
+    }
+
+    pub fn body(&self) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct Fields<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: u16,
+        }
+        #[derive(Serialize)]
+        struct Envelope<'a> {
+            error: Fields<'a>,
+        }
+        serde_json::to_vec(&Envelope {
+            error: Fields { message: &self.message, kind: self.kind(), param: None, code: self.status.as_u16() },
+        })
+        .expect("serialising an error cannot fail")
+    }
+
+    pub fn response(&self) -> Response<Body> {
+        let mut r = Response::new(Body::from(self.body()));
+        *r.status_mut() = self.status;
+        r.headers_mut().insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_shape() {
+        let e = ApiError::unavailable("decode engine down");
+        let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"error": {"message": "decode engine down", "type": "ServiceUnavailableError", "param": null, "code": 503}})
+        );
+        assert_eq!(e.response().status(), 503);
+        assert_eq!(ApiError::gateway_timeout("x").outcome(), Outcome::Timeout);
+        assert_eq!(ApiError::new(StatusCode::UNAUTHORIZED, "x").response().headers()["www-authenticate"], "Bearer");
+    }
+}

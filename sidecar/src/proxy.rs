@@ -1,0 +1,266 @@
+//! One generation request from arrival to response, in the decode-first shape: plan the
+//! prefill, run the prefill leg (vLLM), optionally pull the blocks ourselves (pull mode), run
+//! the decode leg on the local engine and relay its body; failures follow the configured
+//! policy. SGLang requests go to [`crate::sglang`].
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, Response};
+use tracing::Instrument;
+
+use crate::config::{Fallback, Mode};
+use crate::coordinator::Reporter;
+use crate::decode::{self, DecodeCall, Finish};
+use crate::errors::ApiError;
+use crate::json::Object;
+use crate::metrics::{inc, LocalReason, Outcome, Tracker};
+use crate::prefill::{self, Prefilled};
+use crate::release::ReleaseGuard;
+use crate::rewrite::{self, Api};
+use crate::routing::{self, Plan};
+use crate::state::State;
+use crate::upstream::REQUEST_ID;
+
+/// The client's `X-Request-Id` when it is usable, else a fresh one.
+pub fn request_id(state: &State, headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(String::from)
+        .unwrap_or_else(|| state.ids.request_id())
+}
+
+pub async fn generation(state: Arc<State>, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    let rid = request_id(&state, &headers);
+    let span = tracing::info_span!("request", request_id = %rid, api = api.name());
+    async {
+        let tracker = Tracker::new(&state.metrics);
+        if state.cfg.mode == Mode::Sglang {
+            return crate::sglang::run(&state, api, &path, &headers, &rid, body, tracker).await;
+        }
+        vllm(&state, api, &path, &headers, &rid, body, tracker).await
+    }
+    .instrument(span)
+    .await
+}
+
+async fn vllm(
+    state: &Arc<State>,
+    api: Api,
+    path: &str,
+    headers: &HeaderMap,
+    rid: &str,
+    body: Bytes,
+    tracker: Tracker,
+) -> Response<Body> {
+    let reporter = Reporter::new(state, rid);
+    let object = match Object::parse(&body) {
+        Ok(o) => o,
+        // Not a JSON object: the engine explains the problem to the client.
+        Err(_) => return local(state, path, headers, rid, &body, None, tracker, reporter, None).await,
+    };
+    let plan = routing::plan(state, headers, &object, api, rid).await;
+    let candidates = match plan {
+        Plan::Local(reason) => {
+            return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await
+        }
+        Plan::Prefill(c) => c,
+    };
+    let prefilled = prefill_detached(state, candidates, path, headers, rid, &object, &body).await;
+    let prefilled_at = Instant::now();
+    let (params, target) = match prefilled {
+        Prefilled::Params { params, target } => (params, target),
+        Prefilled::ClientError(resp) => {
+            if let Some(r) = reporter {
+                r.failed(&format!("prefill answered {}", resp.status()));
+            }
+            tracker.finish(Outcome::ClientError);
+            return resp;
+        }
+        Prefilled::BadBody { target, reason } => {
+            let e =
+                ApiError::bad_gateway(format!("prefill {} answered a body that is not JSON: {reason}", target.name()));
+            return fail(e, tracker, reporter);
+        }
+        Prefilled::NullParams { target } => {
+            tracing::warn!(prefill = %target.name(), "prefill returned kv_transfer_params: null");
+            if state.cfg.null_params == Fallback::Local {
+                return local(
+                    state,
+                    path,
+                    headers,
+                    rid,
+                    &body,
+                    Some(&object),
+                    tracker,
+                    reporter,
+                    Some(LocalReason::NullParams),
+                )
+                .await;
+            }
+            let e = ApiError::bad_gateway(format!(
+                "prefill {} returned no kv_transfer_params (the request stopped early or was aborted)",
+                target.name()
+            ));
+            return fail(e, tracker, reporter);
+        }
+        Prefilled::Failed(e) => {
+            if state.cfg.fallback == Fallback::Local {
+                tracing::warn!(error = %e.message, "no prefill; computing the prompt locally");
+                return local(
+                    state,
+                    path,
+                    headers,
+                    rid,
+                    &body,
+                    Some(&object),
+                    tracker,
+                    reporter,
+                    Some(LocalReason::PrefillFailed),
+                )
+                .await;
+            }
+            return fail(e, tracker, reporter);
+        }
+    };
+    inc(&state.metrics.disaggregated);
+    if let Some(r) = &reporter {
+        r.prefill_done(target.id.as_deref(), &params);
+    }
+    let mut guard = ReleaseGuard::new(state, rid, &params, body.clone(), path);
+    let mut decode_params = params;
+    if state.cfg.mode == Mode::Pull {
+        let span = tracing::info_span!("pull");
+        match crate::pull::run(state, &object, path, rid, &decode_params).instrument(span).await {
+            Ok(reservation) => {
+                // The prefill was told we are done; now the reservation is what is held.
+                guard = ReleaseGuard::new(state, rid, &reservation, body.clone(), path).decode_only();
+                decode_params = reservation;
+            }
+            Err(e) => tracing::warn!(%e, "sidecar pull failed; the engine pulls itself"),
+        }
+    }
+    let decode_body = Bytes::from(rewrite::decode_body(&object, &decode_params));
+    let call = DecodeCall {
+        path,
+        headers,
+        request_id: rid,
+        body: decode_body,
+        rewritten: true,
+        prefilled_at: Some(prefilled_at),
+    };
+    let fin = Finish { tracker, release: Some(guard), reporter };
+    decode::run(state, call, fin).instrument(tracing::info_span!("decode")).await
+}
+
+/// Runs the prefill leg so that a client leaving mid-prefill does not strand the blocks the
+/// prefill is about to hold: if this future is dropped unfinished, the call moves to a task of
+/// its own (bounded by the prefill timeout) which, finding nobody waiting, releases what it got.
+/// The common path spawns nothing.
+async fn prefill_detached(
+    state: &Arc<State>,
+    candidates: Vec<crate::target::Target>,
+    path: &str,
+    headers: &HeaderMap,
+    rid: &str,
+    object: &Object<'_>,
+    body: &Bytes,
+) -> Prefilled {
+    let prefill_body = Bytes::from(rewrite::prefill_body(object));
+    let orphan = Orphan { state: Arc::clone(state), rid: rid.to_string(), path: path.to_string(), body: body.clone() };
+    let (task_state, path, headers, rid) = (Arc::clone(state), path.to_string(), headers.clone(), rid.to_string());
+    let span = tracing::info_span!("prefill", candidates = candidates.len());
+    let leg = async move { prefill::run(&task_state, &candidates, &path, &headers, &rid, prefill_body).await };
+    Orphanable { leg: Some(Box::pin(leg.instrument(span))), orphan: Some(orphan) }.await
+}
+
+type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Prefilled> + Send>>;
+
+/// What an abandoned prefill needs to release its blocks.
+struct Orphan {
+    state: Arc<State>,
+    rid: String,
+    path: String,
+    body: Bytes,
+}
+
+/// The prefill leg; dropped before it finished, it finishes in the background.
+struct Orphanable {
+    leg: Option<Leg>,
+    orphan: Option<Orphan>,
+}
+
+impl std::future::Future for Orphanable {
+    type Output = Prefilled;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Prefilled> {
+        let leg = self.leg.as_mut().expect("polled after completion");
+        let out = std::task::ready!(leg.as_mut().poll(cx));
+        self.leg = None;
+        std::task::Poll::Ready(out)
+    }
+}
+
+impl Drop for Orphanable {
+    fn drop(&mut self) {
+        let (Some(leg), Some(o)) = (self.leg.take(), self.orphan.take()) else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        rt.spawn(async move {
+            if let Prefilled::Params { params, .. } = leg.await {
+                tracing::info!(request_id = %o.rid, "client left during the prefill; releasing its blocks");
+                drop(ReleaseGuard::new(&o.state, &o.rid, &params, o.body, &o.path));
+            }
+        });
+    }
+}
+
+fn fail(e: ApiError, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
+    tracing::warn!(status = %e.status, error = %e.message, "request failed");
+    if let Some(r) = reporter {
+        r.failed(&e.message);
+    }
+    tracker.finish(e.outcome());
+    e.response()
+}
+
+/// Decodes on the local engine without a prefill leg (the engine computes the prompt).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn local(
+    state: &Arc<State>,
+    path: &str,
+    headers: &HeaderMap,
+    rid: &str,
+    body: &Bytes,
+    object: Option<&Object<'_>>,
+    tracker: Tracker,
+    reporter: Option<Reporter>,
+    reason: Option<LocalReason>,
+) -> Response<Body> {
+    if let Some(r) = reason {
+        state.metrics.local(r);
+        if r == LocalReason::NoCandidate && state.cfg.fallback == Fallback::Fail {
+            return fail(ApiError::unavailable("no prefill engine is configured or alive"), tracker, reporter);
+        }
+    }
+    let rewritten = match object.filter(|_| !state.cfg.trust_client_kv_params).and_then(rewrite::local_body) {
+        Some(b) => {
+            inc(&state.metrics.client_kv_params_dropped);
+            Some(Bytes::from(b))
+        }
+        None => None,
+    };
+    let call = DecodeCall {
+        path,
+        headers,
+        request_id: rid,
+        rewritten: rewritten.is_some(),
+        body: rewritten.unwrap_or_else(|| body.clone()),
+        prefilled_at: None,
+    };
+    let fin = Finish { tracker, release: None, reporter };
+    decode::run(state, call, fin).instrument(tracing::info_span!("decode", local = true)).await
+}

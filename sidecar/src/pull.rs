@@ -1,0 +1,242 @@
+//! Sidecar-pull mode: the local engine keeps its KV pool in a shared-memory file (the
+//! simulator's `--shm-path`, described by its `GET /admin/pool`); the sidecar maps and registers
+//! it, reserves blocks there (`POST /admin/reserve`), READs the prompt's blocks from the prefill
+//! engine's agent with its own xfer agent (the done notification rides on the READ, freeing the
+//! prefill), then the decode call names the reservation instead of the prefill.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::Method;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use tokio::sync::OnceCell;
+
+use crate::json::{self, Object};
+use crate::metrics::inc;
+use crate::release::ReleaseGuard;
+use crate::state::State;
+use crate::upstream;
+use crate::xfer_link::{self, Handle, LinkError, XferLink};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PullError {
+    #[error("the local engine's pool: {0}")]
+    Pool(String),
+    #[error("reserving blocks: {0}")]
+    Reserve(String),
+    #[error("{0}")]
+    Link(#[from] LinkError),
+}
+
+#[derive(Debug, Deserialize)]
+struct PoolInfo {
+    block_bytes: u64,
+    num_blocks: usize,
+    shm_path: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Reservation {
+    reservation_id: String,
+    block_ids: Vec<u64>,
+}
+
+/// The mapped, registered pool (the registration keeps the mapping alive).
+#[derive(Debug)]
+struct LocalPool {
+    prepared: xfer::PreparedLocal,
+    _registration: xfer::Registration,
+    block_bytes: u64,
+    num_blocks: usize,
+}
+
+#[derive(Debug, Default)]
+pub struct Puller {
+    pool: OnceCell<Arc<LocalPool>>,
+    /// Prefill pools as prepared descriptor lists, by engine id.
+    peers: Mutex<HashMap<String, Arc<xfer::PreparedRemote>>>,
+}
+
+async fn engine_json<T: for<'de> Deserialize<'de>>(
+    state: &State,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<T, String> {
+    let target = state.engines.primary();
+    let req = upstream::json_request(method, &target.url(path), body).map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let resp = upstream::send(&state.client, target, req, timeout).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let left = timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+    let bytes = upstream::collect(target, resp.into_body(), 1 << 20, left).await.map_err(|e| e.to_string())?;
+    if !status.is_success() {
+        return Err(format!("{path} answered {status}: {}", String::from_utf8_lossy(&bytes)));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("{path}: {e}"))
+}
+
+impl Puller {
+    async fn pool(&self, state: &State, link: &Arc<XferLink>) -> Result<Arc<LocalPool>, PullError> {
+        self.pool
+            .get_or_try_init(|| async {
+                let info: PoolInfo = engine_json(state, Method::GET, "/admin/pool", None, state.cfg.pull_timeout)
+                    .await
+                    .map_err(PullError::Pool)?;
+                let path = info
+                    .shm_path
+                    .ok_or_else(|| PullError::Pool("the engine has no shared-memory pool (--shm-path)".into()))?;
+                let map = Arc::new(
+                    xfer::SharedFile::open(&path).map_err(|e| PullError::Pool(format!("{}: {e}", path.display())))?,
+                );
+                let needed = info.block_bytes.saturating_mul(info.num_blocks as u64);
+                if info.block_bytes == 0 || (map.len() as u64) < needed {
+                    return Err(PullError::Pool(format!("{} is smaller than the advertised pool", path.display())));
+                }
+                let registration = link.agent.register_buffer(&map).map_err(LinkError::from)?;
+                let descs: Vec<xfer::Desc> = (0..info.num_blocks as u64)
+                    .map(|i| xfer::Desc::new(map.addr() + i * info.block_bytes, info.block_bytes, 0))
+                    .collect();
+                let prepared = link.agent.prep_local(xfer::MemType::Dram, &descs).map_err(LinkError::from)?;
+                tracing::info!(path = %path.display(), blocks = info.num_blocks, "mapped the engine's KV pool");
+                Ok(Arc::new(LocalPool {
+                    prepared,
+                    _registration: registration,
+                    block_bytes: info.block_bytes,
+                    num_blocks: info.num_blocks,
+                }))
+            })
+            .await
+            .cloned()
+    }
+
+    /// The prefill's pool, resolved once per engine id (blocking).
+    fn peer_pool(
+        &self,
+        link: &XferLink,
+        h: &Handle,
+        block_bytes: u64,
+        refresh: bool,
+    ) -> Result<Arc<xfer::PreparedRemote>, LinkError> {
+        if !refresh {
+            if let Some(p) = self.peers.lock().get(&h.remote_engine_id) {
+                return Ok(Arc::clone(p));
+            }
+        }
+        let peer = link.peer(h, refresh)?;
+        let regions = link.agent.remote_regions(&peer)?;
+        let (_, region) = regions
+            .iter()
+            .find(|(t, d)| *t == xfer::MemType::Dram && d.len % block_bytes == 0)
+            .ok_or_else(|| LinkError::Other(format!("{peer} publishes no pool with {block_bytes}-byte blocks")))?;
+        let descs: Vec<xfer::Desc> = (0..region.len / block_bytes)
+            .map(|i| xfer::Desc::new(region.addr + i * block_bytes, block_bytes, 0))
+            .collect();
+        let prepared = Arc::new(link.agent.prep_remote(&peer, xfer::MemType::Dram, &descs)?);
+        self.peers.lock().insert(h.remote_engine_id.clone(), Arc::clone(&prepared));
+        Ok(prepared)
+    }
+}
+
+/// Pulls the blocks `params` name into a fresh reservation of the local engine; returns the
+/// `kv_transfer_params` of the decode call.
+pub async fn run(
+    state: &Arc<State>,
+    client: &Object<'_>,
+    path: &str,
+    rid: &str,
+    params: &str,
+) -> Result<String, PullError> {
+    let puller = state.puller.as_ref().ok_or_else(|| PullError::Pool("not in pull mode".into()))?;
+    let link = state.xfer.clone().ok_or_else(|| PullError::Pool("no xfer agent".into()))?;
+    let handle = Handle::parse(params)?;
+    let remote_ids = handle.block_ids()?;
+    if remote_ids.is_empty() {
+        return Err(PullError::Link(LinkError::Params("no remote blocks".into())));
+    }
+    let pool = puller.pool(state, &link).await?;
+    if remote_ids.len() > pool.num_blocks {
+        return Err(PullError::Reserve(format!("{} blocks exceed the pool", remote_ids.len())));
+    }
+    let body = format!("{{\"num_blocks\":{}}}", remote_ids.len()).into_bytes();
+    let r: Reservation = engine_json(state, Method::POST, "/admin/reserve", Some(body), state.cfg.pull_timeout)
+        .await
+        .map_err(PullError::Reserve)?;
+    let reserved = format!("{{\"do_remote_prefill\":true,\"reservation_id\":{}}}", json::string(&r.reservation_id));
+    if r.block_ids.len() != remote_ids.len() || r.block_ids.iter().any(|&b| b as usize >= pool.num_blocks) {
+        consume(state, client, path, rid, &reserved);
+        return Err(PullError::Reserve("the engine reserved unexpected blocks".into()));
+    }
+    let started = Instant::now();
+    let timeout = state.cfg.pull_timeout;
+    let (state2, link2, pool2, handle2) = (Arc::clone(state), Arc::clone(&link), Arc::clone(&pool), handle.clone());
+    let local_idx: Vec<usize> = r.block_ids.iter().map(|&b| b as usize).collect();
+    let outcome = xfer_link::blocking(timeout + Duration::from_secs(1), move || {
+        let puller = state2.puller.as_ref().expect("pull mode");
+        read(puller, &link2, &pool2, &handle2, &local_idx, &remote_ids, timeout)
+    })
+    .await;
+    match outcome {
+        Ok(bytes) => {
+            inc(&state.metrics.pulls_ok);
+            state.metrics.pull_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(bytes, us = started.elapsed().as_micros() as u64, "pulled the prompt's blocks");
+            Ok(reserved)
+        }
+        Err(e) => {
+            inc(&state.metrics.pulls_failed);
+            link.forget(&handle.remote_engine_id);
+            puller.peers.lock().remove(&handle.remote_engine_id);
+            consume(state, client, path, rid, &reserved);
+            Err(e.into())
+        }
+    }
+}
+
+/// READs the remote blocks into the reserved ones, notifying the prefill when done (blocking).
+fn read(
+    puller: &Puller,
+    link: &XferLink,
+    pool: &LocalPool,
+    h: &Handle,
+    local_idx: &[usize],
+    remote_ids: &[u64],
+    timeout: Duration,
+) -> Result<u64, LinkError> {
+    let remote = match puller.peer_pool(link, h, pool.block_bytes, false) {
+        Ok(r) => r,
+        Err(_) => puller.peer_pool(link, h, pool.block_bytes, true)?,
+    };
+    let remote_idx = remote_ids
+        .iter()
+        .map(|&id| usize::try_from(id).ok().filter(|&i| i < remote.len()))
+        .collect::<Option<Vec<usize>>>()
+        .ok_or_else(|| LinkError::Params(format!("a block id is outside the prefill's {} blocks", remote.len())))?;
+    let request = link.agent.make_request(
+        xfer::Op::Read,
+        &pool.prepared,
+        local_idx,
+        &remote,
+        &remote_idx,
+        xfer::RequestOptions::notify(h.done_notification()),
+    )?;
+    request.post()?;
+    if let Err(e) = request.wait(timeout) {
+        request.cancel();
+        // Let the backend stop writing into the blocks before they go back to the engine.
+        let _ = request.wait(Duration::from_secs(1));
+        return Err(e.into());
+    }
+    Ok(request.bytes())
+}
+
+/// Makes the local engine drop a reservation it will not get a decode for (a one-token decode
+/// naming it).
+fn consume(state: &Arc<State>, client: &Object<'_>, path: &str, rid: &str, reserved: &str) {
+    let body = bytes::Bytes::from(client.rewrite(&[]));
+    drop(ReleaseGuard::new(state, rid, reserved, body, path).decode_only());
+}

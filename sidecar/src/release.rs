@@ -1,0 +1,186 @@
+//! Freeing a prefill's held blocks when their decode will not happen (client gone between the
+//! legs, decode failed, coordinator's notice), instead of leaving them to the engine's lease:
+//! a discarded one-token decode with the held params on the local engine (the engine pulls and
+//! notifies the prefill, which frees — works with any vLLM), or the done notification sent
+//! straight from the sidecar's xfer agent (engines whose agents speak xfer, like the simulator).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderValue};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::config::ReleaseMethod;
+use crate::json::Object;
+use crate::metrics::inc;
+use crate::rewrite;
+use crate::state::State;
+use crate::upstream::{self, REQUEST_ID};
+use crate::xfer_link::{self, Handle};
+
+/// Frees the prefill's blocks when dropped armed (spawns the release; never blocks).
+#[derive(Debug)]
+pub struct ReleaseGuard {
+    state: Arc<State>,
+    job: Option<Job>,
+}
+
+#[derive(Debug)]
+struct Job {
+    request_id: String,
+    params: String,
+    body: Bytes,
+    path: String,
+    method: ReleaseMethod,
+}
+
+impl ReleaseGuard {
+    pub fn new(state: &Arc<State>, request_id: &str, params: &str, client_body: Bytes, path: &str) -> ReleaseGuard {
+        ReleaseGuard {
+            state: Arc::clone(state),
+            job: Some(Job {
+                request_id: request_id.to_string(),
+                params: params.to_string(),
+                body: client_body,
+                path: path.to_string(),
+                method: state.cfg.release_method,
+            }),
+        }
+    }
+
+    /// Releases with a one-token decode whatever the configuration says (what is held is a
+    /// reservation on the local engine, which only a decode consumes).
+    pub fn decode_only(mut self) -> ReleaseGuard {
+        if let Some(job) = self.job.as_mut() {
+            job.method = ReleaseMethod::Decode;
+        }
+        self
+    }
+
+    /// The decode has the blocks: nothing to free.
+    pub fn disarm(&mut self) {
+        self.job = None;
+    }
+
+    pub fn is_armed(&self) -> bool {
+        self.job.is_some()
+    }
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        let Some(job) = self.job.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let state = Arc::clone(&self.state);
+        rt.spawn(async move {
+            let started = Instant::now();
+            match release_with(&state, job.method, &job.request_id, &job.params, Some(&job.body), Some(&job.path)).await {
+                Ok(how) => tracing::info!(request_id = %job.request_id, method = how, ms = started.elapsed().as_millis() as u64, "released the prefill's blocks"),
+                Err(e) => tracing::warn!(request_id = %job.request_id, %e, "could not release the prefill's blocks; the engine's lease will"),
+            }
+        });
+    }
+}
+
+/// Frees the blocks `params` name; returns the method that worked.
+pub async fn release(
+    state: &Arc<State>,
+    request_id: &str,
+    params: &str,
+    client_body: Option<&[u8]>,
+    path: Option<&str>,
+) -> Result<&'static str, String> {
+    release_with(state, state.cfg.release_method, request_id, params, client_body, path).await
+}
+
+async fn release_with(
+    state: &Arc<State>,
+    method: ReleaseMethod,
+    request_id: &str,
+    params: &str,
+    client_body: Option<&[u8]>,
+    path: Option<&str>,
+) -> Result<&'static str, String> {
+    let via_xfer = match method {
+        ReleaseMethod::Xfer => true,
+        ReleaseMethod::Decode => false,
+        ReleaseMethod::Auto => state.xfer.is_some(),
+    };
+    if via_xfer {
+        match notify(state, params).await {
+            Ok(()) => {
+                inc(&state.metrics.releases_ok);
+                return Ok("xfer");
+            }
+            Err(e) if method == ReleaseMethod::Xfer => {
+                inc(&state.metrics.releases_failed);
+                return Err(e);
+            }
+            Err(e) => tracing::debug!(%e, "xfer release failed; trying a one-token decode"),
+        }
+    }
+    let outcome = decode(state, request_id, params, client_body, path).await;
+    inc(if outcome.is_ok() { &state.metrics.releases_ok } else { &state.metrics.releases_failed });
+    outcome.map(|()| "decode")
+}
+
+async fn notify(state: &State, params: &str) -> Result<(), String> {
+    let link = state.xfer.clone().ok_or("this sidecar has no xfer agent (--mode pull)")?;
+    let handle = Handle::parse(params).map_err(|e| e.to_string())?;
+    xfer_link::blocking(state.cfg.release_timeout, move || link.notify_done(&handle)).await.map_err(|e| e.to_string())
+}
+
+async fn decode(
+    state: &State,
+    request_id: &str,
+    params: &str,
+    client_body: Option<&[u8]>,
+    path: Option<&str>,
+) -> Result<(), String> {
+    let client = client_body.and_then(|b| Object::parse(b).ok());
+    let (body, path) = match (&client, path) {
+        (Some(o), Some(p)) => (rewrite::release_body(o, params), p),
+        _ => {
+            let v: serde_json::Value = serde_json::from_str(params).map_err(|e| format!("kv_transfer_params: {e}"))?;
+            let tokens = rewrite::release_tokens(&v, state.cfg.block_size);
+            (rewrite::synthetic_release_body(state.cfg.model.as_deref(), tokens, params), "/v1/completions")
+        }
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Ok(v) = HeaderValue::from_str(&format!("{request_id}-release")) {
+        headers.insert(REQUEST_ID, v);
+    }
+    if let Some(a) = &state.upstream_auth {
+        headers.insert(header::AUTHORIZATION, a.clone());
+    }
+    let mut last = String::new();
+    let mut tried = Vec::new();
+    while let Some(rank) = state.engines.pick(&tried) {
+        tried.push(rank.index);
+        let target = state.engines.rank(rank.index).clone();
+        let req = upstream::post(&target, path, headers.clone(), Body::from(body.clone()));
+        match upstream::send(&state.client, &target, req, state.cfg.release_timeout).await {
+            Ok(resp) => {
+                let status = resp.status();
+                // Read (and drop) the answer so the connection goes back to the pool.
+                let _ = upstream::collect(&target, resp.into_body(), 16 << 20, state.cfg.release_timeout).await;
+                return if status.is_success() { Ok(()) } else { Err(format!("release decode answered {status}")) };
+            }
+            Err(e) if e.is_connect() => last = e.to_string(),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Err(format!("no engine rank reachable for the release: {last}"))
+}
+
+/// `POST /pd/release` body (coordinator/API.md).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    pub request_id: String,
+    pub kv_transfer_params: Box<RawValue>,
+}

@@ -1,0 +1,231 @@
+//! What every request handler shares: configuration, the HTTP client, the local engine's ranks,
+//! the static prefill list, engines known dead, metrics, and the optional coordinator link and
+//! xfer agent.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::HeaderValue;
+use parking_lot::RwLock;
+
+use crate::config::{Config, Mode, Resolved};
+use crate::coordinator::Coordinator;
+use crate::ids::Ids;
+use crate::metrics::Metrics;
+use crate::pull::Puller;
+use crate::target::Target;
+use crate::upstream::HttpClient;
+use crate::xfer_link::XferLink;
+
+#[derive(Debug)]
+pub struct State {
+    pub cfg: Config,
+    pub engines: EnginePool,
+    pub prefills: Vec<Target>,
+    prefill_next: AtomicUsize,
+    pub resolved: Resolved,
+    pub client: HttpClient,
+    pub metrics: Arc<Metrics>,
+    pub ids: Ids,
+    pub dead: DeadSet,
+    /// `Bearer <token>` clients must send.
+    pub auth: Option<HeaderValue>,
+    /// Authorization sent upstream instead of the client's.
+    pub upstream_auth: Option<HeaderValue>,
+    pub coordinator: Option<Arc<Coordinator>>,
+    /// The sidecar's own xfer agent (pull mode; xfer releases).
+    pub xfer: Option<Arc<XferLink>>,
+    pub puller: Option<Puller>,
+}
+
+impl State {
+    pub fn new(cfg: Config, resolved: Resolved, client: HttpClient, xfer: Option<Arc<XferLink>>) -> State {
+        let bearer = |t: &Option<String>| {
+            t.as_ref().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()).map(|mut v| {
+                v.set_sensitive(true);
+                v
+            })
+        };
+        let puller = (cfg.mode == Mode::Pull).then(Puller::default);
+        State {
+            auth: bearer(&cfg.auth_token),
+            upstream_auth: bearer(&cfg.upstream_token),
+            engines: EnginePool::new(resolved.engines.clone()),
+            prefills: resolved.prefills.clone(),
+            prefill_next: AtomicUsize::new(0),
+            resolved,
+            client,
+            metrics: Arc::new(Metrics::default()),
+            ids: Ids::default(),
+            dead: DeadSet::default(),
+            coordinator: None,
+            xfer,
+            puller,
+            cfg,
+        }
+    }
+
+    /// The static prefill list starting at the next round-robin position, without engines
+    /// known dead.
+    pub fn static_prefills(&self) -> Vec<Target> {
+        let n = self.prefills.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let start = self.prefill_next.fetch_add(1, Relaxed) % n;
+        (0..n).map(|i| &self.prefills[(start + i) % n]).filter(|t| !self.dead.is_dead(t)).cloned().collect()
+    }
+}
+
+/// The local engine's data-parallel ranks; generation requests go to the least busy.
+#[derive(Debug)]
+pub struct EnginePool {
+    ranks: Vec<Target>,
+    busy: Vec<AtomicU64>,
+    next: AtomicUsize,
+}
+
+/// A rank in use; gives it back on drop.
+#[derive(Debug)]
+pub struct RankGuard<'a> {
+    pool: &'a EnginePool,
+    pub index: usize,
+}
+
+impl Drop for RankGuard<'_> {
+    fn drop(&mut self) {
+        self.pool.busy[self.index].fetch_sub(1, Relaxed);
+    }
+}
+
+impl EnginePool {
+    pub fn new(ranks: Vec<Target>) -> Self {
+        let busy = ranks.iter().map(|_| AtomicU64::new(0)).collect();
+        EnginePool { ranks, busy, next: AtomicUsize::new(0) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.ranks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranks.is_empty()
+    }
+
+    pub fn rank(&self, i: usize) -> &Target {
+        &self.ranks[i]
+    }
+
+    pub fn all(&self) -> &[Target] {
+        &self.ranks
+    }
+
+    /// The rank for pass-through paths (models, metrics, …): the first.
+    pub fn primary(&self) -> &Target {
+        &self.ranks[0]
+    }
+
+    /// The least busy rank (ties rotate), skipping `exclude`.
+    pub fn pick(&self, exclude: &[usize]) -> Option<RankGuard<'_>> {
+        let n = self.ranks.len();
+        let start = if n > 1 { self.next.fetch_add(1, Relaxed) % n } else { 0 };
+        let index = (0..n)
+            .map(|i| (start + i) % n)
+            .filter(|i| !exclude.contains(i))
+            .min_by_key(|&i| self.busy[i].load(Relaxed))?;
+        self.busy[index].fetch_add(1, Relaxed);
+        Some(RankGuard { pool: self, index })
+    }
+}
+
+/// Engines the coordinator reported dead (by id and by base URL), forgotten after a while so a
+/// restarted engine comes back even without a new notice.
+#[derive(Debug, Default)]
+pub struct DeadSet {
+    entries: RwLock<HashMap<String, Instant>>,
+    changed: tokio::sync::Notify,
+}
+
+const DEAD_FOR: Duration = Duration::from_secs(30);
+
+impl DeadSet {
+    pub fn mark(&self, key: &str) {
+        self.entries.write().insert(key.to_string(), Instant::now() + DEAD_FOR);
+        self.changed.notify_waiters();
+    }
+
+    /// Resolves once `t` is marked dead (never, if it stays alive).
+    pub async fn wait_dead(&self, t: &Target) {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_dead(t) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    pub fn clear(&self, key: &str) {
+        self.entries.write().remove(key);
+    }
+
+    pub fn is_dead(&self, t: &Target) -> bool {
+        let entries = self.entries.read();
+        if entries.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        let live = |k: &str| entries.get(k).is_some_and(|until| *until > now);
+        live(&t.base) || t.id.as_deref().is_some_and(live)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.read().is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> Target {
+        Target::parse(s, "http", None).unwrap()
+    }
+
+    #[test]
+    fn least_busy_rank_and_exclusion() {
+        let pool = EnginePool::new(vec![t("a:1"), t("b:1"), t("c:1")]);
+        let g1 = pool.pick(&[]).unwrap();
+        let g2 = pool.pick(&[]).unwrap();
+        let g3 = pool.pick(&[]).unwrap();
+        let mut used = [g1.index, g2.index, g3.index];
+        used.sort();
+        assert_eq!(used, [0, 1, 2], "each busy rank is avoided");
+        let freed = g2.index;
+        drop(g2);
+        assert_eq!(pool.pick(&[]).unwrap().index, freed);
+        assert!(pool.pick(&[0, 1, 2]).is_none());
+        assert_eq!(pool.pick(&[0, 2]).unwrap().index, 1);
+    }
+
+    #[test]
+    fn dead_engines_are_skipped() {
+        let d = DeadSet::default();
+        let mut p = t("p:1");
+        assert!(!d.is_dead(&p));
+        d.mark("http://p:1");
+        assert!(d.is_dead(&p));
+        d.clear("http://p:1");
+        p.id = Some("prefill-0".into());
+        d.mark("prefill-0");
+        assert!(d.is_dead(&p));
+    }
+}

@@ -1,0 +1,302 @@
+//! Test harness: `pd-sim` and `pd-sidecar` processes on free loopback ports (killed on drop),
+//! small in-test HTTP fakes, and clients. Every wait is bounded.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub const WAIT: Duration = Duration::from_secs(10);
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The pd-sim binary: `PD_SIM_BIN`, else next to pd-sidecar (built on first use if missing).
+pub fn sim_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("PD_SIM_BIN") {
+            return PathBuf::from(p);
+        }
+        let sidecar = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar"));
+        let dir = sidecar.parent().unwrap();
+        let bin = dir.join("pd-sim");
+        if !bin.exists() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim"]);
+            if dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().expect("running cargo build -p pd-sim");
+            assert!(status.success(), "cargo build -p pd-sim failed");
+        }
+        assert!(bin.exists(), "no pd-sim binary at {}", bin.display());
+        bin
+    })
+    .clone()
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(WAIT).pool_max_idle_per_host(0).build().unwrap()
+}
+
+async fn wait_healthy(url: &str, what: &str) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(r) = client().get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{what} at {url} did not become healthy");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub struct Sim {
+    child: Child,
+    pub port: u16,
+    pub url: String,
+}
+
+impl Sim {
+    pub async fn start(args: &[&str]) -> Sim {
+        let port = free_port();
+        let child = Command::new(sim_bin())
+            .args(["--port", &port.to_string()])
+            .args(args)
+            .env("RUST_LOG", "error")
+            .env_remove("PYTHONHASHSEED")
+            .env_remove("VLLM_HOST_IP")
+            .env_remove("VLLM_NIXL_SIDE_CHANNEL_PORT")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawning pd-sim");
+        let sim = Sim { child, port, url: format!("http://127.0.0.1:{port}") };
+        wait_healthy(&sim.url, "pd-sim").await;
+        sim
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub async fn leaks(&self) -> Value {
+        get_json(&format!("{}/admin/leaks", self.url)).await
+    }
+
+    pub async fn leaks_until(&self, what: &str, within: Duration, done: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let report = self.leaks().await;
+            if done(&report) {
+                return report;
+            }
+            assert!(Instant::now() < deadline, "{what}: {report}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    pub async fn faults(&self, settings: Value) {
+        let r = client().post(format!("{}/admin/faults", self.url)).json(&settings).send().await.unwrap();
+        assert!(r.status().is_success());
+    }
+
+    pub async fn metrics(&self) -> String {
+        client().get(format!("{}/metrics", self.url)).send().await.unwrap().text().await.unwrap()
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub struct Sidecar {
+    child: Child,
+    pub url: String,
+    pub addr: String,
+}
+
+impl Sidecar {
+    /// Starts pd-sidecar on a free port with these flags and waits until it listens.
+    pub async fn start(args: &[&str]) -> Sidecar {
+        Self::start_with(args, "http").await
+    }
+
+    pub async fn start_with(args: &[&str], scheme: &str) -> Sidecar {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pd-sidecar"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", std::env::var("SIDECAR_LOG").unwrap_or_else(|_| "error".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawning pd-sidecar");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = tx.send(line);
+            }
+            for _ in lines {}
+        });
+        let line = rx.recv_timeout(WAIT).expect("pd-sidecar did not report its address");
+        let addr = line.rsplit(' ').next().unwrap().to_string();
+        Sidecar { child, url: format!("{scheme}://{addr}"), addr }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process exited (waiting up to `timeout`).
+    pub async fn exited_within(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.child.try_wait().unwrap().is_some() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    pub async fn metrics(&self) -> String {
+        client().get(format!("{}/metrics", self.url)).send().await.unwrap().text().await.unwrap()
+    }
+
+    /// One sample of the sidecar's metrics (name with labels, as printed).
+    pub async fn metric(&self, name: &str) -> f64 {
+        metric(&self.metrics().await, name)
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        post(&format!("{}{path}", self.url), body).await
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no metric {name}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+pub async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = client().post(url).json(body).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+pub async fn get_json(url: &str) -> Value {
+    client().get(url).send().await.unwrap().json().await.unwrap()
+}
+
+/// The body of a streamed response, as text.
+pub async fn post_text(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut req = client().post(url).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.text().await.unwrap())
+}
+
+/// A prompt of `n` distinct words (one token each with the simulator's tokenizer).
+pub fn words(n: usize, salt: &str) -> String {
+    (0..n).map(|i| format!("{salt}{i}")).collect::<Vec<_>>().join(" ")
+}
+
+/// SSE `data:` payloads, `[DONE]` included.
+pub fn sse_events(text: &str) -> Vec<String> {
+    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(String::from).collect()
+}
+
+/// Generated text of an SSE stream (completions or chat), ids ignored.
+pub fn sse_text(text: &str) -> String {
+    let mut out = String::new();
+    for e in sse_events(text) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        let c = &v["choices"][0];
+        if let Some(t) = c["text"].as_str() {
+            out.push_str(t);
+        } else if let Some(t) = c["delta"]["content"].as_str() {
+            out.push_str(t);
+        }
+    }
+    out
+}
+
+/// What an in-test fake upstream saw.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub path: String,
+    pub headers: http::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+pub type Log = Arc<Mutex<Vec<Seen>>>;
+
+/// Runs an axum app on a free port; returns its address (the server lives as long as the
+/// runtime of the test).
+pub async fn serve(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("127.0.0.1:{}", addr.port())
+}
+
+/// A fake upstream answering every POST with `respond(seen)` and recording requests.
+pub async fn fake<F>(respond: F) -> (String, Log)
+where
+    F: Fn(&Seen) -> (u16, &'static str, String) + Send + Sync + 'static,
+{
+    let log: Log = Arc::default();
+    let respond = Arc::new(respond);
+    let l = Arc::clone(&log);
+    let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let (l, respond) = (Arc::clone(&l), Arc::clone(&respond));
+        async move {
+            let (parts, body) = req.into_parts();
+            let body = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+            let seen = Seen { path: parts.uri.path().to_string(), headers: parts.headers, body };
+            let (status, ctype, text) = respond(&seen);
+            l.lock().unwrap().push(seen);
+            http::Response::builder()
+                .status(status)
+                .header("content-type", ctype)
+                .body(axum::body::Body::from(text))
+                .unwrap()
+        }
+    });
+    (serve(app).await, log)
+}

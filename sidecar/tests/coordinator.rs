@@ -1,0 +1,303 @@
+//! The coordinator link against an in-test fake of coordinator/API.md (registration, load in
+//! heartbeats, pairing, reports, notices, re-registration, an unreachable coordinator), and
+//! against the real `pd-coordinator` when it is built next to `pd-sidecar`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, State};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use common::{free_port, words, Sidecar, Sim};
+use serde_json::{json, Value};
+
+#[derive(Default)]
+struct Fake {
+    registrations: Mutex<Vec<Value>>,
+    heartbeats: Mutex<Vec<Value>>,
+    pairs: Mutex<Vec<Value>>,
+    reports: Mutex<Vec<Value>>,
+    /// `None`: answer local_prefill; else the prefill's (id, url).
+    pair_with: Mutex<Option<(String, String)>>,
+    notices: Mutex<Option<Value>>,
+    forget_once: AtomicBool,
+    beats: AtomicU32,
+}
+
+type S = State<Arc<Fake>>;
+
+async fn fake_coordinator() -> (String, Arc<Fake>) {
+    let fake = Arc::new(Fake::default());
+    let app = Router::new()
+        .route(
+            "/v1/engines",
+            post(|State(f): S, Json(spec): Json<Value>| async move {
+                let id = spec["id"].as_str().unwrap().to_string();
+                f.registrations.lock().unwrap().push(spec);
+                Json(json!({"engine": id, "lease_ms": 3000, "heartbeat_ms": 100}))
+            })
+            .get(|| async { Json(json!([])) }),
+        )
+        .route(
+            "/v1/engines/{id}/heartbeat",
+            post(|State(f): S, Path(id): Path<String>, Json(b): Json<Value>| async move {
+                f.beats.fetch_add(1, SeqCst);
+                if f.forget_once.swap(false, SeqCst) {
+                    return (http::StatusCode::NOT_FOUND, Json(json!({"error": {"message": "unknown engine", "type": "NotFound", "code": 404}})));
+                }
+                f.heartbeats.lock().unwrap().push(json!({"id": id, "body": b}));
+                let notices = f.notices.lock().unwrap().take().unwrap_or(json!({"dead_engines": [], "release": []}));
+                (http::StatusCode::OK, Json(notices))
+            }),
+        )
+        .route(
+            "/v1/pair",
+            post(|State(f): S, Json(req): Json<Value>| async move {
+                let rid = req["request_id"].clone();
+                f.pairs.lock().unwrap().push(req);
+                let decode = json!({"id": "dec-1", "engine_url": "http://unused:1", "node": "n"});
+                Json(match f.pair_with.lock().unwrap().clone() {
+                    Some((id, url)) => json!({"request_id": rid, "decode": decode, "prefill": {"id": id, "engine_url": url, "node": "n"},
+                                              "decode_overlap_blocks": 0, "prefill_overlap_blocks": 0, "reason": "disaggregated"}),
+                    None => json!({"request_id": rid, "decode": decode, "prefill": null,
+                                   "decode_overlap_blocks": 3, "prefill_overlap_blocks": 0, "reason": "local_prefill"}),
+                })
+            }),
+        )
+        .route(
+            "/v1/report",
+            post(|State(f): S, Json(r): Json<Value>| async move {
+                f.reports.lock().unwrap().push(r);
+                http::StatusCode::NO_CONTENT
+            }),
+        )
+        .route("/health", get(|| async { "ok" }))
+        .with_state(Arc::clone(&fake));
+    (format!("http://{}", common::serve(app).await), fake)
+}
+
+async fn until<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
+    let (p1, p2, d) =
+        (Sim::start(&[]).await, Sim::start(&[]).await, Sim::start(&["--kv-load-failure-policy", "fail"]).await);
+    let (url, fake) = fake_coordinator().await;
+    *fake.pair_with.lock().unwrap() = Some(("pre-2".into(), p2.url.clone()));
+    let s = Sidecar::start(&[
+        "--engine",
+        &d.url,
+        "--prefill",
+        &p1.addr(),
+        "--coordinator",
+        &url,
+        "--engine-id",
+        "dec-1",
+        "--role",
+        "decode",
+        "--node",
+        "n1",
+        "--model",
+        "sim-model",
+        "--advertise-url",
+        "http://127.0.0.1:9",
+        "--kv-events",
+        "tcp://127.0.0.1:5557",
+    ])
+    .await;
+    let spec =
+        until("registration", Duration::from_secs(5), || fake.registrations.lock().unwrap().first().cloned()).await;
+    assert_eq!(
+        spec,
+        json!({"id": "dec-1", "role": "decode", "node": "n1", "model": "sim-model", "engine_url": d.url,
+               "sidecar_url": "http://127.0.0.1:9", "kv_events": "tcp://127.0.0.1:5557", "block_size": 16})
+    );
+    let beat = until("heartbeat", Duration::from_secs(5), || fake.heartbeats.lock().unwrap().first().cloned()).await;
+    assert_eq!(beat["id"], "dec-1");
+    assert_eq!(
+        (beat["body"]["load"]["running"].clone(), beat["body"]["load"]["waiting"].clone()),
+        (json!(0), json!(0)),
+        "{beat}"
+    );
+    assert!(beat["body"]["load"]["kv_usage"].is_number(), "{beat}");
+
+    // The coordinator's prefill wins over the static list; the decision is reported on.
+    let r = common::client()
+        .post(format!("{}/v1/completions", s.url))
+        .header("x-request-id", "coord-1")
+        .json(&json!({"model": "sim-model", "prompt": words(40, "co"), "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        (p2.leaks().await["leases_started"].clone(), p1.leaks().await["leases_started"].clone()),
+        (json!(1), json!(0))
+    );
+    let pair = fake.pairs.lock().unwrap()[0].clone();
+    assert_eq!(
+        (pair["request_id"].as_str(), pair["model"].as_str(), pair["local_engine"].as_str()),
+        (Some("coord-1"), Some("sim-model"), Some("dec-1"))
+    );
+    assert!(pair["prompt"].as_str().unwrap().starts_with("co0 co1"));
+    let reports = until("reports", Duration::from_secs(2), || {
+        let r = fake.reports.lock().unwrap().clone();
+        (r.len() >= 2).then_some(r)
+    })
+    .await;
+    let done = reports.iter().find(|r| r["event"] == "prefill_done").unwrap();
+    assert_eq!((done["request_id"].as_str(), done["engine"].as_str()), (Some("coord-1"), Some("pre-2")));
+    assert_eq!(done["kv_transfer_params"]["do_remote_prefill"], true);
+    assert!(reports.iter().any(|r| r["event"] == "finished" && r["engine"] == "dec-1"));
+
+    // local_prefill: no prefill leg at all.
+    *fake.pair_with.lock().unwrap() = None;
+    let (status, _) = s.post("/v1/completions", &json!({"prompt": words(40, "lp"), "max_tokens": 2})).await;
+    assert_eq!(status, 200);
+    assert_eq!(s.metric("pd_sidecar_local_decode_total{reason=\"coordinator\"}").await, 1.0);
+    assert_eq!(p1.leaks().await["leases_started"], 0);
+
+    // Notices: a dead engine is skipped even when paired with; a release list frees blocks.
+    *fake.pair_with.lock().unwrap() = Some(("pre-2".into(), p2.url.clone()));
+    let (_, held) = common::post(
+        &format!("{}/v1/completions", p1.url),
+        &json!({"prompt": words(50, "orph"), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await;
+    assert_eq!(p1.leaks().await["held_blocks"], 4);
+    *fake.notices.lock().unwrap() = Some(
+        json!({"dead_engines": ["pre-2"], "release": [{"request_id": "orph", "prefill": "pre-1", "kv_transfer_params": held["kv_transfer_params"]}]}),
+    );
+    until("notices taken", Duration::from_secs(2), || fake.notices.lock().unwrap().is_none().then_some(())).await;
+    p1.leaks_until("released by notice", Duration::from_secs(2), |r| r["held_blocks"] == 0).await;
+    let (status, _) = s.post("/v1/completions", &json!({"prompt": words(40, "dead"), "max_tokens": 2})).await;
+    assert_eq!(status, 200);
+    assert_eq!(p2.leaks().await["leases_started"], 1, "the dead engine got nothing");
+    assert_eq!(p1.leaks().await["leases_started"], 2, "the static list served");
+    assert_eq!(s.metric("pd_sidecar_dead_engine_notices_total").await, 1.0);
+
+    // The coordinator forgot us (restart): 404 on heartbeat → registered again.
+    fake.forget_once.store(true, SeqCst);
+    until("re-registration", Duration::from_secs(3), || (fake.registrations.lock().unwrap().len() >= 2).then_some(()))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeps_serving_when_the_coordinator_is_unreachable() {
+    let (p, d) = (Sim::start(&[]).await, Sim::start(&[]).await);
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let s = Sidecar::start(&[
+        "--engine",
+        &d.url,
+        "--prefill",
+        &p.addr(),
+        "--coordinator",
+        &dead,
+        "--coordinator-timeout",
+        "100ms",
+    ])
+    .await;
+    for i in 0..5 {
+        let started = Instant::now();
+        let (status, out) =
+            s.post("/v1/completions", &json!({"prompt": words(30, &format!("nc{i}x")), "max_tokens": 2})).await;
+        assert_eq!(status, 200, "{out}");
+        assert!(started.elapsed() < Duration::from_millis(500), "{:?}", started.elapsed());
+    }
+    assert_eq!(d.leaks().await["pulls"], 5, "disaggregated through the static list");
+    assert!(s.metric("pd_sidecar_coordinator_errors_total").await >= 1.0);
+}
+
+fn coordinator_bin() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar")).parent()?.to_path_buf();
+    let bin = dir.join("pd-coordinator");
+    bin.exists().then_some(bin)
+}
+
+struct Kill(std::process::Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// With the real daemon: both engines' sidecars register, the decode's pairs through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_real_coordinator() {
+    let Some(bin) = coordinator_bin() else {
+        eprintln!("LOUD SKIP: pd-coordinator is not built next to pd-sidecar (cargo build -p pd-coordinator)");
+        return;
+    };
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let _c = Kill(
+        Command::new(bin)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--no-grpc", "--heartbeat-ms", "200"])
+            .env("RUST_LOG", "error")
+            .env_remove("PD_COORDINATOR_CONFIG")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (p, d) = (Sim::start(&[]).await, Sim::start(&["--kv-load-failure-policy", "fail"]).await);
+    let common_args = |id: &'static str, role: &'static str, engine: String| {
+        vec![
+            "--engine".to_string(),
+            engine,
+            "--coordinator".into(),
+            url.clone(),
+            "--engine-id".into(),
+            id.into(),
+            "--role".into(),
+            role.into(),
+            "--model".into(),
+            "sim-model".into(),
+            "--node".into(),
+            "local".into(),
+        ]
+    };
+    let pa = common_args("pre-0", "prefill", p.url.clone());
+    let _ps = Sidecar::start(&pa.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let da = common_args("dec-0", "decode", d.url.clone());
+    let ds = Sidecar::start(&da.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let engines = until_async("both registered", || async {
+        let v = common::client().get(format!("{url}/v1/engines")).send().await.ok()?.json::<Value>().await.ok()?;
+        (v.as_array()?.len() == 2).then_some(v)
+    })
+    .await;
+    assert!(engines.as_array().unwrap().iter().all(|e| e["alive"] == true), "{engines}");
+    let (status, out) =
+        ds.post("/v1/completions", &json!({"model": "sim-model", "prompt": words(64, "real"), "max_tokens": 3})).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(ds.metric("pd_sidecar_pairings_total").await, 1.0);
+    assert_eq!(ds.metric("pd_sidecar_disaggregated_total").await, 1.0);
+    assert_eq!(d.leaks().await["pulls"], 1);
+    p.leaks_until("prefill released", Duration::from_secs(1), |r| r["held_blocks"] == 0).await;
+}
+
+async fn until_async<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut f: impl FnMut() -> F) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
