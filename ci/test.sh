@@ -21,6 +21,10 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "tests (unit, in-process, two-process conformance)"
 cargo test --workspace --locked
 
+step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
+vllm_venv="$(ci/vllm/install.sh | tail -n1)"
+PD_VLLM_VENV="$vllm_venv" cargo test --locked -p pd-e2e --test vllm -- --test-threads 1 --nocapture
+
 step "UCX backend: conformance suite over UCX tcp and shared memory, TCP fallback"
 cargo test --locked -p xfer-conformance --features ucx --test ucx
 
