@@ -60,6 +60,8 @@ impl Finish {
 /// The decode's response head and first body frame.
 #[derive(Debug)]
 pub struct Opened {
+    /// The engine rank, busy until the body is relayed.
+    pub rank: crate::state::RankGuard,
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub incoming: Incoming,
@@ -83,7 +85,7 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
         &[],
     );
     let mut tried = Vec::with_capacity(state.engines.len());
-    let (resp, _rank) = loop {
+    let (resp, rank) = loop {
         let Some(rank) = state.engines.pick(&tried) else {
             return Err(ApiError::unavailable("the decode engine is unavailable"));
         };
@@ -133,7 +135,7 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
         Ok(Ok(frame)) => frame,
     };
     state.metrics.phase(Phase::DecodeFirstByte).since(started);
-    Ok(Opened { status, headers, incoming, first, sse })
+    Ok(Opened { rank, status, headers, incoming, first, sse })
 }
 
 /// The outcome a decode answer's status counts as.
@@ -151,6 +153,7 @@ pub fn outcome_of(status: StatusCode) -> Outcome {
 /// client leaves.
 pub fn relay(state: &State, opened: Opened, fin: Finish) -> Response<Body> {
     let relay = Relay {
+        _rank: opened.rank,
         first: opened.first,
         inner: opened.incoming,
         idle: state.cfg.stream_idle_timeout,
@@ -207,6 +210,7 @@ async fn next_data_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hy
 /// `idle` ends it (with an SSE error event when streaming); its end or its drop (the client
 /// left) settles the request's outcome and reports.
 struct Relay {
+    _rank: crate::state::RankGuard,
     first: Option<Frame<Bytes>>,
     inner: Incoming,
     idle: Duration,

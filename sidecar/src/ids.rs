@@ -31,6 +31,7 @@ pub struct Ids {
     next_id: AtomicU64,
     room_base: u64,
     next_room: AtomicU64,
+    next_jitter: AtomicU64,
 }
 
 impl Default for Ids {
@@ -47,6 +48,7 @@ impl Ids {
             next_id: AtomicU64::new(0),
             room_base,
             next_room: AtomicU64::new(0),
+            next_jitter: AtomicU64::new(0),
         }
     }
 
@@ -54,6 +56,12 @@ impl Ids {
     pub fn request_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Relaxed);
         format!("{:016x}{:016x}", self.prefix, mix(self.seed.wrapping_add(n)))
+    }
+
+    /// A number in [0, 1) for jitter (not for anything that must be unpredictable).
+    pub fn jitter(&self) -> f64 {
+        let n = self.next_jitter.fetch_add(1, Relaxed);
+        (mix(self.room_base ^ n.wrapping_mul(STEP)) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// A bootstrap room in [0, 2^63−1], distinct from every other room this process handed out
@@ -87,5 +95,8 @@ mod tests {
         let a: Vec<i64> = (0..4).map(|_| near.room()).collect();
         assert!(a.iter().all(|&r| r >= 0) && a.iter().collect::<HashSet<_>>().len() == 4, "{a:?}");
         assert_ne!(Ids::default().request_id(), Ids::default().request_id());
+        let j: Vec<f64> = (0..1000).map(|_| ids.jitter()).collect();
+        assert!(j.iter().all(|x| (0.0..1.0).contains(x)));
+        assert!(j.iter().sum::<f64>() / 1000.0 > 0.4 && j.iter().sum::<f64>() / 1000.0 < 0.6);
     }
 }

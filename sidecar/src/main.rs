@@ -18,9 +18,8 @@ fn main() -> std::process::ExitCode {
         }
     };
     let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = cfg.workers {
-        rt.worker_threads(n.max(1));
-    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    rt.worker_threads(cfg.workers.unwrap_or(cores.min(2)).max(1));
     let rt = match rt.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -39,12 +39,12 @@ enum Tried {
     Next(String, bool),
 }
 
-fn backoff(state: &State, attempt: u32) -> Duration {
+/// The pause before failover number `attempt + 1`: exponential, capped, with jitter.
+pub(crate) fn backoff(state: &State, attempt: u32) -> Duration {
     let base = state.cfg.failover_backoff.as_secs_f64();
     let capped = (base * f64::from(1u32 << attempt.min(16))).min(state.cfg.failover_backoff_max.as_secs_f64());
     // Full jitter in [capped/2, capped]: spreads retries of many requests hitting one failure.
-    let r = (state.ids.room() as u64 % 1000) as f64 / 1000.0;
-    Duration::from_secs_f64(capped * (0.5 + r / 2.0))
+    Duration::from_secs_f64(capped * (0.5 + state.ids.jitter() / 2.0))
 }
 
 pub async fn run(

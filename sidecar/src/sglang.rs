@@ -137,8 +137,7 @@ pub async fn run(
     for (i, target) in candidates.iter().take(attempts).enumerate() {
         if i > 0 {
             inc(&state.metrics.failovers);
-            let pause = state.cfg.failover_backoff.mul_f64(f64::from(1u32 << (i - 1).min(16) as u32));
-            tokio::time::sleep(pause.min(state.cfg.failover_backoff_max)).await;
+            tokio::time::sleep(crate::prefill::backoff(state, i as u32 - 1)).await;
         }
         let rooms: Vec<i64> = (0..items).map(|_| state.ids.room()).collect();
         let port = target.bootstrap_port.unwrap_or(state.cfg.bootstrap_port);

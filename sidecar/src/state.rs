@@ -83,26 +83,26 @@ impl State {
 #[derive(Debug)]
 pub struct EnginePool {
     ranks: Vec<Target>,
-    busy: Vec<AtomicU64>,
+    busy: Arc<Vec<AtomicU64>>,
     next: AtomicUsize,
 }
 
-/// A rank in use; gives it back on drop.
+/// A rank in use (for as long as its response streams); gives it back on drop.
 #[derive(Debug)]
-pub struct RankGuard<'a> {
-    pool: &'a EnginePool,
+pub struct RankGuard {
+    busy: Arc<Vec<AtomicU64>>,
     pub index: usize,
 }
 
-impl Drop for RankGuard<'_> {
+impl Drop for RankGuard {
     fn drop(&mut self) {
-        self.pool.busy[self.index].fetch_sub(1, Relaxed);
+        self.busy[self.index].fetch_sub(1, Relaxed);
     }
 }
 
 impl EnginePool {
     pub fn new(ranks: Vec<Target>) -> Self {
-        let busy = ranks.iter().map(|_| AtomicU64::new(0)).collect();
+        let busy = Arc::new(ranks.iter().map(|_| AtomicU64::new(0)).collect());
         EnginePool { ranks, busy, next: AtomicUsize::new(0) }
     }
 
@@ -128,7 +128,7 @@ impl EnginePool {
     }
 
     /// The least busy rank (ties rotate), skipping `exclude`.
-    pub fn pick(&self, exclude: &[usize]) -> Option<RankGuard<'_>> {
+    pub fn pick(&self, exclude: &[usize]) -> Option<RankGuard> {
         let n = self.ranks.len();
         let start = if n > 1 { self.next.fetch_add(1, Relaxed) % n } else { 0 };
         let index = (0..n)
@@ -136,7 +136,7 @@ impl EnginePool {
             .filter(|i| !exclude.contains(i))
             .min_by_key(|&i| self.busy[i].load(Relaxed))?;
         self.busy[index].fetch_add(1, Relaxed);
-        Some(RankGuard { pool: self, index })
+        Some(RankGuard { busy: Arc::clone(&self.busy), index })
     }
 }
 
