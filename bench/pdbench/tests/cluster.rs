@@ -5,6 +5,7 @@
 mod common;
 
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -12,6 +13,13 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 /// Whether the suite's daemons are built next to pdbench (`cargo test --workspace` builds them).
+/// One cluster at a time: each picks free loopback ports by binding port 0 and releasing it, and
+/// clusters started side by side raced for the same ports (an engine failed to bind under load).
+fn one_cluster_at_a_time() -> MutexGuard<'static, ()> {
+    static CLUSTERS: Mutex<()> = Mutex::new(());
+    CLUSTERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn daemons_built() -> bool {
     let dir = pdbench().parent().unwrap().to_path_buf();
     let ok = ["pd-coordinator", "pd-sidecar"].iter().all(|b| {
@@ -25,11 +33,13 @@ fn daemons_built() -> bool {
 
 #[test]
 fn cluster_runs_50_requests_and_leaves_no_process() {
+    let _serial = one_cluster_at_a_time();
     cluster_50("direct", 4, &[]);
 }
 
 #[test]
 fn cluster_with_sidecar_pull_moves_kv_through_shared_memory_pools() {
+    let _serial = one_cluster_at_a_time();
     if !daemons_built() {
         return;
     }
@@ -43,6 +53,7 @@ fn cluster_with_sidecar_pull_moves_kv_through_shared_memory_pools() {
 
 #[test]
 fn cluster_with_sidecars_and_coordinator_runs_50_requests_and_leaves_no_process() {
+    let _serial = one_cluster_at_a_time();
     if !daemons_built() {
         return;
     }
@@ -138,11 +149,13 @@ fn start_long_cluster(dir: &TempDir, mode: &str, extra_env: &[(&str, &str)]) -> 
 
 #[test]
 fn sigint_stops_every_child() {
+    let _serial = one_cluster_at_a_time();
     sigint("direct");
 }
 
 #[test]
 fn sigint_stops_every_child_with_sidecars() {
+    let _serial = one_cluster_at_a_time();
     if daemons_built() {
         sigint("sidecar");
     }
@@ -164,6 +177,7 @@ fn sigint(mode: &str) {
 
 #[test]
 fn sigterm_stops_every_child() {
+    let _serial = one_cluster_at_a_time();
     let dir = TempDir::new("sigterm");
     let (mut g, pids) = start_long_cluster(&dir, "direct", &[]);
     let _cleanup = PidsGuard(pids.clone());
@@ -175,6 +189,7 @@ fn sigterm_stops_every_child() {
 
 #[test]
 fn panic_stops_every_child() {
+    let _serial = one_cluster_at_a_time();
     let dir = TempDir::new("panic");
     // A test hook: pdbench panics right after its cluster is up; unwinding must stop the children.
     let (mut g, pids) = start_long_cluster(&dir, "direct", &[("PDBENCH_TEST_PANIC_AFTER_START", "1")]);
@@ -186,6 +201,7 @@ fn panic_stops_every_child() {
 
 #[test]
 fn vllm_variant_drives_engines_it_did_not_start() {
+    let _serial = one_cluster_at_a_time();
     // Simulators stand in for already-running vLLM engines: pdbench must use them as given,
     // start nothing, and stop nothing.
     let (p, d) = (Sim::start(&[]), Sim::start(&[]));
