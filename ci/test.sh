@@ -6,8 +6,13 @@ cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 # Failing tests print a backtrace; the suites bound their own waits.
 export RUST_BACKTRACE=1
+# One-shot builds gain nothing from incremental state, which took a third of target/ (4.5 GB).
+export CARGO_INCREMENTAL=0
 
-step() { printf '\n==== %s ====\n' "$*"; }
+# Each step header shows the free disk, so a full disk is seen where it happens.
+step() {
+  printf '\n==== %s ==== (free disk: %s)\n' "$*" "$(df -h --output=avail . | tail -n1 | tr -d ' ')"
+}
 
 step "system packages"
 ci/install-deps.sh
@@ -18,23 +23,23 @@ cargo fmt --all -- --check
 step "lints (every feature, UCX included)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "tests (unit, in-process, two-process conformance)"
-cargo test --workspace --locked
+# Every cargo call below uses the same selection (--workspace --all-features), so nothing is built
+# twice with another feature set: one build serves the tests, the UCX suite and the smoke runs.
+step "tests (unit, in-process, two-process conformance over TCP and UCX tcp/shared memory)"
+cargo test --workspace --all-features --locked
 
 step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
 vllm_venv="$(ci/vllm/install.sh | tail -n1)"
-PD_VLLM_VENV="$vllm_venv" cargo test --locked -p pd-e2e --test vllm -- --test-threads 1 --nocapture
+PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
 
-step "UCX backend: conformance suite over UCX tcp and shared memory, TCP fallback"
-cargo test --locked -p xfer-conformance --features ucx --test ucx
-
+# The test build above made target/debug/xferbench (with UCX).
 step "UCX benchmark smoke run (consistency-checked, shared memory)"
-cargo run --quiet --locked -p xfer-bench --features ucx --bin xferbench -- \
-  --backend ucx --params tls=posix+cma+self --op both --block-sizes 64K,1M --iters 20 --warmup 2 --check --no-progress
+target/debug/xferbench --backend ucx --params tls=posix+cma+self --op both --block-sizes 64K,1M \
+  --iters 20 --warmup 2 --check --no-progress
 
 step "benchmark smoke run (consistency-checked, two processes)"
-cargo run --quiet --locked -p xfer-bench --bin xferbench -- \
-  --backend tcp --compare --op both --block-sizes 64K,1M --iters 20 --warmup 2 --check --no-progress
+target/debug/xferbench --backend tcp --compare --op both --block-sizes 64K,1M --iters 20 --warmup 2 \
+  --check --no-progress
 
 step "transfer comparison against the peers (smoke: 64K, one run; installs NIXL, Mooncake, iperf3 into the cache)"
 peers_out=$(mktemp -d)

@@ -6,6 +6,8 @@
 #
 #   bench/peers/install.sh            # prints the venv path on its last line
 set -euo pipefail
+# No wheel cache: the downloads are installed once into the venv, a cache would double the disk.
+export PIP_NO_CACHE_DIR=1
 
 CACHE=${PD_CACHE_DIR:-$HOME/.cache/pd-suite}
 VENV=$CACHE/peers-venv

