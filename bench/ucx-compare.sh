@@ -5,6 +5,17 @@
 # ours / memcpy. Installs nothing: needs ucx_perftest (Debian: ucx-utils) and a release
 # xferbench built with `--features ucx` (built here when missing).
 #
+# Over shared memory ucx_perftest runs twice (see bench/README.md, "UCX against ucx_perftest"):
+#   perftest      its default buffers, which UCX allocates itself in POSIX shared memory that the
+#                 peer maps, so put/get are a memcpy through the mapping;
+#   perftest-reg  UCX_ALLOC_PRIO=heap: ordinary memory that is registered, as xferbench's (and
+#                 any application's) is; UCX 1.13 then emulates put/get with active messages.
+#
+# Both tools run their two processes pinned apart (initiator/client on CPU 0, target/server on
+# CPU 1; PIN=0 leaves placement to the scheduler): over these transports UCX needs the
+# target's progress on the data path, and two processes sharing one CPU run several times
+# slower.
+#
 #   bench/ucx-compare.sh                 # sizes 1M 16M, median of 3 runs each
 #   SIZES="64K 1M" REPEAT=5 bench/ucx-compare.sh
 set -euo pipefail
@@ -14,6 +25,16 @@ SIZES=${SIZES:-"1M 16M"}
 REPEAT=${REPEAT:-3}
 XFERBENCH=${XFERBENCH:-target/release/xferbench}
 TRANSPORTS=("tcp|lo" "posix,cma,self|all")
+PIN=${PIN:-$([ "$(nproc)" -ge 2 ] && echo 1 || echo 0)}
+if [ "$PIN" = 1 ]; then
+  near=(taskset -c 0)
+  far=(taskset -c 1)
+else
+  near=()
+  far=()
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (Debian: apt-get install ucx-utils)" >&2; exit 1; }
 if [ ! -x "$XFERBENCH" ]; then
@@ -21,26 +42,59 @@ if [ ! -x "$XFERBENCH" ]; then
 fi
 
 bytes() { case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac; }
-# Enough iterations for about 1 GiB per run, 20..2000.
-iters() { local n=$((1073741824 / $(bytes "$1"))); ((n < 20)) && n=20; ((n > 2000)) && n=2000; echo $n; }
+# Enough iterations for about $2 bytes (default 1 GiB) per run, 20..2000.
+iters() {
+  local n=$((${2:-1073741824} / $(bytes "$1")))
+  ((n < 20)) && n=20
+  ((n > 2000)) && n=2000
+  echo $n
+}
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print 0 }'; }
 
 port=$((20000 + RANDOM % 20000))
 # One ucx_perftest server + client; prints the Final line's overall bandwidth in decimal GB/s
-# (ucx_perftest's MB/s are 2^20 bytes per second).
+# (ucx_perftest's MB/s are 2^20 bytes per second). One operation in flight (-O 1), as xferbench
+# has one request in flight per thread (perftest's default window makes ucp_put_bw over TCP
+# collapse at 16 MiB: 0.05 GB/s). $5: extra environment (e.g. UCX_ALLOC_PRIO=heap), $6: bytes
+# per run.
 perftest_once() {
-  local tls=$1 dev=$2 test=$3 size=$4 mbps server
+  local tls=$1 dev=$2 test=$3 size=$4 extra=${5:-} total=${6:-1073741824} mbps server
   port=$((port + 1))
-  UCX_TLS=$tls UCX_NET_DEVICES=$dev timeout 120 ucx_perftest -p "$port" >/dev/null 2>&1 &
+  # shellcheck disable=SC2086 # $extra is a list of VAR=value words
+  env $extra UCX_TLS="$tls" UCX_NET_DEVICES="$dev" timeout 120 "${far[@]}" ucx_perftest -p "$port" >/dev/null 2>&1 &
   server=$!
   sleep 0.5
-  mbps=$(UCX_TLS=$tls UCX_NET_DEVICES=$dev timeout 120 \
-    ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$(bytes "$size")" -n "$(iters "$size")" 2>/dev/null |
-    awk '/^Final:/ { print $7 }')
+  # shellcheck disable=SC2086
+  mbps=$(env $extra UCX_TLS="$tls" UCX_NET_DEVICES="$dev" timeout 120 "${near[@]}" \
+    ucx_perftest 127.0.0.1 -p "$port" -t "$test" -s "$(bytes "$size")" -n "$(iters "$size" "$total")" -O 1 2>/dev/null |
+    awk '/^Final:/ { print $7 }') || true
   wait "$server" 2>/dev/null || true
   awk -v mb="${mbps:-0}" 'BEGIN { printf "%.3f\n", mb * 1048576 / 1e9 }'
 }
 perftest() { for _ in $(seq "$REPEAT"); do perftest_once "$@"; done | median; }
+
+# xferbench --backend ucx with its target started here (pinned), all sizes, READ and WRITE,
+# REPEAT runs (the median run is printed), and single-thread memcpy.
+xferbench() {
+  local params=$1 sizes=$2 tpid line addr
+  port=$((port + 2))
+  rm -f "$tmp/stdin"
+  mkfifo "$tmp/stdin"
+  "${far[@]}" "$XFERBENCH" --target --listen "127.0.0.1:$port" --backend ucx --params "$params" \
+    --block-sizes "$sizes" <"$tmp/stdin" >"$tmp/target.out" 2>"$tmp/target.err" &
+  tpid=$!
+  exec 3>"$tmp/stdin" # the target serves until its stdin closes
+  for _ in $(seq 100); do
+    line=$(grep -m1 '^READY' "$tmp/target.out" || true)
+    [ -n "$line" ] && break
+    sleep 0.1
+  done
+  addr=$(echo "$line" | awk '{ print $2 }')
+  "${near[@]}" "$XFERBENCH" --connect "${addr:-127.0.0.1:$port}" --backend ucx --params "$params" --op both \
+    --block-sizes "$sizes" --repeat "$REPEAT" --warmup 3 --no-progress --memcpy 2>/dev/null || true
+  exec 3>&-
+  wait "$tpid" 2>/dev/null || true
+}
 
 sizes_csv=$(echo "$SIZES" | tr ' ' ',')
 rows=()
@@ -51,8 +105,7 @@ for entry in "${TRANSPORTS[@]}"; do
   [ "$dev" != all ] && params="$params,net_devices=$dev"
   name=$([ "$tls" = tcp ] && echo tcp || echo shm)
   echo "== $name: xferbench --backend ucx --params $params" >&2
-  out=$("$XFERBENCH" --backend ucx --params "$params" --op both --block-sizes "$sizes_csv" \
-    --repeat "$REPEAT" --warmup 3 --no-progress --memcpy 2>/dev/null)
+  out=$(xferbench "$params" "$sizes_csv")
   echo "$out" >&2
   for size in $SIZES; do
     memcpy=$(echo "$out" | awk -v s="$size" '$1 == "memcpy" && $2 == s { print $3 }')
@@ -60,18 +113,29 @@ for entry in "${TRANSPORTS[@]}"; do
       test=$([ $op = write ] && echo ucp_put_bw || echo ucp_get)
       ours=$(echo "$out" | awk -v s="$size" -v op=$op '$1 == "ucx" && $2 == op && $3 == s { print $9 }')
       theirs=$(perftest "$tls" "$dev" "$test" "$size")
-      rows+=("$name $op $size ${ours:-0} $test $theirs ${memcpy:-0}")
+      if [ "$name" = shm ]; then
+        # Registered ordinary memory is slow in perftest: a quarter of the bytes per run.
+        registered=$(perftest "$tls" "$dev" "$test" "$size" UCX_ALLOC_PRIO=heap 268435456)
+      else
+        registered=-
+      fi
+      echo "   $name $op $size: ours ${ours:-0}, $test $theirs, $test on registered memory $registered" >&2
+      rows+=("$name $op $size ${ours:-0} $test $theirs $registered ${memcpy:-0}")
     done
   done
 done
 
 echo
-printf '%-4s %-5s %-4s %10s  %-10s %10s %8s %12s %8s\n' transport op size "ours GB/s" perftest "GB/s" "ratio" "memcpy GB/s" "ratio"
+echo "placement: $([ "$PIN" = 1 ] && echo "initiator/client on CPU 0, target/server on CPU 1" || echo "left to the scheduler")"
+printf '%-9s %-5s %-4s %10s  %-10s %14s %6s %15s %6s %12s %6s\n' transport op size "ours GB/s" perftest \
+  "default GB/s" ratio "registered GB/s" ratio "memcpy GB/s" ratio
 for row in "${rows[@]}"; do
-  read -r name op size ours test theirs memcpy <<<"$row"
-  awk -v n="$name" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v m="$memcpy" 'BEGIN {
-    r = p > 0 ? sprintf("%.2f", o / p) : "-"
-    if (n == "shm") { mr = m > 0 ? sprintf("%.2f", o / m) : "-"; ms = sprintf("%.3f", m) } else { mr = "-"; ms = "-" }
-    printf "%-9s %-5s %-4s %10.3f  %-10s %10.3f %8s %12s %8s\n", n, op, s, o, t, p, r, ms, mr
+  read -r name op size ours test theirs registered memcpy <<<"$row"
+  awk -v n="$name" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" -v m="$memcpy" '
+  function ratio(a, b) { return (b != "-" && b > 0) ? sprintf("%.2f", a / b) : "-" }
+  BEGIN {
+    ms = n == "shm" ? sprintf("%.3f", m) : "-"
+    printf "%-9s %-5s %-4s %10.3f  %-10s %14.3f %6s %15s %6s %12s %6s\n", n, op, s, o, t, p, ratio(o, p), g,
+      ratio(o, g), ms, n == "shm" ? ratio(o, m) : "-"
   }'
 done

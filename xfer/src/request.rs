@@ -157,12 +157,14 @@ impl XferRequest {
         }
     }
 
-    /// `Ok(true)` when done, `Ok(false)` while in progress, the error when it failed.
+    /// `Ok(true)` when done, `Ok(false)` while in progress, the error when it failed. Backends
+    /// that can progress on any thread (UCX) make progress here too, without blocking.
     pub fn poll(&self) -> Result<bool, XferError> {
-        self.result(self.completion()?.status())
+        self.result(self.completion()?.progress_and_status())
     }
 
     /// Blocks until done, failed, or `timeout` passes (then `TimedOut`; the request goes on).
+    /// Backends that can progress on any thread (UCX) are driven by this thread while it waits.
     pub fn wait(&self, timeout: Duration) -> Result<(), XferError> {
         match self.result(self.completion()?.wait(timeout))? {
             true => Ok(()),

@@ -1,6 +1,9 @@
-//! One live endpoint to a peer and the work on it: transfers (puts or gets per descriptor,
-//! then one flush) and notifications (active messages after the flush, acknowledged by the
-//! peer). Runs on the progress thread only.
+//! One live endpoint to a peer and the work on it: transfers (puts or gets per descriptor;
+//! puts then one flush, so the data is visible at the target; a completed get has landed
+//! here already, so reads need none) and notifications (active messages sent after that,
+//! acknowledged by the peer). Runs on whichever thread holds the engine. Requests it finishes are handed back in
+//! a [`Finished`] list and completed after the engine's lock is released, so a waker never
+//! runs under it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,6 +24,8 @@ pub struct PeerInfo {
     pub name: String,
     /// The peer's UCX worker address (checked framing, see `keys`).
     pub address: Vec<u8>,
+    /// The peer's pid when it runs on this host, in this pid namespace.
+    pub local_pid: Option<u32>,
     /// Set by `disconnect`: later work fails at once.
     pub closed: AtomicBool,
 }
@@ -44,6 +49,9 @@ impl PeerInfo {
     }
 }
 
+/// Requests finished under the engine's lock, completed once it is released.
+pub type Finished = Vec<(Completer, Result<(), BackendError>)>;
+
 /// Who waits for a notification's acknowledgement.
 pub enum Waiter {
     Job(Completer),
@@ -51,9 +59,9 @@ pub enum Waiter {
 }
 
 impl Waiter {
-    pub fn finish(self, result: Result<(), BackendError>) {
+    pub fn finish(self, result: Result<(), BackendError>, finished: &mut Finished) {
         match self {
-            Waiter::Job(done) => done.complete(result),
+            Waiter::Job(done) => finished.push((done, result)),
             Waiter::Caller(reply) => _ = reply.send(result),
         }
     }
@@ -86,7 +94,7 @@ impl Job {
 
     /// For a failed job: `true` once finished (UCX completed its operations and flush, or the
     /// grace time passed).
-    pub fn poll_dying(&mut self, now: Instant) -> bool {
+    pub fn poll_dying(&mut self, now: Instant, finished: &mut Finished) -> bool {
         self.ops.retain_mut(|rma| rma.poll().is_none());
         let flushed = self.flush.as_mut().is_none_or(|flush| flush.poll().is_some());
         if !(flushed && self.ops.is_empty()) && self.give_up_at.is_some_and(|at| now < at) {
@@ -98,7 +106,7 @@ impl Job {
         self.flush = None;
         let err = self.error.take().unwrap_or_else(|| BackendError::Protocol("ucx transfer failed".into()));
         if let Some(done) = self.done.take() {
-            done.complete(Err(err));
+            finished.push((done, Err(err)));
         }
         true
     }
@@ -110,6 +118,7 @@ pub struct Env<'a> {
     pub regions: &'a HashMap<u64, MemHandle>,
     pub max_op_bytes: u64,
     pub next_seq: &'a mut u64,
+    pub finished: &'a mut Finished,
 }
 
 /// A live endpoint to one peer.
@@ -149,12 +158,12 @@ impl Conn {
         }
     }
 
-    /// Posts every operation of a job, then its flush.
+    /// Posts every operation of a job, then (for a WRITE) its flush.
     pub fn start(&mut self, job: TransferJob, env: &mut Env<'_>) {
         let TransferJob { op, local, remote, notif, done } = job;
         let plan = match self.plan(&remote, &local) {
             Ok(plan) => plan,
-            Err(err) => return done.complete(Err(err)),
+            Err(err) => return env.finished.push((done, Err(err))),
         };
         self.touch_if_idle();
         let mut ops = VecDeque::new();
@@ -187,8 +196,10 @@ impl Conn {
                 }
             }
         }
-        let flush = self.ep.flush();
-        self.jobs.push_back(Job { ops, flush: Some(flush), error, notif, done: Some(done), give_up_at: None });
+        // A get is complete once its data has landed here; puts complete locally before the
+        // target sees them, so a WRITE waits for a flush.
+        let flush = (op == Op::Write).then(|| self.ep.flush());
+        self.jobs.push_back(Job { ops, flush, error, notif, done: Some(done), give_up_at: None });
     }
 
     fn issue(
@@ -250,7 +261,7 @@ impl Conn {
         *env.next_seq += 1;
         let payload = match msg::encode_notif(seq, env.agent_name, message) {
             Ok(payload) => payload,
-            Err(err) => return waiter.finish(Err(BackendError::Unsupported(err.to_string()))),
+            Err(err) => return waiter.finish(Err(BackendError::Unsupported(err.to_string())), env.finished),
         };
         self.touch_if_idle();
         let send = self.ep.send(payload);
@@ -258,10 +269,10 @@ impl Conn {
     }
 
     /// An acknowledgement arrived; `false` when it is not for this connection.
-    pub fn acknowledged(&mut self, seq: u64) -> bool {
+    pub fn acknowledged(&mut self, seq: u64, finished: &mut Finished) -> bool {
         let Some(index) = self.pending.iter().position(|p| p.seq == seq) else { return false };
         if let Some(pending) = self.pending.remove(index) {
-            pending.waiter.finish(Ok(()));
+            pending.waiter.finish(Ok(()), finished);
         }
         self.last_progress = Instant::now();
         true
@@ -274,13 +285,23 @@ impl Conn {
             while let Some(rma) = job.ops.front_mut() {
                 match rma.poll() {
                     None => break,
-                    Some(_) => {
+                    Some(result) => {
+                        if let Err(status) = result {
+                            job.error.get_or_insert_with(|| self.peer.failure("transfer", status));
+                        }
                         job.ops.pop_front();
                         progressed = true;
                     }
                 }
             }
-            let Some(result) = job.flush.as_mut().and_then(Flush::poll) else { break };
+            let result = match job.flush.as_mut() {
+                Some(flush) => match flush.poll() {
+                    Some(result) => result,
+                    None => break,
+                },
+                None if job.ops.is_empty() => Ok(()),
+                None => break,
+            };
             progressed = true;
             let Some(mut job) = self.jobs.pop_front() else { break };
             job.flush = None;
@@ -294,9 +315,9 @@ impl Conn {
                 (None, Ok(())) => Ok(()),
             };
             match (outcome, job.notif.take()) {
-                (Ok(()), _) if done.is_cancelled() => done.complete(Err(BackendError::Cancelled)),
+                (Ok(()), _) if done.is_cancelled() => env.finished.push((done, Err(BackendError::Cancelled))),
                 (Ok(()), Some(message)) => self.notify(&message, Waiter::Job(done), env),
-                (outcome, _) => done.complete(outcome),
+                (outcome, _) => env.finished.push((done, outcome)),
             }
         }
         if progressed {
@@ -308,9 +329,14 @@ impl Conn {
     /// Takes the work off a connection being torn down: jobs to finish once UCX lets go of
     /// their memory, and notification waiters, failed now (a notification may still arrive:
     /// it is never resent).
-    pub fn fail_all(&mut self, err: impl Fn() -> BackendError, give_up_at: Instant) -> Vec<Job> {
+    pub fn fail_all(
+        &mut self,
+        err: impl Fn() -> BackendError,
+        give_up_at: Instant,
+        finished: &mut Finished,
+    ) -> Vec<Job> {
         for pending in self.pending.drain(..) {
-            pending.waiter.finish(Err(err()));
+            pending.waiter.finish(Err(err()), finished);
         }
         self.rkeys.clear();
         self.jobs

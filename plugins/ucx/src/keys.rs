@@ -1,10 +1,18 @@
-//! What the backend publishes in the agent metadata: its worker address (connection info) and
-//! one packed remote key per registration, each framed with a magic, a checksum and a length
-//! bound, because UCX parses worker addresses and packed keys without lengths of its own.
+//! What the backend publishes in the agent metadata: its worker address and process identity
+//! (connection info) and one packed remote key per registration, each framed with a magic, a
+//! checksum and a length bound, because UCX parses worker addresses and packed keys without
+//! lengths of its own.
+//!
+//! ```text
+//! connection info: "XUC2" | crc32 of the rest u32 | host u64 | pid u32 | worker address
+//! ```
+//! `host` identifies the kernel boot and pid namespace (0: unknown), so a peer on the same
+//! host can tell that the pid is one of its own namespace.
 
 use xfer_core::BackendError;
 
-const CONN_MAGIC: [u8; 4] = *b"XUC1";
+const CONN_MAGIC: [u8; 4] = *b"XUC2";
+const CONN_HEADER: usize = 4 + 4 + 8 + 4;
 const KEY_MAGIC: [u8; 4] = *b"XUK1";
 /// Far above any real worker address or packed key (a few hundred bytes with many devices).
 pub const MAX_BLOB: usize = 64 << 10;
@@ -14,28 +22,72 @@ fn bad(what: &str) -> BackendError {
     BackendError::InvalidMetadata(format!("ucx {what}"))
 }
 
-/// Frames a worker address as connection info.
-pub fn encode_conn_info(address: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8 + address.len());
+/// A process as peers on the same host can recognise it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessId {
+    /// The kernel boot and pid namespace; 0 when unknown.
+    pub host: u64,
+    pub pid: u32,
+}
+
+impl ProcessId {
+    /// This process.
+    pub fn current() -> ProcessId {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id");
+        let namespace = std::fs::read_link("/proc/self/ns/pid");
+        let host = match (boot, namespace) {
+            (Ok(boot), Ok(namespace)) => {
+                let namespace = namespace.to_string_lossy().into_owned();
+                let high = crc32fast::hash(boot.trim().as_bytes());
+                let low = crc32fast::hash(namespace.as_bytes());
+                (u64::from(high) << 32 | u64::from(low)).max(1)
+            }
+            _ => 0,
+        };
+        ProcessId { host, pid: std::process::id() }
+    }
+
+    /// The peer's pid, when it means the same process here (same host and pid namespace).
+    pub fn local_pid(&self, here: &ProcessId) -> Option<u32> {
+        (self.host != 0 && self.host == here.host).then_some(self.pid)
+    }
+}
+
+/// What a peer needs to connect: the worker address and the process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnInfo {
+    pub address: Vec<u8>,
+    pub process: ProcessId,
+}
+
+/// Frames a worker address and process identity as connection info.
+pub fn encode_conn_info(address: &[u8], process: ProcessId) -> Vec<u8> {
+    let mut out = Vec::with_capacity(CONN_HEADER + address.len());
     out.extend_from_slice(&CONN_MAGIC);
-    out.extend_from_slice(&crc32fast::hash(address).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&process.host.to_le_bytes());
+    out.extend_from_slice(&process.pid.to_le_bytes());
     out.extend_from_slice(address);
+    let crc = crc32fast::hash(&out[8..]);
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
     out
 }
 
-/// The worker address inside connection info, checked.
-pub fn decode_conn_info(info: &[u8]) -> Result<Vec<u8>, BackendError> {
-    if info.len() < 8 || info[..4] != CONN_MAGIC {
+/// The connection info's contents, checked.
+pub fn decode_conn_info(info: &[u8]) -> Result<ConnInfo, BackendError> {
+    if info.len() < CONN_HEADER || info[..4] != CONN_MAGIC {
         return Err(bad("connection info: bad magic or truncated"));
     }
-    let address = &info[8..];
+    let address = &info[CONN_HEADER..];
     if address.is_empty() || address.len() > MAX_BLOB {
         return Err(bad("connection info: worker address of implausible length"));
     }
-    if crc32fast::hash(address).to_le_bytes() != info[4..8] {
+    if crc32fast::hash(&info[8..]).to_le_bytes() != info[4..8] {
         return Err(bad("connection info: checksum mismatch"));
     }
-    Ok(address.to_vec())
+    let host = u64::from_le_bytes(info[8..16].try_into().expect("8 bytes"));
+    let pid = u32::from_le_bytes(info[16..20].try_into().expect("4 bytes"));
+    Ok(ConnInfo { address: address.to_vec(), process: ProcessId { host, pid } })
 }
 
 /// A peer's registration as published: our key id, its range, and UCX's packed rkey.
@@ -95,8 +147,16 @@ mod tests {
 
     #[test]
     fn conn_info_round_trip_and_corruption() {
-        let info = encode_conn_info(b"worker-address");
-        assert_eq!(decode_conn_info(&info).unwrap(), b"worker-address");
+        let here = ProcessId::current();
+        assert_eq!(here.pid, std::process::id());
+        assert_ne!(here.host, 0, "this test needs /proc");
+        let info = encode_conn_info(b"worker-address", here);
+        let decoded = decode_conn_info(&info).unwrap();
+        assert_eq!(decoded, ConnInfo { address: b"worker-address".to_vec(), process: here });
+        assert_eq!(decoded.process.local_pid(&here), Some(here.pid));
+        let elsewhere = ProcessId { host: here.host ^ 1, pid: 1 };
+        assert_eq!(elsewhere.local_pid(&here), None);
+        assert_eq!(ProcessId { host: 0, pid: 1 }.local_pid(&ProcessId { host: 0, pid: 2 }), None);
         for i in 0..info.len() {
             let mut bad = info.clone();
             bad[i] ^= 0x10;
@@ -105,7 +165,7 @@ mod tests {
         for len in 0..info.len() {
             assert!(decode_conn_info(&info[..len]).is_err(), "truncated to {len}");
         }
-        assert!(decode_conn_info(&encode_conn_info(b"")).is_err());
+        assert!(decode_conn_info(&encode_conn_info(b"", here)).is_err());
     }
 
     #[test]

@@ -2,16 +2,20 @@
 //!
 //! On bare-metal RDMA clusters UCX moves the bytes over InfiniBand or RoCE one-sidedly; on a
 //! plain machine the same code runs over UCX's TCP and shared-memory transports. Each backend
-//! instance has one UCP context (RMA + active messages + wakeup) and one worker, driven by a
-//! progress thread that makes every UCP call ([`engine`]). The agent metadata carries the
-//! worker address and, per registration (`ucp_mem_map`), the packed remote key.
+//! instance has one UCP context (RMA + active messages + wakeup) and one worker behind a lock
+//! ([`engine`]): callers post on their own thread, a thread waiting for (or polling) a request
+//! drives the worker itself, and a progress thread handles what nobody waits for (incoming
+//! notifications, requests waited for asynchronously, timeouts). Over shared memory a request
+//! thus completes on the caller's thread, with no thread hand-off. The agent metadata carries
+//! the worker address and, per registration (`ucp_mem_map`), the packed remote key.
 //!
-//! A READ or WRITE is one `ucp_get_nbx`/`ucp_put_nbx` per descriptor piece, then one
-//! `ucp_ep_flush_nbx`: the request completes when the flush does, so the data is visible at
-//! the target. A notification is an active message sent after that flush, acknowledged by the
-//! receiver before the request completes. Endpoints are created on first use, in peer
-//! error-handling mode: a dead peer fails its requests, and no completion for `timeout_ms`
-//! fails them too (the endpoint is force-closed; the next request reconnects).
+//! A READ or WRITE is one `ucp_get_nbx`/`ucp_put_nbx` per descriptor piece. A WRITE then
+//! issues one `ucp_ep_flush_nbx` and completes when the flush does, so the data is visible at
+//! the target; a READ completes when its gets do (their data has landed here). A notification
+//! is an active message sent after that, acknowledged by the receiver before the request
+//! completes. Endpoints are created on first use, in peer error-handling mode: a dead peer
+//! fails its requests, and no completion for `timeout_ms` fails them too (the endpoint is
+//! force-closed; the next request reconnects).
 //!
 //! Parameters (all optional; UCX's own `UCX_*` environment variables apply underneath; inside
 //! a value, `+` stands for the comma of UCX lists, since commas separate parameters):
@@ -21,15 +25,44 @@
 //! | `net_devices` | `$UCX_NET_DEVICES` | devices, e.g. `lo`, `mlx5_0:1` |
 //! | `ucx_<name>` | — | any UCX setting, e.g. `ucx_rndv_thresh=inf` sets `UCX_RNDV_THRESH` |
 //! | `timeout_ms` | 5000 | no completion toward a peer for this long fails its requests |
-//! | `spin_us` | 2000 | the progress thread polls this long after the last event before it sleeps (waking a sleeping thread costs more than a copy of 1 MiB) |
+//! | `spin_us` | 2000 | a waiting thread, and the progress thread, poll this long after the last event before they sleep (waking a sleeping thread costs more than a copy of 1 MiB) |
 //! | `max_op_bytes` | 67108864 | longer descriptors are moved as several operations (progress, and so the timeout, is seen per operation) |
 //! | `error_mode` | `auto` | `peer`: UCX reports dead peers (needs tcp, rc, ud, dc...); `none`: only `timeout_ms` does; `auto`: peer where the transports allow (UCX 1.13's posix shared memory does not) |
 //!
-//! Limits: UCX over TCP or shared memory cannot enforce remote keys (the target does not take
-//! part in a one-sided operation), so a peer holding a stale key can still reach memory the
-//! target deregistered; on InfiniBand/RoCE the adapter refuses it. VRAM registers only when
-//! UCX reports CUDA support; local VRAM as a request's source or destination additionally
-//! needs device slices in `xfer-core` (today's `MemSlice` is host memory only).
+//! How the bytes move depends on the transports. Over InfiniBand/RoCE, `ucp_put_nbx` and
+//! `ucp_get_nbx` are one-sided RDMA. Over TCP and over shared memory (`posix`, `sysv`), UCX
+//! 1.13 has no one-sided path for memory it did not allocate itself: it emulates put and get
+//! with active messages that the target's UCX answers from its progress (with
+//! `UCX_PROTO_ENABLE=y UCX_PROTO_INFO=y` UCX prints "software emulation" for both; over shared
+//! memory the endpoint's only RMA lane is `posix/memory`, which reaches only UCX-allocated
+//! memory, and `cma` is only used for rendezvous active messages). So over those transports
+//! the target's progress thread is on the data path (its `spin_us` keeps it polling between
+//! requests); over shared memory the bytes cross a FIFO in 8 KiB pieces (two copies).
+//! `ucx_perftest`'s shared-memory figures come from buffers UCX allocates in POSIX shared
+//! memory, which the peer maps and copies with plain `memcpy`; registered application memory
+//! cannot take that path (see `bench/README.md`, "UCX against ucx_perftest").
+//!
+//! Limits:
+//! - Remote keys are not enforced over TCP or shared memory: UCX's emulated put/get write and
+//!   read the address a message names without checking it against a registration, so a peer
+//!   holding a stale key (or any address) still reaches memory the target deregistered; on
+//!   InfiniBand/RoCE the adapter refuses it. Closing that needs a key-revocation exchange
+//!   (the target tells its peers, and waits for their acknowledgement, before it unmaps), which
+//!   protects against stale keys of well-behaved peers only.
+//! - UCX 1.13's shared-memory transports cannot detect a dead peer (`error_mode=auto` falls
+//!   back to `none`): requests to it end by `timeout_ms`, and UCX never completes the operations
+//!   it had queued to it. Their memory stays pinned (a deregistration waits) until the peer's
+//!   process has exited, then it is let go: a deregistration after a peer was killed returns
+//!   within `timeout_ms` plus about 2.5 s. A frozen peer's operations pin their memory until it
+//!   resumes or exits.
+//! - In about one run in four of a shared-memory peer killed mid-transfer, requests to this
+//!   worker's other shared-memory peers stop completing too, from the moment of the kill, and
+//!   end by `timeout_ms`. The likely cause: a slot of this worker's receive FIFO that the dead
+//!   peer had claimed but never published; UCX reads the FIFO in order, so everything behind
+//!   it waits for good. Only a new worker (a new backend) recovers.
+//! - VRAM registers only when UCX reports CUDA support; local VRAM as a request's source or
+//!   destination additionally needs device slices in `xfer-core` (today's `MemSlice` is host
+//!   memory only).
 
 mod config;
 mod conn;
@@ -51,7 +84,7 @@ pub use config::Settings;
 pub use keys::UcxRemoteKey;
 
 use conn::PeerInfo;
-use engine::{Command, Handle, CONTROL_TIMEOUT};
+use engine::Shared;
 use peer::UcxPeer;
 
 /// Registers the UCX backend under the name `ucx`.
@@ -76,11 +109,13 @@ pub fn ucx_version() -> (u32, u32, u32) {
 pub struct UcxBackend {
     agent_name: String,
     settings: Settings,
-    engine: Arc<Handle>,
+    engine: Arc<Shared>,
     conn_info: Vec<u8>,
     cuda: bool,
     next_peer: AtomicU64,
     stopped: AtomicBool,
+    /// This process as peers on this host recognise it.
+    process: keys::ProcessId,
 }
 
 impl std::fmt::Debug for UcxBackend {
@@ -97,27 +132,24 @@ impl UcxBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
         let BackendContext { agent_name, params, notifs } = ctx;
         let settings = Settings::parse(params)?;
+        let process = keys::ProcessId::current();
         let started = engine::start(agent_name.clone(), settings.clone(), notifs)?;
         tracing::debug!(agent = %agent_name, ucx = ?ucp::version(), cuda = started.cuda, "ucx backend started");
         Ok(UcxBackend {
             agent_name,
             settings,
-            engine: Arc::new(started.handle),
-            conn_info: keys::encode_conn_info(&started.address),
+            engine: started.shared,
+            conn_info: keys::encode_conn_info(&started.address, process),
             cuda: started.cuda,
             next_peer: AtomicU64::new(1),
             stopped: AtomicBool::new(false),
+            process,
         })
     }
 
     /// Whether this UCX build moves CUDA memory (and so whether VRAM registers).
     pub fn has_cuda(&self) -> bool {
         self.cuda
-    }
-
-    fn call<T>(&self, command: Command, answer: crossbeam_channel::Receiver<T>) -> Result<T, BackendError> {
-        self.engine.send(command).map_err(|_| BackendError::Protocol("the ucx backend is shut down".into()))?;
-        answer.recv_timeout(CONTROL_TIMEOUT).map_err(|_| BackendError::TimedOut(CONTROL_TIMEOUT))
     }
 }
 
@@ -144,23 +176,23 @@ impl Backend for UcxBackend {
                 "VRAM through ucx: this UCX build has no CUDA support (ucx_info -v shows its configure line)".into(),
             ));
         }
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        self.call(Command::Register { region: Arc::clone(region), reply }, answer)?
+        self.engine.with(|engine| engine.register(region))?
     }
 
     fn deregister(&self, region: &LocalRegion) {
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        if let Err(err) = self.call(Command::Deregister { region_id: region.id(), reply }, answer) {
-            tracing::warn!(%err, region = region.id(), "ucx deregistration");
+        let id = region.id();
+        if let Err(err) = self.engine.with(|engine| engine.deregister(id)) {
+            tracing::warn!(%err, region = id, "ucx deregistration");
         }
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
-        let address = keys::decode_conn_info(conn_info)?;
+        let info = keys::decode_conn_info(conn_info)?;
         let info = PeerInfo {
             id: self.next_peer.fetch_add(1, Ordering::Relaxed),
             name: peer.to_string(),
-            address,
+            address: info.address,
+            local_pid: info.process.local_pid(&self.process),
             closed: AtomicBool::new(false),
         };
         Ok(Arc::new(UcxPeer {

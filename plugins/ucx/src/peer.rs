@@ -1,19 +1,20 @@
-//! `RemoteAgent` for one peer: hands its work to the progress thread.
+//! `RemoteAgent` for one peer: posts and notifies on the caller's thread, under the engine's
+//! lock.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use xfer_core::{BackendError, RemoteAgent, RemoteKey, TransferJob};
 
 use crate::conn::PeerInfo;
-use crate::engine::{Command, Handle};
+use crate::engine::Shared;
 use crate::keys::UcxRemoteKey;
 
 pub struct UcxPeer {
     pub(crate) info: Arc<PeerInfo>,
-    pub(crate) engine: Arc<Handle>,
-    /// Bound on a standalone notification: the backend's timeout plus slack for the thread.
+    pub(crate) engine: Arc<Shared>,
+    /// Bound on a standalone notification: the backend's timeout plus slack.
     pub(crate) notify_bound: Duration,
 }
 
@@ -21,10 +22,6 @@ impl std::fmt::Debug for UcxPeer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UcxPeer").field("peer", &self.info.name).field("id", &self.info.id).finish()
     }
-}
-
-fn stopped() -> BackendError {
-    BackendError::Protocol("the ucx backend is shut down".into())
 }
 
 impl RemoteAgent for UcxPeer {
@@ -38,8 +35,24 @@ impl RemoteAgent for UcxPeer {
         if self.info.is_closed() {
             return job.done.complete(Err(self.info.disconnected("disconnected by the agent")));
         }
-        if let Err(Command::Post { job, .. }) = self.engine.send(Command::Post { peer: Arc::clone(&self.info), job }) {
-            job.done.complete(Err(stopped()));
+        job.done.set_progress(self.engine.hook());
+        let info = &self.info;
+        let mut job = Some(job);
+        let posted = self.engine.with(|engine| {
+            if let Some(job) = job.take() {
+                engine.post(info, job);
+            }
+        });
+        match posted {
+            // In flight (not completed at once): make sure someone progresses it, should the
+            // caller not wait.
+            Ok(()) if self.engine.is_busy() => self.engine.posted(),
+            Ok(()) => {}
+            Err(err) => {
+                if let Some(job) = job {
+                    job.done.complete(Err(err));
+                }
+            }
         }
     }
 
@@ -48,14 +61,18 @@ impl RemoteAgent for UcxPeer {
             return Err(self.info.disconnected("disconnected by the agent"));
         }
         let (reply, answer) = crossbeam_channel::bounded(1);
-        let command = Command::Notify { peer: Arc::clone(&self.info), message: message.to_vec(), reply };
-        self.engine.send(command).map_err(|_| stopped())?;
-        answer.recv_timeout(self.notify_bound).map_err(|_| BackendError::TimedOut(self.notify_bound))?
+        let info = &self.info;
+        self.engine.with(|engine| engine.notify(info, message, reply))?;
+        self.engine.posted();
+        let deadline = Instant::now() + self.notify_bound;
+        self.engine.drive_until(|| !answer.is_empty(), deadline);
+        answer.recv_deadline(deadline).map_err(|_| BackendError::TimedOut(self.notify_bound))?
     }
 
     fn disconnect(&self) {
         if !self.info.closed.swap(true, Ordering::AcqRel) {
-            let _ = self.engine.send(Command::Disconnect { peer: Arc::clone(&self.info) });
+            let info = &self.info;
+            let _ = self.engine.with(|engine| engine.disconnect(info));
         }
     }
 }

@@ -2,14 +2,21 @@
 //!
 //! Ownership mirrors UCX's own rules: a [`Context`] outlives its [`Worker`]s and
 //! [`MemHandle`]s, a worker outlives its [`Endpoint`]s (both enforced with `Rc`). None of these
-//! types is `Send`: they are created and used on one progress thread only (the worker runs in
-//! `UCS_THREAD_MODE_SINGLE`); other threads reach it through a [`Signaler`].
+//! types is `Send` on its own. The owner keeps a worker and everything made from it in one
+//! [`WorkerCell`], which moves between threads as a whole behind the owner's lock, so one
+//! thread at a time makes UCP calls: the worker runs in `UCS_THREAD_MODE_SERIALIZED`. Other
+//! threads wake a sleeping owner through a [`Signaler`].
 //!
 //! Memory handed to UCX for a put or get must stay valid until UCX is done with it, which a
 //! caller cannot see from the call's return. So each operation takes its buffer (a
 //! [`MemSlice`], which holds its registration's pin) and drops it only once UCX completed the
 //! request; an operation or send dropped unfinished parks its buffer with the worker until
 //! UCX completes it (or the worker is destroyed), so no safe use can free memory under UCX.
+//! One exception, checked here: when the endpoint's peer is a process on this host that has
+//! exited, and the endpoint was closed at least [`ORPHAN_GRACE`] before, nothing can make UCX
+//! touch the buffer any more, and it is let go (see [`Worker::progress`]). Without it, an
+//! operation that UCX never completes (UCX 1.13 over shared memory cannot detect a dead
+//! peer) would pin its registration until the backend shuts down.
 
 use std::cell::RefCell;
 use std::ffi::{c_void, CStr, CString};
@@ -232,16 +239,56 @@ pub struct ReplyTo {
     generation: u64,
 }
 
-/// A request UCX still owns memory for: freed (and its keep-alive dropped) once complete.
+/// A request UCX still owns memory for: freed (and its keep-alive dropped) once complete, or
+/// once its peer is known gone (see [`EpState::orphaned`]).
 struct Parked {
     req: *mut c_void,
     _keep: Box<dyn std::any::Any>,
+    ep: Option<Rc<EpState>>,
+}
+
+/// How long after an endpoint closed its abandoned requests may be let go, once its peer
+/// process is gone: the worker keeps progressing meanwhile, so whatever the peer sent before
+/// it died has been handled.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(2);
+/// How often parked requests are checked for a gone peer.
+const ORPHAN_CHECK: Duration = Duration::from_millis(200);
+
+/// What requests know of their endpoint: the peer's process, when it runs on this host, and
+/// when the endpoint was closed.
+#[derive(Debug, Default)]
+struct EpState {
+    /// The peer's pid, meaningful here (same boot and pid namespace, see [`connect`]).
+    ///
+    /// [`connect`]: Worker::connect
+    local_pid: Option<u32>,
+    closed_at: std::cell::Cell<Option<std::time::Instant>>,
+}
+
+impl EpState {
+    /// Whether UCX can no longer touch the buffers of this endpoint's unfinished requests: the
+    /// endpoint is closed (no new traffic), for long enough that anything the peer sent before
+    /// was handled, and the peer process has exited (it sends nothing more; a pid reused by
+    /// another process reads as alive, which only keeps the memory pinned longer).
+    fn orphaned(&self, now: std::time::Instant) -> bool {
+        let closed_long_ago = self.closed_at.get().is_some_and(|at| now.saturating_duration_since(at) >= ORPHAN_GRACE);
+        closed_long_ago && self.local_pid.is_some_and(process_exited)
+    }
+}
+
+/// Whether process `pid` of this pid namespace has exited (gone, or a zombie).
+fn process_exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(err) => err.kind() == std::io::ErrorKind::NotFound,
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with(['Z', 'X'])),
+    }
 }
 
 struct WorkerInner {
     raw: sys::ucp_worker_h,
     sink: Box<EventSink>,
     parked: RefCell<Vec<Parked>>,
+    orphans_checked: std::cell::Cell<Option<std::time::Instant>>,
     signal: Arc<Mutex<Option<SignalTarget>>>,
     _ctx: Rc<ContextInner>,
 }
@@ -264,7 +311,7 @@ struct SignalTarget(sys::ucp_worker_h);
 // thread; the Mutex<Option<..>> around it is cleared before the worker is destroyed.
 unsafe impl std::marker::Send for SignalTarget {}
 
-/// Wakes the progress thread from any thread (`ucp_worker_signal`).
+/// Wakes a thread waiting on the worker's event fd, from any thread (`ucp_worker_signal`).
 #[derive(Clone)]
 pub struct Signaler(Arc<Mutex<Option<SignalTarget>>>);
 
@@ -285,10 +332,55 @@ impl fmt::Debug for Signaler {
     }
 }
 
+/// Owns a worker's whole object graph (context, worker, endpoints, registrations, requests in
+/// flight): the graph uses `Rc` and `RefCell` inside, so it must never be reached from two
+/// threads at once, but as a whole it may move from thread to thread. Access goes through
+/// [`WorkerCell::with`] on the thread that holds the cell (behind the owner's lock).
+///
+/// Nothing built from the graph can leave it: `build` and `with` take `Send` closures (they
+/// cannot capture a non-`Send` place to stash an `Rc` in) and return `Send` values (which
+/// cannot hold one). This crate never keeps UCX objects in thread-locals, the one way around.
+pub struct WorkerCell<T> {
+    value: T,
+}
+
+// SAFETY: every `Rc`/`RefCell` reachable from `value` was created inside `build`/`with` and
+// stays inside `value` (see above), so moving the cell moves all of them together and their
+// non-atomic counts are only ever touched by the thread holding the cell. UCX itself allows
+// a serialized worker (and its context, endpoints, keys and requests) to be used by any one
+// thread at a time.
+unsafe impl<T> std::marker::Send for WorkerCell<T> {}
+
+impl<T> WorkerCell<T> {
+    /// Builds the graph (on this thread).
+    pub fn build<E: std::marker::Send>(
+        build: impl FnOnce() -> Result<T, E> + std::marker::Send,
+    ) -> Result<WorkerCell<T>, E> {
+        Ok(WorkerCell { value: build()? })
+    }
+
+    /// Runs `f` on the graph, on this thread.
+    pub fn with<R: std::marker::Send>(&mut self, f: impl FnOnce(&mut T) -> R + std::marker::Send) -> R {
+        f(&mut self.value)
+    }
+}
+
+/// Waits until `fd` (a worker's event file descriptor, see [`Worker::event_fd`]) is readable
+/// or `timeout` passes. Needs no access to the worker itself, so it runs without the owner's
+/// lock; the worker must outlive the call (its owner guarantees that).
+pub fn wait_readable(fd: RawFd, timeout: Duration) {
+    let mut pollfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let millis = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd on the stack. A stale fd number would only make poll report
+    // POLLNVAL, never touch memory. EINTR and timeouts simply return; the caller decides again.
+    unsafe { libc::poll(&mut pollfd, 1, millis) };
+}
+
 /// Active-message id of every xfer message (notifications and control).
 const AM_ID: u32 = 0x78_66; // "xf"
 
-/// A UCP worker in single-thread mode with our active-message handler installed.
+/// A UCP worker in serialized mode (any thread, one at a time: see [`WorkerCell`]) with our
+/// active-message handler installed.
 pub struct Worker {
     inner: Rc<WorkerInner>,
 }
@@ -297,7 +389,7 @@ impl Worker {
     pub fn new(ctx: &Context) -> Result<Worker, Status> {
         let params = sys::ucp_worker_params_t {
             field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
-            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            thread_mode: sys::UCS_THREAD_MODE_SERIALIZED,
             ..Default::default()
         };
         let mut raw = ptr::null_mut();
@@ -309,6 +401,7 @@ impl Worker {
             signal: Arc::new(Mutex::new(Some(SignalTarget(raw)))),
             sink,
             parked: RefCell::new(Vec::new()),
+            orphans_checked: std::cell::Cell::new(None),
             _ctx: Rc::clone(&ctx.inner),
         });
         let handler = sys::ucp_am_handler_param_t {
@@ -347,13 +440,32 @@ impl Worker {
     }
 
     /// Runs UCX's progress once; returns how many events it processed. Completed parked
-    /// requests are released here too.
+    /// requests are released here too, and (every [`ORPHAN_CHECK`]) those whose peer process
+    /// has exited.
     pub fn progress(&self) -> u32 {
         let sink = &self.inner.sink;
         sink.generation.set(sink.generation.get() + 1);
-        // SAFETY: live worker, used from its only thread.
+        // SAFETY: live worker, used by one thread at a time (it is in a WorkerCell).
         let count = unsafe { sys::ucp_worker_progress(self.inner.raw) };
-        self.inner.parked.borrow_mut().retain(|parked| match request_status(parked.req) {
+        let mut parked = self.inner.parked.borrow_mut();
+        if parked.is_empty() {
+            return count;
+        }
+        let now = std::time::Instant::now();
+        let checked = self.inner.orphans_checked.get();
+        let check_orphans = checked.is_none_or(|at| now.saturating_duration_since(at) >= ORPHAN_CHECK);
+        if check_orphans {
+            self.inner.orphans_checked.set(Some(now));
+        }
+        parked.retain(|parked| match request_status(parked.req) {
+            None if check_orphans && parked.ep.as_ref().is_some_and(|ep| ep.orphaned(now)) => {
+                tracing::debug!("ucx: letting go of a request whose peer process exited");
+                // SAFETY: a request we own, released once (then dropped from the list, which
+                // drops its buffer's keep-alive). UCX frees an unfinished request once it
+                // completes; it cannot touch the buffer any more (see EpState::orphaned).
+                unsafe { sys::ucp_request_free(parked.req) };
+                false
+            }
             None => true,
             Some(_) => {
                 // SAFETY: a completed request we own, freed once (then dropped from the list).
@@ -374,12 +486,11 @@ impl Worker {
         !self.inner.parked.borrow().is_empty()
     }
 
-    /// Arms the worker's event file descriptor: `true` when armed (safe to [`sleep`]),
-    /// `false` when events are pending and the caller should progress instead.
-    ///
-    /// [`sleep`]: Worker::sleep
+    /// Arms the worker's event file descriptor: `true` when armed (safe to wait on
+    /// [`event_fd`](Worker::event_fd)), `false` when events are pending and the caller should
+    /// progress instead.
     pub fn arm(&self) -> Result<bool, Status> {
-        // SAFETY: live worker (created with the WAKEUP feature), on its thread.
+        // SAFETY: live worker (created with the WAKEUP feature), one thread at a time.
         match unsafe { sys::ucp_worker_arm(self.inner.raw) } {
             sys::UCS_OK => Ok(true),
             sys::UCS_ERR_BUSY => Ok(false),
@@ -387,18 +498,13 @@ impl Worker {
         }
     }
 
-    /// Blocks until the armed worker has an event, [`Signaler::signal`] is called, or
-    /// `timeout` passes.
-    pub fn sleep(&self, timeout: Duration) -> Result<(), Status> {
+    /// The file descriptor that turns readable when the armed worker has an event or
+    /// [`Signaler::signal`] is called (see [`wait_readable`]); valid while the worker lives.
+    pub fn event_fd(&self) -> Result<RawFd, Status> {
         let mut fd: RawFd = -1;
         // SAFETY: live worker (created with the WAKEUP feature); `fd` valid for a write.
         Status::check(unsafe { sys::ucp_worker_get_efd(self.inner.raw, &mut fd) })?;
-        let mut pollfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        let millis = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd; the fd belongs to the live worker. EINTR and timeouts
-        // simply return; the caller progresses and decides again.
-        unsafe { libc::poll(&mut pollfd, 1, millis) };
-        Ok(())
+        Ok(fd)
     }
 
     /// Answers a message's sender with an eager active message. Fails with
@@ -413,8 +519,10 @@ impl Worker {
 
     /// Creates an endpoint to a peer's worker address. With `peer_errors`, in peer
     /// error-handling mode: failures are reported as [`Event::EndpointFailed`] (UCX then
-    /// accepts only transports that can detect a failed peer).
-    pub fn connect(&self, address: &[u8], peer_errors: bool) -> Result<Endpoint, Status> {
+    /// accepts only transports that can detect a failed peer). `local_pid`: the peer's process
+    /// id when it runs on this host in this pid namespace (checked by the caller: it lets
+    /// requests to the peer go once it has exited).
+    pub fn connect(&self, address: &[u8], peer_errors: bool, local_pid: Option<u32>) -> Result<Endpoint, Status> {
         let mut params = sys::ucp_ep_params_t {
             field_mask: u64::from(
                 sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
@@ -438,7 +546,8 @@ impl Worker {
         // (a worker address as another UCX worker published it). The error handler's arg
         // outlives every endpoint (owned by the worker).
         Status::check(unsafe { sys::ucp_ep_create(self.inner.raw, &params, &mut raw) })?;
-        Ok(Endpoint { raw, worker: Rc::clone(&self.inner) })
+        let state = Rc::new(EpState { local_pid, closed_at: std::cell::Cell::new(None) });
+        Ok(Endpoint { raw, worker: Rc::clone(&self.inner), state })
     }
 }
 
@@ -455,7 +564,7 @@ fn am_send(ep: sys::ucp_ep_h, payload: Vec<u8>, want_reply: bool, worker: &Rc<Wo
     let ptr = unsafe {
         sys::ucp_am_send_nbx(ep, AM_ID, ptr::null(), 0, payload.as_ptr() as *const c_void, payload.len(), &param)
     };
-    Pending::new(started(ptr), Box::new(payload), worker)
+    Pending::new(started(ptr), Box::new(payload), worker, None)
 }
 
 /// Status of a request: `None` while in progress.
@@ -487,7 +596,7 @@ unsafe extern "C" fn on_message(
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
     // SAFETY: UCX passes back the arg we installed: the worker's EventSink, alive while the
-    // worker is. Callbacks run inside ucp_worker_progress on the worker's thread, while no
+    // worker is. Callbacks run inside ucp_worker_progress on the thread holding the worker, while no
     // borrow of the sink is held.
     let sink = unsafe { &*(arg as *const EventSink) };
     // SAFETY: UCX passes a valid parameter struct for the duration of the callback.
@@ -516,7 +625,7 @@ unsafe extern "C" fn on_message(
 }
 
 unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
-    // SAFETY: as in `on_message`: the arg is the worker's sink, used on the worker's thread.
+    // SAFETY: as in `on_message`: the arg is the worker's sink, used by the thread holding the worker.
     let sink = unsafe { &*(arg as *const EventSink) };
     sink.events.borrow_mut().push(Event::EndpointFailed { ep: ep as usize, status: Status(status) });
 }
@@ -537,6 +646,7 @@ impl Drop for Rkey {
 pub struct Endpoint {
     raw: sys::ucp_ep_h,
     worker: Rc<WorkerInner>,
+    state: Rc<EpState>,
 }
 
 impl Endpoint {
@@ -611,7 +721,7 @@ impl Endpoint {
         // Completed in place or failed to start: UCX is done with the buffer, which drops
         // here; otherwise the operation keeps it until UCX completes the request.
         let started = started(ptr)?;
-        Ok(Rma(Pending::new(Ok(started), Box::new(local), &self.worker)))
+        Ok(Rma(Pending::new(Ok(started), Box::new(local), &self.worker, Some(&self.state))))
     }
 
     /// Starts a flush: complete once every earlier put and get is complete locally and
@@ -620,13 +730,15 @@ impl Endpoint {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: live endpoint; no callback is requested.
         let ptr = unsafe { sys::ucp_ep_flush_nbx(self.raw, &param) };
-        Flush(Pending::new(started(ptr), Box::new(()), &self.worker))
+        Flush(Pending::new(started(ptr), Box::new(()), &self.worker, Some(&self.state)))
     }
 
     /// Sends an eager active message carrying `payload`, which the receiver can answer (it
     /// gets a [`ReplyTo`]); the send owns the bytes.
     pub fn send(&self, payload: Vec<u8>) -> Send {
-        Send(am_send(self.raw, payload, true, &self.worker))
+        let mut pending = am_send(self.raw, payload, true, &self.worker);
+        pending.ep = Some(Rc::clone(&self.state));
+        Send(pending)
     }
 
     /// Closes the endpoint. `force`: without flushing, failing its outstanding operations.
@@ -639,7 +751,8 @@ impl Endpoint {
         // SAFETY: live endpoint, closed once (`self` is consumed and Drop skips closed ones).
         let ptr = unsafe { sys::ucp_ep_close_nbx(self.raw, &param) };
         self.raw = ptr::null_mut();
-        Close(Pending::new(started(ptr), Box::new(()), &self.worker))
+        self.state.closed_at.set(Some(std::time::Instant::now()));
+        Close(Pending::new(started(ptr), Box::new(()), &self.worker, None))
     }
 }
 
@@ -655,7 +768,8 @@ impl Drop for Endpoint {
         };
         // SAFETY: live endpoint, force-closed once; a pending close is parked until complete.
         let ptr = unsafe { sys::ucp_ep_close_nbx(self.raw, &param) };
-        drop(Pending::new(started(ptr), Box::new(()), &self.worker));
+        self.state.closed_at.set(Some(std::time::Instant::now()));
+        drop(Pending::new(started(ptr), Box::new(()), &self.worker, None));
     }
 }
 
@@ -665,6 +779,8 @@ struct Pending {
     result: Option<Result<(), Status>>,
     keep: Option<Box<dyn std::any::Any>>,
     worker: Rc<WorkerInner>,
+    /// The endpoint it runs on (none for endpoint closes and replies on UCX's endpoints).
+    ep: Option<Rc<EpState>>,
 }
 
 impl Pending {
@@ -672,13 +788,14 @@ impl Pending {
         started: Result<Option<*mut c_void>, Status>,
         keep: Box<dyn std::any::Any>,
         worker: &Rc<WorkerInner>,
+        ep: Option<&Rc<EpState>>,
     ) -> Self {
         let (req, result) = match started {
             Ok(Some(req)) => (Some(req), None),
             Ok(None) => (None, Some(Ok(()))),
             Err(status) => (None, Some(Err(status))),
         };
-        Pending { req, result, keep: Some(keep), worker: Rc::clone(worker) }
+        Pending { req, result, keep: Some(keep), worker: Rc::clone(worker), ep: ep.map(Rc::clone) }
     }
 
     /// `Some` once complete (the request is then freed).
@@ -697,7 +814,7 @@ impl Pending {
 impl Drop for Pending {
     fn drop(&mut self) {
         if let (Some(req), Some(keep)) = (self.req.take(), self.keep.take()) {
-            self.worker.parked.borrow_mut().push(Parked { req, _keep: keep });
+            self.worker.parked.borrow_mut().push(Parked { req, _keep: keep, ep: self.ep.take() });
         }
     }
 }

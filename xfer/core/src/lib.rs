@@ -17,7 +17,7 @@ pub use backend::{
     Backend, BackendContext, BackendFactory, BackendParams, Capabilities, NotifSink, Op, RemoteAgent, RemoteKey,
     RemoteSeg, TransferJob,
 };
-pub use completion::{Completer, Completion, Status};
+pub use completion::{Completer, Completion, Progress, Status};
 pub use error::{BackendError, RefusalCode};
 pub use host::{HostBuffer, HostMemory};
 pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin};
