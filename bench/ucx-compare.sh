@@ -16,13 +16,19 @@
 # target's progress on the data path, and two processes sharing one CPU run several times
 # slower.
 #
+# Prints the table and writes it, with the machine line (bench/machine.sh), to $OUT/ucx.md and
+# the rows to $OUT/ucx.json (OUT=bench/results by default; then bench/README.md's block is
+# updated too, bench/update-readme.sh).
+#
 #   bench/ucx-compare.sh                 # sizes 1M 16M, median of 3 runs each
-#   SIZES="64K 1M" REPEAT=5 bench/ucx-compare.sh
+#   SIZES="64K 1M" REPEAT=5 OUT=/tmp/ucx bench/ucx-compare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+load_start=$(bench/machine.sh --load)
 SIZES=${SIZES:-"1M 16M"}
 REPEAT=${REPEAT:-3}
+OUT=${OUT:-bench/results}
 XFERBENCH=${XFERBENCH:-target/release/xferbench}
 TRANSPORTS=("tcp|lo" "posix,cma,self|all")
 PIN=${PIN:-$([ "$(nproc)" -ge 2 ] && echo 1 || echo 0)}
@@ -37,9 +43,11 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (Debian: apt-get install ucx-utils)" >&2; exit 1; }
-if [ ! -x "$XFERBENCH" ]; then
+if [ "$XFERBENCH" = target/release/xferbench ]; then
+  # Up to date with the checkout (a no-op when it is); the same features as the other scripts.
   cargo build --quiet --release -p xfer-bench --features ucx
 fi
+mkdir -p "$OUT"
 
 bytes() { case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac; }
 # Enough iterations for about $2 bytes (default 1 GiB) per run, 20..2000.
@@ -125,8 +133,9 @@ for entry in "${TRANSPORTS[@]}"; do
   done
 done
 
+placement=$([ "$PIN" = 1 ] && echo "initiator/client on CPU 0, target/server on CPU 1" || echo "left to the scheduler")
 echo
-echo "placement: $([ "$PIN" = 1 ] && echo "initiator/client on CPU 0, target/server on CPU 1" || echo "left to the scheduler")"
+echo "placement: $placement"
 printf '%-9s %-5s %-4s %10s  %-10s %14s %6s %15s %6s %12s %6s\n' transport op size "ours GB/s" perftest \
   "default GB/s" ratio "registered GB/s" ratio "memcpy GB/s" ratio
 for row in "${rows[@]}"; do
@@ -139,3 +148,39 @@ for row in "${rows[@]}"; do
       ratio(o, g), ms, n == "shm" ? ratio(o, m) : "-"
   }'
 done
+
+# The same rows as a markdown report and as JSON (GB/s = 10^9 bytes/s).
+ucx_version=$(ucx_info -v 2>/dev/null | awk '/Version/ { print $NF; exit }')
+{
+  bench/machine.sh bench/ucx-compare.sh "$load_start"
+  echo
+  echo "UCX ${ucx_version:-?} (the library both tools use). Median of $REPEAT runs per cell, GB/s = 10^9 bytes/s;"
+  echo "about 1 GiB per run (a quarter of that for perftest on registered memory), one operation in flight."
+  echo "Placement: $placement. tcp: \`UCX_TLS=tcp\` on \`lo\`; shm: \`UCX_TLS=posix,cma,self\`."
+  echo "WRITE is compared with \`ucp_put_bw\`, READ with \`ucp_get\`."
+  echo
+  echo "| transport | op | size | xfer-ucx GB/s | perftest test | perftest (default) GB/s | ours ÷ default | perftest (registered) GB/s | ours ÷ registered | memcpy GB/s | ours ÷ memcpy |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  for row in "${rows[@]}"; do
+    read -r name op size ours test theirs registered memcpy <<<"$row"
+    awk -v n="$name" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" -v m="$memcpy" '
+    function ratio(a, b) { return (b != "-" && b > 0) ? sprintf("%.2f", a / b) : "-" }
+    BEGIN {
+      shm = n == "shm"
+      printf "| %s | %s | %s | %.3f | `%s` | %.3f | %s | %s | %s | %s | %s |\n", n, toupper(op), s, o, t, p, ratio(o, p),
+        shm ? sprintf("%.3f", g) : "-", shm ? ratio(o, g) : "-", shm ? sprintf("%.3f", m) : "-", shm ? ratio(o, m) : "-"
+    }'
+  done
+} >"$OUT/ucx.md"
+for row in "${rows[@]}"; do
+  read -r name op size ours test theirs registered memcpy <<<"$row"
+  awk -v n="$name" -v op="$op" -v b="$(bytes "$size")" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" \
+    -v m="$memcpy" -v r="$REPEAT" '
+  BEGIN {
+    printf "{\"transport\":\"%s\",\"op\":\"%s\",\"block_size\":%d,\"repeat\":%d,\"xfer_ucx_gbps\":%s,", n, op, b, r, o
+    printf "\"perftest_test\":\"%s\",\"perftest_gbps\":%s,\"perftest_registered_gbps\":%s,\"memcpy_gbps\":%s}\n",
+      t, p, g == "-" ? "null" : g, n == "shm" ? m : "null"
+  }'
+done | python3 -c 'import json, sys; print(json.dumps([json.loads(l) for l in sys.stdin], indent=1))' >"$OUT/ucx.json"
+echo "wrote $OUT/ucx.md $OUT/ucx.json" >&2
+if [ "$OUT" = bench/results ]; then bench/update-readme.sh; fi

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The transfer comparison in one command: our TCP backend, the raw-TCP baseline, NIXL's agent
 # over UCX's TCP transport, Mooncake's transfer engine over TCP and iperf3 (a streaming ceiling),
-# two processes on loopback, same sizes, same run. Prints ours ÷ each peer, writes a markdown
-# report, the rows as JSON and a plot (bench/results/ by default).
+# two processes on loopback, same sizes, same run. Prints ours ÷ each peer (the report, on
+# stdout), writes it as markdown with the machine line (bench/machine.sh), the rows as JSON and a
+# plot: $OUT/peers.{md,json,svg,png} (OUT=bench/results by default; then bench/README.md's block
+# is updated too, bench/update-readme.sh).
 #
 #   bench/peers/compare.sh                       # 64K 1M 16M, READ and WRITE, median of 3
 #   SIZES="64K 1M" REPEAT=5 OUT=/tmp/peers bench/peers/compare.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+load_start=$(bench/machine.sh --load)
 SIZES=${SIZES:-"64K 1M 16M"}
 REPEAT=${REPEAT:-3}
 OUT=${OUT:-bench/results}
@@ -18,7 +21,13 @@ MOONCAKE=$(find "$VENV" -name transfer_engine_bench -type f | head -1)
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
-[ -x "$XFERBENCH" ] || cargo build --quiet --release -p xfer-bench
+if [ "$XFERBENCH" = target/release/xferbench ]; then
+  # Up to date with the checkout; with UCX when its library is there (the features
+  # bench/ucx-compare.sh uses, so the scripts share one build).
+  features=()
+  pkg-config --exists ucx 2>/dev/null && features=(--features ucx)
+  cargo build --quiet --release -p xfer-bench "${features[@]}"
+fi
 
 bytes() { case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac; }
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print 0 }'; }
@@ -93,6 +102,7 @@ done >"$WORK/iperf3.jsonl"
 cat "$WORK/iperf3.jsonl" >&2
 
 python3 bench/peers/report.py "$WORK/ours.json" "$WORK"/nixl.jsonl "$WORK"/mooncake.jsonl "$WORK"/iperf3.jsonl \
-  --json "$OUT/peers.json" --markdown "$OUT/peers.md"
+  --json "$OUT/peers.json" --markdown "$OUT/peers.md" --machine "$(bench/machine.sh bench/peers/compare.sh "$load_start")"
 "$XFERBENCH" --rows "$OUT/peers.json" --plot "$OUT/peers" >/dev/null
 echo "wrote $OUT/peers.md $OUT/peers.json $OUT/peers.svg $OUT/peers.png" >&2
+if [ "$OUT" = bench/results ]; then bench/update-readme.sh; fi

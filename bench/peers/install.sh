@@ -21,9 +21,10 @@ command -v iperf3 >/dev/null || missing+=(iperf3)
 command -v ucx_perftest >/dev/null || missing+=(ucx-utils)
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 if [ ${#missing[@]} -gt 0 ]; then
-  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-  retry $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive retry $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  sudo=()
+  [ "$(id -u)" = 0 ] || sudo=(sudo)
+  retry "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive retry "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ ! -f "$MARKER" ]; then
