@@ -62,7 +62,7 @@ lines = [
     machine,
     "",
     f"Two processes on loopback, placement left to the scheduler; one request of one block in flight;",
-    f"about 1 GiB per case and engine; the median of {repeat} runs (engines alternate). GB/s = 10^9 bytes/s,",
+    f"about 1 GiB per case and engine; {repeat} run(s) per case, engines alternating, the median run kept. GB/s = 10^9 bytes/s,",
     "latency per request (post to completion). Bars: ours ÷ raw TCP ≥ 0.9 at 1M and 16M, ≥ 0.6 at 64K.",
     "",
     "| op | block | ours GB/s | raw TCP GB/s | ours ÷ raw | bar | ours p50 µs | ours p99 µs | raw p50 µs | raw p99 µs |",

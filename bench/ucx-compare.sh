@@ -154,7 +154,7 @@ ucx_version=$(ucx_info -v 2>/dev/null | awk '/Version/ { print $NF; exit }')
 {
   bench/machine.sh bench/ucx-compare.sh "$load_start"
   echo
-  echo "UCX ${ucx_version:-?} (the library both tools use). Median of $REPEAT runs per cell, GB/s = 10^9 bytes/s;"
+  echo "UCX ${ucx_version:-?} (the library both tools use). Median of $REPEAT run(s) per cell, GB/s = 10^9 bytes/s;"
   echo "about 1 GiB per run (a quarter of that for perftest on registered memory), one operation in flight."
   echo "Placement: $placement. tcp: \`UCX_TLS=tcp\` on \`lo\`; shm: \`UCX_TLS=posix,cma,self\`."
   echo "WRITE is compared with \`ucp_put_bw\`, READ with \`ucp_get\`."

@@ -73,7 +73,7 @@ def main():
         args.machine or machine(),
         "",
         "Two processes on loopback, one request of one block in flight, placement left to the scheduler;",
-        f"median of {repeat} runs per cell; GB/s = 10^9 bytes/s. Peers: NIXL 1.5.1 Python agent (nixl-cu12, UCX backend,",
+        f"median of {repeat} run(s) per cell; GB/s = 10^9 bytes/s. Peers: NIXL 1.5.1 Python agent (nixl-cu12, UCX backend,",
         "UCX_TLS=tcp), Mooncake transfer_engine_bench 0.3.13 (protocol tcp, 1 thread, batch 1), iperf3 (one stream,",
         "writes of the block size: a streaming ceiling, not a request/response transfer). Ours: xferbench",
         "--backend tcp (default 2 streams); raw TCP: xferbench's request/ack baseline between the same processes.",
