@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use pdbench::client::Timeouts;
 use pdbench::cluster::SimOptions;
@@ -12,7 +12,7 @@ use pdbench::daemons::DaemonOptions;
 use pdbench::procs;
 use pdbench::runner::{Arrival, RunConfig};
 use pdbench::stats::Slo;
-use pdbench::workload::{Api, Dist, WorkloadSpec};
+use pdbench::workload::{Api, Dist, Popularity, WorkloadSpec};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -23,6 +23,23 @@ use pdbench::workload::{Api, Dist, WorkloadSpec};
 pub struct Cli {
     #[command(subcommand)]
     pub cmd: Cmd,
+}
+
+/// Parses the command line; compare-routing's preset fills in every flag not given.
+pub fn parse_cli<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = Cli::command().try_get_matches_from(args)?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    if let (Cmd::CompareRouting(c), Some(m)) = (&mut cli.cmd, matches.subcommand_matches("compare-routing")) {
+        c.apply_preset(|id| {
+            m.try_get_raw(id).ok().flatten().is_some()
+                && !matches!(m.value_source(id), Some(clap::parser::ValueSource::DefaultValue) | None)
+        });
+    }
+    Ok(cli)
 }
 
 #[derive(Debug, Subcommand)]
@@ -53,12 +70,16 @@ pub struct WorkloadArgs {
     /// max_tokens per request: N, uniform:LO:HI or normal:MEAN:STD.
     #[arg(long, default_value = "32")]
     pub output_len: Dist,
-    /// Distinct shared system prompts (0: none); conversation i uses prompt i mod N.
+    /// Distinct shared system prompts (0: none).
     #[arg(long, default_value_t = 4)]
     pub prefixes: usize,
     /// Length of each shared system prompt, tokens (words).
     #[arg(long, default_value_t = 256)]
     pub prefix_len: usize,
+    /// Which system prompt a conversation uses: cyclic (conversation i uses prompt i mod N),
+    /// uniform (drawn at random, seeded) or zipf[:S] (prompt k drawn with weight 1/(k+1)^S).
+    #[arg(long, default_value = "cyclic")]
+    pub prefix_popularity: Popularity,
     /// Endpoint: /v1/completions or /v1/chat/completions.
     #[arg(long, value_enum, default_value = "completions")]
     pub api: Api,
@@ -80,6 +101,7 @@ impl WorkloadArgs {
             output_len: self.output_len,
             prefixes: self.prefixes,
             prefix_len: self.prefix_len,
+            popularity: self.prefix_popularity,
             api: self.api,
             model: self.model.clone(),
             seed: self.seed,
@@ -286,34 +308,83 @@ pub enum SetupKind {
     /// Requests enter through the decode engines' pd-sidecars, which pair them through
     /// pd-coordinator (KV events, prefix index, load) — needs both binaries.
     Coordinator,
-    /// vllm-router in P/D mode in front of the engines (needs --vllm-router).
+    /// vllm-router in P/D mode in front of the engines with --vllm-router-policy (default
+    /// cache_aware); needs --vllm-router.
     VllmRouter,
+    /// vllm-router in P/D mode with --policy round_robin; needs --vllm-router.
+    VllmRouterRoundRobin,
+    /// vllm-router in its regular mode (no P/D: every engine serves whole requests) with
+    /// --vllm-router-policy; needs --vllm-router.
+    VllmRouterColocated,
+}
+
+/// Workload and cluster presets of compare-routing; flags given on the command line win.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// 480 requests over 24 system prompts of 1024 tokens (Zipf popularity, s = 1), 64-token
+    /// user messages, 16 output tokens; each engine's KV pool holds a third of the prompts
+    /// besides its requests in flight (--cache-share 0.333); engines and coordinator share a
+    /// tokenizer.json; the coordinator gets PRESET_COORDINATOR_ARGS (see the README).
+    SharedPrefix,
+    /// No preset: the workload flags' own defaults, the simulator's default pool (4096 blocks),
+    /// no shared tokenizer — compare-routing as it was before the presets.
+    Legacy,
 }
 
 #[derive(Debug, Args)]
 pub struct CompareCmd {
+    /// Workload and cache sizing preset (see the README); explicit flags override it.
+    #[arg(long, value_enum, default_value = "shared-prefix")]
+    pub preset: Preset,
     /// Engines to start; the P/D setups use the first half as prefills, the rest as decodes.
     #[arg(long, default_value_t = 4)]
     pub engines: usize,
-    /// Setups to compare, in order.
+    /// Setups to compare, in order (a vllm-router setup without --vllm-router is skipped).
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "round-robin,pd-round-robin,pd-prefix-affinity,coordinator"
+        default_value = "round-robin,pd-round-robin,pd-prefix-affinity,coordinator,vllm-router"
     )]
     pub setups: Vec<SetupKind>,
-    /// The vllm-router executable (PyPI `vllm-router`), for the vllm-router setup.
+    /// Run every setup this many times (same cluster, same seed, caches cleared before each).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// Size each engine's KV pool (pd-sim --num-blocks) to hold this share of the shared
+    /// prompts' blocks, plus the blocks of the requests in flight (0: the simulator's default).
     #[arg(long)]
+    pub cache_share: Option<f64>,
+    /// Write a word-level tokenizer.json for the workload's vocabulary and give it to every
+    /// engine and to the coordinator (`--tokenizer`), so the coordinator hashes prompt text into
+    /// the same block hashes the engines' KV events carry.
+    #[arg(long, overrides_with = "no_shared_tokenizer")]
+    pub shared_tokenizer: bool,
+    #[arg(long, overrides_with = "shared_tokenizer")]
+    pub no_shared_tokenizer: bool,
+    /// The vllm-router executable (PyPI `vllm-router`), for the vllm-router setups.
+    #[arg(long, env = "PDBENCH_VLLM_ROUTER")]
     pub vllm_router: Option<PathBuf>,
-    /// Its arguments; {port}, {metrics_port} (free ports), {prefills} (`--prefill URL` each) and
-    /// {decodes} (`--decode URL` each) are substituted. The default suits vllm-router 0.1.17.
+    /// --policy of the vllm-router setup ({policy} in --vllm-router-args).
+    #[arg(long, default_value = "cache_aware")]
+    pub vllm_router_policy: String,
+    /// Its arguments; {port}, {metrics_port} (free ports), {prefills} (`--prefill URL` each),
+    /// {decodes} (`--decode URL` each) and {policy} are substituted. The default suits
+    /// vllm-router 0.1.17.
     #[arg(
         long,
+        allow_hyphen_values = true,
         default_value = "--host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {metrics_port} \
-                         --vllm-pd-disaggregation {prefills} {decodes} --policy round_robin"
+                         --vllm-pd-disaggregation {prefills} {decodes} --policy {policy}"
     )]
     pub vllm_router_args: String,
+    /// The arguments of the vllm-router-colocated setup; {workers} is every engine's URL.
+    #[arg(
+        long,
+        allow_hyphen_values = true,
+        default_value = "--host 127.0.0.1 --port {port} --prometheus-host 127.0.0.1 --prometheus-port {metrics_port} \
+                         --worker-urls {workers} --policy {policy}"
+    )]
+    pub vllm_router_colocated_args: String,
     #[command(flatten)]
     pub daemons: DaemonArgs,
     #[command(flatten)]
@@ -325,7 +396,61 @@ pub struct CompareCmd {
     /// Write every setup's results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write the results as a Markdown table (with the command line and the load average).
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+    /// Put that Markdown between `<!-- compare-routing:begin -->` and
+    /// `<!-- compare-routing:end -->` in this file (e.g. bench/pdbench/README.md).
+    #[arg(long)]
+    pub update_readme: Option<PathBuf>,
+    /// With --update-readme: use the markers `<!-- compare-routing:NAME:begin -->` …
+    /// `<!-- compare-routing:NAME:end -->` instead (several generated tables in one file).
+    #[arg(long)]
+    pub readme_section: Option<String>,
 }
+
+impl CompareCmd {
+    /// Fills in the preset's values for every flag not given explicitly (`given(id)`).
+    pub fn apply_preset(&mut self, given: impl Fn(&str) -> bool) {
+        if !given("shared_tokenizer") && !given("no_shared_tokenizer") {
+            self.shared_tokenizer = self.preset == Preset::SharedPrefix;
+        }
+        self.shared_tokenizer &= !self.no_shared_tokenizer;
+        if self.preset != Preset::SharedPrefix {
+            return;
+        }
+        let w = &mut self.workload;
+        let set = |id: &str, f: &mut dyn FnMut()| {
+            if !given(id) {
+                f()
+            }
+        };
+        set("requests", &mut || w.requests = 480);
+        set("prefixes", &mut || w.prefixes = 24);
+        set("prefix_len", &mut || w.prefix_len = 1024);
+        set("prompt_len", &mut || w.prompt_len = Dist::Fixed { value: 64 });
+        set("output_len", &mut || w.output_len = Dist::Fixed { value: 16 });
+        set("prefix_popularity", &mut || w.prefix_popularity = Popularity::Zipf { s: 1.0 });
+        if !given("cache_share") {
+            self.cache_share = Some(1.0 / 3.0);
+        }
+        // What a user would set on the coordinator for this cluster (README, compare-routing).
+        for (flag, value) in PRESET_COORDINATOR_ARGS {
+            let prefix = format!("{flag}=");
+            if !self.daemons.coordinator_arg.iter().any(|a| a == flag || a.starts_with(&prefix)) {
+                self.daemons.coordinator_arg.push(format!("{flag}={value}"));
+            }
+        }
+    }
+}
+
+/// The shared-prefix preset's coordinator flags (each dropped when the command line gives it).
+/// The sidecars decode on their own engine whatever decode the coordinator names, so the
+/// coordinator must keep the asking engine as decode (else it decides "local prefill" from
+/// another engine's cache); the simulated prefill has no queueing, so cached prefixes should
+/// outweigh the load estimates (a running request counts as a prompt's worth of blocks).
+pub const PRESET_COORDINATOR_ARGS: &[(&str, &str)] =
+    &[("--local-decode-slack", "1000000"), ("--prefill-scale", "10"), ("--overlap-credit", "2")];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ClusterMode {
@@ -390,4 +515,41 @@ pub fn usable_daemon(bin: &Path) -> bool {
         .output()
         .map(|o| o.status.success() && !o.stdout.is_empty())
         .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compare(args: &[&str]) -> CompareCmd {
+        let cli = parse_cli(["pdbench", "compare-routing"].iter().chain(args)).unwrap();
+        match cli.cmd {
+            Cmd::CompareRouting(c) => c,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn the_preset_fills_in_what_the_command_line_leaves_out() {
+        let c = compare(&["--prefixes", "8", "--coordinator-arg=--prefill-scale=3"]);
+        let w = &c.workload;
+        assert_eq!((w.prefixes, w.requests, w.prefix_len), (8, 480, 1024));
+        assert_eq!(w.prefix_popularity, Popularity::Zipf { s: 1.0 });
+        assert_eq!(c.cache_share, Some(1.0 / 3.0));
+        assert!(c.shared_tokenizer);
+        assert_eq!(
+            c.daemons.coordinator_arg,
+            ["--prefill-scale=3", "--local-decode-slack=1000000", "--overlap-credit=2"]
+        );
+        let c = compare(&["--no-shared-tokenizer", "--prefix-popularity", "uniform", "--cache-share", "0.5"]);
+        assert!(!c.shared_tokenizer);
+        assert_eq!((c.workload.prefix_popularity, c.cache_share), (Popularity::Uniform, Some(0.5)));
+
+        let legacy = compare(&["--preset", "legacy", "--requests", "200"]);
+        let w = &legacy.workload;
+        assert_eq!((w.requests, w.prefixes, w.prefix_len), (200, 4, 256));
+        assert_eq!(w.prefix_popularity, Popularity::Cyclic);
+        assert_eq!(legacy.cache_share, None);
+        assert!(!legacy.shared_tokenizer && legacy.daemons.coordinator_arg.is_empty());
+    }
 }

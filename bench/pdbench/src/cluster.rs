@@ -158,7 +158,7 @@ impl Counters {
         }
     }
 
-    fn add(self, o: Counters) -> Counters {
+    pub fn plus(self, o: Counters) -> Counters {
         Counters {
             kv_bytes: self.kv_bytes + o.kv_bytes,
             kv_xfer_seconds: self.kv_xfer_seconds + o.kv_xfer_seconds,
@@ -192,7 +192,7 @@ pub async fn scrape(http: &reqwest::Client, engines: &[Engine]) -> (Counters, Ve
             _ => None,
         };
         match text {
-            Some(t) => total = total.add(Counters::from_text(&t)),
+            Some(t) => total = total.plus(Counters::from_text(&t)),
             None => unreachable.push(e.name.clone()),
         }
     }

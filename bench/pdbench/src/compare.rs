@@ -1,30 +1,49 @@
 //! `pdbench compare-routing`: one simulator cluster, the same workload through each routing setup.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use clap::ValueEnum;
 use serde_json::json;
 
 use crate::args::{CompareCmd, SetupKind};
+use crate::compare_report::{self, Row};
 use crate::write_json;
 use pdbench::client::Target;
-use pdbench::cluster::{self, Engine, KvReport, SimCluster};
+use pdbench::cluster::{self, Counters, Engine, KvReport, SimCluster};
 use pdbench::daemons::Daemons;
 use pdbench::procs::{self, Group};
 use pdbench::runner;
+use pdbench::workload::{self, WorkloadSpec};
+
+/// Tokens per KV block of the simulator (its default; the pool is sized in these).
+const BLOCK_TOKENS: u64 = 16;
 
 /// A routing setup ready to take requests, and whatever it started (stopped on drop).
 struct Prepared {
     target: Target,
+    daemons: Option<Daemons>,
     _extra: Group,
+}
+
+impl Prepared {
+    fn plain(target: Target) -> Prepared {
+        Prepared { target, daemons: None, _extra: Group::default() }
+    }
+}
+
+/// The setup's name as given on the command line (`pd-round-robin`).
+pub fn setup_name(kind: SetupKind) -> String {
+    kind.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_else(|| format!("{kind:?}"))
 }
 
 async fn prepare_setup(
     kind: SetupKind,
     engines: &[Engine],
     c: &CompareCmd,
+    tokenizer: Option<&Path>,
     log_dir: &Path,
     http: &reqwest::Client,
 ) -> anyhow::Result<Prepared> {
@@ -32,9 +51,9 @@ async fn prepare_setup(
     let half = urls.len() / 2;
     let (p, d) = (urls[..half].to_vec(), urls[half..].to_vec());
     Ok(match kind {
-        SetupKind::RoundRobin => Prepared { target: Target::round_robin(urls), _extra: Group::default() },
-        SetupKind::PdRoundRobin => Prepared { target: Target::direct_pd(p, d, false, 0), _extra: Group::default() },
-        SetupKind::PdPrefixAffinity => Prepared { target: Target::direct_pd(p, d, true, 0), _extra: Group::default() },
+        SetupKind::RoundRobin => Prepared::plain(Target::round_robin(urls)),
+        SetupKind::PdRoundRobin => Prepared::plain(Target::direct_pd(p, d, false, 0)),
+        SetupKind::PdPrefixAffinity => Prepared::plain(Target::direct_pd(p, d, true, 0)),
         SetupKind::Coordinator => {
             let (cb, sb) = c.daemons.bins();
             anyhow::ensure!(
@@ -48,103 +67,171 @@ async fn prepare_setup(
                 .enumerate()
                 .map(|(i, e)| Engine { role: if i < half { "prefill" } else { "decode" }.into(), ..e.clone() })
                 .collect();
-            let opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+            let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+            if let Some(t) = tokenizer {
+                opts.coordinator_args.push(format!("--tokenizer={}", t.display()));
+            }
             let d = Daemons::start(&roles, &opts, log_dir, http).await?;
-            let target = Target::round_robin(d.entry_urls());
-            Prepared { target, _extra: d.group }
+            Prepared { target: Target::round_robin(d.entry_urls()), daemons: Some(d), _extra: Group::default() }
         }
-        SetupKind::VllmRouter => {
-            let bin = c.vllm_router.clone().context("the vllm-router setup needs --vllm-router PATH")?;
+        SetupKind::VllmRouter | SetupKind::VllmRouterRoundRobin | SetupKind::VllmRouterColocated => {
+            let bin = c.vllm_router.clone().context("the vllm-router setups need --vllm-router PATH")?;
+            let policy = if kind == SetupKind::VllmRouterRoundRobin { "round_robin" } else { &c.vllm_router_policy };
+            let template = if kind == SetupKind::VllmRouterColocated {
+                &c.vllm_router_colocated_args
+            } else {
+                &c.vllm_router_args
+            };
             let port = procs::free_port()?;
             let metrics_port = procs::free_port()?;
             let prefills: Vec<String> = p.iter().flat_map(|u| ["--prefill".to_string(), u.clone()]).collect();
             let decodes: Vec<String> = d.iter().flat_map(|u| ["--decode".to_string(), u.clone()]).collect();
             let mut args = Vec::new();
-            for a in c.vllm_router_args.split_whitespace() {
+            for a in template.split_whitespace() {
                 match a {
+                    "{workers}" => args.extend(urls.iter().cloned()),
                     "{prefills}" => args.extend(prefills.iter().cloned()),
                     "{decodes}" => args.extend(decodes.iter().cloned()),
                     _ => args.push(
-                        a.replace("{port}", &port.to_string()).replace("{metrics_port}", &metrics_port.to_string()),
+                        a.replace("{port}", &port.to_string())
+                            .replace("{metrics_port}", &metrics_port.to_string())
+                            .replace("{policy}", policy),
                     ),
                 }
             }
             let mut cmd = std::process::Command::new(&bin);
             cmd.args(&args);
             let mut group = Group::default();
-            let proc_ = group.push(procs::Proc::spawn("vllm-router", cmd, log_dir)?);
+            let proc_ = group.push(procs::Proc::spawn(&format!("{}-0", setup_name(kind)), cmd, log_dir)?);
             let url = format!("http://127.0.0.1:{port}");
             proc_.wait_healthy(http, &format!("{url}/health"), Duration::from_secs(c.sim.startup_timeout_secs)).await?;
-            Prepared { target: Target::round_robin(vec![url]), _extra: group }
+            Prepared { target: Target::round_robin(vec![url]), daemons: None, _extra: group }
         }
     })
 }
 
+/// Blocks per engine pool: `share` of the shared prompts' blocks, plus room for the engine's
+/// share of the requests in flight (whole: prompt, history and output). Never less than all
+/// requests in flight whole, so no engine can wait forever for free blocks.
+pub fn pool_blocks(spec: &WorkloadSpec, share: f64, concurrency: usize, engines: usize) -> u64 {
+    let prefix_blocks = (spec.prefix_len as u64).div_ceil(BLOCK_TOKENS);
+    let per_turn = spec.prompt_len.upper() + spec.output_len.upper();
+    let request_blocks = prefix_blocks + (spec.turns as u64 * per_turn).div_ceil(BLOCK_TOKENS) + 1;
+    let n = concurrency as u64;
+    let prefixes = (share * (spec.prefixes as u64 * prefix_blocks) as f64).ceil() as u64;
+    (prefixes + n.div_ceil(engines.max(1) as u64) * request_blocks).max(n * request_blocks)
+}
+
+/// The simulator flags the cache sizing and the shared tokenizer add.
+fn sim_extra_args(c: &CompareCmd, spec: &WorkloadSpec, tokenizer: Option<&Path>) -> Vec<String> {
+    let mut args = Vec::new();
+    let user_sized = c.sim.sim_arg.iter().any(|a| a.starts_with("--num-blocks"));
+    if let Some(share) = c.cache_share.filter(|&s| s > 0.0 && !user_sized) {
+        args.push(format!("--num-blocks={}", pool_blocks(spec, share, c.load.concurrency.max(1), c.engines)));
+    }
+    if let Some(t) = tokenizer {
+        args.push(format!("--tokenizer={}", t.display()));
+    }
+    args
+}
+
+/// Each engine's counters (an unreachable engine counts 0).
+async fn scrape_each(http: &reqwest::Client, engines: &[Engine]) -> Vec<Counters> {
+    let mut out = Vec::with_capacity(engines.len());
+    for e in engines {
+        out.push(cluster::scrape(http, std::slice::from_ref(e)).await.0);
+    }
+    out
+}
+
+fn write_tokenizer(log_dir: &Path) -> anyhow::Result<PathBuf> {
+    let path = log_dir.join("tokenizer.json");
+    std::fs::write(&path, workload::word_level_tokenizer().to_string())
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
 pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     anyhow::ensure!(c.engines >= 2, "--engines must be at least 2");
+    anyhow::ensure!(c.repeat >= 1, "--repeat must be at least 1");
     let spec = c.workload.spec()?;
     let cfg = c.load.config();
     let http = runner::http_client(4, Duration::from_secs(5))?;
     let log_dir = c.sim.log_dir("compare")?;
+    let load_before = compare_report::load_average();
+    let tokenizer = if c.shared_tokenizer { Some(write_tokenizer(&log_dir)?) } else { None };
     let names: Vec<(String, &str)> = (0..c.engines).map(|i| (format!("engine-{i}"), "both")).collect();
     let kv_events = c.setups.contains(&SetupKind::Coordinator);
-    let sims = SimCluster::start(&names, &c.sim.options(100, 1000, kv_events, None), &log_dir, &http).await?;
-    eprintln!("{} engines up (logs in {})", sims.engines.len(), log_dir.display());
+    let mut sim_opts = c.sim.options(100, 1000, kv_events, None);
+    let extra = sim_extra_args(&c, &spec, tokenizer.as_deref());
+    sim_opts.args.extend(extra.iter().cloned());
+    let sims = SimCluster::start(&names, &sim_opts, &log_dir, &http).await?;
+    eprintln!("{} engines up (extra pd-sim flags: {extra:?}; logs in {})", sims.engines.len(), log_dir.display());
     let mut rows = Vec::new();
-    for &kind in &c.setups {
-        let name = format!("{kind:?}");
-        cluster::reset_prefix_caches(&http, &sims.engines).await?;
-        let prepared = match prepare_setup(kind, &sims.engines, &c, &log_dir, &http).await {
-            Ok(p) => p,
-            Err(e) => {
-                eprintln!("{name}: skipped: {e:#}");
-                rows.push(json!({"setup": name, "skipped": format!("{e:#}")}));
-                continue;
-            }
-        };
-        let (before, _) = cluster::scrape(&http, &sims.engines).await;
-        let r = runner::run(Arc::new(prepared.target), &spec, &cfg).await?;
-        let (after, _) = cluster::scrape(&http, &sims.engines).await;
-        let kv = KvReport::from(after.since(before));
-        eprintln!(
-            "{name}: {} ok, {} failed, mean TTFT {:.2} ms",
-            r.summary.ok, r.summary.failed, r.summary.ttft_ms.mean
-        );
-        rows.push(json!({"setup": name, "summary": r.summary, "kv": kv}));
-    }
-    println!(
-        "{} requests, {} shared prefixes of {} tokens, {} engines, concurrency {}",
-        spec.total_requests(),
-        spec.prefixes,
-        spec.prefix_len,
-        c.engines,
-        cfg.concurrency
-    );
-    println!(
-        "{:<20} {:>8} {:>7} {:>14} {:>12} {:>12} {:>10} {:>10}",
-        "setup", "ok", "failed", "mean TTFT ms", "p50 TTFT", "p99 TTFT", "hit rate", "KV MB"
-    );
-    for row in &rows {
-        let setup = row["setup"].as_str().unwrap_or("?");
-        if let Some(why) = row.get("skipped") {
-            println!("{setup:<20} skipped: {}", why.as_str().unwrap_or(""));
-            continue;
+    for rep in 1..=c.repeat {
+        for &kind in &c.setups {
+            let name = setup_name(kind);
+            cluster::reset_prefix_caches(&http, &sims.engines).await?;
+            let prepared = match prepare_setup(kind, &sims.engines, &c, tokenizer.as_deref(), &log_dir, &http).await {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("{name}: skipped: {e:#}");
+                    rows.push(Row::skipped(kind, &name, rep, format!("{e:#}")));
+                    continue;
+                }
+            };
+            let Prepared { target, daemons, _extra } = prepared;
+            let decisions_before = match &daemons {
+                Some(d) => Some(d.decisions(&http).await),
+                None => None,
+            };
+            let before = scrape_each(&http, &sims.engines).await;
+            let r = runner::run(Arc::new(target), &spec, &cfg).await?;
+            let after = scrape_each(&http, &sims.engines).await;
+            let per_engine: Vec<KvReport> =
+                after.iter().zip(&before).map(|(a, b)| KvReport::from(a.since(*b))).collect();
+            let total = |v: &[Counters]| v.iter().fold(Counters::default(), |t, c| t.plus(*c));
+            let decisions = match (&daemons, decisions_before) {
+                (Some(d), Some(b)) => Some(d.decisions(&http).await.since(b)),
+                _ => None,
+            };
+            let kv = KvReport::from(total(&after).since(total(&before)));
+            eprintln!(
+                "run {rep} {name}: {} ok, {} failed, mean TTFT {:.2} ms, prefix hits {:.1}%",
+                r.summary.ok,
+                r.summary.failed,
+                r.summary.ttft_ms.mean,
+                100.0 * kv.prefix_hit_rate
+            );
+            rows.push(Row::measured(kind, &name, rep, r.summary, kv, per_engine, decisions));
         }
-        let s = &row["summary"];
-        let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
-        println!(
-            "{setup:<20} {:>8} {:>7} {:>14.2} {:>12.2} {:>12.2} {:>9.1}% {:>10.2}",
-            s["ok"].as_u64().unwrap_or(0),
-            s["failed"].as_u64().unwrap_or(0),
-            f(&s["ttft_ms"]["mean"]),
-            f(&s["ttft_ms"]["p50"]),
-            f(&s["ttft_ms"]["p99"]),
-            100.0 * f(&row["kv"]["prefix_hit_rate"]),
-            f(&row["kv"]["bytes"]) / 1e6
-        );
     }
+    let load_after = compare_report::load_average();
+    let context = compare_report::Context {
+        spec: &spec,
+        engines: c.engines,
+        concurrency: cfg.concurrency,
+        pool_blocks: extra.iter().find_map(|a| a.strip_prefix("--num-blocks=")).map(str::to_string),
+        coordinator_args: c.daemons.coordinator_arg.clone(),
+        vllm_router_policy: c.vllm_router_policy.clone(),
+        shared_tokenizer: tokenizer.is_some(),
+        load: (load_before, load_after),
+    };
+    print!("{}", compare_report::text(&context, &rows));
     if let Some(p) = &c.json {
-        write_json(p, &json!({"workload": spec, "engines": sims.engines, "setups": rows}))?;
+        let setups: Vec<serde_json::Value> = rows.iter().map(Row::to_json).collect();
+        let ratios = compare_report::ratios(&rows);
+        write_json(p, &json!({"workload": spec, "engines": sims.engines, "setups": setups, "ratios": ratios}))?;
+    }
+    if c.markdown.is_some() || c.update_readme.is_some() {
+        let md = compare_report::markdown(&context, &rows);
+        if let Some(p) = &c.markdown {
+            std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+        }
+        if let Some(p) = &c.update_readme {
+            compare_report::update_readme(p, c.readme_section.as_deref(), &md)?;
+            eprintln!("updated {}", p.display());
+        }
     }
     drop(sims);
     // Logs in a directory of our own choosing are only worth keeping when something failed.
@@ -152,4 +239,30 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&log_dir);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdbench::workload::{Api, Dist, Popularity};
+
+    #[test]
+    fn pools_hold_their_share_of_the_prefixes_besides_the_requests_in_flight() {
+        let spec = WorkloadSpec {
+            conversations: 240,
+            turns: 1,
+            prompt_len: Dist::Fixed { value: 64 },
+            output_len: Dist::Fixed { value: 16 },
+            prefixes: 24,
+            prefix_len: 1024,
+            popularity: Popularity::Uniform,
+            api: Api::Completions,
+            model: None,
+            seed: 1,
+        };
+        // 24 × 64 blocks / 3 = 512, plus 2 requests in flight of 64 + 5 + 1 blocks.
+        assert_eq!(pool_blocks(&spec, 1.0 / 3.0, 8, 4), 512 + 2 * 70);
+        // Tiny shares still fit every request in flight.
+        assert_eq!(pool_blocks(&spec, 0.01, 8, 4), 8 * 70);
+    }
 }

@@ -4,15 +4,15 @@
 mod args;
 mod cluster_cmd;
 mod compare;
+mod compare_report;
 
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::Parser;
 use serde_json::json;
 
-use args::{Cli, Cmd, RunCmd};
+use args::{Cmd, RunCmd};
 use pdbench::client::Target;
 use pdbench::plot::{self, Series};
 use pdbench::runner::{self, RunResult};
@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = args::parse_cli(std::env::args_os()).unwrap_or_else(|e| e.exit());
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let code = rt.block_on(async {
         match cli.cmd {

@@ -16,6 +16,8 @@ use serde_json::{json, Value};
 pub enum WorkloadError {
     #[error("bad distribution {0:?}: expected N, uniform:LO:HI or normal:MEAN:STD")]
     BadDist(String),
+    #[error("bad prefix popularity {0:?}: expected cyclic, uniform or zipf[:S] with S >= 0")]
+    BadPopularity(String),
 }
 
 /// A distribution of lengths (tokens; with the simulator's word tokenizer, words).
@@ -42,6 +44,17 @@ impl Dist {
             }
         };
         v.max(1)
+    }
+}
+
+impl Dist {
+    /// The largest value it gives in practice (normal: mean + 3 std).
+    pub fn upper(&self) -> u64 {
+        match *self {
+            Dist::Fixed { value } => value.max(1),
+            Dist::Uniform { hi, .. } => hi.max(1),
+            Dist::Normal { mean, std } => (mean + 3.0 * std).ceil().max(1.0) as u64,
+        }
     }
 }
 
@@ -83,6 +96,47 @@ impl fmt::Display for Dist {
     }
 }
 
+/// Which shared system prompt each conversation uses.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Popularity {
+    /// Conversation `i` uses prompt `i mod N` (every prompt equally often, in a fixed cycle).
+    Cyclic,
+    /// Drawn uniformly at random per conversation (seeded).
+    Uniform,
+    /// Drawn with probability proportional to `1 / rank^s` (prompt 0 the most popular).
+    Zipf { s: f64 },
+}
+
+impl FromStr for Popularity {
+    type Err = WorkloadError;
+
+    /// `cyclic`, `uniform`, `zipf` (s = 1) or `zipf:S`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || WorkloadError::BadPopularity(s.to_string());
+        match s.split(':').collect::<Vec<_>>().as_slice() {
+            ["cyclic"] => Ok(Popularity::Cyclic),
+            ["uniform"] => Ok(Popularity::Uniform),
+            ["zipf"] => Ok(Popularity::Zipf { s: 1.0 }),
+            ["zipf", e] => match e.parse::<f64>() {
+                Ok(s) if s.is_finite() && s >= 0.0 => Ok(Popularity::Zipf { s }),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for Popularity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Popularity::Cyclic => write!(f, "cyclic"),
+            Popularity::Uniform => write!(f, "uniform"),
+            Popularity::Zipf { s } => write!(f, "zipf:{s}"),
+        }
+    }
+}
+
 /// Which OpenAI endpoint the requests go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -113,10 +167,12 @@ pub struct WorkloadSpec {
     pub prompt_len: Dist,
     /// `max_tokens` of each request.
     pub output_len: Dist,
-    /// Distinct shared system prompts (0: none); conversation `i` uses prompt `i % prefixes`.
+    /// Distinct shared system prompts (0: none).
     pub prefixes: usize,
     /// Length of each shared system prompt.
     pub prefix_len: usize,
+    /// How conversations pick their system prompt.
+    pub popularity: Popularity,
     pub api: Api,
     pub model: Option<String>,
     pub seed: u64,
@@ -130,7 +186,7 @@ impl WorkloadSpec {
 
 /// Common English words, so prompts look like text to a real tokenizer too (the simulator's
 /// word tokenizer counts one token per word).
-const WORDS: &[&str] = &[
+pub const WORDS: &[&str] = &[
     "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he",
     "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were", "their",
     "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would", "who", "so", "no",
@@ -148,6 +204,22 @@ pub fn random_words(rng: &mut impl Rng, n: usize) -> String {
         s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
     }
     s
+}
+
+/// A Hugging Face tokenizer.json (word level, whitespace split) knowing [`WORDS`]; anything
+/// else is `[UNK]`. Engines and a coordinator given this file agree on the token ids (and so on
+/// block hashes) of every prompt this generator writes.
+pub fn word_level_tokenizer() -> Value {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), json!(0));
+    for (i, w) in WORDS.iter().enumerate() {
+        vocab.insert((*w).to_string(), json!(i + 1));
+    }
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    })
 }
 
 /// One chat message.
@@ -250,6 +322,8 @@ impl<'a> ChatState<'a> {
 pub struct Workload {
     spec: WorkloadSpec,
     systems: Vec<Arc<str>>,
+    /// Cumulative probability of each prefix id (random popularities only).
+    prefix_cdf: Vec<f64>,
 }
 
 impl Workload {
@@ -261,7 +335,35 @@ impl Workload {
                 Arc::from(format!("system{p} {}", random_words(&mut prng, spec.prefix_len.saturating_sub(1))))
             })
             .collect();
-        Workload { spec: spec.clone(), systems }
+        let weights: Vec<f64> = match spec.popularity {
+            Popularity::Cyclic => Vec::new(),
+            Popularity::Uniform => vec![1.0; spec.prefixes],
+            Popularity::Zipf { s } => (1..=spec.prefixes).map(|rank| (rank as f64).powf(-s)).collect(),
+        };
+        let total: f64 = weights.iter().sum();
+        let prefix_cdf = weights
+            .iter()
+            .scan(0.0, |acc, w| {
+                *acc += w / total;
+                Some(*acc)
+            })
+            .collect();
+        Workload { spec: spec.clone(), systems, prefix_cdf }
+    }
+
+    /// The prefix id of conversation `id`; a random choice has its own stream, so the user
+    /// messages do not depend on the popularity.
+    fn prefix_of(&self, id: usize) -> Option<usize> {
+        let n = self.spec.prefixes;
+        if n == 0 {
+            return None;
+        }
+        if self.prefix_cdf.is_empty() {
+            return Some(id % n);
+        }
+        let mut rng = StdRng::seed_from_u64(self.spec.seed ^ 0x0070_6f70_0000_0000 ^ id as u64);
+        let u: f64 = rng.random();
+        Some(self.prefix_cdf.partition_point(|&c| c <= u).min(n - 1))
     }
 
     pub fn spec(&self) -> &WorkloadSpec {
@@ -281,7 +383,7 @@ impl Workload {
         let spec = &self.spec;
         let mut rng =
             StdRng::seed_from_u64(spec.seed.rotate_left(17) ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let prefix_id = (spec.prefixes > 0).then(|| id % spec.prefixes);
+        let prefix_id = self.prefix_of(id);
         let user_turns = (0..spec.turns)
             .map(|t| {
                 let n = spec.prompt_len.sample(&mut rng) as usize;
@@ -312,6 +414,7 @@ mod tests {
             output_len: Dist::Uniform { lo: 4, hi: 8 },
             prefixes: 3,
             prefix_len: 50,
+            popularity: Popularity::Cyclic,
             api: Api::Chat,
             model: None,
             seed: 7,
@@ -365,6 +468,36 @@ mod tests {
         }
         assert_ne!(a[0].system, a[1].system);
         assert_ne!(a[0].user_turns[0], a[3].user_turns[0]);
+    }
+
+    #[test]
+    fn random_popularities_pick_prefixes_by_weight() {
+        assert_eq!("cyclic".parse::<Popularity>(), Ok(Popularity::Cyclic));
+        assert_eq!("zipf".parse::<Popularity>(), Ok(Popularity::Zipf { s: 1.0 }));
+        assert_eq!("zipf:0.8".parse::<Popularity>(), Ok(Popularity::Zipf { s: 0.8 }));
+        for bad in ["", "zipf:-1", "zipf:x", "normal"] {
+            assert!(bad.parse::<Popularity>().is_err(), "{bad}");
+        }
+        let count = |popularity| {
+            let s = WorkloadSpec { conversations: 6000, prefixes: 6, popularity, ..spec() };
+            let mut n = [0usize; 6];
+            for c in generate(&s) {
+                n[c.prefix_id.unwrap()] += 1;
+            }
+            n
+        };
+        // Uniform: every prefix about 1000 times, and not in a cycle.
+        let u = count(Popularity::Uniform);
+        assert!(u.iter().all(|&k| (850..1150).contains(&k)), "{u:?}");
+        let s = WorkloadSpec { popularity: Popularity::Uniform, ..spec() };
+        let ids: Vec<usize> = generate(&s).iter().map(|c| c.prefix_id.unwrap()).collect();
+        assert!(ids.iter().enumerate().any(|(i, &p)| p != i % 3), "{ids:?}");
+        // Zipf s = 1 over 6: weights 1, 1/2, ... 1/6 (sum 2.45): prefix 0 about 41%, 5 about 7%.
+        let z = count(Popularity::Zipf { s: 1.0 });
+        assert!((2250..2650).contains(&z[0]) && (300..520).contains(&z[5]), "{z:?}");
+        assert!(z.windows(2).all(|w| w[0] > w[1]), "{z:?}");
+        // The user messages do not depend on the popularity.
+        assert_eq!(generate(&s)[4].user_turns, generate(&spec())[4].user_turns);
     }
 
     #[test]

@@ -1,0 +1,332 @@
+//! compare-routing's report: the text table, TTFT ratios, the Markdown the README includes,
+//! and the update of the README between its markers.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context as _;
+use serde_json::{json, Value};
+
+use crate::args::SetupKind;
+use pdbench::cluster::KvReport;
+use pdbench::daemons::Decisions;
+use pdbench::stats::Summary;
+use pdbench::workload::WorkloadSpec;
+
+/// The markers around a generated section (`name` None: the default section).
+pub fn markers(name: Option<&str>) -> (String, String) {
+    let tag = name.map_or_else(|| "compare-routing".to_string(), |n| format!("compare-routing:{n}"));
+    (format!("<!-- {tag}:begin -->"), format!("<!-- {tag}:end -->"))
+}
+
+/// One setup in one repetition.
+pub struct Row {
+    pub kind: SetupKind,
+    pub name: String,
+    pub rep: usize,
+    pub outcome: Result<Measured, String>,
+}
+
+pub struct Measured {
+    pub summary: Summary,
+    pub kv: KvReport,
+    /// The same per engine, in engine order (the P/D setups' prefills first).
+    pub per_engine: Vec<KvReport>,
+    /// The daemons' counters (coordinator setup only).
+    pub decisions: Option<Decisions>,
+}
+
+impl Row {
+    pub fn skipped(kind: SetupKind, name: &str, rep: usize, why: String) -> Row {
+        Row { kind, name: name.to_string(), rep, outcome: Err(why) }
+    }
+
+    pub fn measured(
+        kind: SetupKind,
+        name: &str,
+        rep: usize,
+        summary: Summary,
+        kv: KvReport,
+        per_engine: Vec<KvReport>,
+        decisions: Option<Decisions>,
+    ) -> Row {
+        Row { kind, name: name.to_string(), rep, outcome: Ok(Measured { summary, kv, per_engine, decisions }) }
+    }
+
+    pub fn to_json(&self) -> Value {
+        // `setup` keeps the variant name earlier versions wrote; `name` is the flag's spelling.
+        let mut v = json!({"setup": format!("{:?}", self.kind), "name": self.name, "run": self.rep});
+        match &self.outcome {
+            Err(why) => v["skipped"] = json!(why),
+            Ok(m) => {
+                v["summary"] = json!(m.summary);
+                v["kv"] = json!(m.kv);
+                v["kv_per_engine"] = json!(m.per_engine);
+                if let Some(d) = &m.decisions {
+                    v["decisions"] = json!(d);
+                }
+            }
+        }
+        v
+    }
+
+    fn mean_ttft(&self) -> Option<f64> {
+        self.outcome.as_ref().ok().filter(|m| m.summary.ok > 0).map(|m| m.summary.ttft_ms.mean)
+    }
+}
+
+/// What the run was, for the report's header.
+pub struct Context<'a> {
+    pub spec: &'a WorkloadSpec,
+    pub engines: usize,
+    pub concurrency: usize,
+    pub pool_blocks: Option<String>,
+    pub coordinator_args: Vec<String>,
+    pub vllm_router_policy: String,
+    pub shared_tokenizer: bool,
+    /// /proc/loadavg (1, 5, 15 min) before and after.
+    pub load: (Option<[f64; 3]>, Option<[f64; 3]>),
+}
+
+/// The 1-, 5- and 15-minute load averages (Linux).
+pub fn load_average() -> Option<[f64; 3]> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let v: Vec<f64> = text.split_whitespace().take(3).filter_map(|x| x.parse().ok()).collect();
+    (v.len() == 3).then(|| [v[0], v[1], v[2]])
+}
+
+/// Coordinator mean TTFT over round-robin's and over vllm-router's, per repetition.
+pub fn ratios(rows: &[Row]) -> Vec<Value> {
+    let reps = rows.iter().map(|r| r.rep).max().unwrap_or(0);
+    (1..=reps)
+        .map(|rep| {
+            let of = |k: SetupKind| rows.iter().find(|r| r.rep == rep && r.kind == k).and_then(Row::mean_ttft);
+            let coord = of(SetupKind::Coordinator);
+            let over = |base: Option<f64>| coord.zip(base).map(|(c, b)| c / b);
+            json!({
+                "run": rep,
+                "coordinator_over_round_robin": over(of(SetupKind::RoundRobin)),
+                "coordinator_over_vllm_router": over(of(SetupKind::VllmRouter)),
+            })
+        })
+        .collect()
+}
+
+fn describe(c: &Context<'_>) -> String {
+    let s = c.spec;
+    let mut d = format!(
+        "{} requests ({} turn{}), {} shared prefixes of {} tokens ({} popularity), user messages {} tokens, \
+         {} output tokens, concurrency {}; {} engines",
+        s.total_requests(),
+        s.turns,
+        if s.turns == 1 { "" } else { "s" },
+        s.prefixes,
+        s.prefix_len,
+        s.popularity,
+        s.prompt_len,
+        s.output_len,
+        c.concurrency,
+        c.engines
+    );
+    if let Some(b) = &c.pool_blocks {
+        let prefix_blocks = (s.prefix_len as f64 / 16.0).ceil().max(1.0);
+        let _ = write!(
+            d,
+            ", {b} KV blocks each (room for ~{:.0} prefixes)",
+            b.parse::<f64>().unwrap_or(0.0) / prefix_blocks
+        );
+    }
+    if c.shared_tokenizer {
+        d.push_str(", shared word-level tokenizer.json");
+    }
+    d
+}
+
+fn fmt_load(l: Option<[f64; 3]>) -> String {
+    l.map_or_else(|| "?".into(), |[a, b, c]| format!("{a:.2} {b:.2} {c:.2}"))
+}
+
+fn decisions_cell(m: &Measured) -> String {
+    m.decisions.map_or_else(String::new, |d| {
+        format!("{:.0} disaggregated / {:.0} local prefill", d.coordinator_disaggregated, d.coordinator_local_prefill)
+    })
+}
+
+fn engine_hits(m: &Measured) -> String {
+    let rates: Vec<String> = m.per_engine.iter().map(|k| format!("{:.0}", 100.0 * k.prefix_hit_rate)).collect();
+    rates.join("/")
+}
+
+fn fmt_ratio(v: &Value) -> String {
+    v.as_f64().map_or_else(|| "—".into(), |x| format!("{x:.2}"))
+}
+
+/// The report printed to stdout.
+pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
+    let mut out = format!("{}\n", describe(c));
+    let _ = writeln!(
+        out,
+        "{:>3} {:<26} {:>5} {:>6} {:>12} {:>9} {:>9} {:>9} {:>14} {:>8}  coordinator pairings",
+        "run", "setup", "ok", "failed", "mean TTFT ms", "p50 TTFT", "p99 TTFT", "hit rate", "by engine %", "KV MB"
+    );
+    for r in rows {
+        match &r.outcome {
+            Err(why) => {
+                let _ = writeln!(out, "{:>3} {:<26} skipped: {why}", r.rep, r.name);
+            }
+            Ok(m) => {
+                let t = &m.summary.ttft_ms;
+                let _ = writeln!(
+                    out,
+                    "{:>3} {:<26} {:>5} {:>6} {:>12.2} {:>9.2} {:>9.2} {:>8.1}% {:>14} {:>8.2}  {}",
+                    r.rep,
+                    r.name,
+                    m.summary.ok,
+                    m.summary.failed,
+                    t.mean,
+                    t.p50,
+                    t.p99,
+                    100.0 * m.kv.prefix_hit_rate,
+                    engine_hits(m),
+                    m.kv.bytes / 1e6,
+                    decisions_cell(m)
+                );
+            }
+        }
+    }
+    for v in ratios(rows) {
+        let _ = writeln!(
+            out,
+            "run {}: coordinator mean TTFT = {} x round-robin, {} x vllm-router ({})",
+            v["run"],
+            fmt_ratio(&v["coordinator_over_round_robin"]),
+            fmt_ratio(&v["coordinator_over_vllm_router"]),
+            c.vllm_router_policy
+        );
+    }
+    let _ = writeln!(out, "load average before: {}, after: {}", fmt_load(c.load.0), fmt_load(c.load.1));
+    out
+}
+
+/// The command line as typed, with the executable shortened to `pdbench`.
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    format!("pdbench {}", args.join(" "))
+}
+
+/// The Markdown the README includes between its markers.
+pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
+    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    let mut md = format!(
+        "Generated by `{}` ({profile} build; {} CPUs; load average before {}, after {}).\n\n{}.",
+        command_line(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        fmt_load(c.load.0),
+        fmt_load(c.load.1),
+        describe(c)
+    );
+    if !c.coordinator_args.is_empty() {
+        let _ = write!(md, " Coordinator flags: `{}`.", c.coordinator_args.join(" "));
+    }
+    md.push_str(
+        "\n\n| run | setup | ok | mean TTFT ms | p50 | p99 | prefix hit rate | by engine % | KV MB | coordinator pairings |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        match &r.outcome {
+            Err(why) => {
+                let _ = writeln!(md, "| {} | {} | skipped: {} ||||||||", r.rep, r.name, why.replace('|', "/"));
+            }
+            Ok(m) => {
+                let t = &m.summary.ttft_ms;
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.1}% | {} | {:.2} | {} |",
+                    r.rep,
+                    r.name,
+                    m.summary.ok,
+                    t.mean,
+                    t.p50,
+                    t.p99,
+                    100.0 * m.kv.prefix_hit_rate,
+                    engine_hits(m),
+                    m.kv.bytes / 1e6,
+                    decisions_cell(m)
+                );
+            }
+        }
+    }
+    let _ = write!(
+        md,
+        "\n| run | coordinator / round-robin | coordinator / vllm-router ({}) |\n|---|---|---|\n",
+        c.vllm_router_policy
+    );
+    for v in ratios(rows) {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} |",
+            v["run"],
+            fmt_ratio(&v["coordinator_over_round_robin"]),
+            fmt_ratio(&v["coordinator_over_vllm_router"])
+        );
+    }
+    md
+}
+
+/// Byte offset of the line that is exactly `marker` (surrounding spaces aside), from `from` on;
+/// a marker quoted inside prose does not count.
+fn marker_line(text: &str, marker: &str, from: usize) -> Option<(usize, usize)> {
+    let mut at = from;
+    for line in text[from..].split_inclusive('\n') {
+        if line.trim() == marker {
+            return Some((at, at + line.trim_end_matches('\n').len()));
+        }
+        at += line.len();
+    }
+    None
+}
+
+/// `text` with everything between the marker lines replaced by `inner`; `None` without both.
+pub fn replace_between_markers(text: &str, section: Option<&str>, inner: &str) -> Option<String> {
+    let (begin, end) = markers(section);
+    let (_, start) = marker_line(text, &begin, 0)?;
+    let (stop, _) = marker_line(text, &end, start)?;
+    Some(format!("{}\n{}\n{}", &text[..start], inner.trim_end(), &text[stop..]))
+}
+
+/// Rewrites `path` with `inner` between its markers.
+pub fn update_readme(path: &Path, section: Option<&str>, inner: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let (begin, end) = markers(section);
+    let new = replace_between_markers(&text, section, inner)
+        .with_context(|| format!("{} has no {begin} … {end} markers", path.display()))?;
+    std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_only_between_the_markers() {
+        let (b, e) = markers(None);
+        assert_eq!(b, "<!-- compare-routing:begin -->");
+        let (ub, ue) = markers(Some("uniform"));
+        assert_eq!(ue, "<!-- compare-routing:uniform:end -->");
+        let readme = format!("intro\n{b}\nold table\n{e}\nmiddle\n{ub}\nold\n{ue}\noutro\n");
+        let new = replace_between_markers(&readme, None, "| new |\n").unwrap();
+        assert_eq!(new, format!("intro\n{b}\n| new |\n{e}\nmiddle\n{ub}\nold\n{ue}\noutro\n"));
+        // Idempotent.
+        assert_eq!(replace_between_markers(&new, None, "| new |").unwrap(), new);
+        let other = replace_between_markers(&new, Some("uniform"), "| u |").unwrap();
+        assert_eq!(other, format!("intro\n{b}\n| new |\n{e}\nmiddle\n{ub}\n| u |\n{ue}\noutro\n"));
+        assert!(replace_between_markers("no markers", None, "x").is_none());
+        assert!(replace_between_markers(&format!("{e}\n{b}\n"), None, "x").is_none());
+        // Markers quoted in prose are not markers.
+        let prose = format!("put it between `{b}` and `{e}`:\n\n{b}\nold\n{e}\n");
+        assert_eq!(
+            replace_between_markers(&prose, None, "new").unwrap(),
+            format!("put it between `{b}` and `{e}`:\n\n{b}\nnew\n{e}\n")
+        );
+    }
+}
