@@ -17,8 +17,10 @@ step() {
 step "system packages"
 ci/install-deps.sh
 
-step "format"
+step "format, and the benchmark README's tables equal the committed reports in bench/results"
 cargo fmt --all -- --check
+bench/update-readme.sh 2>/dev/null
+git diff --exit-code -- bench/README.md
 
 step "lints (every feature, UCX included)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
