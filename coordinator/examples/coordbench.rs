@@ -156,6 +156,8 @@ struct Options {
     seed: u64,
     /// Skip the pairing run without events (it is the slow one to set up).
     events_only: bool,
+    /// Only the pairing runs (skip ingestion, lookups, churn and memory).
+    pairing_only: bool,
 }
 
 fn options() -> Options {
@@ -167,6 +169,7 @@ fn options() -> Options {
         decisions: 200_000,
         seed: 1,
         events_only: false,
+        pairing_only: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -181,9 +184,10 @@ fn options() -> Options {
             "--decisions" => o.decisions = value("--decisions").max(100),
             "--seed" => o.seed = value("--seed") as u64,
             "--events-only" => o.events_only = true,
+            "--pairing-only" => o.pairing_only = true,
             "-h" | "--help" => {
                 println!(
-                    "coordbench [--json] [--engines 128] [--blocks 1000000] [--lookups 200000] [--decisions 200000] [--seed 1] [--events-only]"
+                    "coordbench [--json] [--engines 128] [--blocks 1000000] [--lookups 200000] [--decisions 200000] [--seed 1] [--events-only] [--pairing-only]"
                 );
                 std::process::exit(0);
             }
@@ -442,6 +446,23 @@ struct Report {
 }
 
 impl Report {
+    fn print(&self, json: bool) {
+        if json {
+            println!("{{{}}}", self.json);
+            return;
+        }
+        println!("coordbench: {}", machine());
+        let width = self.rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+        for (what, figure, bar) in &self.rows {
+            let pad = width - what.chars().count();
+            if bar.is_empty() {
+                println!("{what}{:pad$}  {figure}", "");
+            } else {
+                println!("{what}{:pad$}  {figure}   [bar: {bar}]", "");
+            }
+        }
+    }
+
     fn row(&mut self, what: &str, figure: String, bar: &str) {
         self.rows.push((what.into(), figure, bar.into()));
     }
@@ -504,6 +525,12 @@ fn main() {
     report.field("entries", universe.entries());
     report.field("batches", batches.len());
     report.field("block_events", events);
+    if o.pairing_only {
+        drop(encoded);
+        pairing_rows(&mut report, &universe, &batches, &o, &mut rng);
+        report.print(o.json);
+        return;
+    }
 
     // Decoding alone (what the ingest threads do before handing batches on).
     progress("decoding");
@@ -680,14 +707,25 @@ fn main() {
     report.field("bytes_per_entry_single_holder", format!("{single_per_entry:.2}"));
     drop((single, hashes));
 
+    pairing_rows(&mut report, &universe, &batches, &o, &mut rng);
+    report.print(o.json);
+}
+
+/// The pairing runs and their rows.
+fn pairing_rows(report: &mut Report, universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rng: &mut Rng) {
+    let progress = |what: &str| {
+        if !o.json {
+            eprintln!("coordbench: {what}");
+        }
+    };
     // Pairing through the Cluster, with engines publishing events (the usual case) and without
     // (approximate mode: every guess lives its full time to live).
     progress("pairing, engines publishing events");
-    let with_events = pairing(&universe, &batches, &o, &mut rng, true);
+    let with_events = pairing(universe, batches, o, rng, true);
     let mut runs = vec![("pair", "pairing through Cluster::pair, one thread", with_events, "≥ 50 k/s")];
     if !o.events_only {
         progress("pairing, no events");
-        let without = pairing(&universe, &batches, &o, &mut rng, false);
+        let without = pairing(universe, batches, o, rng, false);
         runs.push(("pair_no_events", "  same, engines without events (guesses live 2 s)", without, ""));
     }
     let event_rate = runs[0].2.event_rate;
@@ -718,21 +756,6 @@ fn main() {
         format!("{:.2} M block events/s", event_rate / 1e6),
         "",
     );
-
-    if o.json {
-        println!("{{{}}}", report.json);
-    } else {
-        println!("coordbench: {}", machine());
-        let width = report.rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
-        for (what, figure, bar) in &report.rows {
-            let pad = width - what.chars().count();
-            if bar.is_empty() {
-                println!("{what}{:pad$}  {figure}", "");
-            } else {
-                println!("{what}{:pad$}  {figure}   [bar: {bar}]", "");
-            }
-        }
-    }
 }
 
 /// An identity hasher for sets of block hashes (they are random already).

@@ -75,8 +75,17 @@ pub struct Cluster {
     pub membership: Membership,
     indexes: HashMap<String, PrefixIndex>,
     pub handoffs: Handoffs,
-    /// Load reported by the engines themselves (metrics scrape).
-    reported: HashMap<usize, Load>,
+    /// Load reported by the engines themselves (heartbeats), by engine number.
+    reported: Vec<Option<Load>>,
+    /// Buffers every decision reuses (pairing allocates nothing in the steady state).
+    scratch: Scratch,
+}
+
+#[derive(Debug, Default)]
+struct Scratch {
+    overlaps: Vec<(usize, usize)>,
+    decodes: Vec<Candidate>,
+    prefills: Vec<Candidate>,
 }
 
 impl Cluster {
@@ -85,7 +94,8 @@ impl Cluster {
             membership: Membership::new(settings.lease),
             handoffs: Handoffs::new(settings.handoff_max_age),
             indexes: HashMap::new(),
-            reported: HashMap::new(),
+            reported: Vec::new(),
+            scratch: Scratch::default(),
             settings,
         }
     }
@@ -122,12 +132,15 @@ impl Cluster {
     }
 
     pub fn report_load(&mut self, engine: usize, load: Load) {
-        self.reported.insert(engine, load);
+        if self.reported.len() <= engine {
+            self.reported.resize(engine + 1, None);
+        }
+        self.reported[engine] = Some(load);
     }
 
     fn load(&self, engine: usize) -> Load {
         let own = self.handoffs.load(engine);
-        let reported = self.reported.get(&engine).copied().unwrap_or_default();
+        let reported = self.reported.get(engine).copied().flatten().unwrap_or_default();
         // The engine's own figures lag; the coordinator's in-flight accounting is immediate.
         Load {
             active_decode_blocks: own.active_decode_blocks.max(reported.active_decode_blocks),
@@ -149,22 +162,33 @@ impl Cluster {
         now: Instant,
         uniform: [f64; 2],
     ) -> Result<Decision, PairError> {
-        let empty = PrefixIndex::default();
-        let index = self.indexes.get(req.model).unwrap_or(&empty);
-        let mut overlaps = Vec::new();
-        index.prefix_matches(req.block_hashes, now, &mut overlaps);
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let decision = self.decide(req, prefer, now, uniform, &mut scratch);
+        self.scratch = scratch;
+        decision
+    }
+
+    fn decide(
+        &mut self,
+        req: PairRequest<'_>,
+        prefer: Option<Preference>,
+        now: Instant,
+        uniform: [f64; 2],
+        scratch: &mut Scratch,
+    ) -> Result<Decision, PairError> {
+        let Scratch { overlaps, decodes, prefills } = scratch;
+        match self.indexes.get(req.model) {
+            Some(index) => index.prefix_matches(req.block_hashes, now, overlaps),
+            None => overlaps.clear(),
+        }
         let overlap = |engine| overlaps.binary_search_by_key(&engine, |&(e, _)| e).map_or(0, |i| overlaps[i].1);
         let new_blocks = req.block_hashes.len() as u64;
-        let candidates = |engines: Vec<usize>| -> Vec<Candidate> {
-            engines
-                .into_iter()
-                .map(|engine| Candidate { engine, overlap_blocks: overlap(engine) as u64, load: self.load(engine) })
-                .collect()
-        };
-        let decodes = candidates(self.membership.live(req.model, Role::decodes));
+        let candidate = |engine| Candidate { engine, overlap_blocks: overlap(engine) as u64, load: self.load(engine) };
+        decodes.clear();
+        decodes.extend(self.membership.live_iter(req.model, Role::decodes).map(candidate));
         let weights = &self.settings.weights;
         let mut chosen =
-            choose(&decodes, new_blocks, weights, uniform[0]).ok_or_else(|| PairError::NoDecode(req.model.into()))?;
+            choose(decodes, new_blocks, weights, uniform[0]).ok_or_else(|| PairError::NoDecode(req.model.into()))?;
         if let Some(p) = prefer {
             if let Some(mine) = decodes.iter().position(|c| c.engine == p.engine) {
                 let best = cost(&decodes[chosen], new_blocks, weights);
@@ -174,15 +198,15 @@ impl Cluster {
             }
         }
         let decode = decodes[chosen];
-        let cached_tokens = decode.overlap_blocks * u64::from(req.block_size);
-        let prefills: Vec<Candidate> = candidates(self.membership.live(req.model, Role::prefills))
-            .into_iter()
-            .filter(|c| c.engine != decode.engine)
-            .collect();
+        let cached_tokens = decode.overlap_blocks.saturating_mul(u64::from(req.block_size));
         let prefill = if self.settings.local_prefill.prefill_locally(req.prompt_tokens, cached_tokens) {
             None
         } else {
-            choose(&prefills, new_blocks, weights, uniform[1]).map(|i| prefills[i])
+            prefills.clear();
+            prefills.extend(
+                self.membership.live_iter(req.model, Role::prefills).filter(|&e| e != decode.engine).map(candidate),
+            );
+            choose(prefills, new_blocks, weights, uniform[1]).map(|i| prefills[i])
         };
         let decision = Decision {
             decode: decode.engine,
@@ -192,17 +216,31 @@ impl Cluster {
         };
         let uncached = new_blocks.saturating_sub(decision.prefill_overlap_blocks.max(decision.decode_overlap_blocks));
         self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
-        // Both engines will hold the prefix shortly; say so until their events confirm it.
+        // Both engines will hold the prefix shortly; say so until their events confirm it. An
+        // engine that publishes events confirms what it holds, so its matched prefix needs no
+        // guess; one without events keeps its routed prefix fresh (TTL).
         let speculative_until = now + self.settings.speculative_ttl;
-        let chosen =
-            [Some((decision.decode, decision.decode_overlap_blocks)), prefill.map(|p| (p.engine, p.overlap_blocks))];
-        for (engine, overlap) in chosen.into_iter().flatten() {
-            // An engine that publishes events confirms what it holds, so its matched prefix
-            // needs no guess; one without events keeps its routed prefix fresh (TTL).
+        let hashes = req.block_hashes.len();
+        let first_guess = |engine: usize, overlap: u64| {
             let publishes = self.membership.get(engine).is_some_and(|e| e.spec.kv_events.is_some());
-            let skip = if publishes { (overlap as usize).min(req.block_hashes.len()) } else { 0 };
-            let index = self.indexes.entry(req.model.to_string()).or_default();
-            index.insert_approximate(engine, &req.block_hashes[skip..], speculative_until);
+            if publishes {
+                (overlap as usize).min(hashes)
+            } else {
+                0
+            }
+        };
+        let mut guesses = [(decision.decode, first_guess(decision.decode, decision.decode_overlap_blocks)); 2];
+        let mut n = 1;
+        if let Some(p) = prefill {
+            guesses[1] = (p.engine, first_guess(p.engine, p.overlap_blocks));
+            n = 2;
+        }
+        if guesses[..n].iter().any(|&(_, first)| first < hashes) {
+            if !self.indexes.contains_key(req.model) {
+                self.indexes.insert(req.model.to_string(), PrefixIndex::default());
+            }
+            let index = self.indexes.get_mut(req.model).expect("just made sure");
+            index.insert_speculative(&guesses[..n], req.block_hashes, speculative_until);
         }
         Ok(decision)
     }
@@ -221,8 +259,25 @@ impl Cluster {
     pub fn engine_died(&mut self, engine: usize, now: Instant) -> Vec<Action> {
         self.membership.mark_dead(engine, now);
         self.reset_index(engine);
-        self.reported.remove(&engine);
+        if let Some(load) = self.reported.get_mut(engine) {
+            *load = None;
+        }
         self.handoffs.engine_died(engine)
+    }
+
+    /// Removes a dead engine for good (it stayed dead too long): its id is unknown from now on,
+    /// and its number (membership, index bitsets, load slots) goes to the next new engine.
+    /// Returns it, or `None` when it is alive or unknown.
+    pub fn forget(&mut self, engine: usize) -> Option<crate::membership::Engine> {
+        let forgotten = self.membership.forget(engine)?;
+        for index in self.indexes.values_mut() {
+            index.forget_engine(engine);
+        }
+        if let Some(load) = self.reported.get_mut(engine) {
+            *load = None;
+        }
+        self.handoffs.forget_engine(engine);
+        Some(forgotten)
     }
 
     /// Periodic upkeep: expired leases, phantom handoffs, stale approximate entries.

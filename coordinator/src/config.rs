@@ -100,6 +100,10 @@ pub struct Config {
     /// released), seconds.
     #[arg(long, env = "PD_COORDINATOR_HANDOFF_MAX_AGE_SECS", default_value_t = 120.0)]
     pub handoff_max_age_secs: f64,
+    /// An engine dead this long is removed altogether (unknown id, number reused; it must
+    /// register as new), seconds; 0 keeps dead engines forever. Static engines are kept.
+    #[arg(long, env = "PD_COORDINATOR_FORGET_DEAD_AFTER_SECS", default_value_t = 300.0)]
+    pub forget_dead_after_secs: f64,
 
     /// Cost weight of prefill work against decode load.
     #[arg(long, env = "PD_COORDINATOR_PREFILL_SCALE", default_value_t = 1.0)]
@@ -201,6 +205,7 @@ impl Config {
         let finite = [
             self.approx_ttl_secs,
             self.handoff_max_age_secs,
+            self.forget_dead_after_secs,
             self.prefill_scale,
             self.overlap_credit,
             self.temperature,

@@ -52,7 +52,7 @@ fn account(loads: &mut Vec<Load>, h: &Handoff, add: bool) {
             loads.resize(engine + 1, Load::default());
         }
         let value = value(&mut loads[engine]);
-        *value = if add { *value + h.blocks } else { value.saturating_sub(h.blocks) };
+        *value = if add { value.saturating_add(h.blocks) } else { value.saturating_sub(h.blocks) };
     };
     match (h.stage, h.prefill) {
         (Stage::Prefilling, Some(prefill)) => apply(prefill, |l| &mut l.queued_prefill_blocks),
@@ -123,6 +123,27 @@ impl Handoffs {
         });
         actions.sort();
         actions
+    }
+
+    /// A dead engine's number is about to be reused: no handoff may name it any more (those
+    /// that still do decode elsewhere and keep only their decode), and its load starts at zero.
+    pub fn forget_engine(&mut self, engine: usize) {
+        let loads = &mut self.loads;
+        self.live.retain(|_, h| {
+            if h.decode == engine {
+                account(loads, h, false);
+                return false;
+            }
+            if h.prefill == Some(engine) {
+                account(loads, h, false);
+                h.prefill = None;
+                account(loads, h, true);
+            }
+            true
+        });
+        if let Some(load) = self.loads.get_mut(engine) {
+            *load = Load::default();
+        }
     }
 
     /// Drops handoffs past their deadline (phantom load); held blocks are released.
@@ -226,6 +247,11 @@ mod tests {
                 3 => h.prefill_done(&request),
                 4 => h.decode_started(&request),
                 5 => drop(h.finished(&request)),
+                6 if x.is_multiple_of(4) => {
+                    let engine = (x >> 8) as usize % 5;
+                    h.engine_died(engine);
+                    h.forget_engine(engine);
+                }
                 6 => drop(h.engine_died((x >> 8) as usize % 5)),
                 _ => drop(h.expire(at)),
             }

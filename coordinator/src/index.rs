@@ -100,6 +100,8 @@ struct Engines {
     global: Vec<usize>,
     exact: Vec<usize>,
     approx: Vec<usize>,
+    /// Dense numbers of forgotten engines, for the next new ones.
+    free: Vec<u32>,
 }
 
 /// Engine resets since the last sweep.
@@ -258,6 +260,62 @@ impl PrefixIndex {
         }
     }
 
+    /// Speculative entries after a routing decision: for each `(engine, first)` of `guesses`,
+    /// `engine` probably holds `hashes[first..]` until `expires` (as
+    /// [`PrefixIndex::insert_approximate`] per engine, in one pass over the blocks: each block
+    /// is found or created once for all engines).
+    pub fn insert_speculative(&mut self, guesses: &[(usize, usize)], hashes: &[u64], expires: Instant) {
+        const MOST: usize = 4;
+        if guesses.len() > MOST {
+            for &(engine, first) in guesses {
+                self.insert_approximate(engine, hashes.get(first..).unwrap_or_default(), expires);
+            }
+            return;
+        }
+        let mut who = [(0u32, 0usize); MOST];
+        let mut n = 0;
+        for &(engine, first) in guesses {
+            if first < hashes.len() {
+                if let Some(local) = self.local(engine) {
+                    who[n] = (local, first);
+                    n += 1;
+                }
+            }
+        }
+        let who = &who[..n];
+        let Some(start) = who.iter().map(|&(_, first)| first).min() else { return };
+        self.clock.origin.get_or_insert(expires);
+        let deadline = self.clock.ms(expires);
+        for (c, chunk) in hashes[start..].chunks(CHUNK).enumerate() {
+            // Touch every block's first slots before writing: the cache misses overlap.
+            let warm = chunk.iter().fold(0, |acc, &h| acc ^ self.blocks.touch(h) ^ self.approx.touch(h));
+            std::hint::black_box(warm);
+            for (k, &hash) in chunk.iter().enumerate() {
+                let at = start + c * CHUNK + k;
+                let i = self.slot_for(hash);
+                // Every approximate slot has its block's flag set: without it there is none.
+                let mut absent = self.blocks.slot(i)[1] & HAS_APPROX == 0;
+                let mut j = None;
+                for &(local, first) in who {
+                    let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+                    if at < first || self.blocks.slot(i)[word] & bit != 0 {
+                        continue; // an exact entry is never downgraded to an approximate one
+                    }
+                    let slot = *j.get_or_insert_with(|| self.approx.slot_for(hash, absent, &self.resets));
+                    absent = false;
+                    if self.approx.set(slot, local, deadline) {
+                        self.engines.approx[local as usize] += 1;
+                    }
+                }
+                if j.is_some() {
+                    self.blocks.slot_mut(i)[1] |= HAS_APPROX;
+                } else {
+                    self.remove_if_empty(i);
+                }
+            }
+        }
+    }
+
     /// Drops every entry of an engine (it died, restarted, or cleared its cache).
     pub fn remove_engine(&mut self, engine: usize) {
         let Some(local) = self.known(engine) else { return };
@@ -271,6 +329,16 @@ impl PrefixIndex {
         if self.blocks.len() < EAGER_SWEEP_BELOW || self.resets.stale.len() >= MAX_PENDING_RESETS {
             self.sweep();
         }
+    }
+
+    /// Forgets an engine for good (it was removed from membership): its entries go as with
+    /// [`PrefixIndex::remove_engine`], and its dense number (its bit in every bitset) goes to
+    /// the next engine this index sees, so bitsets do not widen for engines long gone.
+    pub fn forget_engine(&mut self, engine: usize) {
+        self.remove_engine(engine);
+        let Some(local) = self.engines.local.remove(&engine) else { return };
+        self.engines.global[local as usize] = NONE;
+        self.engines.free.push(local);
     }
 
     /// Drops approximate entries that expired by `now`, and sweeps out what engine resets left.
@@ -441,6 +509,7 @@ impl PrefixIndex {
             + map(&self.tiers)
             + map(&e.local)
             + (e.global.capacity() + e.exact.capacity() + e.approx.capacity()) * 8
+            + e.free.capacity() * 4
             + self.resets.stale.iter().map(|b| b.capacity() * 8 + 24).sum::<usize>()
     }
 
@@ -457,6 +526,13 @@ impl PrefixIndex {
             return Some(local);
         }
         let e = &mut self.engines;
+        if let Some(local) = e.free.pop() {
+            // A forgotten engine's number: its entries were reset when it was forgotten, and
+            // whatever stale bits remain are masked and cleaned like any reset engine's.
+            e.local.insert(engine, local);
+            e.global[local as usize] = engine;
+            return Some(local);
+        }
         if e.global.len() >= MAX_ENGINES {
             tracing::warn!(engine, "the prefix index numbers {MAX_ENGINES} engines at most; ignoring this one");
             return None;

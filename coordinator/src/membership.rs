@@ -51,6 +51,10 @@ pub struct Engine {
     pub liveness: Liveness,
     /// Times the engine was (re)registered; a restart shows as a new generation.
     pub generation: u64,
+    /// Unique over the membership's whole life (a forgotten engine's number is reused by the
+    /// next new one): work started for one incarnation (health checks, event ingestion) checks
+    /// it before touching the engine again.
+    pub incarnation: u64,
 }
 
 impl Engine {
@@ -77,33 +81,52 @@ pub struct UnknownEngine(pub String);
 #[derive(Debug)]
 pub struct Membership {
     lease: Duration,
-    engines: Vec<Engine>,
+    /// By engine number; `None` where a forgotten engine was (its number is reused).
+    engines: Vec<Option<Engine>>,
     by_id: HashMap<String, usize>,
+    /// Numbers of forgotten engines, for the next new ones.
+    free: Vec<usize>,
+    incarnations: u64,
 }
 
 impl Membership {
     pub fn new(lease: Duration) -> Self {
-        Membership { lease, engines: Vec::new(), by_id: HashMap::new() }
+        Membership { lease, engines: Vec::new(), by_id: HashMap::new(), free: Vec::new(), incarnations: 0 }
+    }
+
+    fn next_incarnation(&mut self) -> u64 {
+        self.incarnations += 1;
+        self.incarnations
     }
 
     pub fn register(&mut self, spec: EngineSpec, now: Instant) -> Registered {
         let lease_until = now + self.lease;
-        match self.by_id.get(&spec.id) {
-            Some(&engine) => {
-                let entry = &mut self.engines[engine];
+        match self.by_id.get(&spec.id).copied() {
+            Some(engine) => {
+                let incarnation = self.next_incarnation();
+                let entry = self.engines[engine].as_mut().expect("by_id names live slots");
                 let changed = entry.spec != spec;
                 let was_dead = !entry.is_alive();
                 if changed || was_dead {
                     entry.generation += 1;
+                    entry.incarnation = incarnation;
                 }
                 entry.spec = spec;
                 entry.liveness = Liveness::Alive { lease_until };
                 Registered::Renewed { engine, changed, was_dead }
             }
             None => {
-                let engine = self.engines.len();
-                self.by_id.insert(spec.id.clone(), engine);
-                self.engines.push(Engine { spec, liveness: Liveness::Alive { lease_until }, generation: 1 });
+                let incarnation = self.next_incarnation();
+                let entry = Engine { spec, liveness: Liveness::Alive { lease_until }, generation: 1, incarnation };
+                let engine = match self.free.pop() {
+                    Some(engine) => engine,
+                    None => {
+                        self.engines.push(None);
+                        self.engines.len() - 1
+                    }
+                };
+                self.by_id.insert(entry.spec.id.clone(), engine);
+                self.engines[engine] = Some(entry);
                 Registered::New(engine)
             }
         }
@@ -112,7 +135,8 @@ impl Membership {
     /// Extends a live engine's lease. A dead engine must register again (its state was dropped).
     pub fn heartbeat(&mut self, id: &str, now: Instant) -> Result<usize, UnknownEngine> {
         let engine = *self.by_id.get(id).ok_or_else(|| UnknownEngine(id.to_string()))?;
-        match &mut self.engines[engine].liveness {
+        let entry = self.engines[engine].as_mut().ok_or_else(|| UnknownEngine(id.to_string()))?;
+        match &mut entry.liveness {
             Liveness::Alive { lease_until } => {
                 *lease_until = now + self.lease;
                 Ok(engine)
@@ -124,7 +148,7 @@ impl Membership {
     /// Marks an engine dead now (failed health check, sidecar report, node loss). Returns
     /// whether it was alive.
     pub fn mark_dead(&mut self, engine: usize, now: Instant) -> bool {
-        let Some(entry) = self.engines.get_mut(engine) else { return false };
+        let Some(entry) = self.engines.get_mut(engine).and_then(Option::as_mut) else { return false };
         let was_alive = entry.is_alive();
         if was_alive {
             entry.liveness = Liveness::Dead { since: now };
@@ -136,6 +160,7 @@ impl Membership {
     pub fn expire(&mut self, now: Instant) -> Vec<usize> {
         let mut died = Vec::new();
         for (engine, entry) in self.engines.iter_mut().enumerate() {
+            let Some(entry) = entry else { continue };
             if let Liveness::Alive { lease_until } = entry.liveness {
                 if lease_until <= now {
                     entry.liveness = Liveness::Dead { since: now };
@@ -146,13 +171,39 @@ impl Membership {
         died
     }
 
+    /// Dead engines whose death is at least `after` old by `now`: candidates to forget.
+    pub fn dead_for(&self, after: Duration, now: Instant) -> Vec<usize> {
+        self.iter()
+            .filter(|(_, e)| matches!(e.liveness, Liveness::Dead { since } if now.saturating_duration_since(since) >= after))
+            .map(|(engine, _)| engine)
+            .collect()
+    }
+
+    /// Removes a dead engine altogether: its id is unknown from now on and its number goes to
+    /// the next new engine. Returns the forgotten engine, `None` when it is alive or unknown.
+    pub fn forget(&mut self, engine: usize) -> Option<Engine> {
+        let slot = self.engines.get_mut(engine)?;
+        if slot.as_ref().is_none_or(Engine::is_alive) {
+            return None;
+        }
+        let entry = slot.take()?;
+        self.by_id.remove(&entry.spec.id);
+        self.free.push(engine);
+        Some(entry)
+    }
+
     /// Every engine on a node, for node-level failures.
     pub fn on_node(&self, node: &str) -> Vec<usize> {
-        (0..self.engines.len()).filter(|&e| self.engines[e].spec.node == node).collect()
+        self.iter().filter(|(_, e)| e.spec.node == node).map(|(engine, _)| engine).collect()
     }
 
     pub fn get(&self, engine: usize) -> Option<&Engine> {
-        self.engines.get(engine)
+        self.engines.get(engine).and_then(Option::as_ref)
+    }
+
+    /// Every known engine (alive or dead) with its number, by number.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &Engine)> {
+        self.engines.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|e| (i, e)))
     }
 
     pub fn id_of(&self, id: &str) -> Option<usize> {
@@ -161,12 +212,18 @@ impl Membership {
 
     /// Live engines serving `model` that can take `role`'s part.
     pub fn live(&self, model: &str, wants: impl Fn(Role) -> bool) -> Vec<usize> {
-        (0..self.engines.len())
-            .filter(|&e| {
-                let entry = &self.engines[e];
-                entry.is_alive() && entry.spec.model == model && wants(entry.spec.role)
-            })
-            .collect()
+        self.live_iter(model, wants).collect()
+    }
+
+    /// [`Membership::live`] without collecting.
+    pub fn live_iter<'a>(
+        &'a self,
+        model: &'a str,
+        wants: impl Fn(Role) -> bool + 'a,
+    ) -> impl Iterator<Item = usize> + 'a {
+        self.iter()
+            .filter(move |(_, e)| e.is_alive() && e.spec.model == model && wants(e.spec.role))
+            .map(|(engine, _)| engine)
     }
 }
 
@@ -221,5 +278,34 @@ mod tests {
         assert!(!m.mark_dead(0, t0));
         let moved = m.register(spec("c", Role::Prefill, "n3"), t0);
         assert_eq!(moved, Registered::Renewed { engine: 2, changed: true, was_dead: false });
+    }
+
+    #[test]
+    fn dead_engines_are_forgotten_after_a_bound_and_their_numbers_reused() {
+        let t0 = Instant::now();
+        let minute = Duration::from_secs(60);
+        let mut m = Membership::new(Duration::from_secs(3));
+        m.register(spec("a", Role::Prefill, "n1"), t0);
+        m.register(spec("b", Role::Decode, "n1"), t0);
+        assert!(m.dead_for(minute, t0).is_empty());
+        assert!(m.forget(0).is_none(), "alive engines are never forgotten");
+        m.mark_dead(0, t0);
+        assert!(m.dead_for(minute, t0 + Duration::from_secs(59)).is_empty());
+        assert_eq!(m.dead_for(minute, t0 + minute), vec![0]);
+        // Coming back before the bound revives it under the same number.
+        let back = m.register(spec("a", Role::Prefill, "n1"), t0 + Duration::from_secs(30));
+        assert_eq!(back, Registered::Renewed { engine: 0, changed: false, was_dead: true });
+        m.mark_dead(0, t0 + Duration::from_secs(40));
+        let old = m.get(0).unwrap().incarnation;
+        assert_eq!(m.forget(0).map(|e| e.spec.id), Some("a".into()));
+        assert!(m.get(0).is_none() && m.id_of("a").is_none());
+        assert!(m.heartbeat("a", t0).is_err());
+        assert_eq!(m.iter().map(|(i, _)| i).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(m.on_node("n1"), vec![1]);
+        // The next new engine takes the number, as a new incarnation.
+        assert_eq!(m.register(spec("c", Role::Prefill, "n2"), t0), Registered::New(0));
+        assert!(m.get(0).unwrap().incarnation > old);
+        assert_eq!(m.get(0).unwrap().generation, 1);
+        assert_eq!(m.register(spec("a", Role::Prefill, "n1"), t0), Registered::New(2));
     }
 }

@@ -47,10 +47,13 @@ pub enum DeathCause {
     Health,
     Deregistered,
     Store,
+    /// Its node was reported down (`POST /v1/nodes/{node}/down`).
+    Node,
 }
 
 impl DeathCause {
-    const ALL: [DeathCause; 4] = [DeathCause::Lease, DeathCause::Health, DeathCause::Deregistered, DeathCause::Store];
+    const ALL: [DeathCause; 5] =
+        [DeathCause::Lease, DeathCause::Health, DeathCause::Deregistered, DeathCause::Store, DeathCause::Node];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -58,6 +61,7 @@ impl DeathCause {
             DeathCause::Health => "health",
             DeathCause::Deregistered => "deregistered",
             DeathCause::Store => "store",
+            DeathCause::Node => "node",
         }
     }
 }
@@ -104,7 +108,9 @@ pub struct Metrics {
     pub event_replayed_batches: AtomicU64,
     pub event_resets: AtomicU64,
     pub health_failures: AtomicU64,
-    deaths: [AtomicU64; 4],
+    deaths: [AtomicU64; 5],
+    /// Dead engines removed from membership after `--forget-dead-after-secs`.
+    pub forgotten: AtomicU64,
     releases: [AtomicU64; 3],
     pub store_errors: AtomicU64,
 }
@@ -161,6 +167,12 @@ impl Metrics {
             .collect();
         let deaths: Vec<(&str, u64)> = deaths.iter().map(|(l, v)| (l.as_str(), *v)).collect();
         family("engine_deaths_total", "counter", "Engines that left pairing, by cause.", &deaths);
+        family(
+            "engines_forgotten_total",
+            "counter",
+            "Dead engines removed from membership (dead longer than --forget-dead-after-secs).",
+            &[("", get(&self.forgotten))],
+        );
         family(
             "health_check_failures_total",
             "counter",

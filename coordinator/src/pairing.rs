@@ -39,32 +39,49 @@ impl Default for Weights {
     }
 }
 
+/// The candidate's cost; never NaN (a NaN from odd weights counts as +∞, the worst), and no
+/// integer arithmetic that could overflow on loads a peer reported.
 pub fn cost(candidate: &Candidate, new_blocks: u64, weights: &Weights) -> f64 {
-    let prefill = candidate.load.queued_prefill_blocks as f64 + new_blocks as f64
-        - weights.overlap_credit * candidate.overlap_blocks as f64;
-    weights.prefill_scale * prefill.max(0.0) + (candidate.load.active_decode_blocks + new_blocks) as f64
+    let new = new_blocks as f64;
+    let prefill =
+        candidate.load.queued_prefill_blocks as f64 + new - weights.overlap_credit * candidate.overlap_blocks as f64;
+    let cost = weights.prefill_scale * prefill.max(0.0) + (candidate.load.active_decode_blocks as f64 + new);
+    if cost.is_nan() {
+        f64::INFINITY
+    } else {
+        cost
+    }
 }
 
 /// The chosen candidate's position in `candidates`, or `None` when there are none. `uniform`
-/// is a random number in `[0, 1)` (used only when the temperature is above 0).
+/// is a random number in `[0, 1)` (used only when the temperature is above 0). Allocates
+/// nothing: costs are recomputed per pass (a few flops each).
 pub fn choose(candidates: &[Candidate], new_blocks: u64, weights: &Weights, uniform: f64) -> Option<usize> {
-    let costs: Vec<f64> = candidates.iter().map(|c| cost(c, new_blocks, weights)).collect();
-    let cheapest = (0..candidates.len())
-        .min_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(candidates[a].engine.cmp(&candidates[b].engine)))?;
-    if weights.temperature <= 0.0 || candidates.len() == 1 {
+    let costs = || candidates.iter().map(|c| cost(c, new_blocks, weights));
+    let (cheapest, min) = costs().enumerate().fold(None, |best: Option<(usize, f64)>, (i, c)| match best {
+        Some((b, bc)) if bc.total_cmp(&c).then(candidates[b].engine.cmp(&candidates[i].engine)).is_le() => {
+            Some((b, bc))
+        }
+        _ => Some((i, c)),
+    })?;
+    if weights.temperature.is_nan() || weights.temperature <= 0.0 || candidates.len() == 1 || !min.is_finite() {
         return Some(cheapest);
     }
-    let min = costs[cheapest];
-    let max = costs.iter().copied().fold(f64::MIN, f64::max);
+    // Softmax over the finite costs normalised to 0..1; infinite ones are never sampled.
+    let max = costs().filter(|c| c.is_finite()).fold(min, f64::max);
     let span = if max > min { max - min } else { 1.0 };
-    let scores: Vec<f64> = costs.iter().map(|c| (-(c - min) / span / weights.temperature).exp()).collect();
-    let total: f64 = scores.iter().sum();
+    let score = |c: f64| if c.is_finite() { (-(c - min) / span / weights.temperature).exp() } else { 0.0 };
+    let total: f64 = costs().map(score).sum();
+    if !total.is_finite() || total <= 0.0 {
+        return Some(cheapest);
+    }
     let mut target = uniform.clamp(0.0, 1.0) * total;
-    for (i, score) in scores.iter().enumerate() {
-        if target < *score {
+    for (i, c) in costs().enumerate() {
+        let s = score(c);
+        if target < s {
             return Some(i);
         }
-        target -= score;
+        target -= s;
     }
     Some(cheapest)
 }
@@ -132,6 +149,34 @@ mod tests {
         let skewed = [cand(0, 0, 0, 0), cand(1, 0, 1000, 0)];
         let worse = (0..100).filter(|i| choose(&skewed, 4, &warm, *i as f64 / 100.0) == Some(1)).count();
         assert!(worse < 40, "{worse}");
+    }
+
+    #[test]
+    fn extreme_loads_and_weights_order_sanely() {
+        let w = Weights::default();
+        // Loads and overlaps at u64::MAX (a peer's figures): no overflow, no NaN, finite order.
+        let huge = [cand(0, u64::MAX, u64::MAX, u64::MAX), cand(1, 0, 0, 0), cand(2, u64::MAX, 0, u64::MAX)];
+        for c in &huge {
+            assert!(!cost(c, u64::MAX, &w).is_nan());
+        }
+        assert_eq!(choose(&huge, u64::MAX, &w, 0.0), Some(1));
+        assert_eq!(choose(&huge, 10, &w, 0.0), Some(2), "its overlap covers its queue: cost 10");
+        // Weights that make every cost NaN or infinite still pick one, by engine order.
+        let odd = Weights { prefill_scale: f64::INFINITY, overlap_credit: f64::INFINITY, temperature: 1.0 };
+        let tied = [cand(3, 5, 0, 0), cand(1, 0, 0, 0)];
+        assert!(cost(&tied[0], 10, &odd) == f64::INFINITY, "NaN counts as the worst");
+        assert_eq!(choose(&tied, 10, &odd, 0.5), Some(1));
+        let nan = Weights { prefill_scale: f64::NAN, overlap_credit: f64::NAN, temperature: f64::NAN };
+        assert_eq!(choose(&tied, 10, &nan, 0.5), Some(1));
+        // Warm sampling never picks an infinite-cost engine while a finite one exists.
+        let warm = Weights { temperature: 5.0, ..w };
+        let mixed = [cand(0, 0, u64::MAX, 0), cand(1, 0, 0, 0)];
+        let inf = Weights { prefill_scale: f64::MAX, ..warm };
+        for i in 0..100 {
+            let u = i as f64 / 100.0;
+            assert!(choose(&mixed, 4, &warm, u).is_some());
+            assert_eq!(choose(&[cand(0, 0, 0, 1), cand(1, 4, 0, 0)], 4, &inf, u), Some(1));
+        }
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub fn router(coordinator: Arc<Coordinator>) -> Router {
         .route("/v1/engines", post(register).get(list))
         .route("/v1/engines/{id}", axum::routing::delete(deregister))
         .route("/v1/engines/{id}/heartbeat", post(heartbeat))
+        .route("/v1/nodes/{node}/down", post(node_down))
         .route("/v1/pair", post(pair))
         .route("/v1/report", post(report))
         .route("/v1/index/stats", get(index_stats))
@@ -65,6 +66,10 @@ async fn heartbeat(State(c): Shared, Path(id): Path<String>, body: Bytes) -> Res
 async fn deregister(State(c): Shared, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
     c.deregister(&id).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+async fn node_down(State(c): Shared, Path(node): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    Ok(Json(c.node_down(&node).await?))
 }
 
 async fn list(State(c): Shared) -> impl IntoResponse {

@@ -294,6 +294,13 @@ pub struct ReportJson {
     pub error: Option<String>,
 }
 
+/// The answer to `POST /v1/nodes/{node}/down`: the engines that left pairing because of it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeDownJson {
+    pub node: String,
+    pub engines: Vec<String>,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelStats {
     pub blocks: u64,

@@ -1,5 +1,5 @@
 //! One KV-event ingester thread per engine that publishes events: batches go into the index
-//! while the engine is alive and of the same generation; a reset drops its entries.
+//! while the engine is alive and the same incarnation; a reset drops its entries.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -22,24 +22,24 @@ impl Coordinator {
         let Some(entry) = inner.cluster.membership.get(engine) else { return };
         let Some(endpoint) = entry.spec.kv_events.clone() else { return };
         let source = Source { endpoint, replay: entry.spec.replay.clone(), topic: self.config.kv_events_topic.clone() };
-        let generation = entry.generation;
+        let incarnation = entry.incarnation;
         let id = entry.spec.id.clone();
         let stop = Arc::new(AtomicBool::new(false));
         inner.meta[engine].ingest = Some(IngestHandle { stop: Arc::clone(&stop) });
         let this = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name(format!("kv-events-{engine}"))
-            .spawn(move || this.ingest_loop(engine, generation, &id, &source, &stop));
+            .spawn(move || this.ingest_loop(engine, incarnation, &id, &source, &stop));
         if let Err(err) = spawned {
             tracing::error!(%err, "cannot start a KV-event ingester thread");
         }
     }
 
-    fn ingest_loop(&self, engine: usize, generation: u64, id: &str, source: &Source, stop: &Arc<AtomicBool>) {
+    fn ingest_loop(&self, engine: usize, incarnation: u64, id: &str, source: &Source, stop: &Arc<AtomicBool>) {
         tracing::info!(engine = id, endpoint = %source.endpoint, replay = ?source.replay, "ingesting KV events");
         while !stop.load(Ordering::Acquire) {
             let result = ingest::run_counted(&self.zmq, source, stop, &self.ingest_counters, |update| {
-                self.deliver(engine, generation, update);
+                self.deliver(engine, incarnation, update);
             });
             match result {
                 Ok(()) => break,
@@ -52,14 +52,15 @@ impl Coordinator {
         tracing::debug!(engine = id, "KV-event ingester stopped");
     }
 
-    fn deliver(&self, engine: usize, generation: u64, update: Update) {
+    fn deliver(&self, engine: usize, incarnation: u64, update: Update) {
         if let Update::Malformed(reason) = &update {
             inc(&self.metrics.events_malformed);
             tracing::debug!(engine, %reason, "malformed KV-event message");
             return;
         }
         let mut inner = self.inner.lock();
-        let current = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive() && e.generation == generation);
+        let current =
+            inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive() && e.incarnation == incarnation);
         if !current {
             return;
         }

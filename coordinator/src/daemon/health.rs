@@ -13,7 +13,7 @@ use super::state::{Coordinator, Origin};
 
 struct Target {
     engine: usize,
-    generation: u64,
+    incarnation: u64,
     url: String,
 }
 
@@ -31,8 +31,10 @@ impl Coordinator {
     async fn health_round(self: &Arc<Self>) {
         let targets: Vec<Target> = {
             let inner = self.inner.lock();
-            (0..)
-                .map_while(|i| inner.cluster.membership.get(i).map(|e| (i, e)))
+            inner
+                .cluster
+                .membership
+                .iter()
                 .filter(|(i, e)| {
                     let meta = &inner.meta[*i];
                     let revivable = meta.origin == Origin::Static && e.spec.sidecar_url.is_none() && !meta.left;
@@ -40,7 +42,7 @@ impl Coordinator {
                 })
                 .map(|(engine, e)| Target {
                     engine,
-                    generation: e.generation,
+                    incarnation: e.incarnation,
                     url: format!("{}/health", e.spec.engine_url),
                 })
                 .collect()
@@ -62,7 +64,7 @@ impl Coordinator {
             let mut jobs = Vec::new();
             for (target, healthy) in targets.iter().zip(results) {
                 let Some(entry) = inner.cluster.membership.get(target.engine) else { continue };
-                if entry.generation != target.generation {
+                if entry.incarnation != target.incarnation {
                     continue;
                 }
                 let alive = entry.is_alive();

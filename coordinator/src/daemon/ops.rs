@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::api::{
-    ApiError, EngineSpecJson, EngineView, IndexStats, LoadJson, ModelStats, Notices, PairDecisionJson, PairReason,
-    PairRequestJson, Registration, ReportEvent, ReportJson,
+    ApiError, EngineSpecJson, EngineView, IndexStats, LoadJson, ModelStats, NodeDownJson, Notices, PairDecisionJson,
+    PairReason, PairRequestJson, Registration, ReportEvent, ReportJson,
 };
 use crate::cluster::{PairError, PairRequest, Preference};
 use crate::metrics::{inc, DeathCause, Gauges};
@@ -171,6 +171,51 @@ impl Coordinator {
             }
         }
         Ok(())
+    }
+
+    /// A whole node is down (an operator or orchestrator says so): every live engine on it
+    /// leaves pairing and the index at once, as one death each (`cause="node"`): held blocks
+    /// of their requests are released, and every other sidecar is told in its next heartbeat
+    /// answer. With etcd their keys are removed, so the other coordinators see the deaths too.
+    /// Engines come back by registering again (static ones when /health answers).
+    pub async fn node_down(self: &Arc<Self>, node: &str) -> Result<NodeDownJson, ApiError> {
+        if node.is_empty() || node.len() > 256 {
+            return Err(ApiError::BadRequest("node names are 1..256 bytes".into()));
+        }
+        let (left, jobs, revoke) = {
+            let mut inner = self.inner.lock();
+            let inner = &mut *inner;
+            let on_node = inner.cluster.membership.on_node(node);
+            if on_node.is_empty() {
+                return Err(ApiError::NotFound(format!("no engine is known on node {node:?}")));
+            }
+            let now = Instant::now();
+            let (mut left, mut jobs, mut revoke) = (Vec::new(), Vec::new(), Vec::new());
+            for engine in on_node {
+                let Some(entry) = inner.cluster.membership.get(engine) else { continue };
+                if !entry.is_alive() {
+                    continue;
+                }
+                let id = entry.spec.id.clone();
+                if let Some(lease) = inner.meta[engine].lease_id.take() {
+                    revoke.push((id.clone(), lease));
+                }
+                jobs.extend(self.on_died(inner, engine, DeathCause::Node, now));
+                left.push(id);
+            }
+            (left, jobs, revoke)
+        };
+        tracing::warn!(node, engines = ?left, "node reported down");
+        self.spawn_releases(jobs);
+        if let Some(store) = &self.store {
+            for (id, lease) in revoke {
+                if let Err(err) = store.deregister(&id, Some(lease)).await {
+                    inc(&self.metrics.store_errors);
+                    tracing::warn!(%err, engine = %id, "etcd: cannot remove an engine of a node that is down");
+                }
+            }
+        }
+        Ok(NodeDownJson { node: node.to_string(), engines: left })
     }
 
     pub fn list(&self) -> Vec<EngineView> {

@@ -117,7 +117,7 @@ impl std::fmt::Debug for Coordinator {
 }
 
 pub(super) fn engines(cluster: &Cluster) -> impl Iterator<Item = (usize, &crate::membership::Engine)> {
-    (0..).map_while(move |i| cluster.membership.get(i).map(|e| (i, e)))
+    cluster.membership.iter()
 }
 
 pub(super) fn endpoint(spec: &EngineSpec) -> Endpoint {
@@ -178,7 +178,7 @@ impl Coordinator {
         let static_spec = (origin == Origin::Static).then(|| spec.clone());
         let (engine, fresh) = match inner.cluster.register(spec, now) {
             Registered::New(engine) => {
-                inner.meta.push(Meta {
+                let meta = Meta {
                     origin,
                     static_spec: None,
                     left: false,
@@ -187,7 +187,12 @@ impl Coordinator {
                     load: None,
                     notice_seq: inner.death_seq,
                     ingest: None,
-                });
+                };
+                // A forgotten engine's number is reused: its record is replaced.
+                match inner.meta.get_mut(engine) {
+                    Some(old) => *old = meta,
+                    None => inner.meta.push(meta),
+                }
                 (engine, true)
             }
             Registered::Renewed { engine, changed, was_dead } => (engine, changed || was_dead),
@@ -286,10 +291,36 @@ impl Coordinator {
                 while inner.deaths.front().is_some_and(|d| now.duration_since(d.at) >= NOTICE_MAX_AGE) {
                     inner.deaths.pop_front();
                 }
+                self.forget_dead(inner, now);
             }
             jobs
         };
         self.spawn_releases(jobs);
+    }
+
+    /// Removes registered engines dead longer than `--forget-dead-after-secs` (0: never):
+    /// their ids become unknown (a sidecar must register as new), their numbers, index
+    /// bitset positions and load slots go to the next new engine. Static engines stay: the
+    /// cluster file declares them and health checks revive them.
+    fn forget_dead(&self, inner: &mut Inner, now: Instant) {
+        if self.config.forget_dead_after_secs <= 0.0 {
+            return;
+        }
+        let after = Duration::from_secs_f64(self.config.forget_dead_after_secs);
+        for engine in inner.cluster.membership.dead_for(after, now) {
+            if inner.meta.get(engine).is_none_or(|m| m.origin == Origin::Static) {
+                continue;
+            }
+            let Some(gone) = inner.cluster.forget(engine) else { continue };
+            if let Some(ingest) = inner.meta[engine].ingest.take() {
+                ingest.stop.store(true, std::sync::atomic::Ordering::Release);
+            }
+            inner.meta[engine].lease_id = None;
+            inner.meta[engine].load = None;
+            inner.pending.remove(&gone.spec.id);
+            crate::metrics::inc(&self.metrics.forgotten);
+            tracing::info!(engine = %gone.spec.id, "dead engine forgotten");
+        }
     }
 
     pub(crate) fn spawn_releases(self: &Arc<Self>, jobs: Vec<ReleaseJob>) {

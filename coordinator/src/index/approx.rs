@@ -226,14 +226,28 @@ impl Approx {
 
     /// Sets `local`'s deadline for `hash`; true when the engine had no live entry there.
     pub fn upsert(&mut self, hash: u64, local: u32, at: i32, resets: &Resets) -> bool {
-        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
-        let j = match self.slots.find(hash) {
+        let j = self.slot_for(hash, false, resets);
+        self.set(j, local, at)
+    }
+
+    /// The slot of block `hash`, cleaned, created empty when there is none; `absent`: the
+    /// caller knows there is none (skips the search). The position stays valid until a slot
+    /// is added or removed.
+    pub fn slot_for(&mut self, hash: u64, absent: bool, resets: &Resets) -> usize {
+        let found = if absent { None } else { self.slots.find(hash) };
+        debug_assert!(!absent || self.slots.find(hash).is_none(), "approximate slot said absent exists");
+        match found {
             Some(j) => {
                 self.clean(j, resets);
                 j
             }
             None => self.slots.insert(hash, OCCUPIED | u64::from(resets.seq)),
-        };
+        }
+    }
+
+    /// Sets `local`'s deadline in (cleaned) slot `j`; true when the engine had no live entry.
+    pub fn set(&mut self, j: usize, local: u32, at: i32) -> bool {
+        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let had = self.slots.slot(j)[word] & bit != 0;
         if had {
             self.retain_entries(j, |e| engine(e) != local);

@@ -203,8 +203,10 @@ impl Coordinator {
         let ids: std::collections::HashSet<String> = present.iter().map(|s| s.spec.id.clone()).collect();
         let gone: Vec<String> = {
             let inner = self.inner.lock();
-            (0..)
-                .map_while(|i| inner.cluster.membership.get(i).map(|e| (i, e)))
+            inner
+                .cluster
+                .membership
+                .iter()
                 .filter(|(i, e)| {
                     let meta = &inner.meta[*i];
                     e.is_alive()
