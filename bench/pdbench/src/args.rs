@@ -361,6 +361,10 @@ pub struct CompareCmd {
     pub shared_tokenizer: bool,
     #[arg(long, overrides_with = "shared_tokenizer")]
     pub no_shared_tokenizer: bool,
+    /// Role the coordinator setup registers the decode engines with: `decode`, or `both` (the
+    /// coordinator may then also pick the other decode engine as a request's prefill).
+    #[arg(long, default_value = "decode", value_parser = ["decode", "both"])]
+    pub coordinator_decode_role: String,
     /// The vllm-router executable (PyPI `vllm-router`), for the vllm-router setups.
     #[arg(long, env = "PDBENCH_VLLM_ROUTER")]
     pub vllm_router: Option<PathBuf>,

@@ -65,7 +65,10 @@ async fn prepare_setup(
             let roles: Vec<Engine> = engines
                 .iter()
                 .enumerate()
-                .map(|(i, e)| Engine { role: if i < half { "prefill" } else { "decode" }.into(), ..e.clone() })
+                .map(|(i, e)| {
+                    let role = if i < half { "prefill" } else { c.coordinator_decode_role.as_str() };
+                    Engine { role: role.into(), ..e.clone() }
+                })
                 .collect();
             let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
             if let Some(t) = tokenizer {

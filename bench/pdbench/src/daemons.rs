@@ -95,7 +95,7 @@ impl Daemons {
             }
             // Without a pairing (coordinator unreachable) a decode sidecar falls back to the
             // static list: every prefill engine.
-            if e.role == "decode" {
+            if e.role != "prefill" {
                 for p in engines.iter().filter(|p| p.role == "prefill") {
                     cmd.args(["--prefill", &p.url]);
                 }
@@ -130,9 +130,9 @@ impl Daemons {
         }
     }
 
-    /// The decode sidecars: where clients send requests.
+    /// The decode-capable sidecars (role `decode` or `both`): where clients send requests.
     pub fn entry_urls(&self) -> Vec<String> {
-        self.sidecars.iter().filter(|s| s.role == "decode").map(|s| s.url.clone()).collect()
+        self.sidecars.iter().filter(|s| s.role != "prefill").map(|s| s.url.clone()).collect()
     }
 
     /// Decisions as the daemons counted them.

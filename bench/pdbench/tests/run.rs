@@ -280,6 +280,52 @@ fn compare_routing_legacy_preset_keeps_the_old_workload() {
     }
 }
 
+/// The coordinator setup with the decode engines registered as `both`: requests still enter
+/// through the decode sidecars, every one is paired.
+#[test]
+fn compare_routing_coordinator_with_decodes_as_both() {
+    let daemons_built = ["pd-coordinator", "pd-sidecar"].iter().all(|b| pdbench().parent().unwrap().join(b).is_file());
+    if !daemons_built {
+        eprintln!("LOUD SKIP: pd-coordinator / pd-sidecar not built next to pdbench; test skipped");
+        return;
+    }
+    let dir = TempDir::new("compare-both");
+    let json = dir.path("cmp.json");
+    let sim = sim_bin();
+    let (status, stdout, stderr) = run_pdbench(
+        &[
+            "compare-routing",
+            "--coordinator-decode-role",
+            "both",
+            "--setups",
+            "coordinator",
+            "--sim-bin",
+            sim.to_str().unwrap(),
+            "--log-dir",
+            dir.0.to_str().unwrap(),
+            "--requests",
+            "40",
+            "--prefixes",
+            "6",
+            "--prefix-len",
+            "256",
+            "--output-len",
+            "4",
+            "--no-progress",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(status.success(), "{status}\n{stdout}\n{stderr}");
+    let r = read_json(&json);
+    let row = &r["setups"][0];
+    assert_eq!(row["summary"]["ok"], 40, "{row}");
+    let d = &row["decisions"];
+    let pairings = d["coordinator_disaggregated"].as_f64().unwrap() + d["coordinator_local_prefill"].as_f64().unwrap();
+    assert_eq!(pairings, 40.0, "{row}");
+}
+
 /// vllm-router (PyPI) in P/D mode in front of the simulators, when `$PDBENCH_VLLM_ROUTER` names
 /// its executable (`pip install vllm-router`).
 #[test]
