@@ -27,6 +27,11 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
 # Every cargo call below uses the same selection (--workspace --all-features), so nothing is built
 # twice with another feature set: one build serves the tests, the UCX suite and the smoke runs.
+step "peers (NIXL, Mooncake, iperf3, vllm-router) installed once into the cache"
+peers_venv="$(bench/peers/install.sh | tail -n1)"
+# pdbench's routing comparison runs vllm-router (cache_aware, round robin) beside ours.
+export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
+
 step "tests (unit, in-process, two-process conformance over TCP and UCX tcp/shared memory)"
 cargo test --workspace --all-features --locked
 
@@ -43,7 +48,7 @@ step "benchmark smoke run (consistency-checked, two processes)"
 target/debug/xferbench --backend tcp --compare --op both --block-sizes 64K,1M --iters 20 --warmup 2 \
   --check --no-progress
 
-step "transfer comparison against the peers (smoke: 64K, one run; installs NIXL, Mooncake, iperf3 into the cache)"
+step "transfer comparison against the peers (smoke: 64K, one run)"
 peers_out=$(mktemp -d)
 SIZES=64K REPEAT=1 OUT=$peers_out XFERBENCH=target/debug/xferbench bench/peers/compare.sh >/dev/null
 grep -q '| READ | 64K |' "$peers_out/peers.md" && test -s "$peers_out/peers.png"
