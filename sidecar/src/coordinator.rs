@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
+use crate::allowlist::HostPort;
 use crate::config::Config;
 use crate::errors::UpstreamError;
 use crate::load::{self, Load};
@@ -78,6 +79,8 @@ pub struct Endpoint {
 #[derive(Debug, Deserialize)]
 pub struct PairDecision {
     #[serde(default)]
+    pub decode: Option<Endpoint>,
+    #[serde(default)]
     pub prefill: Option<Endpoint>,
     #[serde(default)]
     pub reason: Option<String>,
@@ -85,10 +88,20 @@ pub struct PairDecision {
 
 /// What the sidecar takes from a pairing decision.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Pairing {
-    /// Skip the prefill leg (the uncached part is short, or no prefill is worth it).
-    Local,
-    Prefill(Target),
+pub struct Pairing {
+    /// The prefill; `None`: the decode engine computes the prompt itself (`local_prefill`: the
+    /// uncached part is short, or no prefill is worth it).
+    pub prefill: Option<Target>,
+    /// The decode engine the coordinator chose when it is another than this sidecar's.
+    pub remote_decode: Option<RemoteDecode>,
+}
+
+/// Another engine chosen as decode, and its sidecar (where the request can be redirected).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteDecode {
+    pub id: String,
+    /// `None` when it registered no (usable) `sidecar_url`.
+    pub sidecar: Option<Target>,
 }
 
 #[derive(Serialize)]
@@ -243,6 +256,11 @@ impl Coordinator {
         self.view.read().clone()
     }
 
+    /// The last view's prefill engine at `hp`, if any (the coordinator vouches for it).
+    pub fn view_target(&self, hp: &HostPort) -> Option<Target> {
+        self.view.read().iter().find(|t| t.host_port == *hp).cloned()
+    }
+
     async fn call(
         &self,
         client: &HttpClient,
@@ -298,7 +316,7 @@ impl Coordinator {
                     }
                 };
                 inc(&state.metrics.pairings);
-                Some(decision(d, &state.cfg.prefill_scheme, self.bootstrap_port))
+                Some(decision(d, &state.cfg.prefill_scheme, self.bootstrap_port, &engine))
             }
             // 503: no live decode for the model; the coordinator works, we just decide alone.
             Ok((s, _)) if s == StatusCode::SERVICE_UNAVAILABLE => None,
@@ -361,18 +379,18 @@ impl Coordinator {
     }
 }
 
-fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16) -> Pairing {
+fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16, own: &str) -> Pairing {
     let local = d.reason.as_deref() == Some("local_prefill");
-    match d.prefill {
-        Some(p) if !local => match Target::parse(&p.engine_url, scheme, Some(bootstrap_port)) {
-            Ok(mut t) => {
-                t.id = Some(p.id);
-                Pairing::Prefill(t)
-            }
-            Err(_) => Pairing::Local,
-        },
-        _ => Pairing::Local,
-    }
+    let prefill = d.prefill.filter(|_| !local).and_then(|p| {
+        let mut t = Target::parse(&p.engine_url, scheme, Some(bootstrap_port)).ok()?;
+        t.id = Some(p.id);
+        Some(t)
+    });
+    let remote_decode = d.decode.filter(|e| e.id != own).map(|e| RemoteDecode {
+        sidecar: e.sidecar_url.as_deref().and_then(|u| Target::parse(u, "http", None).ok()),
+        id: e.id,
+    });
+    Pairing { prefill, remote_decode }
 }
 
 /// The link's background work: register, heartbeat with load, act on notices, refresh the
@@ -553,6 +571,11 @@ impl Reporter {
         self.send("prefill_done", prefill_engine.map(String::from), Some(params), None);
     }
 
+    /// Another sidecar owns the request now (it was redirected there): report nothing.
+    pub fn disown(mut self) {
+        self.done = true;
+    }
+
     pub fn finished(mut self) {
         self.done = true;
         self.send("finished", Some(self.c.engine_id()), None, None);
@@ -584,7 +607,7 @@ mod tests {
                 "decode_overlap_blocks": 0, "prefill_overlap_blocks": 3, "reason": "disaggregated"}"#,
         )
         .unwrap();
-        let Pairing::Prefill(t) = decision(d, "http", 8998) else { panic!() };
+        let Pairing { prefill: Some(t), remote_decode: None } = decision(d, "http", 8998, "d0") else { panic!() };
         assert_eq!(
             (t.base.as_str(), t.id.as_deref(), t.bootstrap_port),
             ("http://10.0.0.5:8100", Some("p0"), Some(8998))
@@ -594,7 +617,23 @@ mod tests {
                 "decode_overlap_blocks": 9, "prefill_overlap_blocks": 0, "reason": "local_prefill"}"#,
         )
         .unwrap();
-        assert_eq!(decision(local, "http", 1), Pairing::Local);
+        assert_eq!(decision(local, "http", 1, "d0"), Pairing { prefill: None, remote_decode: None });
+        // Another decode chosen: its sidecar is where the request goes.
+        let other: PairDecision = serde_json::from_str(
+            r#"{"request_id": "r", "decode": {"id": "d1", "engine_url": "http://d:1", "sidecar_url": "http://d:8000/", "node": "n"},
+                "prefill": null, "decode_overlap_blocks": 9, "prefill_overlap_blocks": 0, "reason": "local_prefill"}"#,
+        )
+        .unwrap();
+        let p = decision(other, "http", 1, "d0");
+        let r = p.remote_decode.unwrap();
+        assert_eq!((p.prefill, r.id.as_str(), r.sidecar.unwrap().base.as_str()), (None, "d1", "http://d:8000"));
+        let no_url: PairDecision =
+            serde_json::from_str(r#"{"decode": {"id": "d1", "engine_url": "http://d:1"}, "reason": "local_prefill"}"#)
+                .unwrap();
+        assert_eq!(
+            decision(no_url, "http", 1, "d0").remote_decode,
+            Some(RemoteDecode { id: "d1".into(), sidecar: None })
+        );
 
         let views: Vec<EngineView> = serde_json::from_str(
             r#"[{"id": "a", "role": "prefill", "engine_url": "http://a:1", "alive": true},

@@ -60,8 +60,8 @@ impl Finish {
 /// The decode's response head and first body frame.
 #[derive(Debug)]
 pub struct Opened {
-    /// The engine rank, busy until the body is relayed.
-    pub rank: crate::state::RankGuard,
+    /// The engine rank, busy until the body is relayed (none for a redirected request).
+    pub rank: Option<crate::state::RankGuard>,
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub incoming: Incoming,
@@ -116,6 +116,20 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
     if let Some(at) = call.prefilled_at {
         state.metrics.phase(Phase::KvHandoff).since(at);
     }
+    let opened = first_frame(resp, Some(rank), "the decode engine", started, first_byte).await?;
+    state.metrics.phase(Phase::DecodeFirstByte).since(started);
+    Ok(opened)
+}
+
+/// Waits for the first body frame of `resp` until `limit` after `started` (a 504 when late, a
+/// 502 when the body breaks off); `what` names the peer in those errors.
+pub async fn first_frame(
+    resp: Response<Incoming>,
+    rank: Option<crate::state::RankGuard>,
+    what: &str,
+    started: Instant,
+    limit: Duration,
+) -> Result<Opened, ApiError> {
     let status = resp.status();
     let (parts, mut incoming) = resp.into_parts();
     let headers = upstream::response_headers(&parts.headers);
@@ -123,18 +137,14 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
-    let left = first_byte.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+    let left = limit.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
     let first = match tokio::time::timeout(left, next_data_frame(&mut incoming)).await {
         Err(_) => {
-            return Err(ApiError::gateway_timeout(format!(
-                "the decode engine sent no output within {:.3} s",
-                first_byte.as_secs_f64()
-            )))
+            return Err(ApiError::gateway_timeout(format!("{what} sent no output within {:.3} s", limit.as_secs_f64())))
         }
-        Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("the decode engine broke off its response: {e}"))),
+        Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("{what} broke off its response: {e}"))),
         Ok(Ok(frame)) => frame,
     };
-    state.metrics.phase(Phase::DecodeFirstByte).since(started);
     Ok(Opened { rank, status, headers, incoming, first, sse })
 }
 
@@ -210,7 +220,7 @@ async fn next_data_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hy
 /// `idle` ends it (with an SSE error event when streaming); its end or its drop (the client
 /// left) settles the request's outcome and reports.
 struct Relay {
-    _rank: crate::state::RankGuard,
+    _rank: Option<crate::state::RankGuard>,
     first: Option<Frame<Bytes>>,
     inner: Incoming,
     idle: Duration,

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod prefill;
 pub mod proxy;
 pub mod pull;
+pub mod redirect;
 pub mod release;
 pub mod rewrite;
 pub mod routing;

@@ -163,6 +163,45 @@ impl LocalReason {
     }
 }
 
+/// What became of a pairing with another decode engine, or of a redirected request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedirectOutcome {
+    /// Handed to the chosen decode's sidecar, which answered.
+    Ok,
+    /// The chosen decode's sidecar could not be reached; served here.
+    FallbackUnreachable,
+    /// It did not answer in time; served here.
+    FallbackTimeout,
+    /// It answered a 5xx before any output; served here.
+    FallbackErrorStatus,
+    /// The chosen decode registered no `sidecar_url`; decoded here.
+    NoSidecarUrl,
+    /// A request another sidecar redirected here (served without pairing).
+    Received,
+}
+
+impl RedirectOutcome {
+    const ALL: [RedirectOutcome; 6] = [
+        RedirectOutcome::Ok,
+        RedirectOutcome::FallbackUnreachable,
+        RedirectOutcome::FallbackTimeout,
+        RedirectOutcome::FallbackErrorStatus,
+        RedirectOutcome::NoSidecarUrl,
+        RedirectOutcome::Received,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            RedirectOutcome::Ok => "ok",
+            RedirectOutcome::FallbackUnreachable => "fallback_unreachable",
+            RedirectOutcome::FallbackTimeout => "fallback_timeout",
+            RedirectOutcome::FallbackErrorStatus => "fallback_error_status",
+            RedirectOutcome::NoSidecarUrl => "no_sidecar_url",
+            RedirectOutcome::Received => "received",
+        }
+    }
+}
+
 /// What one prefill attempt came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attempt {
@@ -211,6 +250,7 @@ pub struct Metrics {
     phases: Vec<Histogram>,
     local: Vec<AtomicU64>,
     attempts: Vec<AtomicU64>,
+    redirects: Vec<AtomicU64>,
     pub in_flight: AtomicI64,
     pub disaggregated: AtomicU64,
     pub failovers: AtomicU64,
@@ -239,6 +279,7 @@ impl Default for Metrics {
             phases: Phase::ALL.iter().map(|_| Histogram::default()).collect(),
             local: counters(LocalReason::ALL.len()),
             attempts: counters(Attempt::ALL.len()),
+            redirects: counters(RedirectOutcome::ALL.len()),
             in_flight: AtomicI64::new(0),
             disaggregated: z(),
             failovers: z(),
@@ -278,6 +319,14 @@ impl Metrics {
         inc(&self.attempts[a as usize]);
     }
 
+    pub fn redirect(&self, r: RedirectOutcome) {
+        inc(&self.redirects[r as usize]);
+    }
+
+    pub fn redirects(&self, r: RedirectOutcome) -> u64 {
+        self.redirects[r as usize].load(Relaxed)
+    }
+
     pub fn requests(&self, o: Outcome) -> u64 {
         self.requests[o.index()].load(Relaxed)
     }
@@ -315,6 +364,15 @@ impl Metrics {
         help(&mut out, "pd_sidecar_prefill_attempts_total", "counter", "Prefill calls by result.");
         for a in Attempt::ALL {
             let _ = writeln!(out, "pd_sidecar_prefill_attempts_total{{result=\"{}\"}} {}", a.label(), self.attempts(a));
+        }
+        help(
+            &mut out,
+            "pd_sidecar_redirects_total",
+            "counter",
+            "Pairings with another decode engine (redirects) and redirected requests received, by outcome.",
+        );
+        for r in RedirectOutcome::ALL {
+            let _ = writeln!(out, "pd_sidecar_redirects_total{{outcome=\"{}\"}} {}", r.label(), self.redirects(r));
         }
         help(&mut out, "pd_sidecar_in_flight", "gauge", "Generation requests in flight.");
         let _ = writeln!(out, "pd_sidecar_in_flight {}", self.in_flight.load(Relaxed).max(0));
@@ -420,6 +478,7 @@ mod tests {
         assert_eq!(m.in_flight.load(Relaxed), 1);
         m.local(LocalReason::Threshold);
         m.attempt(Attempt::Timeout);
+        m.redirect(RedirectOutcome::NoSidecarUrl);
         m.phase(Phase::Prefill).observe(0.003);
         let text = m.render();
         assert!(text.contains("pd_sidecar_requests_total{outcome=\"ok\"} 1\n"), "{text}");
@@ -427,6 +486,8 @@ mod tests {
         assert!(text.contains("pd_sidecar_in_flight 1\n"));
         assert!(text.contains("pd_sidecar_local_decode_total{reason=\"threshold\"} 1\n"));
         assert!(text.contains("pd_sidecar_prefill_attempts_total{result=\"timeout\"} 1\n"));
+        assert!(text.contains("pd_sidecar_redirects_total{outcome=\"no_sidecar_url\"} 1\n"));
+        assert!(text.contains("pd_sidecar_redirects_total{outcome=\"ok\"} 0\n"));
         assert!(text.contains("pd_sidecar_phase_seconds_bucket{phase=\"prefill\",le=\"0.0025\"} 0\n"));
         assert!(text.contains("pd_sidecar_phase_seconds_bucket{phase=\"prefill\",le=\"0.005\"} 1\n"));
         assert!(text.contains("pd_sidecar_phase_seconds_count{phase=\"end_to_end\"} 2\n"));

@@ -18,9 +18,10 @@ use crate::errors::ApiError;
 use crate::json::Object;
 use crate::metrics::{inc, LocalReason, Outcome, Tracker};
 use crate::prefill::{self, Prefilled};
+use crate::redirect;
 use crate::release::ReleaseGuard;
 use crate::rewrite::{self, Api};
-use crate::routing::{self, Plan};
+use crate::routing::{self, Plan, Route};
 use crate::state::State;
 use crate::upstream::REQUEST_ID;
 
@@ -36,7 +37,7 @@ pub fn request_id(state: &State, headers: &HeaderMap) -> String {
 
 pub async fn generation(state: Arc<State>, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
     let rid = request_id(&state, &headers);
-    let span = tracing::info_span!("request", request_id = %rid, api = api.name());
+    let span = tracing::info_span!("request", request_id = %rid, api = api.name(), redirect = tracing::field::Empty);
     async {
         let tracker = Tracker::new(&state.metrics);
         if state.cfg.mode == Mode::Sglang {
@@ -63,7 +64,13 @@ async fn vllm(
         // Not a JSON object: the engine explains the problem to the client.
         Err(_) => return local(state, path, headers, rid, &body, None, tracker, reporter, None).await,
     };
-    let plan = routing::plan(state, headers, &object, api, rid).await;
+    let plan = match routing::plan(state, headers, &object, api, rid).await {
+        Route::Here(plan) => plan,
+        Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, &body).await {
+            Ok(opened) => return redirect::relay(state, opened, tracker, reporter),
+            Err(fallback) => fallback,
+        },
+    };
     let candidates = match plan {
         Plan::Local(reason) => {
             return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await

@@ -19,8 +19,9 @@ use crate::decode::{self, DecodeCall, Finish, Opened};
 use crate::errors::{ApiError, UpstreamError};
 use crate::json::Object;
 use crate::metrics::{inc, LocalReason, Outcome, Phase, Tracker};
+use crate::redirect;
 use crate::rewrite::{self, Api};
-use crate::routing::{self, Plan};
+use crate::routing::{self, Plan, Route};
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{self, LegHeaders};
@@ -118,7 +119,14 @@ pub async fn run(
     let Ok(object) = Object::parse(&body) else {
         return local(state, path, headers, rid, &body, None, tracker, reporter, None).await;
     };
-    let candidates = match routing::plan(state, headers, &object, api, rid).await {
+    let plan = match routing::plan(state, headers, &object, api, rid).await {
+        Route::Here(plan) => plan,
+        Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, &body).await {
+            Ok(opened) => return redirect::relay(state, opened, tracker, reporter),
+            Err(fallback) => fallback,
+        },
+    };
+    let candidates = match plan {
         Plan::Local(reason) => {
             return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await
         }

@@ -22,6 +22,10 @@ pub type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
 /// The header naming the prefill chosen by an upstream router (llm-d convention).
 pub const ROUTING_HEADER: &str = "x-prefiller-host-port";
 pub const REQUEST_ID: &str = "x-request-id";
+/// Set by a sidecar that hands a request to the decode engine's sidecar the coordinator chose:
+/// `prefill` (the prefill is named in [`ROUTING_HEADER`]) or `local` (decode without a prefill
+/// leg). A request carrying it is never paired or redirected again.
+pub const REDIRECT_HEADER: &str = "x-pd-redirected";
 
 pub fn client(connect_timeout: Duration, tls: rustls::ClientConfig) -> HttpClient {
     let mut http = HttpConnector::new();
@@ -108,7 +112,7 @@ pub struct LegHeaders<'a> {
     pub identity: bool,
 }
 
-/// The client's headers minus hop-by-hop headers, `host`, routing headers and anything in
+/// The client's headers minus hop-by-hop headers, `host`, routing and redirect headers and anything in
 /// `strip`, with the request id (and authorization) set.
 pub fn leg_headers(client: &HeaderMap, leg: LegHeaders<'_>, strip: &[HeaderName]) -> HeaderMap {
     let mut out = HeaderMap::with_capacity(client.len() + 2);
@@ -117,6 +121,7 @@ pub fn leg_headers(client: &HeaderMap, leg: LegHeaders<'_>, strip: &[HeaderName]
             || name == header::HOST
             || name == header::EXPECT
             || name.as_str() == ROUTING_HEADER
+            || name.as_str() == REDIRECT_HEADER
             || name.as_str() == REQUEST_ID
             || strip.contains(name)
             || (leg.rewritten && name == header::CONTENT_LENGTH)
@@ -178,6 +183,7 @@ mod tests {
         h.insert("host", "sidecar:8000".parse().unwrap());
         h.insert("connection", "keep-alive".parse().unwrap());
         h.insert(ROUTING_HEADER, "evil:80".parse().unwrap());
+        h.insert(REDIRECT_HEADER, "local".parse().unwrap());
         h.insert("x-request-id", "client-id".parse().unwrap());
         h.insert("content-length", "10".parse().unwrap());
         h.insert("accept-encoding", "gzip".parse().unwrap());
@@ -193,7 +199,7 @@ mod tests {
         assert_eq!(out.get("authorization").unwrap(), "Bearer upstream");
         assert_eq!(out.get("x-custom").unwrap(), "kept");
         assert_eq!(out.get("content-type").unwrap(), "application/json");
-        for gone in ["host", "connection", ROUTING_HEADER, "content-length", "accept-encoding"] {
+        for gone in ["host", "connection", ROUTING_HEADER, REDIRECT_HEADER, "content-length", "accept-encoding"] {
             assert!(out.get(gone).is_none(), "{gone}");
         }
         let out = leg_headers(

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -222,39 +220,11 @@ async fn keeps_serving_when_the_coordinator_is_unreachable() {
     assert!(s.metric("pd_sidecar_coordinator_errors_total").await >= 1.0);
 }
 
-fn coordinator_bin() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar")).parent()?.to_path_buf();
-    let bin = dir.join("pd-coordinator");
-    bin.exists().then_some(bin)
-}
-
-struct Kill(std::process::Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// With the real daemon: both engines' sidecars register, the decode's pairs through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_real_coordinator() {
-    let Some(bin) = coordinator_bin() else {
-        eprintln!("LOUD SKIP: pd-coordinator is not built next to pd-sidecar (cargo build -p pd-coordinator)");
-        return;
-    };
-    let port = free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    let _c = Kill(
-        Command::new(bin)
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--no-grpc", "--heartbeat-ms", "200"])
-            .env("RUST_LOG", "error")
-            .env_remove("PD_COORDINATOR_CONFIG")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let Some(coordinator) = common::Coordinator::start(&["--heartbeat-ms", "200"]).await else { return };
+    let url = coordinator.url.clone();
     let (p, d) = (Sim::start(&[]).await, Sim::start(&["--kv-load-failure-policy", "fail"]).await);
     let common_args = |id: &'static str, role: &'static str, engine: String| {
         vec![
@@ -276,7 +246,7 @@ async fn with_the_real_coordinator() {
     let _ps = Sidecar::start(&pa.iter().map(String::as_str).collect::<Vec<_>>()).await;
     let da = common_args("dec-0", "decode", d.url.clone());
     let ds = Sidecar::start(&da.iter().map(String::as_str).collect::<Vec<_>>()).await;
-    let engines = until_async("both registered", || async {
+    let engines = common::eventually("both registered", || async {
         let v = common::client().get(format!("{url}/v1/engines")).send().await.ok()?.json::<Value>().await.ok()?;
         (v.as_array()?.len() == 2).then_some(v)
     })
@@ -289,15 +259,4 @@ async fn with_the_real_coordinator() {
     assert_eq!(ds.metric("pd_sidecar_disaggregated_total").await, 1.0);
     assert_eq!(d.leaks().await["pulls"], 1);
     p.leaks_until("prefill released", Duration::from_secs(1), |r| r["held_blocks"] == 0).await;
-}
-
-async fn until_async<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut f: impl FnMut() -> F) -> T {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }

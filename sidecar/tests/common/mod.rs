@@ -139,8 +139,17 @@ impl Sidecar {
     }
 
     pub async fn start_with(args: &[&str], scheme: &str) -> Sidecar {
+        Self::spawn("127.0.0.1:0", args, scheme).await
+    }
+
+    /// Starts pd-sidecar on `port` (for a sidecar that must know its own URL up front).
+    pub async fn start_on(port: u16, args: &[&str]) -> Sidecar {
+        Self::spawn(&format!("127.0.0.1:{port}"), args, "http").await
+    }
+
+    async fn spawn(listen: &str, args: &[&str], scheme: &str) -> Sidecar {
         let mut child = Command::new(env!("CARGO_BIN_EXE_pd-sidecar"))
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(args)
             .env("RUST_LOG", std::env::var("SIDECAR_LOG").unwrap_or_else(|_| "error".into()))
             .stdin(Stdio::null())
@@ -299,4 +308,74 @@ where
         }
     });
     (serve(app).await, log)
+}
+
+/// `pd-coordinator` built next to `pd-sidecar` (same profile), if any.
+pub fn coordinator_bin() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar")).parent()?.to_path_buf();
+    let bin = dir.join("pd-coordinator");
+    bin.exists().then_some(bin)
+}
+
+/// A real `pd-coordinator` on a free port (HTTP only), killed on drop.
+pub struct Coordinator {
+    child: Child,
+    pub url: String,
+}
+
+impl Coordinator {
+    /// `None` (after a loud message) when the binary is not built.
+    pub async fn start(args: &[&str]) -> Option<Coordinator> {
+        let Some(bin) = coordinator_bin() else {
+            eprintln!("LOUD SKIP: pd-coordinator is not built next to pd-sidecar (cargo build -p pd-coordinator)");
+            return None;
+        };
+        let port = free_port();
+        let child = Command::new(bin)
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--no-grpc"])
+            .args(args)
+            .env("RUST_LOG", "error")
+            .env_remove("PD_COORDINATOR_CONFIG")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawning pd-coordinator");
+        let c = Coordinator { child, url: format!("http://127.0.0.1:{port}") };
+        wait_healthy(&c.url, "pd-coordinator").await;
+        Some(c)
+    }
+
+    pub async fn metrics(&self) -> String {
+        client().get(format!("{}/metrics", self.url)).send().await.unwrap().text().await.unwrap()
+    }
+
+    pub async fn get(&self, path: &str) -> Value {
+        get_json(&format!("{}{path}", self.url)).await
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it gives a value (bounded by [`WAIT`]).
+pub async fn eventually<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut f: impl FnMut() -> F) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The sum of the samples of `name` whose labels contain `labels` (engines label their metrics).
+pub fn metric_sum(text: &str, name: &str, labels: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

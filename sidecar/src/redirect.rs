@@ -1,0 +1,87 @@
+//! Redirecting a request to the sidecar of the decode engine the coordinator chose (llm-d
+//! style): the client's request goes there unchanged (same path, body bytes and request id,
+//! minus hop-by-hop headers) with the pairing decision in headers, and the answer streams back
+//! through the decode relay. That sidecar serves it without pairing again and owns its reports.
+//! If it cannot be reached, answers a 5xx or stays silent (bounded), the request is served here.
+
+use std::time::Instant;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response};
+
+use crate::coordinator::Reporter;
+use crate::decode::{self, Finish, Opened};
+use crate::errors::UpstreamError;
+use crate::metrics::{RedirectOutcome, Tracker};
+use crate::routing::{self, Plan, Redirect, Redirected};
+use crate::state::State;
+use crate::upstream::{self, LegHeaders, REDIRECT_HEADER, ROUTING_HEADER};
+
+/// The headers of the redirected leg: the client's (routing headers it sent stripped), the
+/// request id, and the decision.
+fn headers(client: &HeaderMap, request_id: &str, r: &Redirect) -> HeaderMap {
+    let leg = LegHeaders { request_id, authorization: None, rewritten: false, identity: false };
+    let mut out = upstream::leg_headers(client, leg, &[]);
+    let (mark, prefill) = match &r.prefill {
+        Some(p) => (Redirected::Prefill, HeaderValue::from_str(&p.host_port.authority()).ok()),
+        None => (Redirected::Local, None),
+    };
+    out.insert(HeaderName::from_static(REDIRECT_HEADER), HeaderValue::from_static(mark.value()));
+    if let Some(p) = prefill {
+        out.insert(HeaderName::from_static(ROUTING_HEADER), p);
+    }
+    out
+}
+
+/// Sends the request to the chosen decode's sidecar and waits — at most the prefill timeout plus
+/// the decode first-byte timeout — for its head and first body frame. `Err` carries the plan to
+/// serve the request here instead.
+pub async fn open(
+    state: &State,
+    r: &Redirect,
+    path: &str,
+    client_headers: &HeaderMap,
+    request_id: &str,
+    body: &Bytes,
+) -> Result<Opened, Plan> {
+    tracing::Span::current().record("redirect", r.decode.as_str());
+    let started = Instant::now();
+    let limit = state.cfg.prefill_timeout + state.cfg.decode_first_byte_timeout;
+    let req = upstream::post(&r.sidecar, path, headers(client_headers, request_id, r), body.clone());
+    let what = format!("the decode sidecar {}", r.sidecar.base);
+    let outcome = match upstream::send(&state.client, &r.sidecar, req, limit).await {
+        Ok(resp) if resp.status().is_server_error() => {
+            Err((RedirectOutcome::FallbackErrorStatus, format!("{what} answered {}", resp.status())))
+        }
+        Ok(resp) => decode::first_frame(resp, None, &what, started, limit).await.map_err(|e| {
+            let o = if e.status.as_u16() == 504 {
+                RedirectOutcome::FallbackTimeout
+            } else {
+                RedirectOutcome::FallbackUnreachable
+            };
+            (o, e.message)
+        }),
+        Err(e @ UpstreamError::Timeout { .. }) => Err((RedirectOutcome::FallbackTimeout, e.to_string())),
+        Err(e) => Err((RedirectOutcome::FallbackUnreachable, e.to_string())),
+    };
+    match outcome {
+        Ok(opened) => {
+            state.metrics.redirect(RedirectOutcome::Ok);
+            Ok(opened)
+        }
+        Err((o, why)) => {
+            state.metrics.redirect(o);
+            tracing::warn!(decode = %r.decode, %why, "redirect failed; serving the request here");
+            Err(routing::fallback(state, r.prefill.clone()))
+        }
+    }
+}
+
+/// Relays the redirected answer; the other sidecar reports on the request, so this one does not.
+pub fn relay(state: &State, opened: Opened, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
+    if let Some(r) = reporter {
+        r.disown();
+    }
+    decode::relay(state, opened, Finish { tracker, release: None, reporter: None })
+}
