@@ -367,6 +367,8 @@ impl PrefixIndex {
                     self.remove_if_empty(i);
                 }
             }
+        } else {
+            self.approx.clear_due();
         }
         self.sweep();
     }
@@ -781,6 +783,28 @@ mod tests {
         assert_eq!(index.entries(), 16);
         assert_eq!(index.blocks.len(), 13, "swept");
         assert_eq!(index.approx.len(), 0);
+    }
+
+    /// Expiry visits the blocks listed under due deadlines (guesses renewed since keep their
+    /// later deadline), and ends with nothing left.
+    #[test]
+    fn expiry_follows_the_deadlines() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        for k in 0..2000u64 {
+            index.insert_approximate((k % 3) as usize, &[k, k + 10_000], now + Duration::from_millis(k));
+        }
+        index.insert_approximate(0, &[0, 3], now + Duration::from_secs(10));
+        assert_eq!(index.entries(), 4000);
+        index.expire(now + Duration::from_millis(999));
+        assert_eq!(index.entries(), 2002);
+        assert_eq!(index.engine_blocks(0), 2 + (1000..2000).filter(|k| k % 3 == 0).count() * 2);
+        let later = now + Duration::from_millis(999);
+        assert_eq!(index.overlaps(&[0], later), HashMap::from([(0, 1)]));
+        assert!(index.overlaps(&[1], later).is_empty());
+        assert_eq!(index.len(), 2002);
+        index.expire(now + Duration::from_secs(20));
+        assert_eq!((index.entries(), index.len(), index.approx.len()), (0, 0, 0));
     }
 
     /// More than 64 engines widen the bitsets; more than 128 the slots.

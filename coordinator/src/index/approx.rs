@@ -7,6 +7,8 @@
 //! more spill to a vector of their own. Engine resets are handled as for exact entries: the
 //! slot's stamp in the meta word says which resets it has seen.
 
+use std::collections::BTreeMap;
+
 use super::table::Slots;
 use super::{Resets, BITS, STAMP};
 
@@ -29,6 +31,18 @@ pub(super) fn deadline(entry: u64) -> i32 {
     ((entry >> 32) as u32 ^ 0x8000_0000) as i32
 }
 
+/// The entries of slot `j` of `slots`, by deadline.
+#[inline]
+fn entries_of<'a>(slots: &'a Slots, spill: &'a [Vec<u64>], words: usize, j: usize) -> &'a [u64] {
+    let s = slots.slot(j);
+    if s[1] & SPILLED != 0 {
+        &spill[((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize]
+    } else {
+        let inline = &s[BITS + words..];
+        &inline[..inline.iter().position(|&e| e == 0).unwrap_or(inline.len())]
+    }
+}
+
 /// Approximate entries by block.
 #[derive(Debug)]
 pub(super) struct Approx {
@@ -36,6 +50,13 @@ pub(super) struct Approx {
     words: usize,
     spill: Vec<Vec<u64>>,
     free: Vec<u32>,
+    /// Blocks by the deadlines set on them (a block may be listed under deadlines it no
+    /// longer has), so that `expire` visits what expired instead of every slot.
+    due: BTreeMap<i32, Vec<u64>>,
+    /// The latest deadline's list, not yet in `due`: a decision's blocks share one deadline.
+    tail: (i32, Vec<u64>),
+    /// Hashes in `due` and `tail`.
+    due_len: usize,
 }
 
 fn stride_for(words: usize) -> usize {
@@ -44,7 +65,15 @@ fn stride_for(words: usize) -> usize {
 
 impl Approx {
     pub fn new(words: usize) -> Self {
-        Approx { slots: Slots::new(stride_for(words)), words, spill: Vec::new(), free: Vec::new() }
+        Approx {
+            slots: Slots::new(stride_for(words)),
+            words,
+            spill: Vec::new(),
+            free: Vec::new(),
+            due: BTreeMap::new(),
+            tail: (0, Vec::new()),
+            due_len: 0,
+        }
     }
 
     /// Blocks with approximate entries.
@@ -57,6 +86,8 @@ impl Approx {
             + self.spill.capacity() * std::mem::size_of::<Vec<u64>>()
             + self.spill.iter().map(|v| v.capacity() * 8).sum::<usize>()
             + self.free.capacity() * 4
+            + self.due.values().map(|v| v.capacity() * 8 + 40).sum::<usize>()
+            + self.tail.1.capacity() * 8
     }
 
     fn inline(&self) -> usize {
@@ -71,6 +102,9 @@ impl Approx {
         let mut wider = Approx::new(words);
         std::mem::swap(&mut wider.spill, &mut self.spill);
         std::mem::swap(&mut wider.free, &mut self.free);
+        std::mem::swap(&mut wider.due, &mut self.due);
+        std::mem::swap(&mut wider.tail, &mut self.tail);
+        wider.due_len = self.due_len;
         wider.slots.rebuild(wider.slots.stride(), self.slots.cap());
         for i in 0..self.slots.cap() {
             let s = self.slots.slot(i);
@@ -104,13 +138,7 @@ impl Approx {
     /// The entries of slot `j`, by deadline.
     #[inline]
     fn entries(&self, j: usize) -> &[u64] {
-        let s = self.slots.slot(j);
-        if s[1] & SPILLED != 0 {
-            &self.spill[((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize]
-        } else {
-            let inline = &s[BITS + self.words..];
-            &inline[..inline.iter().position(|&e| e == 0).unwrap_or(inline.len())]
-        }
+        entries_of(&self.slots, &self.spill, self.words, j)
     }
 
     /// Adds to `out` the engines of slot `j` whose entries are live at `now`.
@@ -254,7 +282,36 @@ impl Approx {
         }
         self.slots.slot_mut(j)[word] |= bit;
         self.insert_entry(j, entry(local, at));
+        let hash = self.slots.slot(j)[0];
+        if at != self.tail.0 || self.tail.1.is_empty() {
+            self.flush_tail();
+            self.tail.0 = at;
+        }
+        self.tail.1.push(hash);
+        self.due_len += 1;
         !had
+    }
+
+    /// Moves the latest deadline's list into `due`.
+    fn flush_tail(&mut self) {
+        if self.tail.1.is_empty() {
+            return;
+        }
+        let (at, mut hashes) = std::mem::take(&mut self.tail);
+        let list = self.due.entry(at).or_default();
+        if list.is_empty() {
+            *list = hashes;
+        } else {
+            list.append(&mut hashes);
+            self.tail.1 = hashes; // keep the buffer
+        }
+    }
+
+    /// Forgets the deadline lists (no entries are left).
+    pub fn clear_due(&mut self) {
+        self.due.clear();
+        self.tail.1.clear();
+        self.due_len = 0;
     }
 
     /// Removes `local`'s entry for `hash`: whether it had a live one, and whether the block has
@@ -285,9 +342,12 @@ impl Approx {
         self.slots.remove_at(j);
     }
 
-    /// Drops stale entries, and those whose deadline is at or before `now` (calling `expired`
-    /// with each of those); then moves every deadline `shift` earlier (the clock's origin moved
-    /// up); calls `gone` with each block left without entries.
+    /// Drops the entries whose deadline is at or before `now` (calling `expired` with each of
+    /// those) and stale ones on the blocks visited; then moves every deadline `shift` earlier
+    /// (the clock's origin moved up); calls `gone` with each block left without entries.
+    /// Visits only the blocks listed under expired deadlines, unless most of those lists are
+    /// obsolete (events confirmed the entries long ago): then one pass over the slots, which
+    /// also lists the survivors afresh.
     pub fn expire(
         &mut self,
         now: i32,
@@ -296,39 +356,99 @@ impl Approx {
         mut expired: impl FnMut(u32),
         mut gone: impl FnMut(u64),
     ) {
+        if shift != 0 || self.due_len > 2 * self.slots.len() + 1024 {
+            self.expire_all(now, shift, resets, &mut expired, &mut gone);
+            return;
+        }
+        self.flush_tail();
+        while let Some(first) = self.due.first_entry() {
+            if *first.key() > now {
+                break;
+            }
+            let hashes = first.remove();
+            self.due_len -= hashes.len();
+            for hash in hashes {
+                let Some(j) = self.slots.find(hash) else { continue };
+                self.expire_slot(j, now, resets, &mut expired);
+                if self.entries(j).is_empty() {
+                    gone(hash);
+                    self.free_slot(j);
+                }
+            }
+        }
+        self.slots.shrink();
+        if self.free.len() == self.spill.len() {
+            self.spill.clear();
+            self.free.clear();
+        }
+    }
+
+    /// Cleans slot `j` and drops its entries expired by `now`.
+    fn expire_slot(&mut self, j: usize, now: i32, resets: &Resets, expired: &mut impl FnMut(u32)) {
+        self.clean(j, resets);
+        if self.entries(j).first().is_none_or(|&e| deadline(e) > now) {
+            return;
+        }
+        let mut cleared = [0u64; 4];
+        let mut spare = Vec::new();
+        let cleared: &mut [u64] = if self.words <= 4 {
+            &mut cleared[..self.words]
+        } else {
+            spare.resize(self.words, 0);
+            &mut spare
+        };
+        self.retain_entries(j, |e| {
+            let live = deadline(e) > now;
+            if !live {
+                expired(engine(e));
+                cleared[engine(e) as usize / 64] |= 1 << (engine(e) % 64);
+            }
+            live
+        });
+        let s = self.slots.slot_mut(j);
+        for (w, c) in cleared.iter().enumerate() {
+            s[BITS + w] &= !c;
+        }
+    }
+
+    /// [`Approx::expire`] as one pass over every slot; the deadline lists are rebuilt from
+    /// the entries left.
+    fn expire_all(
+        &mut self,
+        now: i32,
+        shift: i32,
+        resets: &Resets,
+        expired: &mut impl FnMut(u32),
+        gone: &mut impl FnMut(u64),
+    ) {
+        self.clear_due();
         for j in 0..self.slots.cap() {
             if self.slots.slot(j)[1] == 0 {
                 continue;
             }
-            self.clean(j, resets);
-            let ends = self.entries(j).first().is_some_and(|&e| deadline(e) <= now);
-            if ends || shift != 0 {
-                let words = self.words;
-                let mut cleared = vec![0u64; words];
-                self.retain_entries(j, |e| {
-                    let live = deadline(e) > now;
-                    if !live {
-                        expired(engine(e));
-                        cleared[engine(e) as usize / 64] |= 1 << (engine(e) % 64);
-                    }
-                    live
-                });
-                let s = self.slots.slot_mut(j);
-                for (w, c) in cleared.iter().enumerate() {
-                    s[BITS + w] &= !c;
+            self.expire_slot(j, now, resets, expired);
+            let words = self.words;
+            let s = self.slots.slot_mut(j);
+            if shift != 0 {
+                let rebased = |e: u64| entry(engine(e), deadline(e).saturating_sub(shift));
+                if s[1] & SPILLED != 0 {
+                    let at = ((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize;
+                    self.spill[at].iter_mut().for_each(|e| *e = rebased(*e));
+                } else {
+                    s[BITS + words..].iter_mut().filter(|e| **e != 0).for_each(|e| *e = rebased(*e));
                 }
-                if shift != 0 {
-                    let rebased = |e: u64| entry(engine(e), deadline(e).saturating_sub(shift));
-                    if s[1] & SPILLED != 0 {
-                        let at = ((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize;
-                        self.spill[at].iter_mut().for_each(|e| *e = rebased(*e));
-                    } else {
-                        s[BITS + words..].iter_mut().filter(|e| **e != 0).for_each(|e| *e = rebased(*e));
-                    }
+            }
+            let hash = self.slots.slot(j)[0];
+            let mut last = None;
+            for &e in entries_of(&self.slots, &self.spill, words, j) {
+                if last != Some(deadline(e)) {
+                    last = Some(deadline(e));
+                    self.due.entry(deadline(e)).or_default().push(hash);
+                    self.due_len += 1;
                 }
             }
         }
-        self.drop_empty(&mut gone);
+        self.drop_empty(gone);
     }
 
     /// Drops what resets left behind; calls `gone` with each block left without entries.
