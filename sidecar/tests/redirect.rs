@@ -20,9 +20,17 @@ struct Member {
 
 /// Starts an engine and its sidecar as `id` with `role`; the sidecar advertises `advertise`
 /// (its own URL when `None`).
-async fn member(coordinator: &str, id: &str, role: &str, prefill: Option<&Sim>, advertise: Option<String>) -> Member {
+async fn member(
+    coordinator: &str,
+    id: &str,
+    role: &str,
+    prefill: Option<&Sim>,
+    advertise: Option<String>,
+    sim_args: &[&str],
+) -> Member {
     let events = free_port();
-    let sim = Sim::start(&["--kv-events-endpoint", &format!("tcp://*:{events}")]).await;
+    let endpoint = format!("tcp://*:{events}");
+    let sim = Sim::start(&[&["--kv-events-endpoint", endpoint.as_str()], sim_args].concat()).await;
     let port = free_port();
     let advertise = advertise.unwrap_or_else(|| format!("http://127.0.0.1:{port}"));
     let kv_events = format!("tcp://127.0.0.1:{events}");
@@ -90,12 +98,13 @@ async fn streamed(url: &str, prompt: &[u32], headers: &[(&str, &str)]) -> (u16, 
 async fn redirects_to_the_decode_holding_the_prefix() {
     let Some(coordinator) = Coordinator::start(&["--heartbeat-ms", "200"]).await else { return };
     let c = coordinator.url.clone();
-    let prefill = member(&c, "pre", "prefill", None, None).await;
-    let a = member(&c, "dec-a", "decode", Some(&prefill.sim), None).await;
-    let b = member(&c, "dec-b", "decode", Some(&prefill.sim), None).await;
+    let prefill = member(&c, "pre", "prefill", None, None, &[]).await;
+    let a = member(&c, "dec-a", "decode", Some(&prefill.sim), None, &[]).await;
+    // dec-b decodes 20 ms per token, so a long answer is still streaming when its client leaves.
+    let b = member(&c, "dec-b", "decode", Some(&prefill.sim), None, &["--decode-us-per-token", "20000"]).await;
     // dec-c's sidecar advertises a port nothing listens on: a decode sidecar that is down.
     let down = Some(format!("http://127.0.0.1:{}", free_port()));
-    let cdown = member(&c, "dec-c", "decode", Some(&prefill.sim), down).await;
+    let cdown = member(&c, "dec-c", "decode", Some(&prefill.sim), down, &[]).await;
     eventually("all registered and alive", || async {
         let v = coordinator.get("/v1/engines").await;
         let all = v.as_array()?;
@@ -138,13 +147,28 @@ async fn redirects_to_the_decode_holding_the_prefix() {
     assert_eq!(sse_text(&text), sse_text(&reference));
     assert!(!sse_text(&text).is_empty());
 
+    // A client leaving mid-stream cancels the redirected leg: dec-b's sidecar and engine stop.
+    let body = json!({"model": MODEL, "prompt": extended(&on_b, 5500), "max_tokens": 2000, "stream": true});
+    let mut r = common::client().post(format!("{}/v1/completions", a.sidecar.url)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!r.chunk().await.unwrap().unwrap_or_default().is_empty());
+    drop(r);
+    eventually("the redirected leg cancelled", || async {
+        let cancelled = "pd_sidecar_requests_total{outcome=\"cancelled\"}";
+        let done = a.sidecar.metric(cancelled).await == 1.0
+            && b.sidecar.metric(cancelled).await == 1.0
+            && b.sim.leaks().await["running"] == 0;
+        done.then_some(())
+    })
+    .await;
+
     // Loop guard: a request marked as redirected is served here, neither paired nor redirected,
     // even though its prompt is dec-b's.
     let again = extended(&on_b, 6000);
     let (status, text) = streamed(&a.sidecar.url, &again, &[("x-pd-redirected", "prefill")]).await;
     assert_eq!(status, 200, "{text}");
-    assert_eq!(a.sidecar.metric("pd_sidecar_pairings_total").await, 1.0);
-    assert_eq!(a.sidecar.metric("pd_sidecar_redirects_total{outcome=\"ok\"}").await, 1.0);
+    assert_eq!(a.sidecar.metric("pd_sidecar_pairings_total").await, 2.0, "only the two requests before");
+    assert_eq!(a.sidecar.metric("pd_sidecar_redirects_total{outcome=\"ok\"}").await, 2.0);
     assert_eq!(a.sidecar.metric("pd_sidecar_redirects_total{outcome=\"received\"}").await, 1.0);
     assert_eq!(sim_metric(&a.sim, "vllm:request_success_total", "").await, 1.0);
     assert_eq!(a.sidecar.metric("pd_sidecar_disaggregated_total").await, 1.0, "prefilled on the static prefill");
