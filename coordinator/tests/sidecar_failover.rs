@@ -161,6 +161,12 @@ async fn kill_9_of_a_prefill_under_sidecar_load() {
         leaks(&p0).await["leases_started"].as_u64() > Some(0) && leaks(&p1).await["leases_started"].as_u64() > Some(0)
     })
     .await;
+    // Kill while p0 has a request under way (computing, or holding blocks for the decode).
+    eventually(Duration::from_secs(60), "a request under way on p0", || async {
+        let report = leaks(&p0).await;
+        report["running"].as_u64() > Some(0) || report["held_blocks"].as_u64() > Some(0)
+    })
+    .await;
     let before = ok.load(Ordering::Relaxed);
     p0.proc.kill9();
     let killed_at = Instant::now();
