@@ -5,7 +5,8 @@ mod common;
 use common::{free_port, Coord, MODEL};
 use pd_coordinator::api::grpc::proto::coordinator_client::CoordinatorClient;
 use pd_coordinator::api::grpc::proto::{
-    DeregisterRequest, Empty, EngineSpec, HeartbeatRequest, Load, PairRequest, ReportEvent, ReportRequest, Role,
+    DeregisterRequest, Empty, EngineSpec, HeartbeatRequest, Load, NodeDownRequest, PairRequest, ReportEvent,
+    ReportRequest, Role,
 };
 use tonic::Code;
 
@@ -108,4 +109,11 @@ async fn every_grpc_method_once() {
     assert_eq!(notices.release[0].prefill, "p0");
     assert_eq!(notices.release[0].kv_transfer_params, r#"{"remote_request_id": "r1"}"#);
     assert_eq!(dead, vec!["d0".to_string()]);
+
+    // The node of both engines goes down: p0 (still live) leaves; unknown nodes are NOT_FOUND.
+    let down = client.node_down(NodeDownRequest { node: "n1".into() }).await.unwrap().into_inner();
+    assert_eq!((down.node.as_str(), down.engines), ("n1", vec!["p0".to_string()]));
+    let unknown = client.node_down(NodeDownRequest { node: "nowhere".into() }).await.unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound);
+    assert_eq!(coord.metric("pd_coordinator_engine_deaths_total{cause=\"node\"}").await, 1.0);
 }

@@ -183,6 +183,14 @@ impl CoordinatorRpc for Service {
         Ok(Response::new(proto::Empty {}))
     }
 
+    async fn node_down(
+        &self,
+        request: Request<proto::NodeDownRequest>,
+    ) -> Result<Response<proto::NodeDownReply>, Status> {
+        let down = self.coordinator.node_down(&request.into_inner().node).await?;
+        Ok(Response::new(proto::NodeDownReply { node: down.node, engines: down.engines }))
+    }
+
     async fn list_engines(&self, _: Request<proto::Empty>) -> Result<Response<proto::EngineList>, Status> {
         let engines = self.coordinator.list().into_iter().map(Into::into).collect();
         Ok(Response::new(proto::EngineList { engines }))
