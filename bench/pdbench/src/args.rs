@@ -449,12 +449,10 @@ impl CompareCmd {
 }
 
 /// The shared-prefix preset's coordinator flags (each dropped when the command line gives it).
-/// The sidecars decode on their own engine whatever decode the coordinator names, so the
-/// coordinator must keep the asking engine as decode (else it decides "local prefill" from
-/// another engine's cache); the simulated prefill has no queueing, so cached prefixes should
-/// outweigh the load estimates (a running request counts as a prompt's worth of blocks).
-pub const PRESET_COORDINATOR_ARGS: &[(&str, &str)] =
-    &[("--local-decode-slack", "1000000"), ("--prefill-scale", "10"), ("--overlap-credit", "2")];
+/// The simulated prefill has no queueing, so cached prefixes should outweigh the load estimates
+/// (a running request counts as a prompt's worth of blocks). The coordinator's default
+/// `--local-decode-slack` stays: the sidecars redirect a request to the decode it names.
+pub const PRESET_COORDINATOR_ARGS: &[(&str, &str)] = &[("--prefill-scale", "10"), ("--overlap-credit", "2")];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ClusterMode {
@@ -541,10 +539,7 @@ mod tests {
         assert_eq!(w.prefix_popularity, Popularity::Zipf { s: 1.0 });
         assert_eq!(c.cache_share, Some(1.0 / 3.0));
         assert!(c.shared_tokenizer);
-        assert_eq!(
-            c.daemons.coordinator_arg,
-            ["--prefill-scale=3", "--local-decode-slack=1000000", "--overlap-credit=2"]
-        );
+        assert_eq!(c.daemons.coordinator_arg, ["--prefill-scale=3", "--overlap-credit=2"]);
         let c = compare(&["--no-shared-tokenizer", "--prefix-popularity", "uniform", "--cache-share", "0.5"]);
         assert!(!c.shared_tokenizer);
         assert_eq!((c.workload.prefix_popularity, c.cache_share), (Popularity::Uniform, Some(0.5)));
