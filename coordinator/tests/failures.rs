@@ -10,32 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::routing::post;
-use common::{tokens, Coord, Sim, MODEL};
+use common::{recording_sidecar, tokens, Coord, Sim, MODEL};
 use parking_lot::Mutex;
 use serde_json::json;
-
-/// Records every POST /pd/release body it receives (the prefill sidecars' stand-in).
-async fn recording_sidecar() -> (String, Arc<Mutex<Vec<String>>>) {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let app = {
-        let seen = Arc::clone(&seen);
-        axum::Router::new().route(
-            "/pd/release",
-            post(move |body: String| {
-                let seen = Arc::clone(&seen);
-                async move {
-                    seen.lock().push(body);
-                    "ok"
-                }
-            }),
-        )
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, seen)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_decode_under_load() {

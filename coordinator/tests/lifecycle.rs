@@ -11,8 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::routing::post;
-use common::{eventually, tokens, Coord, Sim, MODEL};
+use common::{eventually, recording_sidecar, tokens, Coord, Sim, MODEL};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -150,28 +149,6 @@ async fn dead_engines_are_forgotten_after_the_bound_and_their_numbers_reused() {
     assert_eq!(engines(&coord).await["d1"]["generation"].as_u64(), Some(1));
     eventually(WITHIN, "d1 replayed", || async { coord.indexed("d1").await > 0 }).await;
     beats.stop().await;
-}
-
-/// Records every POST /pd/release body it receives (the prefill sidecars' stand-in).
-async fn recording_sidecar() -> (String, Arc<Mutex<Vec<String>>>) {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let app = {
-        let seen = Arc::clone(&seen);
-        axum::Router::new().route(
-            "/pd/release",
-            post(move |body: String| {
-                let seen = Arc::clone(&seen);
-                async move {
-                    seen.lock().push(body);
-                    "ok"
-                }
-            }),
-        )
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, seen)
 }
 
 fn on_node(sim: &Sim, role: &str, node: &str, sidecar: Option<&str>) -> Value {

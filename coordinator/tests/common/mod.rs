@@ -300,3 +300,25 @@ where
 pub fn tokens(from: u32, n: u32) -> Vec<u32> {
     (from..from + n).collect()
 }
+
+/// Records every POST /pd/release body it receives (the prefill sidecars' stand-in).
+pub async fn recording_sidecar() -> (String, std::sync::Arc<parking_lot::Mutex<Vec<String>>>) {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let app = {
+        let seen = std::sync::Arc::clone(&seen);
+        axum::Router::new().route(
+            "/pd/release",
+            axum::routing::post(move |body: String| {
+                let seen = std::sync::Arc::clone(&seen);
+                async move {
+                    seen.lock().push(body);
+                    "ok"
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
