@@ -79,8 +79,9 @@ async fn vllm(
     };
     let prefilled = prefill_detached(state, candidates, path, headers, rid, &object, &body).await;
     let prefilled_at = Instant::now();
-    let (params, target) = match prefilled {
-        Prefilled::Params { params, target } => (params, target),
+    // Ok: the prefill's params; Err: the reason to compute the prompt here after all.
+    let handed_off = match prefilled {
+        Prefilled::Params { params, target } => Ok((params, target)),
         Prefilled::ClientError(resp) => {
             if let Some(r) = reporter {
                 r.failed(&format!("prefill answered {}", resp.status()));
@@ -95,43 +96,27 @@ async fn vllm(
         }
         Prefilled::NullParams { target } => {
             tracing::warn!(prefill = %target.name(), "prefill returned kv_transfer_params: null");
-            if state.cfg.null_params == Fallback::Local {
-                return local(
-                    state,
-                    path,
-                    headers,
-                    rid,
-                    &body,
-                    Some(&object),
-                    tracker,
-                    reporter,
-                    Some(LocalReason::NullParams),
-                )
-                .await;
+            if state.cfg.null_params != Fallback::Local {
+                let e = ApiError::bad_gateway(format!(
+                    "prefill {} returned no kv_transfer_params (the request stopped early or was aborted)",
+                    target.name()
+                ));
+                return fail(e, tracker, reporter);
             }
-            let e = ApiError::bad_gateway(format!(
-                "prefill {} returned no kv_transfer_params (the request stopped early or was aborted)",
-                target.name()
-            ));
-            return fail(e, tracker, reporter);
+            Err(LocalReason::NullParams)
         }
         Prefilled::Failed(e) => {
-            if state.cfg.fallback == Fallback::Local {
-                tracing::warn!(error = %e.message, "no prefill; computing the prompt locally");
-                return local(
-                    state,
-                    path,
-                    headers,
-                    rid,
-                    &body,
-                    Some(&object),
-                    tracker,
-                    reporter,
-                    Some(LocalReason::PrefillFailed),
-                )
-                .await;
+            if state.cfg.fallback != Fallback::Local {
+                return fail(e, tracker, reporter);
             }
-            return fail(e, tracker, reporter);
+            tracing::warn!(error = %e.message, "no prefill; computing the prompt locally");
+            Err(LocalReason::PrefillFailed)
+        }
+    };
+    let (params, target) = match handed_off {
+        Ok(handed_off) => handed_off,
+        Err(reason) => {
+            return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await
         }
     };
     inc(&state.metrics.disaggregated);
