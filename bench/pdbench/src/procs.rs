@@ -24,9 +24,19 @@ pub enum ProcError {
     Port(std::io::Error),
 }
 
-/// A free TCP port on the loopback interface (bound then released; another process could take
-/// it in between, which startup detects as a failed health check).
+/// A free TCP port on the loopback interface for a child to bind. It is drawn below the kernel's
+/// ephemeral range (32768 and up on Linux): a port the kernel handed out for binding port 0 is
+/// soon reused as the local port of some outgoing connection, and the child then fails to bind
+/// it ("Address already in use"), which happened under parallel tests. Falls back to port 0.
 pub fn free_port() -> Result<u16, ProcError> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..64 {
+        let port = rng.random_range(10_000..32_000);
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
+            return Ok(l.local_addr().map_err(ProcError::Port)?.port());
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0").map_err(ProcError::Port)?;
     Ok(l.local_addr().map_err(ProcError::Port)?.port())
 }
