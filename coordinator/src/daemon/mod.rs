@@ -3,6 +3,7 @@
 
 mod events;
 mod health;
+mod load;
 mod ops;
 mod release;
 pub mod state;

@@ -11,9 +11,9 @@ use crate::api::{
 };
 use crate::cluster::{PairError, PairRequest, Preference};
 use crate::metrics::{inc, DeathCause, Gauges};
-use crate::pairing::Load;
 use crate::prompt::Precision;
 
+use super::load::{reported_load, EngineFacts};
 use super::state::{endpoint, engines, Coordinator, HeldParams, Origin};
 
 /// Longest request id accepted, bytes.
@@ -21,8 +21,6 @@ const MAX_REQUEST_ID: usize = 512;
 /// Only a prompt's first blocks are hashed: prefixes longer than this are not worth telling
 /// apart, and hashing stays bounded (it runs on the request's thread).
 const MAX_HASHED_BLOCKS: usize = 16_384;
-/// Reported load is clamped so that cost arithmetic on it cannot overflow.
-const MAX_REPORTED_BLOCKS: u64 = 1 << 40;
 
 impl Coordinator {
     pub async fn register(self: &Arc<Self>, spec: EngineSpecJson) -> Result<Registration, ApiError> {
@@ -112,26 +110,15 @@ impl Coordinator {
         let engine = inner.cluster.membership.heartbeat(id, now).map_err(|_| unknown())?;
         inc(&self.metrics.heartbeats);
         if let Some(load) = load {
-            // Block figures when given; else estimates from KV usage × capacity, or from
-            // request counts × the average prompt.
-            let per_request = inner.avg_prompt_blocks.max(1.0);
-            let capacity = inner.cluster.membership.get(engine).and_then(|e| e.spec.capacity_blocks);
-            let estimate = |requests: Option<u64>| requests.map(|n| (n as f64 * per_request) as u64);
-            let active = load.active_decode_blocks.or_else(|| match (load.kv_usage, capacity) {
-                (Some(usage), Some(capacity)) if usage.is_finite() => {
-                    Some((usage.clamp(0.0, 1.0) * capacity as f64) as u64)
+            if let Some(spec) = inner.cluster.membership.get(engine).map(|e| &e.spec) {
+                let facts = EngineFacts {
+                    role: spec.role,
+                    capacity_blocks: spec.capacity_blocks,
+                    avg_prompt_blocks: inner.avg_prompt_blocks,
+                };
+                if let Some(reported) = reported_load(&load, facts) {
+                    inner.cluster.report_load(engine, reported);
                 }
-                _ => estimate(load.running),
-            });
-            let queued = load.queued_prefill_blocks.or_else(|| estimate(load.waiting));
-            if active.is_some() || queued.is_some() {
-                inner.cluster.report_load(
-                    engine,
-                    Load {
-                        active_decode_blocks: active.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
-                        queued_prefill_blocks: queued.unwrap_or(0).min(MAX_REPORTED_BLOCKS),
-                    },
-                );
             }
             inner.meta[engine].load = Some(load);
         }
