@@ -23,6 +23,7 @@ use crate::release::ReleaseGuard;
 use crate::rewrite::{self, Api};
 use crate::routing::{self, Plan, Route};
 use crate::state::State;
+use crate::target::Target;
 use crate::upstream::REQUEST_ID;
 
 /// The client's `X-Request-Id` when it is usable, else a fresh one.
@@ -49,6 +50,47 @@ pub async fn generation(state: Arc<State>, api: Api, path: String, headers: Head
     .await
 }
 
+/// A request that routing left to this sidecar to disaggregate.
+pub(crate) struct Disaggregation<'a> {
+    pub object: Object<'a>,
+    /// Prefill candidates in the order to try them.
+    pub candidates: Vec<Target>,
+    pub tracker: Tracker,
+    pub reporter: Option<Reporter>,
+}
+
+/// Parses the body and plans the request (both flows). A request that needs no prefill leg
+/// from here — a body that is not a JSON object (the engine explains the problem to the
+/// client), a local plan, a redirect to another sidecar — is served and its response returned
+/// as `Err`.
+pub(crate) async fn route<'a>(
+    state: &Arc<State>,
+    api: Api,
+    path: &str,
+    headers: &HeaderMap,
+    rid: &str,
+    body: &'a Bytes,
+    tracker: Tracker,
+) -> Result<Disaggregation<'a>, Response<Body>> {
+    let reporter = Reporter::new(state, rid);
+    let Ok(object) = Object::parse(body) else {
+        return Err(local(state, path, headers, rid, body, None, tracker, reporter, None).await);
+    };
+    let plan = match routing::plan(state, headers, &object, api, rid).await {
+        Route::Here(plan) => plan,
+        Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, body).await {
+            Ok(opened) => return Err(redirect::relay(state, opened, tracker, reporter)),
+            Err(fallback) => fallback,
+        },
+    };
+    match plan {
+        Plan::Local(reason) => {
+            Err(local(state, path, headers, rid, body, Some(&object), tracker, reporter, Some(reason)).await)
+        }
+        Plan::Prefill(candidates) => Ok(Disaggregation { object, candidates, tracker, reporter }),
+    }
+}
+
 async fn vllm(
     state: &Arc<State>,
     api: Api,
@@ -58,25 +100,11 @@ async fn vllm(
     body: Bytes,
     tracker: Tracker,
 ) -> Response<Body> {
-    let reporter = Reporter::new(state, rid);
-    let object = match Object::parse(&body) {
-        Ok(o) => o,
-        // Not a JSON object: the engine explains the problem to the client.
-        Err(_) => return local(state, path, headers, rid, &body, None, tracker, reporter, None).await,
-    };
-    let plan = match routing::plan(state, headers, &object, api, rid).await {
-        Route::Here(plan) => plan,
-        Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, &body).await {
-            Ok(opened) => return redirect::relay(state, opened, tracker, reporter),
-            Err(fallback) => fallback,
-        },
-    };
-    let candidates = match plan {
-        Plan::Local(reason) => {
-            return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await
-        }
-        Plan::Prefill(c) => c,
-    };
+    let Disaggregation { object, candidates, tracker, reporter } =
+        match route(state, api, path, headers, rid, &body, tracker).await {
+            Ok(d) => d,
+            Err(served) => return served,
+        };
     let prefilled = prefill_detached(state, candidates, path, headers, rid, &object, &body).await;
     let prefilled_at = Instant::now();
     // Ok: the prefill's params; Err: the reason to compute the prompt here after all.
@@ -155,7 +183,7 @@ async fn vllm(
 /// The common path spawns nothing.
 async fn prefill_detached(
     state: &Arc<State>,
-    candidates: Vec<crate::target::Target>,
+    candidates: Vec<Target>,
     path: &str,
     headers: &HeaderMap,
     rid: &str,
@@ -210,7 +238,7 @@ impl Drop for Orphanable {
     }
 }
 
-fn fail(e: ApiError, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
+pub(crate) fn fail(e: ApiError, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
     tracing::warn!(status = %e.status, error = %e.message, "request failed");
     if let Some(r) = reporter {
         r.failed(&e.message);

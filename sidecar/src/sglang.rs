@@ -17,11 +17,9 @@ use crate::config::Fallback;
 use crate::coordinator::Reporter;
 use crate::decode::{self, DecodeCall, Finish, Opened};
 use crate::errors::{ApiError, UpstreamError};
-use crate::json::Object;
 use crate::metrics::{inc, LocalReason, Outcome, Phase, Tracker};
-use crate::redirect;
+use crate::proxy::{fail, Disaggregation};
 use crate::rewrite::{self, Api};
-use crate::routing::{self, Plan, Route};
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{self, LegHeaders};
@@ -97,15 +95,6 @@ async fn prefill_leg(state: Arc<State>, target: Target, path: String, headers: H
     Leg::Ok(bytes)
 }
 
-fn fail(e: ApiError, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
-    tracing::warn!(status = %e.status, error = %e.message, "request failed");
-    if let Some(r) = reporter {
-        r.failed(&e.message);
-    }
-    tracker.finish(e.outcome());
-    e.response()
-}
-
 pub async fn run(
     state: &Arc<State>,
     api: Api,
@@ -115,23 +104,11 @@ pub async fn run(
     body: Bytes,
     tracker: Tracker,
 ) -> Response<Body> {
-    let reporter = Reporter::new(state, rid);
-    let Ok(object) = Object::parse(&body) else {
-        return local(state, path, headers, rid, &body, None, tracker, reporter, None).await;
-    };
-    let plan = match routing::plan(state, headers, &object, api, rid).await {
-        Route::Here(plan) => plan,
-        Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, &body).await {
-            Ok(opened) => return redirect::relay(state, opened, tracker, reporter),
-            Err(fallback) => fallback,
-        },
-    };
-    let candidates = match plan {
-        Plan::Local(reason) => {
-            return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await
-        }
-        Plan::Prefill(c) => c,
-    };
+    let Disaggregation { object, candidates, tracker, reporter } =
+        match crate::proxy::route(state, api, path, headers, rid, &body, tracker).await {
+            Ok(d) => d,
+            Err(served) => return served,
+        };
     let merge_logprobs = object.bool("return_logprob") == Some(true) && object.bool("stream") != Some(true);
     let items = rewrite::batch_size(&object, api);
     let prefill_headers = upstream::leg_headers(
@@ -216,7 +193,7 @@ pub async fn run(
         last = ApiError::unavailable(format!("no prefill engine available: {}", last.message));
     }
     if state.cfg.fallback == Fallback::Local {
-        return local(
+        return crate::proxy::local(
             state,
             path,
             headers,
@@ -268,19 +245,4 @@ async fn merged(
     }
     tracker.finish(Outcome::Ok);
     r
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn local(
-    state: &Arc<State>,
-    path: &str,
-    headers: &HeaderMap,
-    rid: &str,
-    body: &Bytes,
-    object: Option<&Object<'_>>,
-    tracker: Tracker,
-    reporter: Option<Reporter>,
-    reason: Option<LocalReason>,
-) -> Response<Body> {
-    crate::proxy::local(state, path, headers, rid, body, object, tracker, reporter, reason).await
 }
