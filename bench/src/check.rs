@@ -3,9 +3,10 @@
 //! function of the byte's offset in the *destination*, so each side can produce or verify it.
 
 use anyhow::{bail, Result};
-use xfer::{HostBuffer, Op};
+use xfer::Op;
 
 use crate::layout::Layout;
+use crate::memory::BenchBuffer;
 use crate::pattern;
 use crate::raw::{RawConn, RawWorker};
 use crate::wire::{encode_ranges, Cmd, Header, Reply};
@@ -54,7 +55,7 @@ pub fn raw_verify(worker: &mut RawWorker, seed: u64) -> Result<()> {
 
 /// xfer, before: for READ the target's pool holds the pattern and ours is zero; for WRITE each
 /// local block holds the pattern of the remote slot it goes to and the target's pool is stale.
-pub fn xfer_prepare(op: Op, layout: &Layout, local: &HostBuffer, conn: &mut RawConn, seed: u64) -> Result<()> {
+pub fn xfer_prepare(op: Op, layout: &Layout, local: &BenchBuffer, conn: &mut RawConn, seed: u64) -> Result<()> {
     let pool = layout.pool_bytes();
     match op {
         Op::Read => {
@@ -77,7 +78,7 @@ pub fn xfer_prepare(op: Op, layout: &Layout, local: &HostBuffer, conn: &mut RawC
 }
 
 /// xfer, after: every destination block holds the pattern of its remote slot.
-pub fn xfer_verify(op: Op, layout: &Layout, local: &HostBuffer, conn: &mut RawConn, seed: u64) -> Result<()> {
+pub fn xfer_verify(op: Op, layout: &Layout, local: &BenchBuffer, conn: &mut RawConn, seed: u64) -> Result<()> {
     match op {
         Op::Read => {
             let mut block = vec![0u8; layout.block as usize];

@@ -102,6 +102,11 @@ pub struct Args {
     /// Run as the target process (serves until stdin closes)
     #[arg(long, hide = true)]
     pub target: bool,
+    /// Where both sides' registered memory comes from: host (the global allocator) or backend
+    /// (allocated by the backend, Agent::allocate: UCX puts it in shared memory that a peer on
+    /// this host maps, so shared-memory transfers are copies; the target is told too)
+    #[arg(long, value_enum, default_value_t = Alloc::Host)]
+    pub alloc: Alloc,
     /// Target: bytes to register [default: what the sizing flags need]
     #[arg(long, hide = true, value_parser = parse_bytes)]
     pub mem: Option<u64>,
@@ -123,6 +128,13 @@ impl Scheme {
             Scheme::OneToMany => (1, peers),
         }
     }
+}
+
+/// Where registered memory comes from (`--alloc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Alloc {
+    Host,
+    Backend,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -159,6 +171,7 @@ pub struct Settings {
     pub seed: u64,
     /// Registered bytes each side needs.
     pub mem: u64,
+    pub alloc: Alloc,
     pub progress: bool,
     /// Initiator agents and targets (see `Scheme`).
     pub agents: u64,
@@ -220,6 +233,9 @@ impl Args {
         if self.compare && xfer_backend.is_none() {
             bail!("--compare compares an xfer backend with {RAW_TCP}; pick --backend tcp (or another xfer backend)");
         }
+        if self.alloc == Alloc::Backend && (xfer_backend.is_none() || self.compare) {
+            bail!("--alloc backend needs an xfer backend and no {RAW_TCP} (--compare)");
+        }
         let (agents, targets) = self.scheme.shape(self.peers);
         if self.scheme != Scheme::Pairwise {
             if xfer_backend.is_none() || self.compare || self.check {
@@ -244,6 +260,7 @@ impl Args {
             kv_shape: self.kv_shape,
             seed: self.seed,
             mem: self.memory()?,
+            alloc: self.alloc,
             progress: progress_allowed && !self.no_progress,
             agents,
             targets,
@@ -259,6 +276,9 @@ impl Settings {
         args.extend(["--max-mem".into(), self.mem.max(1).to_string()]);
         if !self.params.is_empty() {
             args.extend(["--params".into(), self.params.clone()]);
+        }
+        if self.alloc == Alloc::Backend {
+            args.extend(["--alloc".into(), "backend".into()]);
         }
         args
     }
@@ -334,6 +354,12 @@ mod tests {
             "--target --backend tcp --mem 1048576 --max-mem 1048576 --params streams=4"
         );
         assert!(!args("--no-progress").settings(true).unwrap().progress);
+        let s = args("--backend ucx --alloc backend --block-sizes 1M").settings(false).unwrap();
+        assert_eq!(s.alloc, Alloc::Backend);
+        assert_eq!(s.target_args().join(" "), "--target --backend ucx --mem 1048576 --max-mem 1048576 --alloc backend");
+        assert_eq!(args("").alloc, Alloc::Host);
+        assert!(args("--backend raw-tcp --alloc backend").settings(false).is_err());
+        assert!(args("--compare --alloc backend").settings(false).is_err());
     }
 
     #[test]

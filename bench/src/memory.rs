@@ -6,7 +6,11 @@
 
 use std::sync::Arc;
 
-use xfer::HostBuffer;
+use anyhow::{Context, Result};
+use xfer::{Agent, BackendBuffer, Desc, HostBuffer, Registration};
+
+use crate::cli::Alloc;
+use crate::units::format_total;
 
 /// What untouched bench memory holds (any non-zero byte).
 pub const FILL: u8 = 0xa5;
@@ -22,6 +26,75 @@ pub fn host_buffer(len: usize) -> Arc<HostBuffer> {
         buffer.write_at(start, &chunk[..CHUNK.min(buffer.len() - start)]);
     }
     buffer
+}
+
+/// A side's registered memory: from the global allocator (`--alloc host`) or allocated by the
+/// backend (`--alloc backend`, `Agent::allocate`; UCX puts it in shared memory that a peer on
+/// the host maps).
+#[derive(Clone, Debug)]
+pub enum BenchBuffer {
+    Host(Arc<HostBuffer>),
+    Backend(Arc<BackendBuffer>),
+}
+
+impl BenchBuffer {
+    /// `len` bytes as `alloc` says, every page written, registered with `agent`'s backends.
+    pub fn register(agent: &Agent, alloc: Alloc, len: usize) -> Result<(BenchBuffer, Registration)> {
+        let len = len.max(1);
+        let (buffer, registration) = match alloc {
+            Alloc::Host => {
+                let buffer = host_buffer(len);
+                let registration = agent
+                    .register_buffer(&buffer)
+                    .with_context(|| format!("registering {}", format_total(len as u64)))?;
+                (BenchBuffer::Host(buffer), registration)
+            }
+            Alloc::Backend => {
+                let allocation = agent.allocate(len).with_context(|| {
+                    format!("allocating {} through the backend (--alloc backend)", format_total(len as u64))
+                })?;
+                (BenchBuffer::Backend(allocation.buffer), allocation.registration)
+            }
+        };
+        buffer.fill(FILL);
+        Ok((buffer, registration))
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            BenchBuffer::Host(b) => b.len(),
+            BenchBuffer::Backend(b) => b.len(),
+        }
+    }
+
+    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
+        match self {
+            BenchBuffer::Host(b) => b.sub_desc(offset, len),
+            BenchBuffer::Backend(b) => b.sub_desc(offset, len),
+        }
+    }
+
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        match self {
+            BenchBuffer::Host(b) => b.read_at(offset, dst),
+            BenchBuffer::Backend(b) => b.read_at(offset, dst),
+        }
+    }
+
+    pub fn write_at(&self, offset: usize, src: &[u8]) {
+        match self {
+            BenchBuffer::Host(b) => b.write_at(offset, src),
+            BenchBuffer::Backend(b) => b.write_at(offset, src),
+        }
+    }
+
+    /// Writes `byte` over the whole buffer (so every page is resident).
+    fn fill(&self, byte: u8) {
+        let chunk = vec![byte; CHUNK.min(self.len())];
+        for start in (0..self.len()).step_by(CHUNK) {
+            self.write_at(start, &chunk[..CHUNK.min(self.len() - start)]);
+        }
+    }
 }
 
 /// A plain buffer that starts on a page boundary, as registered memory does, with every page
@@ -71,6 +144,15 @@ mod tests {
     fn buffers_hold_the_fill_byte() {
         let buffer = host_buffer(3 * CHUNK + 5);
         assert!(buffer.to_vec().iter().all(|&b| b == FILL));
+        let agent = Agent::new("memory-test").unwrap();
+        agent.add_backend("tcp", xfer::BackendParams::parse("listen=127.0.0.1:0").unwrap()).unwrap();
+        let (bench, _registration) = BenchBuffer::register(&agent, Alloc::Host, CHUNK + 7).unwrap();
+        let mut all = vec![0u8; CHUNK + 7];
+        bench.read_at(0, &mut all);
+        assert!(all.iter().all(|&b| b == FILL));
+        // TCP allocates nothing: --alloc backend is an error there, not a silent host buffer.
+        let err = BenchBuffer::register(&agent, Alloc::Backend, 4096).unwrap_err();
+        assert!(format!("{err:#}").contains("does not allocate"), "{err:#}");
         let mut plain = PageBuf::new(10);
         assert_eq!(plain.as_ptr() as usize % PAGE, 0);
         assert_eq!(*plain, [FILL; 10]);

@@ -70,7 +70,14 @@ fn run(settings: &Settings, targets: &[Target]) -> Result<Vec<Row>> {
                 .map(|t| t.side.clone().ok_or_else(|| anyhow!("the target serves no side channel")))
                 .collect::<Result<Vec<_>>>()?;
             let control = if settings.check { Some(RawConn::connect(&first.raw)?) } else { None };
-            Some(XferEngine::connect(backend, &settings.params, &sides, settings.agents, settings.mem, control)?)
+            Some(XferEngine::connect(
+                backend,
+                &settings.params,
+                &sides,
+                settings.agents,
+                (settings.mem, settings.alloc),
+                control,
+            )?)
         }
         None => None,
     };

@@ -5,9 +5,7 @@ use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 
-use xfer::HostBuffer;
-
-use crate::memory::PageBuf;
+use crate::memory::{BenchBuffer, PageBuf};
 use crate::pattern;
 use crate::wire::{decode_ranges, Cmd, Header, Refusal, Reply, HEADER_LEN, RANGE_LEN};
 
@@ -19,7 +17,7 @@ const CHUNK: usize = 1 << 20;
 #[derive(Debug)]
 pub struct Shared {
     /// The registered region of an xfer target; `None` for a raw-tcp-only target.
-    pub region: Option<Arc<HostBuffer>>,
+    pub region: Option<BenchBuffer>,
     /// Largest raw request a connection buffers.
     pub max_bytes: u64,
 }
@@ -57,7 +55,7 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
                 buf.grow(len);
                 buffer_request(&mut stream, header, &mut buf[..len])?
             }
-            Cmd::RegionFill => Some(region_fill(shared.region.as_deref(), header.len, header.seed)),
+            Cmd::RegionFill => Some(region_fill(shared.region.as_ref(), header.len, header.seed)),
             Cmd::RegionVerify => {
                 if header.len > MAX_RANGES {
                     stream.write_all(&Reply::Refused(Refusal::TooLarge).encode())?;
@@ -65,7 +63,7 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
                 }
                 let mut encoded = vec![0u8; header.len as usize * RANGE_LEN];
                 stream.read_exact(&mut encoded)?;
-                Some(region_verify(shared.region.as_deref(), &decode_ranges(&encoded), header.seed))
+                Some(region_verify(shared.region.as_ref(), &decode_ranges(&encoded), header.seed))
             }
         };
         if let Some(reply) = reply {
@@ -112,7 +110,7 @@ fn buffer_request(stream: &mut TcpStream, header: Header, data: &mut [u8]) -> io
     })
 }
 
-fn region_fill(region: Option<&HostBuffer>, len: u64, seed: u64) -> Reply {
+fn region_fill(region: Option<&BenchBuffer>, len: u64, seed: u64) -> Reply {
     let Some(region) = region else { return Reply::Refused(Refusal::NoRegion) };
     if len > region.len() as u64 {
         return Reply::Refused(Refusal::OutOfRange);
@@ -126,7 +124,7 @@ fn region_fill(region: Option<&HostBuffer>, len: u64, seed: u64) -> Reply {
     Reply::Ok
 }
 
-fn region_verify(region: Option<&HostBuffer>, ranges: &[(u64, u64)], seed: u64) -> Reply {
+fn region_verify(region: Option<&BenchBuffer>, ranges: &[(u64, u64)], seed: u64) -> Reply {
     let Some(region) = region else { return Reply::Refused(Refusal::NoRegion) };
     let mut scratch = vec![0u8; CHUNK];
     for &(offset, len) in ranges {
@@ -154,7 +152,7 @@ mod tests {
     fn start(region: Option<usize>) -> String {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let region = region.map(|len| Arc::new(HostBuffer::new(len)));
+        let region = region.map(|len| BenchBuffer::Host(Arc::new(xfer::HostBuffer::new(len))));
         let shared = Arc::new(Shared { region, max_bytes: 1 << 20 });
         std::thread::spawn(move || accept_loop(listener, shared));
         addr

@@ -10,9 +10,8 @@ use anyhow::{Context, Result};
 use xfer::{Agent, BackendParams};
 
 use crate::cli::Args;
-use crate::memory;
+use crate::memory::BenchBuffer;
 use crate::serve::{accept_loop, Shared};
-use crate::units::format_total;
 
 pub fn serve(args: &Args) -> Result<()> {
     let mem = args.memory()?;
@@ -28,11 +27,9 @@ pub fn serve(args: &Args) -> Result<()> {
             params.insert("advertise", listen.ip().to_string());
         }
         agent.add_backend(&backend, params).with_context(|| format!("attaching backend {backend}"))?;
-        let buffer = memory::host_buffer(mem as usize);
-        let registration =
-            agent.register_buffer(&buffer).with_context(|| format!("registering {}", format_total(mem)))?;
+        let (buffer, registration) = BenchBuffer::register(&agent, args.alloc, mem as usize)?;
         side = Some(agent.start_side_channel(&listen.to_string())?);
-        region = Some(Arc::clone(&buffer));
+        region = Some(buffer);
         xfer = Some((agent, registration));
     }
     let raw_listen = raw_port_of(listen);

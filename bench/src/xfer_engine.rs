@@ -3,19 +3,18 @@
 //! Thread t posts from agent t mod agents to target t mod targets (see `Scheme`).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::ProgressBar;
 use xfer::{
-    Agent, BackendParams, Desc, HostBuffer, MemType, PreparedLocal, PreparedRemote, Registration, RequestOptions,
-    XferRequest,
+    Agent, BackendParams, Desc, MemType, PreparedLocal, PreparedRemote, Registration, RequestOptions, XferRequest,
 };
 
 use crate::check;
+use crate::cli::Alloc;
 use crate::layout::{Case, Layout};
 use crate::measure::{measure, Measurement, Plan, Worker, REQUEST_TIMEOUT};
-use crate::memory;
+use crate::memory::BenchBuffer;
 use crate::raw::RawConn;
 use crate::units::format_total;
 
@@ -37,7 +36,7 @@ impl Worker for XferWorker {
 #[derive(Debug)]
 struct Initiator {
     agent: Agent,
-    local: Arc<HostBuffer>,
+    local: BenchBuffer,
     /// Per target: the peer's name and its DRAM region.
     targets: Vec<(String, Desc)>,
     /// Keeps `local` registered (and alive) for the whole run.
@@ -53,18 +52,21 @@ pub struct XferEngine {
 }
 
 impl XferEngine {
-    /// Attaches `backend` to `agents` agents, registers `mem` bytes in each and loads every
-    /// target's metadata from its side channel in `sides`.
+    /// Attaches `backend` to `agents` agents, registers `mem` bytes (from `alloc`) in each and
+    /// loads every target's metadata from its side channel in `sides`.
     pub fn connect(
         backend: &str,
         params: &str,
         sides: &[String],
         agents: u64,
-        mem: u64,
+        (mem, alloc): (u64, Alloc),
         control: Option<RawConn>,
     ) -> Result<XferEngine> {
         let initiators = (0..agents)
-            .map(|i| Initiator::connect(&format!("xferbench-{}-{i}", std::process::id()), backend, params, sides, mem))
+            .map(|i| {
+                let name = format!("xferbench-{}-{i}", std::process::id());
+                Initiator::connect(&name, backend, params, sides, mem, alloc)
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(XferEngine { backend: backend.to_string(), initiators, control })
     }
@@ -119,13 +121,11 @@ impl XferEngine {
 }
 
 impl Initiator {
-    fn connect(name: &str, backend: &str, params: &str, sides: &[String], mem: u64) -> Result<Initiator> {
+    fn connect(name: &str, backend: &str, params: &str, sides: &[String], mem: u64, alloc: Alloc) -> Result<Initiator> {
         let agent = Agent::new(name)?;
         let params = BackendParams::parse(params).context("--params")?;
         agent.add_backend(backend, params).with_context(|| format!("attaching backend {backend}"))?;
-        let local = memory::host_buffer(mem as usize);
-        let registration =
-            agent.register_buffer(&local).with_context(|| format!("registering {}", format_total(mem)))?;
+        let (local, registration) = BenchBuffer::register(&agent, alloc, mem as usize)?;
         let targets = sides.iter().map(|side| load_target(&agent, side, mem)).collect::<Result<Vec<_>>>()?;
         Ok(Initiator { agent, local, targets, _registration: registration })
     }

@@ -9,8 +9,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use xfer_core::{
-    Backend, BackendContext, BackendParams, Capabilities, Desc, HostMemory, LocalRegion, MemType, NotifSink, Op,
-    RemoteSeg,
+    Backend, BackendBuffer, BackendContext, BackendParams, Capabilities, Desc, HostMemory, LocalRegion, MemType,
+    NotifSink, Op, RemoteSeg,
 };
 
 use crate::error::{Side, XferError};
@@ -80,6 +80,15 @@ impl Drop for Registration {
     fn drop(&mut self) {
         self.agent.deregister(&self.entries);
     }
+}
+
+/// Memory a backend allocated ([`Agent::allocate`]), registered with every backend of the
+/// agent. Dropping the registration deregisters it; the memory is released once the buffer's
+/// last `Arc` is gone too.
+#[derive(Debug)]
+pub struct Allocation {
+    pub buffer: Arc<BackendBuffer>,
+    pub registration: Registration,
 }
 
 const NAME_LIMIT: usize = 255;
@@ -159,6 +168,40 @@ impl Agent {
         // SAFETY: the registration holds an `Arc` of the memory, so it outlives the registration;
         // `HostMemory` types own their bytes and only hand out copies (the trait's contract).
         unsafe { self.inner.register(MemType::Dram, &[memory.desc()], Some(owner)) }
+    }
+
+    /// Allocates `len` bytes of host memory through the first attached backend that allocates
+    /// (UCX does: shared-memory segments that peers on this host map, so their puts and gets
+    /// are copies; TCP does not) and registers it with every backend, as
+    /// [`register_buffer`](Agent::register_buffer) does. No fallback to a [`HostBuffer`]
+    /// (`xfer_core::HostBuffer`): when no backend allocates, this fails with
+    /// [`XferError::NoBackend`], and the caller chooses what ordinary memory to use instead.
+    ///
+    /// [`HostBuffer`]: xfer_core::HostBuffer
+    pub fn allocate(&self, len: usize) -> Result<Allocation, XferError> {
+        if len == 0 {
+            return Err(XferError::InvalidArgument("cannot allocate 0 bytes".into()));
+        }
+        let backends = self.inner.backends.load();
+        let mut reasons = Vec::new();
+        for attached in backends.iter() {
+            match attached.backend.allocate(len, MemType::Dram) {
+                None => reasons.push(format!("{} does not allocate", attached.name)),
+                Some(Err(err)) => {
+                    tracing::warn!(backend = attached.name, %err, len, "backend allocation failed");
+                    reasons.push(format!("{}: {err}", attached.name));
+                }
+                Some(Ok(buffer)) => {
+                    let buffer = Arc::new(buffer);
+                    let registration = self.register_buffer(&buffer)?;
+                    return Ok(Allocation { buffer, registration });
+                }
+            }
+        }
+        if reasons.is_empty() {
+            reasons.push("no backend attached".into());
+        }
+        Err(XferError::NoBackend(format!("no backend allocates {len} bytes of DRAM: {}", reasons.join("; "))))
     }
 
     /// This agent's metadata blob: name, backends' connection info, registrations' keys.

@@ -33,12 +33,12 @@ mod request;
 pub mod side_channel;
 mod tables;
 
-pub use agent::{Agent, Registration};
+pub use agent::{Agent, Allocation, Registration};
 pub use error::{Side, XferError};
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
 pub use xfer_core::{
-    Backend, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc, HostBuffer, HostMemory,
-    MemType, Op, RefusalCode, SharedFile,
+    Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc,
+    HostBuffer, HostMemory, MemType, Op, RefusalCode, SharedFile,
 };

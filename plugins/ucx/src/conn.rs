@@ -6,6 +6,7 @@
 //! runs under it.
 
 use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -115,7 +116,7 @@ impl Job {
 /// What a connection needs from the engine to act.
 pub struct Env<'a> {
     pub agent_name: &'a str,
-    pub regions: &'a HashMap<u64, MemHandle>,
+    pub regions: &'a HashMap<u64, Rc<MemHandle>>,
     pub max_op_bytes: u64,
     pub next_seq: &'a mut u64,
     pub finished: &'a mut Finished,
@@ -208,11 +209,11 @@ impl Conn {
         piece: MemSlice,
         addr: u64,
         key_id: u64,
-        regions: &HashMap<u64, MemHandle>,
+        regions: &HashMap<u64, Rc<MemHandle>>,
     ) -> Result<Rma, Status> {
         // `plan` unpacked every key of the job; a miss would be our bug, reported as an error.
         let rkey = self.rkeys.get(&key_id).ok_or(Status(xfer_ucx_sys::UCS_ERR_NO_ELEM))?;
-        let memh = regions.get(&piece.pin().region().id());
+        let memh = regions.get(&piece.pin().region().id()).map(|memh| &**memh);
         match op {
             Op::Write => self.ep.put(piece, addr, rkey, memh),
             Op::Read => self.ep.get(piece, addr, rkey, memh),

@@ -17,6 +17,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::os::fd::RawFd;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::{JoinHandle, Thread};
@@ -24,13 +25,13 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
-use xfer_core::{BackendError, Completion, LocalRegion, MemType, NotifSink, Progress, TransferJob};
+use xfer_core::{BackendError, Completion, Desc, LocalRegion, MemType, NotifSink, Progress, TransferJob};
 
 use crate::config::{ErrorMode, Settings};
 use crate::conn::{Conn, Env, Finished, Job, PeerInfo, Waiter};
 use crate::keys::UcxRemoteKey;
 use crate::msg::{self, Msg};
-use crate::ucp::{self, Close, Config, Context, Event, MemHandle, Signaler, Worker, WorkerCell};
+use crate::ucp::{self, AllocatedRange, Close, Config, Context, Event, MemHandle, Signaler, Worker, WorkerCell};
 
 /// After a connection fails, how long its jobs wait for UCX to release their memory before
 /// they complete anyway (the memory then stays pinned until UCX does).
@@ -70,10 +71,29 @@ fn ucx_error(what: &str, status: ucp::Status) -> BackendError {
     BackendError::Protocol(format!("ucx {what}: {status}"))
 }
 
+/// What the engine's lock guards.
+struct Slot {
+    /// `None` once shut down.
+    engine: Option<WorkerCell<Engine>>,
+    /// After shutdown: the allocations applications still hold (with the UCP context they
+    /// need), each unmapped when its buffer drops.
+    leftover: Option<WorkerCell<Allocations>>,
+}
+
+/// Memory UCX allocated for applications ([`Engine::allocate`]), by allocation id.
+#[derive(Default)]
+pub struct Allocations(HashMap<u64, Allocated>);
+
+/// One UCX allocation: its registration handle (shared with the registrations of regions
+/// inside it, see [`Engine::register`]) and range.
+struct Allocated {
+    memh: Rc<MemHandle>,
+    range: Desc,
+}
+
 /// The engine and the threads around it.
 pub struct Shared {
-    /// `None` once shut down.
-    engine: Mutex<Option<WorkerCell<Engine>>>,
+    engine: Mutex<Slot>,
     signal: Signaler,
     /// The worker's event fd; valid while `engine` holds the worker, which outlives the
     /// progress thread (the only thread that waits on it).
@@ -113,7 +133,7 @@ pub fn start(agent_name: String, settings: Settings, notifs: NotifSink) -> Resul
         Ok::<_, BackendError>((engine.worker.signaler(), efd, address, engine.cuda))
     })?;
     let shared = Arc::new(Shared {
-        engine: Mutex::new(Some(cell)),
+        engine: Mutex::new(Slot { engine: Some(cell), leftover: None }),
         signal,
         efd,
         spin,
@@ -176,7 +196,7 @@ impl Shared {
     /// Runs `f` on the engine under the lock, then completes the requests it finished.
     pub fn with<R: Send>(&self, f: impl FnOnce(&mut Engine) -> R + Send) -> Result<R, BackendError> {
         let mut guard = self.engine.lock();
-        let cell = guard.as_mut().ok_or_else(stopped)?;
+        let cell = guard.engine.as_mut().ok_or_else(stopped)?;
         let (result, busy, finished) = cell.with(|engine| engine.run_and_collect(f));
         drop(guard);
         self.busy.store(busy, Ordering::SeqCst);
@@ -187,7 +207,7 @@ impl Shared {
     /// Like [`with`](Self::with), but `None` when another thread holds the engine.
     pub fn try_with<R: Send>(&self, f: impl FnOnce(&mut Engine) -> R + Send) -> Option<Result<R, BackendError>> {
         let mut guard = self.engine.try_lock()?;
-        let Some(cell) = guard.as_mut() else { return Some(Err(stopped())) };
+        let Some(cell) = guard.engine.as_mut() else { return Some(Err(stopped())) };
         let (result, busy, finished) = cell.with(|engine| engine.run_and_collect(f));
         drop(guard);
         self.busy.store(busy, Ordering::SeqCst);
@@ -341,9 +361,31 @@ impl Shared {
             std::thread::yield_now();
         }
         let _ = self.with(|engine| engine.give_up(deadline + RELEASE_GRACE));
-        // Dropped outside the lock: what is left fails as it drops.
-        let engine = self.engine.lock().take();
-        drop(engine);
+        // The worker, endpoints and registrations go; allocations that applications still
+        // hold stay mapped (with the context) until their buffers drop. Requests posted since
+        // are failed, and completed once the lock is released.
+        let finished = {
+            let mut slot = self.engine.lock();
+            let Some(cell) = slot.engine.take() else { return };
+            let (leftover, finished) = cell.map(Engine::into_leftover);
+            slot.leftover = Some(leftover);
+            finished
+        };
+        complete(finished);
+    }
+
+    /// Releases allocation `id` (its buffer was dropped): unmapped now, or once the last
+    /// registration inside it is gone.
+    pub fn release_allocation(&self, id: u64) {
+        let mut slot = self.engine.lock();
+        let Slot { engine, leftover } = &mut *slot;
+        if let Some(cell) = engine.as_mut() {
+            cell.with(|engine| engine.release_allocation(id));
+        } else if let Some(cell) = leftover.as_mut() {
+            cell.with(|allocations| {
+                allocations.0.remove(&id);
+            });
+        }
     }
 }
 
@@ -361,8 +403,10 @@ pub struct Engine {
     dying: Vec<Job>,
     closing: Vec<Close>,
     acks: Vec<ucp::Send>,
-    regions: HashMap<u64, MemHandle>,
+    regions: HashMap<u64, Rc<MemHandle>>,
+    allocations: Allocations,
     next_key: u64,
+    next_allocation: u64,
     next_seq: u64,
     cuda: bool,
     worker: Worker,
@@ -404,7 +448,9 @@ impl Engine {
             closing: Vec::new(),
             acks: Vec::new(),
             regions: HashMap::new(),
+            allocations: Allocations::default(),
             next_key: 1,
+            next_allocation: 1,
             next_seq: 1,
             cuda: ctx.supports_cuda(),
             worker,
@@ -480,7 +526,13 @@ impl Engine {
             }
             other => return Err(BackendError::Unsupported(format!("ucx moves DRAM and VRAM, not {other}"))),
         };
-        let memh = self.ctx.mem_map(desc.addr, desc.len, cuda).map_err(|s| ucx_error("mem_map", s))?;
+        // A region inside one of our allocations uses the allocation's handle: its key then
+        // lets a peer on this host map the memory (mapping the range again would not).
+        let inside = self.allocations.0.values().find(|a| !cuda && a.range.contains(&desc));
+        let memh = match inside {
+            Some(allocated) => Rc::clone(&allocated.memh),
+            None => Rc::new(self.ctx.mem_map(desc.addr, desc.len, cuda).map_err(|s| ucx_error("mem_map", s))?),
+        };
         let packed = memh.pack_rkey().map_err(|s| ucx_error("rkey_pack", s))?;
         let key_id = self.next_key;
         self.next_key += 1;
@@ -490,6 +542,32 @@ impl Engine {
 
     pub fn deregister(&mut self, region_id: u64) {
         self.regions.remove(&region_id);
+    }
+
+    /// Has UCX allocate and register `len` bytes of host memory; returns the allocation's id
+    /// and the range UCX allocated (at least `len` bytes).
+    pub fn allocate(&mut self, len: u64) -> Result<(u64, AllocatedRange), BackendError> {
+        let (memh, range) = self.ctx.mem_alloc(len).map_err(|s| ucx_error("mem_map (allocate)", s))?;
+        let id = self.next_allocation;
+        self.next_allocation += 1;
+        let desc = Desc::new(range.addr(), range.len(), 0);
+        self.allocations.0.insert(id, Allocated { memh: Rc::new(memh), range: desc });
+        Ok((id, range))
+    }
+
+    /// Forgets an allocation: unmapped now, or once the registrations inside it are gone.
+    pub fn release_allocation(&mut self, id: u64) {
+        self.allocations.0.remove(&id);
+    }
+
+    /// What outlives a shutdown: the allocations. Everything else drops here; requests still
+    /// around (posted after the shutdown began) fail, returned to complete outside the lock.
+    fn into_leftover(mut self) -> (Allocations, Finished) {
+        self.fail_everything();
+        // Past every job's release grace, so each completes (with its error) rather than drops.
+        self.give_up(Instant::now() + 2 * RELEASE_GRACE);
+        let finished = std::mem::take(&mut self.finished);
+        (std::mem::take(&mut self.allocations), finished)
     }
 
     /// Posts a transfer's operations (and, when they complete at once, as they do over shared

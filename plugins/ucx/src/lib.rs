@@ -42,6 +42,20 @@
 //! memory, which the peer maps and copies with plain `memcpy`; registered application memory
 //! cannot take that path (see `bench/README.md`, "UCX against ucx_perftest").
 //!
+//! Memory UCX allocates can: [`Backend::allocate`] (`Agent::allocate` in `xfer`) has UCX
+//! allocate and register host memory (`ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`, no address,
+//! so `UCX_ALLOC_PRIO` picks the method: with `posix` loaded, a POSIX shared-memory segment;
+//! `ucp_mem_query` gives its range). A registration inside such an allocation reuses its
+//! handle (the packed key then names the segment), a peer on this host maps the segment when
+//! it unpacks the key, and its puts and gets become copies through the mapping, as in
+//! `ucx_perftest`: no active messages, no work for the target's progress. Over transports
+//! without shared memory (TCP, RDMA) the allocation is ordinary memory, registered as usual.
+//! The returned `BackendBuffer` keeps the allocation: it is unmapped once the buffer and every
+//! registration inside it are gone, even after the backend shut down (the UCP context then
+//! stays until the last such buffer drops). A peer that mapped the segment keeps its pages
+//! until it destroys the key, so a stale key writes into memory nobody reads rather than
+//! crashing anyone; it is not refused either (see the first limit below).
+//!
 //! Limits:
 //! - Remote keys are not enforced over TCP or shared memory: UCX's emulated put/get write and
 //!   read the address a message names without checking it against a registration, so a peer
@@ -77,7 +91,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use xfer_core::{
-    Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, RemoteAgent,
+    Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType,
+    RemoteAgent,
 };
 
 pub use config::Settings;
@@ -147,6 +162,19 @@ impl UcxBackend {
         })
     }
 
+    /// Host memory allocated by UCX (see [`Backend::allocate`] and the crate docs).
+    pub fn allocate_host(&self, len: usize) -> Result<BackendBuffer, BackendError> {
+        let len64 = u64::try_from(len).map_err(|_| BackendError::Unsupported(format!("allocation of {len} bytes")))?;
+        let (id, range) = self.engine.with(|engine| engine.allocate(len64))??;
+        tracing::debug!(agent = %self.agent_name, len, addr = format_args!("{:#x}", range.addr()), got = range.len(), "ucx allocation");
+        let keep = UcxAllocation { id, engine: Arc::clone(&self.engine) };
+        // `mem_alloc` checked that UCX's range holds `len` bytes; should it not, `keep` drops
+        // here and releases the allocation.
+        range
+            .into_buffer(len, "ucx", Box::new(keep))
+            .ok_or_else(|| BackendError::Protocol("ucx allocated fewer bytes than asked for".into()))
+    }
+
     /// Whether this UCX build moves CUDA memory (and so whether VRAM registers).
     pub fn has_cuda(&self) -> bool {
         self.cuda
@@ -202,10 +230,29 @@ impl Backend for UcxBackend {
         }))
     }
 
+    fn allocate(&self, len: usize, mem_type: MemType) -> Option<Result<BackendBuffer, BackendError>> {
+        if mem_type != MemType::Dram {
+            return None;
+        }
+        Some(self.allocate_host(len))
+    }
+
     fn shutdown(&self) {
         if !self.stopped.swap(true, Ordering::AcqRel) {
             self.engine.shutdown();
         }
+    }
+}
+
+/// Keeps a UCX allocation mapped; dropping it (with its buffer) releases it.
+struct UcxAllocation {
+    id: u64,
+    engine: Arc<Shared>,
+}
+
+impl Drop for UcxAllocation {
+    fn drop(&mut self) {
+        self.engine.release_allocation(self.id);
     }
 }
 

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use xfer_core::MemSlice;
+use xfer_core::{BackendBuffer, MemSlice};
 use xfer_ucx_sys as sys;
 
 /// A UCS status other than `UCS_OK`.
@@ -178,6 +178,77 @@ impl Context {
         Status::check(unsafe { sys::ucp_mem_map(self.inner.raw, &params, &mut raw) })?;
         Ok(MemHandle { raw, ctx: Rc::clone(&self.inner) })
     }
+
+    /// Has UCX allocate `len` bytes of host memory and register it with every transport
+    /// (`UCP_MEM_MAP_ALLOCATE`, no address hint): UCX picks the method by `UCX_ALLOC_PRIO`,
+    /// shared-memory segments first when a shared-memory transport is loaded, which peers on
+    /// this host then map to reach the memory with plain copies. Returns the handle and the
+    /// range UCX allocated (at least `len` bytes), which stays mapped until the handle drops.
+    pub fn mem_alloc(&self, len: u64) -> Result<(MemHandle, AllocatedRange), Status> {
+        let length = usize::try_from(len).map_err(|_| Status(sys::UCS_ERR_INVALID_PARAM))?;
+        if length == 0 {
+            return Err(Status(sys::UCS_ERR_INVALID_PARAM));
+        }
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            ),
+            address: ptr::null_mut(),
+            length,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut raw = ptr::null_mut();
+        // SAFETY: live context; a null address with ALLOCATE asks UCX for fresh memory (no
+        // existing range is touched); `raw` is valid for a write.
+        Status::check(unsafe { sys::ucp_mem_map(self.inner.raw, &params, &mut raw) })?;
+        let memh = MemHandle { raw, ctx: Rc::clone(&self.inner) };
+        let (addr, got) = memh.range()?;
+        if addr == 0 || got < len {
+            // Dropping the handle unmaps what UCX gave.
+            return Err(Status(sys::UCS_ERR_NO_MEMORY));
+        }
+        Ok((memh, AllocatedRange { addr, len: got }))
+    }
+}
+
+/// The range of a [`Context::mem_alloc`] allocation (only that makes one): mapped until its
+/// handle drops.
+#[derive(Debug)]
+pub struct AllocatedRange {
+    addr: u64,
+    len: u64,
+}
+
+impl AllocatedRange {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// The application's view of the first `len` bytes (at most the range). `keep` must hold
+    /// the allocation: the engine keeps the range's [`MemHandle`] (so the memory mapped) until
+    /// `keep` drops, and longer while registrations inside it live (see
+    /// `Engine::release_allocation`, reached only from `keep`'s drop).
+    pub fn into_buffer(
+        self,
+        len: usize,
+        backend: &'static str,
+        keep: Box<dyn std::any::Any + std::marker::Send + Sync>,
+    ) -> Option<BackendBuffer> {
+        if len as u64 > self.len {
+            return None;
+        }
+        // SAFETY: `addr .. addr + len` lies in memory UCX allocated for us (read and write,
+        // host memory) and keeps mapped while `keep` lives (above); nothing in this crate hands
+        // it out as Rust references, only the buffer's copies and UCX's own accesses touch it.
+        Some(unsafe { BackendBuffer::new(self.addr as usize as *mut u8, len, backend, keep) })
+    }
 }
 
 /// A registration (`ucp_mem_map`); unmapped on drop.
@@ -199,6 +270,19 @@ impl MemHandle {
         // SAFETY: `buf` came from ucp_rkey_pack and is released once.
         unsafe { sys::ucp_rkey_buffer_release(buf) };
         Ok(packed)
+    }
+}
+
+impl MemHandle {
+    /// The start address and length of the mapped range (`ucp_mem_query`).
+    pub fn range(&self) -> Result<(u64, u64), Status> {
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: u64::from(sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH),
+            ..Default::default()
+        };
+        // SAFETY: live handle; `attr` is valid for writes and asks for two plain fields.
+        Status::check(unsafe { sys::ucp_mem_query(self.raw, &mut attr) })?;
+        Ok((attr.address as usize as u64, attr.length as u64))
     }
 }
 
@@ -362,6 +446,13 @@ impl<T> WorkerCell<T> {
     /// Runs `f` on the graph, on this thread.
     pub fn with<R: std::marker::Send>(&mut self, f: impl FnOnce(&mut T) -> R + std::marker::Send) -> R {
         f(&mut self.value)
+    }
+
+    /// Turns the graph into another one (what `f` keeps of it; the rest drops inside `f`, on
+    /// this thread), handing out only `Send` values besides.
+    pub fn map<U, R: std::marker::Send>(self, f: impl FnOnce(T) -> (U, R) + std::marker::Send) -> (WorkerCell<U>, R) {
+        let (value, out) = f(self.value);
+        (WorkerCell { value }, out)
     }
 }
 

@@ -16,7 +16,8 @@
 //!
 //! ## The peer's line protocol
 //!
-//! `xfer-peer --name N --backend B --params k=v,... --size BYTES --side-channel ADDR` prints
+//! `xfer-peer --name N --backend B --params k=v,... --size BYTES --side-channel ADDR
+//! [--alloc host|backend]` prints
 //! `READY <side-channel-addr> <buffer-addr> <buffer-len>`, then answers each stdin line with one
 //! stdout line, `OK [...]` or `ERR <message>`:
 //!
@@ -26,6 +27,7 @@
 //! | `hash OFF LEN` | hashes `OFF..OFF+LEN` ([`pattern::hash`]) | `OK <16 hex digits>` |
 //! | `notifs` | drains the notifications recorded so far | `OK <comma-separated list>` |
 //! | `dereg` | drops the registration | `OK` |
+//! | `free` | drops the registration and the buffer (`--alloc backend`: releases the allocation) | `OK` |
 //! | `quit` (or EOF) | exits 0 | — |
 //!
 //! A notification `check:SEQ:OFF:LEN:HASH` is hashed the moment it arrives and recorded as

@@ -5,7 +5,54 @@
 //! same bytes for a range independently, and a transfer that moves bytes to the wrong place or
 //! in the wrong order shows up as a mismatch.
 
-use xfer::HostBuffer;
+use xfer::{BackendBuffer, HostBuffer};
+
+/// Memory the pattern helpers read and write through copies: a `HostBuffer`, or a
+/// `BackendBuffer` a backend allocated.
+pub trait Buffer {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]);
+    fn write_at(&self, offset: usize, src: &[u8]);
+}
+
+impl Buffer for HostBuffer {
+    fn len(&self) -> usize {
+        HostBuffer::len(self)
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        HostBuffer::read_at(self, offset, dst)
+    }
+    fn write_at(&self, offset: usize, src: &[u8]) {
+        HostBuffer::write_at(self, offset, src)
+    }
+}
+
+impl Buffer for BackendBuffer {
+    fn len(&self) -> usize {
+        BackendBuffer::len(self)
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        BackendBuffer::read_at(self, offset, dst)
+    }
+    fn write_at(&self, offset: usize, src: &[u8]) {
+        BackendBuffer::write_at(self, offset, src)
+    }
+}
+
+impl<T: Buffer + ?Sized> Buffer for std::sync::Arc<T> {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        (**self).read_at(offset, dst)
+    }
+    fn write_at(&self, offset: usize, src: &[u8]) {
+        (**self).write_at(offset, src)
+    }
+}
 
 /// Pieces large buffers are processed in, so 256 MiB checks never allocate 256 MiB. A multiple
 /// of 8 so the hash's word boundaries do not depend on the piece size.
@@ -131,13 +178,13 @@ pub fn pattern_hash(seed: u64, pos: u64, len: u64) -> u64 {
 
 /// Whether `off .. off + len` lies inside `buf` (the peer checks this before touching memory:
 /// `HostBuffer` panics on out-of-range access).
-pub fn in_range(buf: &HostBuffer, off: u64, len: u64) -> bool {
+pub fn in_range(buf: &(impl Buffer + ?Sized), off: u64, len: u64) -> bool {
     off.checked_add(len).is_some_and(|end| end <= buf.len() as u64)
 }
 
 /// Writes pattern bytes `pos .. pos + len` of `seed` into `buf` at `off`. The range must be in
 /// the buffer.
-pub fn write_pattern(buf: &HostBuffer, off: u64, seed: u64, pos: u64, len: u64) {
+pub fn write_pattern(buf: &(impl Buffer + ?Sized), off: u64, seed: u64, pos: u64, len: u64) {
     let mut piece = vec![0u8; PIECE.min(len as usize)];
     let mut done = 0;
     while done < len {
@@ -149,7 +196,7 @@ pub fn write_pattern(buf: &HostBuffer, off: u64, seed: u64, pos: u64, len: u64) 
 }
 
 /// The hash of `buf[off .. off + len]`. The range must be in the buffer.
-pub fn hash_range(buf: &HostBuffer, off: u64, len: u64) -> u64 {
+pub fn hash_range(buf: &(impl Buffer + ?Sized), off: u64, len: u64) -> u64 {
     let mut hasher = Hasher::default();
     let mut piece = vec![0u8; PIECE.min(len as usize)];
     let mut done = 0;
@@ -164,7 +211,7 @@ pub fn hash_range(buf: &HostBuffer, off: u64, len: u64) -> u64 {
 
 /// Compares `buf[off .. off + len]` with pattern bytes `pos .. pos + len` of `seed`; on a
 /// mismatch returns the index (from `off`) of the first differing byte.
-pub fn check_pattern(buf: &HostBuffer, off: u64, seed: u64, pos: u64, len: u64) -> Result<(), u64> {
+pub fn check_pattern(buf: &(impl Buffer + ?Sized), off: u64, seed: u64, pos: u64, len: u64) -> Result<(), u64> {
     let size = PIECE.min(len as usize);
     let (mut have, mut want) = (vec![0u8; size], vec![0u8; size]);
     let mut done = 0;

@@ -42,11 +42,20 @@ pub struct PeerConfig {
     pub params: String,
     /// Bytes of the one registered buffer.
     pub size: u64,
+    /// The buffer is allocated by the backend (`Agent::allocate`, `xfer-peer --alloc backend`)
+    /// rather than a `HostBuffer`.
+    pub backend_alloc: bool,
 }
 
 impl PeerConfig {
     pub fn new(name: &str, backend: &str, params: &str, size: u64) -> Self {
-        PeerConfig { name: name.into(), backend: backend.into(), params: params.into(), size }
+        PeerConfig { name: name.into(), backend: backend.into(), params: params.into(), size, backend_alloc: false }
+    }
+
+    /// The same with the buffer allocated by the backend.
+    pub fn backend_alloc(mut self) -> Self {
+        self.backend_alloc = true;
+        self
     }
 }
 
@@ -93,6 +102,7 @@ impl Peer {
         let mut child = Command::new(exe)
             .args(["--name", &config.name, "--backend", &config.backend, "--params", &config.params])
             .args(["--size", &config.size.to_string(), "--side-channel", "127.0.0.1:0"])
+            .args(["--alloc", if config.backend_alloc { "backend" } else { "host" }])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -271,6 +281,11 @@ impl Peer {
     /// Drops the peer's registration (waits for transfers using it, as deregistration does).
     pub fn dereg(&mut self) -> Result<(), PeerError> {
         self.command("dereg").map(drop)
+    }
+
+    /// Drops the registration and the buffer (memory a backend allocated is released).
+    pub fn free(&mut self) -> Result<(), PeerError> {
+        self.command("free").map(drop)
     }
 
     /// Whether the process is still running.

@@ -218,3 +218,150 @@ fn requests_progress_while_nobody_waits() {
         assert_eq!(read_back, Ok(()), "{tag}: read");
     }
 }
+
+/// Starts a peer whose buffer UCX allocated (`xfer-peer --alloc backend`).
+fn spawn_allocating_peer(name: &str, params: &str, size: u64) -> xfer_conformance::Peer {
+    let config = xfer_conformance::PeerConfig::new(name, "ucx", params, size).backend_alloc();
+    xfer_conformance::Peer::spawn(&xfer_conformance::peer_exe(), &config).expect("start the allocating peer")
+}
+
+/// An agent with UCX over `params` and `size` bytes allocated by it.
+fn allocating_agent(name: &str, params: &str, size: usize) -> (xfer::Agent, xfer::Allocation) {
+    let agent = xfer::Agent::new(name).expect("agent");
+    agent.add_backend("ucx", xfer::BackendParams::parse(params).expect("params")).expect("attach ucx");
+    let allocation = agent.allocate(size).expect("allocate through ucx");
+    assert_eq!(allocation.buffer.backend(), "ucx");
+    assert_eq!(allocation.buffer.len(), size);
+    assert_eq!(allocation.registration.descs(), vec![allocation.buffer.desc()]);
+    (agent, allocation)
+}
+
+/// Memory UCX allocated on both sides (`Agent::allocate`; over shared memory the peer maps it
+/// and puts and gets are copies): WRITE and READ with one descriptor and with 4,096 (the
+/// remote blocks in reverse order), every byte checked, over both transports.
+#[test]
+fn backend_allocated_memory_moves_every_byte() {
+    use xfer::{Desc, Op, RequestOptions};
+    use xfer_conformance::pattern::{self, check_pattern, write_pattern};
+    use xfer_conformance::scenarios::WAIT;
+
+    const SIZE: u64 = 16 << 20;
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    for (tag, params) in [("tcp", TCP), ("shm", SHM)] {
+        let (agent, allocation) = allocating_agent(&format!("alloc-init-{tag}"), params, SIZE as usize);
+        let buf = &allocation.buffer;
+        assert!(buf.to_vec().iter().all(|&b| b == 0), "{tag}: a fresh allocation is zeroed");
+        let mut peer = spawn_allocating_peer(&format!("alloc-peer-{tag}"), params, SIZE);
+        let name = agent.fetch_remote_metadata(peer.side_channel()).expect("fetch the peer's metadata");
+        let mut seed = 10u64;
+        for count in [1u64, 4096] {
+            let block = SIZE / count;
+            // Local block i goes to remote slot count-1-i.
+            let slot = |i: u64| count - 1 - i;
+            let local: Vec<Desc> = (0..count).map(|i| buf.sub_desc((i * block) as usize, block as usize)).collect();
+            let remote: Vec<Desc> = (0..count).map(|i| peer.desc(slot(i) * block, block)).collect();
+            let run = |op: Op| {
+                let req = agent.create_request(op, &local, &name, &remote, RequestOptions::default()).expect("create");
+                assert_eq!(req.backend(), "ucx");
+                req.post().expect("post");
+                req.wait(WAIT).unwrap_or_else(|e| panic!("{tag} {op} x{count}: {e}"));
+            };
+
+            seed += 1;
+            write_pattern(buf, 0, seed, 0, SIZE);
+            run(Op::Write);
+            let mut expected = vec![0u8; SIZE as usize];
+            for i in 0..count {
+                let at = (slot(i) * block) as usize;
+                pattern::fill_pattern(seed, i * block, &mut expected[at..at + block as usize]);
+            }
+            let got = peer.hash(0, SIZE).expect("hash");
+            assert_eq!(got, pattern::hash(&expected), "{tag}: WRITE with {count} descriptors: bytes differ");
+
+            seed += 1;
+            peer.fill(seed, 0, SIZE).expect("fill");
+            write_pattern(buf, 0, seed + 1000, 0, SIZE);
+            run(Op::Read);
+            for i in 0..count {
+                let check = check_pattern(buf, i * block, seed, slot(i) * block, block);
+                assert_eq!(check, Ok(()), "{tag}: READ with {count} descriptors: block {i} differs");
+            }
+        }
+        peer.quit().expect("peer quits");
+    }
+}
+
+/// A peer frees (deregisters and drops) its UCX allocation while this agent holds its key, and
+/// this agent drops its own allocation while a request uses it: no crash on either side, and
+/// errors, not transfers, from then on: the peer's fresh metadata no longer has the region, a
+/// request made before the local deregistration fails with a deregistration error.
+///
+/// Not tried: a transfer with the stale key after the peer freed the memory. Over shared memory
+/// it would land in the pages this process mapped (which stay mapped until the key goes, so
+/// nothing crashes, but nothing refuses it either); over UCX's TCP transport the peer's UCX
+/// would write to unmapped memory: UCX emulates put and get there without checking the
+/// registration (see the crate docs of `xfer-ucx`).
+#[test]
+fn backend_allocation_freed_while_peer_holds_key() {
+    use xfer::{Op, RequestOptions, Side, XferError};
+    use xfer_conformance::pattern::{pattern_hash, write_pattern};
+    use xfer_conformance::scenarios::{drop_within, FAILURE_BOUND, WAIT};
+
+    const SIZE: u64 = 1 << 20;
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    for (tag, params) in [("tcp", TCP), ("shm", SHM)] {
+        let (agent, allocation) = allocating_agent(&format!("free-init-{tag}"), params, SIZE as usize);
+        let xfer::Allocation { buffer, registration } = allocation;
+        let mut peer = spawn_allocating_peer(&format!("free-peer-{tag}"), params, SIZE);
+        let name = agent.fetch_remote_metadata(peer.side_channel()).expect("fetch the peer's metadata");
+        let (local, remote) = (buffer.desc(), peer.desc(0, SIZE));
+        write_pattern(&buffer, 0, 5, 0, SIZE);
+        let req =
+            agent.create_request(Op::Write, &[local], &name, &[remote], RequestOptions::default()).expect("create");
+        req.post().and_then(|()| req.wait(WAIT)).unwrap_or_else(|e| panic!("{tag}: first write: {e}"));
+        assert_eq!(peer.hash(0, SIZE).expect("hash"), pattern_hash(5, 0, SIZE), "{tag}: first write");
+
+        // The peer releases its allocation; this agent still holds the key (and, over shared
+        // memory, has the peer's segment mapped).
+        peer.free().expect("free");
+        assert!(peer.is_alive(), "{tag}: the peer died releasing its allocation");
+        assert!(peer.hash(0, 1).is_err(), "{tag}: the peer still hashes freed memory");
+        let again = agent.fetch_remote_metadata(peer.side_channel()).expect("fetch the peer's metadata again");
+        assert_eq!(again, name);
+        assert!(agent.remote_regions(&name).expect("regions").is_empty(), "{tag}: the freed region is still published");
+        let stale = agent.create_request(Op::Write, &[local], &name, &[remote], RequestOptions::default());
+        assert!(matches!(stale, Err(XferError::NotRegistered { side: Side::Remote, .. })), "{tag}: {stale:?}");
+
+        // This agent's own allocation goes while a request made before holds its descriptor.
+        drop_within("deregistering an allocation", FAILURE_BOUND, registration);
+        let reposted = req.post().and_then(|()| req.wait(WAIT));
+        assert!(
+            matches!(reposted, Err(XferError::Deregistered | XferError::NotRegistered { side: Side::Local, .. })),
+            "{tag}: {reposted:?}"
+        );
+        let fresh = agent.create_request(Op::Write, &[local], &name, &[remote], RequestOptions::default());
+        assert!(matches!(fresh, Err(XferError::NotRegistered { side: Side::Local, .. })), "{tag}: {fresh:?}");
+        drop(req);
+        drop(buffer);
+        assert!(peer.is_alive(), "{tag}: the peer died");
+        assert_eq!(peer.notifs().expect("the peer still answers"), Vec::<String>::new());
+        peer.quit().expect("peer quits");
+    }
+}
+
+/// An allocation outlives its agent (and so its backend's shutdown): the memory stays usable
+/// until the buffer drops, and is released then.
+#[test]
+fn backend_allocation_outlives_its_agent() {
+    for params in [TCP, SHM] {
+        let (agent, allocation) = allocating_agent("outlives", params, 3 << 20);
+        let xfer::Allocation { buffer, registration } = allocation;
+        drop(registration);
+        drop(agent);
+        buffer.write_at((3 << 20) - 4, &[1, 2, 3, 4]);
+        let mut back = [0u8; 4];
+        buffer.read_at((3 << 20) - 4, &mut back);
+        assert_eq!(back, [1, 2, 3, 4]);
+        drop(buffer);
+    }
+}

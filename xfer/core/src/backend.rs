@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::completion::Completer;
 use crate::error::BackendError;
+use crate::host::BackendBuffer;
 use crate::mem::{LocalRegion, MemSlice, MemType};
 
 /// Direction of a transfer, from the initiator's point of view.
@@ -167,6 +168,14 @@ pub trait Backend: Send + Sync {
     fn deregister(&self, region: &LocalRegion);
     /// Prepares transfers to a peer from its published connection info.
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError>;
+    /// Allocates `len` bytes of `mem_type` memory that this backend moves best (UCX: memory in
+    /// shared-memory segments that peers on the host map, so their puts and gets are copies).
+    /// `None`: this backend does not allocate (the default). The allocation must outlive
+    /// `shutdown`: it is released when the buffer is dropped.
+    fn allocate(&self, len: usize, mem_type: MemType) -> Option<Result<BackendBuffer, BackendError>> {
+        let _ = (len, mem_type);
+        None
+    }
     /// Stops serving and releases resources; transfers in flight fail.
     fn shutdown(&self) {}
 }

@@ -2,17 +2,18 @@
 //!
 //! Registers one buffer, serves its metadata on a side channel, prints
 //! `READY <side-channel> <buffer-addr> <buffer-len>`, then answers one line per stdin command:
-//! `fill SEED OFF LEN`, `hash OFF LEN`, `notifs`, `dereg`, `quit` (see the crate docs). Errors
-//! are answered `ERR <message>`; bad input never ends the process, only `quit` or EOF does.
+//! `fill SEED OFF LEN`, `hash OFF LEN`, `notifs`, `dereg`, `free`, `quit` (see the crate docs).
+//! Errors are answered `ERR <message>`; bad input never ends the process, only `quit` or EOF
+//! does. With `--alloc backend` the buffer is allocated by the backend (`Agent::allocate`).
 
 use std::io::{BufRead, Write};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
 use xfer::{Agent, BackendParams, HostBuffer, Registration};
-use xfer_conformance::pattern::{self, Check};
+use xfer_conformance::pattern::{self, Buffer, Check};
 
 #[derive(Debug, Parser)]
 #[command(about = "Target process of the xfer conformance suite, driven by line commands on stdin")]
@@ -32,13 +33,23 @@ struct Args {
     /// Address of the metadata side channel.
     #[arg(long, default_value = "127.0.0.1:0")]
     side_channel: String,
+    /// Where the buffer comes from: `host` (a HostBuffer) or `backend` (allocated by the
+    /// backend through `Agent::allocate`).
+    #[arg(long, default_value = "host", value_parser = ["host", "backend"])]
+    alloc: String,
 }
+
+/// The buffer, whichever kind.
+type Memory = Arc<dyn Buffer + Send + Sync>;
 
 /// Notifications as the verifier recorded them, in arrival order.
 type Log = Arc<Mutex<Vec<String>>>;
 
 struct Target {
-    buffer: Arc<HostBuffer>,
+    /// `None` after `free`.
+    buffer: Option<Memory>,
+    /// The buffer's address (printed in READY).
+    addr: u64,
     registration: Option<Registration>,
     log: Log,
 }
@@ -55,8 +66,10 @@ fn main() {
             std::process::exit(1);
         }
     };
-    spawn_verifier(agent, Arc::clone(&target.buffer), Arc::clone(&target.log));
-    let _ = writeln!(out, "READY {side_channel} {} {}", target.buffer.addr(), target.buffer.len());
+    let (addr, len) = (target.addr, target.buffer.as_ref().map_or(0, |b| b.len()));
+    let buffer = target.buffer.as_ref().map(Arc::downgrade).expect("allocated at start");
+    spawn_verifier(agent, buffer, Arc::clone(&target.log));
+    let _ = writeln!(out, "READY {side_channel} {addr} {len}");
     let _ = out.flush();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
@@ -85,10 +98,18 @@ fn start(args: &Args) -> anyhow::Result<(Agent, Target, String)> {
     let agent = Agent::new(&args.name)?;
     let params = BackendParams::parse(&args.params)?;
     agent.add_backend(&args.backend, params)?;
-    let buffer = Arc::new(HostBuffer::new(size));
-    let registration = agent.register_buffer(&buffer)?;
+    let (buffer, addr, registration): (Memory, u64, Registration) = if args.alloc == "backend" {
+        let allocation = agent.allocate(size)?;
+        let addr = allocation.buffer.addr();
+        (allocation.buffer, addr, allocation.registration)
+    } else {
+        let buffer = Arc::new(HostBuffer::new(size));
+        let registration = agent.register_buffer(&buffer)?;
+        let addr = buffer.addr();
+        (buffer, addr, registration)
+    };
     let side_channel = agent.start_side_channel(&args.side_channel)?;
-    let target = Target { buffer, registration: Some(registration), log: Log::default() };
+    let target = Target { buffer: Some(buffer), addr, registration: Some(registration), log: Log::default() };
     Ok((agent, target, side_channel.to_string()))
 }
 
@@ -98,14 +119,14 @@ impl Target {
         match words.as_slice() {
             ["fill", seed, off, len] => {
                 let (seed, off, len) = (number(seed)?, number(off)?, number(len)?);
-                self.check_range(off, len)?;
-                pattern::write_pattern(&self.buffer, off, seed, 0, len);
+                let buffer = self.check_range(off, len)?;
+                pattern::write_pattern(buffer, off, seed, 0, len);
                 Ok(String::new())
             }
             ["hash", off, len] => {
                 let (off, len) = (number(off)?, number(len)?);
-                self.check_range(off, len)?;
-                Ok(format!("{:016x}", pattern::hash_range(&self.buffer, off, len)))
+                let buffer = self.check_range(off, len)?;
+                Ok(format!("{:016x}", pattern::hash_range(buffer, off, len)))
             }
             ["notifs"] => Ok(std::mem::take(&mut *lock(&self.log)).join(",")),
             ["dereg"] => match self.registration.take() {
@@ -115,16 +136,30 @@ impl Target {
                 }
                 None => bail!("not registered"),
             },
+            // Deregisters and drops the buffer: memory a backend allocated is released (once
+            // the verifier is done with a hash in progress).
+            ["free"] => {
+                drop(self.registration.take());
+                match self.buffer.take() {
+                    Some(buffer) => {
+                        drop(buffer);
+                        Ok(String::new())
+                    }
+                    None => bail!("already freed"),
+                }
+            }
             [] => bail!("empty command"),
             [other, ..] => bail!("unknown command {other:?} (or wrong arguments)"),
         }
     }
 
-    fn check_range(&self, off: u64, len: u64) -> anyhow::Result<()> {
-        if !pattern::in_range(&self.buffer, off, len) {
-            bail!("range {off}+{len} is outside the {}-byte buffer", self.buffer.len());
+    /// The buffer, when `off .. off + len` lies in it.
+    fn check_range(&self, off: u64, len: u64) -> anyhow::Result<&Memory> {
+        let Some(buffer) = self.buffer.as_ref() else { bail!("the buffer was freed") };
+        if !pattern::in_range(buffer, off, len) {
+            bail!("range {off}+{len} is outside the {}-byte buffer", buffer.len());
         }
-        Ok(())
+        Ok(buffer)
     }
 }
 
@@ -140,7 +175,7 @@ fn lock(log: &Log) -> std::sync::MutexGuard<'_, Vec<String>> {
 /// Waits for notifications and records each as it arrives. A `check:` notification is verified
 /// right away: its range must already hold the bytes whose hash it carries, proving the data
 /// arrived before the notification.
-fn spawn_verifier(agent: Agent, buffer: Arc<HostBuffer>, log: Log) {
+fn spawn_verifier(agent: Agent, buffer: Weak<dyn Buffer + Send + Sync>, log: Log) {
     std::thread::spawn(move || loop {
         if !agent.wait_notifs(Duration::from_millis(100)) {
             continue;
@@ -151,8 +186,11 @@ fn spawn_verifier(agent: Agent, buffer: Arc<HostBuffer>, log: Log) {
         for message in by_peer.into_iter().flat_map(|(_, messages)| messages) {
             recorded.push(match Check::parse(&message) {
                 Some(check) => {
-                    let ok = pattern::in_range(&buffer, check.off, check.len)
-                        && pattern::hash_range(&buffer, check.off, check.len) == check.hash;
+                    let buffer = buffer.upgrade();
+                    let ok = buffer.is_some_and(|buffer| {
+                        pattern::in_range(&buffer, check.off, check.len)
+                            && pattern::hash_range(&buffer, check.off, check.len) == check.hash
+                    });
                     format!("{}={}", pattern::escape(check.seq.as_bytes()), if ok { "ok" } else { "bad" })
                 }
                 None => pattern::escape(&message),
