@@ -11,6 +11,11 @@
 #   perftest-reg  UCX_ALLOC_PRIO=heap: ordinary memory that is registered, as xferbench's (and
 #                 any application's) is; UCX 1.13 then emulates put/get with active messages.
 #
+# xferbench runs twice per transport, with each side's memory from (the "memory" column):
+#   host          a HostBuffer from the global allocator, registered (--alloc host, the default);
+#   backend       memory UCX allocates (--alloc backend, Agent::allocate), as perftest's default
+#                 buffers are: over shared memory the peer maps it and put/get are a memcpy.
+#
 # Both tools run their two processes pinned apart (initiator/client on CPU 0, target/server on
 # CPU 1; PIN=0 leaves placement to the scheduler): over these transports UCX needs the
 # target's progress on the data path, and two processes sharing one CPU run several times
@@ -82,14 +87,14 @@ perftest_once() {
 perftest() { for _ in $(seq "$REPEAT"); do perftest_once "$@"; done | median; }
 
 # xferbench --backend ucx with its target started here (pinned), all sizes, READ and WRITE,
-# REPEAT runs (the median run is printed), and single-thread memcpy.
+# REPEAT runs (the median run is printed), and single-thread memcpy. $3: --alloc (both sides).
 xferbench() {
-  local params=$1 sizes=$2 tpid line addr
+  local params=$1 sizes=$2 alloc=${3:-host} tpid line addr
   port=$((port + 2))
   rm -f "$tmp/stdin"
   mkfifo "$tmp/stdin"
   "${far[@]}" "$XFERBENCH" --target --listen "127.0.0.1:$port" --backend ucx --params "$params" \
-    --block-sizes "$sizes" <"$tmp/stdin" >"$tmp/target.out" 2>"$tmp/target.err" &
+    --block-sizes "$sizes" --alloc "$alloc" <"$tmp/stdin" >"$tmp/target.out" 2>"$tmp/target.err" &
   tpid=$!
   exec 3>"$tmp/stdin" # the target serves until its stdin closes
   for _ in $(seq 100); do
@@ -99,7 +104,7 @@ xferbench() {
   done
   addr=$(echo "$line" | awk '{ print $2 }')
   "${near[@]}" "$XFERBENCH" --connect "${addr:-127.0.0.1:$port}" --backend ucx --params "$params" --op both \
-    --block-sizes "$sizes" --repeat "$REPEAT" --warmup 3 --no-progress --memcpy 2>/dev/null || true
+    --block-sizes "$sizes" --alloc "$alloc" --repeat "$REPEAT" --warmup 3 --no-progress --memcpy 2>/dev/null || true
   exec 3>&-
   wait "$tpid" 2>/dev/null || true
 }
@@ -115,11 +120,16 @@ for entry in "${TRANSPORTS[@]}"; do
   echo "== $name: xferbench --backend ucx --params $params" >&2
   out=$(xferbench "$params" "$sizes_csv")
   echo "$out" >&2
+  echo "== $name: xferbench --backend ucx --params $params --alloc backend" >&2
+  out_alloc=$(xferbench "$params" "$sizes_csv" backend)
+  echo "$out_alloc" >&2
   for size in $SIZES; do
     memcpy=$(echo "$out" | awk -v s="$size" '$1 == "memcpy" && $2 == s { print $3 }')
+    memcpy_alloc=$(echo "$out_alloc" | awk -v s="$size" '$1 == "memcpy" && $2 == s { print $3 }')
     for op in write read; do
       test=$([ $op = write ] && echo ucp_put_bw || echo ucp_get)
       ours=$(echo "$out" | awk -v s="$size" -v op=$op '$1 == "ucx" && $2 == op && $3 == s { print $9 }')
+      ours_alloc=$(echo "$out_alloc" | awk -v s="$size" -v op=$op '$1 == "ucx" && $2 == op && $3 == s { print $9 }')
       theirs=$(perftest "$tls" "$dev" "$test" "$size")
       if [ "$name" = shm ]; then
         # Registered ordinary memory is slow in perftest: a quarter of the bytes per run.
@@ -127,8 +137,11 @@ for entry in "${TRANSPORTS[@]}"; do
       else
         registered=-
       fi
-      echo "   $name $op $size: ours ${ours:-0}, $test $theirs, $test on registered memory $registered" >&2
-      rows+=("$name $op $size ${ours:-0} $test $theirs $registered ${memcpy:-0}")
+      echo "   $name $op $size: ours ${ours:-0} (allocated by UCX: ${ours_alloc:-0}), $test $theirs," \
+        "$test on registered memory $registered" >&2
+      rows+=("$name host $op $size ${ours:-0} $test $theirs $registered ${memcpy:-0}")
+      # perftest on registered memory is the host rows' counterpart, not this one's.
+      rows+=("$name backend $op $size ${ours_alloc:-0} $test $theirs - ${memcpy_alloc:-0}")
     done
   done
 done
@@ -136,15 +149,16 @@ done
 placement=$([ "$PIN" = 1 ] && echo "initiator/client on CPU 0, target/server on CPU 1" || echo "left to the scheduler")
 echo
 echo "placement: $placement"
-printf '%-9s %-5s %-4s %10s  %-10s %14s %6s %15s %6s %12s %6s\n' transport op size "ours GB/s" perftest \
-  "default GB/s" ratio "registered GB/s" ratio "memcpy GB/s" ratio
+printf '%-9s %-7s %-5s %-4s %10s  %-10s %14s %6s %15s %6s %12s %6s\n' transport memory op size "ours GB/s" \
+  perftest "default GB/s" ratio "registered GB/s" ratio "memcpy GB/s" ratio
 for row in "${rows[@]}"; do
-  read -r name op size ours test theirs registered memcpy <<<"$row"
-  awk -v n="$name" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" -v m="$memcpy" '
+  read -r name mem op size ours test theirs registered memcpy <<<"$row"
+  awk -v n="$name" -v mem="$mem" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" \
+    -v m="$memcpy" '
   function ratio(a, b) { return (b != "-" && b > 0) ? sprintf("%.2f", a / b) : "-" }
   BEGIN {
     ms = n == "shm" ? sprintf("%.3f", m) : "-"
-    printf "%-9s %-5s %-4s %10.3f  %-10s %14.3f %6s %15s %6s %12s %6s\n", n, op, s, o, t, p, ratio(o, p), g,
+    printf "%-9s %-7s %-5s %-4s %10.3f  %-10s %14.3f %6s %15s %6s %12s %6s\n", n, mem, op, s, o, t, p, ratio(o, p), g,
       ratio(o, g), ms, n == "shm" ? ratio(o, m) : "-"
   }'
 done
@@ -157,27 +171,33 @@ ucx_version=$(ucx_info -v 2>/dev/null | awk '/Version/ { print $NF; exit }')
   echo "UCX ${ucx_version:-?} (the library both tools use). Median of $REPEAT run(s) per cell, GB/s = 10^9 bytes/s;"
   echo "about 1 GiB per run (a quarter of that for perftest on registered memory), one operation in flight."
   echo "Placement: $placement. tcp: \`UCX_TLS=tcp\` on \`lo\`; shm: \`UCX_TLS=posix,cma,self\`."
-  echo "WRITE is compared with \`ucp_put_bw\`, READ with \`ucp_get\`."
+  echo "WRITE is compared with \`ucp_put_bw\`, READ with \`ucp_get\`. Memory: host = xferbench \`--alloc host\`"
+  echo "(registered ordinary memory), backend = \`--alloc backend\` (allocated by UCX on both sides); memcpy is"
+  echo "measured in the same xferbench run as the row."
   echo
-  echo "| transport | op | size | xfer-ucx GB/s | perftest test | perftest (default) GB/s | ours ÷ default | perftest (registered) GB/s | ours ÷ registered | memcpy GB/s | ours ÷ memcpy |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| transport | memory | op | size | xfer-ucx GB/s | perftest test | perftest (default) GB/s | ours ÷ default | perftest (registered) GB/s | ours ÷ registered | memcpy GB/s | ours ÷ memcpy |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
   for row in "${rows[@]}"; do
-    read -r name op size ours test theirs registered memcpy <<<"$row"
-    awk -v n="$name" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" -v m="$memcpy" '
+    read -r name mem op size ours test theirs registered memcpy <<<"$row"
+    awk -v n="$name" -v mem="$mem" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" \
+      -v m="$memcpy" '
     function ratio(a, b) { return (b != "-" && b > 0) ? sprintf("%.2f", a / b) : "-" }
     BEGIN {
       shm = n == "shm"
-      printf "| %s | %s | %s | %.3f | `%s` | %.3f | %s | %s | %s | %s | %s |\n", n, toupper(op), s, o, t, p, ratio(o, p),
-        shm ? sprintf("%.3f", g) : "-", shm ? ratio(o, g) : "-", shm ? sprintf("%.3f", m) : "-", shm ? ratio(o, m) : "-"
+      reg = shm && g != "-"
+      printf "| %s | %s | %s | %s | %.3f | `%s` | %.3f | %s | %s | %s | %s | %s |\n", n, mem, toupper(op), s, o, t, p,
+        ratio(o, p), reg ? sprintf("%.3f", g) : "-", reg ? ratio(o, g) : "-", shm ? sprintf("%.3f", m) : "-",
+        shm ? ratio(o, m) : "-"
     }'
   done
 } >"$OUT/ucx.md"
 for row in "${rows[@]}"; do
-  read -r name op size ours test theirs registered memcpy <<<"$row"
-  awk -v n="$name" -v op="$op" -v b="$(bytes "$size")" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" \
-    -v m="$memcpy" -v r="$REPEAT" '
+  read -r name mem op size ours test theirs registered memcpy <<<"$row"
+  awk -v n="$name" -v mem="$mem" -v op="$op" -v b="$(bytes "$size")" -v o="$ours" -v t="$test" -v p="$theirs" \
+    -v g="$registered" -v m="$memcpy" -v r="$REPEAT" '
   BEGIN {
-    printf "{\"transport\":\"%s\",\"op\":\"%s\",\"block_size\":%d,\"repeat\":%d,\"xfer_ucx_gbps\":%s,", n, op, b, r, o
+    printf "{\"transport\":\"%s\",\"memory\":\"%s\",\"op\":\"%s\",\"block_size\":%d,\"repeat\":%d,", n, mem, op, b, r
+    printf "\"xfer_ucx_gbps\":%s,", o
     printf "\"perftest_test\":\"%s\",\"perftest_gbps\":%s,\"perftest_registered_gbps\":%s,\"memcpy_gbps\":%s}\n",
       t, p, g == "-" ? "null" : g, n == "shm" ? m : "null"
   }'
