@@ -54,7 +54,13 @@
 //! registration inside it are gone, even after the backend shut down (the UCP context then
 //! stays until the last such buffer drops). A peer that mapped the segment keeps its pages
 //! until it destroys the key, so a stale key writes into memory nobody reads rather than
-//! crashing anyone; it is not refused either (see the first limit below).
+//! crashing anyone; it is not refused either (see the first limit below). The segments live in
+//! `UCX_POSIX_DIR` (`/dev/shm`): its size bounds what can be allocated (a container's default
+//! 64 MiB `/dev/shm` is small for a KV cache). Every page is backed when the memory is
+//! allocated (`MADV_POPULATE_WRITE`), so a segment the file system cannot hold fails the
+//! allocation with an error; on kernels before 5.14, which lack that advice, the pages are
+//! first touched when the buffer is zeroed, and such a segment raises SIGBUS there, still at
+//! allocation rather than in the middle of a transfer.
 //!
 //! Limits:
 //! - Remote keys are not enforced over TCP or shared memory: UCX's emulated put/get write and

@@ -210,6 +210,21 @@ impl Context {
             // Dropping the handle unmaps what UCX gave.
             return Err(Status(sys::UCS_ERR_NO_MEMORY));
         }
+        // Back every page now: a shared-memory segment larger than its file system can hold
+        // would raise SIGBUS at the first touch of a missing page, and MADV_POPULATE_WRITE
+        // (Linux 5.14) reports that as an error instead. Older kernels, and ranges that do not
+        // start on a page, refuse the advice (EINVAL): the pages are then first touched when the
+        // buffer is zeroed.
+        // SAFETY: the range is the mapping UCX just made for us; populating allocates pages
+        // (zero-filled, or the segment's existing ones) without changing any byte.
+        let populated = unsafe { libc::madvise(addr as usize as *mut c_void, length, libc::MADV_POPULATE_WRITE) };
+        if populated != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EINVAL) {
+                tracing::warn!(%err, len, "ucx allocation cannot be backed (is /dev/shm large enough?)");
+                return Err(Status(sys::UCS_ERR_NO_MEMORY));
+            }
+        }
         Ok((memh, AllocatedRange { addr, len: got }))
     }
 }
