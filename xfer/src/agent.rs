@@ -645,3 +645,88 @@ impl side_channel::Handler for SideChannelHandler {
         agent.invalidate(name).map_err(|e| e.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use xfer_core::{BackendError, BackendFactory, HostBuffer, RemoteAgent};
+
+    use super::*;
+
+    /// A backend that only allocates (from a `HostBuffer`) and counts its registrations.
+    struct Allocating {
+        registered: Arc<AtomicUsize>,
+    }
+
+    impl Backend for Allocating {
+        fn name(&self) -> &'static str {
+            "allocating"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities { mem_types: vec![MemType::Dram], remote: true, local: true, notifications: false }
+        }
+        fn conn_info(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn register(&self, _region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
+            self.registered.fetch_add(1, Ordering::SeqCst);
+            Ok(Vec::new())
+        }
+        fn deregister(&self, _region: &LocalRegion) {
+            self.registered.fetch_sub(1, Ordering::SeqCst);
+        }
+        fn connect(&self, _peer: &str, _conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
+            Err(BackendError::Unsupported("test backend".into()))
+        }
+        fn allocate(&self, len: usize, mem_type: MemType) -> Option<Result<BackendBuffer, BackendError>> {
+            if mem_type != MemType::Dram {
+                return None;
+            }
+            let memory = HostBuffer::new(len);
+            let ptr = memory.addr() as usize as *mut u8;
+            // SAFETY: the HostBuffer (at least `len` bytes) moves into the buffer and lives as
+            // long as it.
+            Some(Ok(unsafe { BackendBuffer::new(ptr, len, "allocating", Box::new(memory)) }))
+        }
+    }
+
+    struct AllocatingFactory(Arc<AtomicUsize>);
+
+    impl BackendFactory for AllocatingFactory {
+        fn name(&self) -> &'static str {
+            "allocating"
+        }
+        fn create(&self, _ctx: BackendContext) -> Result<Arc<dyn Backend>, BackendError> {
+            Ok(Arc::new(Allocating { registered: Arc::clone(&self.0) }))
+        }
+    }
+
+    #[test]
+    fn allocate_registers_with_every_backend_or_fails_typed() {
+        let registered = Arc::new(AtomicUsize::new(0));
+        let mut registry = BackendRegistry::default();
+        registry.register(Arc::new(AllocatingFactory(Arc::clone(&registered))));
+        let agent = Agent::with_registry("alloc-test", registry).unwrap();
+        assert!(matches!(agent.allocate(4096), Err(XferError::NoBackend(_))));
+        agent.add_backend("tcp", BackendParams::parse("listen=127.0.0.1:0").unwrap()).unwrap();
+        let err = agent.allocate(4096).unwrap_err();
+        assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("tcp does not allocate")), "{err}");
+        assert!(matches!(agent.allocate(0), Err(XferError::InvalidArgument(_))));
+
+        agent.add_backend("allocating", BackendParams::new()).unwrap();
+        let Allocation { buffer, registration } = agent.allocate(10_000).unwrap();
+        assert_eq!(buffer.backend(), "allocating");
+        assert_eq!(registration.descs(), vec![buffer.desc()]);
+        assert_eq!(registered.load(Ordering::SeqCst), 1);
+        // TCP serves the same memory: its key is in the metadata next to the other backend's.
+        let metadata = AgentMetadata::decode(&agent.local_metadata()).unwrap();
+        assert_eq!(metadata.regions.len(), 1);
+        assert_eq!(metadata.regions[0].desc, buffer.desc());
+        assert_eq!(metadata.regions[0].keys.len(), 2);
+        buffer.write_at(9_999, &[7]);
+        drop(registration);
+        assert_eq!(registered.load(Ordering::SeqCst), 0);
+        assert!(agent.local_metadata().len() < metadata.encode().len(), "the region is still published");
+    }
+}
