@@ -35,6 +35,10 @@ export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 step "tests (unit, in-process, two-process conformance over TCP and UCX tcp/shared memory)"
 cargo test --workspace --all-features --locked
 
+# The test build above made the three daemons in target/debug.
+step "example deployment: examples/local started from its config files, requests and the API checked"
+BIN_DIR=target/debug examples/local/run.sh --smoke
+
 step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
 vllm_venv="$(ci/vllm/install.sh | tail -n1)"
 PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
