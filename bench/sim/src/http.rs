@@ -22,6 +22,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions/render", post(render_completions))
+        .route("/v1/chat/completions/render", post(render_chat))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/version", get(|| async { Json(json!({"version": "0.32.0+pdsim"})) }))
@@ -41,6 +43,14 @@ async fn completions(State(engine): State<Arc<Engine>>, headers: HeaderMap, body
 
 async fn chat(State(engine): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
     serve::handle(engine, Endpoint::Chat, headers, body).await
+}
+
+async fn render_completions(State(engine): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
+    crate::render::handle(engine, Endpoint::Completions, headers, body).await
+}
+
+async fn render_chat(State(engine): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
+    crate::render::handle(engine, Endpoint::Chat, headers, body).await
 }
 
 async fn models(State(engine): State<Arc<Engine>>) -> Json<serde_json::Value> {

@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod openai;
 pub mod pool;
 pub mod pull;
+pub mod render;
 pub mod respond;
 pub mod rooms;
 pub mod serve;

@@ -135,18 +135,18 @@ fn mode(engine: &Engine, req: &GenRequest) -> Mode {
     }
 }
 
-async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let req = GenRequest::parse(endpoint, body)?;
-    if let Some(model) = &req.model {
-        if *model != engine.cfg.model {
-            return Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist.")));
+/// 404 for a request naming another model (vLLM's answer).
+pub(crate) fn check_model(engine: &Engine, req: &GenRequest) -> Result<(), ApiError> {
+    match &req.model {
+        Some(model) if *model != engine.cfg.model => {
+            Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist.")))
         }
+        _ => Ok(()),
     }
-    if engine.faults.before_request().await == Verdict::Fail {
-        add(&engine.metrics.injected_errors, 1);
-        return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "injected failure"));
-    }
+}
+
+/// The prompt's token ids and the output budget, checked against the context length.
+pub(crate) fn prompt_tokens(engine: &Engine, req: &GenRequest) -> Result<(Vec<u32>, usize), ApiError> {
     let tokens = match &req.prompt {
         PromptInput::Text(text) => engine
             .tokenizer
@@ -169,12 +169,29 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
             None,
         ));
     }
-    let base = headers
+    Ok((tokens, max_tokens))
+}
+
+/// The request's id base: the client's `X-Request-Id` when usable, else random.
+pub(crate) fn request_base(headers: &HeaderMap) -> String {
+    headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 256)
         .map(String::from)
-        .unwrap_or_else(|| random_hex(16));
+        .unwrap_or_else(|| random_hex(16))
+}
+
+async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let req = GenRequest::parse(endpoint, body)?;
+    check_model(engine, &req)?;
+    if engine.faults.before_request().await == Verdict::Fail {
+        add(&engine.metrics.injected_errors, 1);
+        return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "injected failure"));
+    }
+    let (tokens, max_tokens) = prompt_tokens(engine, &req)?;
+    let base = request_base(headers);
     let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
     let meta = Meta {
         id: format!("{prefix}-{base}"),

@@ -101,3 +101,50 @@ async fn failure_injection_at_start_and_at_runtime() {
     let _ = common::client().post(format!("{}/admin/faults", s.url)).json(&json!({"crash": true})).send().await;
     assert!(s.exited_within(Duration::from_secs(5)).await, "crash injection ends the process");
 }
+
+/// vLLM's render endpoints: the token ids the engine would run, without running anything
+/// (vllm-router's cache-aware policy routes on them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn render_endpoints_return_the_token_ids_the_engine_would_run() {
+    let s = Sim::start(&["--max-model-len", "64"]).await;
+    let generations = || async {
+        let text = common::client().get(format!("{}/metrics", s.url)).send().await.unwrap().text().await.unwrap();
+        text.lines()
+            .filter(|l| l.starts_with("vllm:request_success"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let prompt = "the quick brown fox jumps over the lazy dog";
+    let (status, rendered) = s.post("/v1/completions/render", &json!({"prompt": prompt, "max_tokens": 4})).await;
+    assert_eq!(status, 200, "{rendered}");
+    let list = rendered.as_array().expect("completions render answers a list (one per prompt)");
+    assert_eq!(list.len(), 1, "{rendered}");
+    let ids: Vec<u64> = list[0]["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(list[0]["sampling_params"]["max_tokens"], 4);
+    assert!(list[0]["request_id"].as_str().unwrap().starts_with("cmpl-"), "{rendered}");
+    assert_eq!(generations().await, 0.0, "rendering generates nothing");
+
+    let (status, done) = s.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 4})).await;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["usage"]["prompt_tokens"], json!(ids.len()), "render and generation tokenize alike");
+    // Token ids given as the prompt come back as they are.
+    let (_, again) = s.post("/v1/completions/render", &json!({"prompt": ids, "max_tokens": 1})).await;
+    assert_eq!(again[0]["token_ids"], json!(ids));
+
+    let chat = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 2});
+    let (status, rendered) = s.post("/v1/chat/completions/render", &chat).await;
+    assert_eq!(status, 200, "{rendered}");
+    assert!(rendered.is_object(), "chat render answers one object: {rendered}");
+    assert!(rendered["request_id"].as_str().unwrap().starts_with("chatcmpl-"), "{rendered}");
+    let (_, done) = s.post("/v1/chat/completions", &chat).await;
+    assert_eq!(json!(rendered["token_ids"].as_array().unwrap().len()), done["usage"]["prompt_tokens"]);
+
+    // Errors as for generation.
+    let (status, _) = s.post("/v1/completions/render", &json!({"prompt": "x", "model": "other"})).await;
+    assert_eq!(status, 404);
+    let (status, err) = s.post("/v1/completions/render", &json!({"prompt": "x", "max_tokens": 100})).await;
+    assert_eq!((status, err["error"]["code"].clone()), (400, json!(400)), "over the context length: {err}");
+    let (status, _) = s.post("/v1/chat/completions/render", &json!({"messages": "hi"})).await;
+    assert_eq!(status, 400);
+    assert_eq!(generations().await, 2.0, "only the two generations counted");
+}
