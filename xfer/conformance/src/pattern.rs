@@ -5,52 +5,41 @@
 //! same bytes for a range independently, and a transfer that moves bytes to the wrong place or
 //! in the wrong order shows up as a mismatch.
 
-use xfer::{BackendBuffer, HostBuffer};
+use xfer::{BackendBuffer, HostBuffer, HostRegion};
 
 /// Memory the pattern helpers read and write through copies: a `HostBuffer`, or a
-/// `BackendBuffer` a backend allocated.
+/// `BackendBuffer` a backend allocated (both are a [`HostRegion`] underneath).
 pub trait Buffer {
-    fn len(&self) -> usize;
+    fn region(&self) -> &HostRegion;
+    fn len(&self) -> usize {
+        self.region().len()
+    }
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn read_at(&self, offset: usize, dst: &mut [u8]);
-    fn write_at(&self, offset: usize, src: &[u8]);
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        self.region().read_at(offset, dst)
+    }
+    fn write_at(&self, offset: usize, src: &[u8]) {
+        self.region().write_at(offset, src)
+    }
 }
 
 impl Buffer for HostBuffer {
-    fn len(&self) -> usize {
-        HostBuffer::len(self)
-    }
-    fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        HostBuffer::read_at(self, offset, dst)
-    }
-    fn write_at(&self, offset: usize, src: &[u8]) {
-        HostBuffer::write_at(self, offset, src)
+    fn region(&self) -> &HostRegion {
+        self
     }
 }
 
 impl Buffer for BackendBuffer {
-    fn len(&self) -> usize {
-        BackendBuffer::len(self)
-    }
-    fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        BackendBuffer::read_at(self, offset, dst)
-    }
-    fn write_at(&self, offset: usize, src: &[u8]) {
-        BackendBuffer::write_at(self, offset, src)
+    fn region(&self) -> &HostRegion {
+        self
     }
 }
 
 impl<T: Buffer + ?Sized> Buffer for std::sync::Arc<T> {
-    fn len(&self) -> usize {
-        (**self).len()
-    }
-    fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        (**self).read_at(offset, dst)
-    }
-    fn write_at(&self, offset: usize, src: &[u8]) {
-        (**self).write_at(offset, src)
+    fn region(&self) -> &HostRegion {
+        (**self).region()
     }
 }
 

@@ -18,56 +18,75 @@ pub unsafe trait HostMemory: Send + Sync + std::fmt::Debug + 'static {
     fn desc(&self) -> Desc;
 }
 
-/// A raw, bounds-checked byte range that only hands out copies: the one place the host-memory
-/// types touch their bytes.
+/// A bounds-checked range of host memory that only hands out copies: the one place the
+/// host-memory types ([`HostBuffer`], [`BackendBuffer`], [`SharedFile`](crate::SharedFile))
+/// touch their bytes; each of them dereferences to it for its accessors.
 #[derive(Debug)]
-pub(crate) struct RawRegion {
+pub struct HostRegion {
     ptr: *mut u8,
     len: usize,
 }
 
 // SAFETY: all access goes through raw copies whose ordering is the application's responsibility
 // (see `HostBuffer`); the owner of the region keeps it alive.
-unsafe impl Send for RawRegion {}
+unsafe impl Send for HostRegion {}
 // SAFETY: as above.
-unsafe impl Sync for RawRegion {}
+unsafe impl Sync for HostRegion {}
 
-impl RawRegion {
+impl HostRegion {
     /// # Safety
     /// `ptr .. ptr + len` must stay valid for reads and writes for the region's life.
     pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> Self {
-        RawRegion { ptr, len }
+        HostRegion { ptr, len }
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
     }
 
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
     }
 
-    pub(crate) fn addr(&self) -> u64 {
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn addr(&self) -> u64 {
         self.ptr as usize as u64
     }
 
+    /// The descriptor of the whole region (device 0).
+    pub fn desc(&self) -> Desc {
+        Desc::new(self.addr(), self.len as u64, 0)
+    }
+
     /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
-    pub(crate) fn sub_desc(&self, offset: usize, len: usize) -> Desc {
+    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
         self.check(offset, len);
         Desc::new(self.addr() + offset as u64, len as u64, 0)
     }
 
-    pub(crate) fn read_at(&self, offset: usize, dst: &mut [u8]) {
+    /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
         self.check(offset, dst.len());
         // SAFETY: the range is inside the region (checked, valid by `new`'s contract) and `dst`
         // is a distinct Rust buffer, so the two do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) }
     }
 
-    pub(crate) fn write_at(&self, offset: usize, src: &[u8]) {
+    /// Copies `src` into the region at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) {
         self.check(offset, src.len());
         // SAFETY: as in `read_at`.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) }
+    }
+
+    /// Copies the whole region out.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.len];
+        self.read_at(0, &mut out);
+        out
     }
 
     fn check(&self, offset: usize, len: usize) {
@@ -82,7 +101,7 @@ impl RawRegion {
 /// completions and notifications, as with any memory shared with a NIC.
 #[derive(Debug)]
 pub struct HostBuffer {
-    region: RawRegion,
+    region: HostRegion,
 }
 
 impl HostBuffer {
@@ -95,57 +114,25 @@ impl HostBuffer {
             alloc::handle_alloc_error(layout);
         }
         // SAFETY: a fresh allocation of at least `len` bytes, freed only in `drop`.
-        HostBuffer { region: unsafe { RawRegion::new(ptr, len) } }
+        HostBuffer { region: unsafe { HostRegion::new(ptr, len) } }
     }
 
     fn layout(len: usize) -> Layout {
         Layout::from_size_align(len.max(PAGE), PAGE).expect("allocation size overflows")
     }
+}
 
-    pub fn len(&self) -> usize {
-        self.region.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.region.addr()
-    }
-
-    /// The descriptor of the whole buffer (device 0).
-    pub fn desc(&self) -> Desc {
-        Desc::new(self.addr(), self.len() as u64, 0)
-    }
-
-    /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
-    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
-        self.region.sub_desc(offset, len)
-    }
-
-    /// Copies `dst.len()` bytes starting at `offset` out of the buffer.
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        self.region.read_at(offset, dst)
-    }
-
-    /// Copies `src` into the buffer at `offset`.
-    pub fn write_at(&self, offset: usize, src: &[u8]) {
-        self.region.write_at(offset, src)
-    }
-
-    /// Copies the whole buffer out.
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len()];
-        self.read_at(0, &mut out);
-        out
+impl std::ops::Deref for HostBuffer {
+    type Target = HostRegion;
+    fn deref(&self) -> &HostRegion {
+        &self.region
     }
 }
 
 // SAFETY: the allocation lives until drop and is only accessed through copies.
 unsafe impl HostMemory for HostBuffer {
     fn desc(&self) -> Desc {
-        HostBuffer::desc(self)
+        self.region.desc()
     }
 }
 
@@ -162,7 +149,7 @@ impl Drop for HostBuffer {
 /// [`HostMemory`]. Dropping the last `Arc` of it (registrations hold one) releases the
 /// backend's allocation.
 pub struct BackendBuffer {
-    region: RawRegion,
+    region: HostRegion,
     backend: &'static str,
     /// Owns the backend's allocation: dropped after the last use of `region`.
     _allocation: Box<dyn Any + Send + Sync>,
@@ -188,7 +175,7 @@ impl BackendBuffer {
     pub unsafe fn new(ptr: *mut u8, len: usize, backend: &'static str, allocation: Box<dyn Any + Send + Sync>) -> Self {
         // SAFETY: forwarded from this function's contract; `allocation` is dropped only with
         // the buffer, after the region's last use.
-        let region = unsafe { RawRegion::new(ptr, len) };
+        let region = unsafe { HostRegion::new(ptr, len) };
         let buffer = BackendBuffer { region, backend, _allocation: allocation };
         const CHUNK: usize = 64 << 10;
         let zeros = [0u8; CHUNK];
@@ -205,44 +192,12 @@ impl BackendBuffer {
     pub fn backend(&self) -> &'static str {
         self.backend
     }
+}
 
-    pub fn len(&self) -> usize {
-        self.region.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.region.addr()
-    }
-
-    /// The descriptor of the whole buffer (device 0).
-    pub fn desc(&self) -> Desc {
-        Desc::new(self.addr(), self.len() as u64, 0)
-    }
-
-    /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
-    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
-        self.region.sub_desc(offset, len)
-    }
-
-    /// Copies `dst.len()` bytes starting at `offset` out of the buffer.
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        self.region.read_at(offset, dst)
-    }
-
-    /// Copies `src` into the buffer at `offset`.
-    pub fn write_at(&self, offset: usize, src: &[u8]) {
-        self.region.write_at(offset, src)
-    }
-
-    /// Copies the whole buffer out.
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len()];
-        self.read_at(0, &mut out);
-        out
+impl std::ops::Deref for BackendBuffer {
+    type Target = HostRegion;
+    fn deref(&self) -> &HostRegion {
+        &self.region
     }
 }
 
@@ -250,7 +205,7 @@ impl BackendBuffer {
 // accessed through copies.
 unsafe impl HostMemory for BackendBuffer {
     fn desc(&self) -> Desc {
-        BackendBuffer::desc(self)
+        self.region.desc()
     }
 }
 

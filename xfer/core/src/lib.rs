@@ -19,6 +19,6 @@ pub use backend::{
 };
 pub use completion::{Completer, Completion, Progress, Status};
 pub use error::{BackendError, RefusalCode};
-pub use host::{BackendBuffer, HostBuffer, HostMemory};
+pub use host::{BackendBuffer, HostBuffer, HostMemory, HostRegion};
 pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin};
 pub use shared_file::SharedFile;

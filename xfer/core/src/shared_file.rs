@@ -5,13 +5,13 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use crate::host::{HostMemory, RawRegion};
+use crate::host::{HostMemory, HostRegion};
 use crate::mem::Desc;
 
 /// A read-write `MAP_SHARED` mapping of a whole file. Like `HostBuffer` it hands out copies only.
 #[derive(Debug)]
 pub struct SharedFile {
-    region: RawRegion,
+    region: HostRegion,
     path: PathBuf,
     /// The creator removes the file when it is done; a process that only opened it does not.
     owner: bool,
@@ -55,49 +55,26 @@ impl SharedFile {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: the mapping is `len` bytes, read-write, and is unmapped only in `drop`.
-        let region = unsafe { RawRegion::new(ptr.cast(), len) };
+        let region = unsafe { HostRegion::new(ptr.cast(), len) };
         Ok(SharedFile { region, path: path.to_path_buf(), owner })
-    }
-
-    pub fn len(&self) -> usize {
-        self.region.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn addr(&self) -> u64 {
-        self.region.addr()
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
 
-    /// The descriptor of the whole mapping (device 0).
-    pub fn desc(&self) -> Desc {
-        Desc::new(self.addr(), self.len() as u64, 0)
-    }
-
-    /// The descriptor of `offset .. offset + len`; panics when out of range (a caller bug).
-    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
-        self.region.sub_desc(offset, len)
-    }
-
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        self.region.read_at(offset, dst)
-    }
-
-    pub fn write_at(&self, offset: usize, src: &[u8]) {
-        self.region.write_at(offset, src)
+impl std::ops::Deref for SharedFile {
+    type Target = HostRegion;
+    fn deref(&self) -> &HostRegion {
+        &self.region
     }
 }
 
 // SAFETY: the mapping lives until drop and is only accessed through copies.
 unsafe impl HostMemory for SharedFile {
     fn desc(&self) -> Desc {
-        SharedFile::desc(self)
+        self.region.desc()
     }
 }
 
