@@ -13,6 +13,19 @@ pub const PASSTHROUGH_PREFIX: &str = "ucx_";
 /// parameters themselves.
 pub const LIST_SEPARATOR: char = '+';
 
+/// Default of `tcp_seg_size`: UCX's TCP transport moves an emulated put or get as active
+/// messages of one TX segment each (8 KiB by default), and the target answers every put
+/// segment with its own completion message, so a 1 MiB WRITE costs 128 sends and 128
+/// acknowledgements each way. 256 KiB segments make that 4; larger ones measured no faster
+/// (bench/README.md, "UCX against ucx_perftest").
+pub const DEFAULT_TCP_SEG_SIZE: u64 = 256 << 10;
+/// Largest accepted `tcp_seg_size` (UCX frames a message length in 32 bits; each worker keeps
+/// a pool of segment buffers).
+pub const MAX_TCP_SEG_SIZE: u64 = 64 << 20;
+/// UCX's TCP options behind `tcp_seg_size`, as `ucp_config_modify` takes them (transport
+/// options go by their name inside the transport's table, without `TCP_`).
+const TCP_SEG_OPTIONS: [&str; 2] = ["TX_SEG_SIZE", "RX_SEG_SIZE"];
+
 /// How endpoints handle a failed peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorMode {
@@ -29,8 +42,12 @@ pub enum ErrorMode {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
     /// `(UCX option name without the UCX_ prefix, value)`, applied in order over the
-    /// environment's configuration.
+    /// environment's configuration (see [`Settings::ucx_options`] for what comes before).
     pub ucx: Vec<(String, String)>,
+    /// TX and RX segment size of UCX's TCP transport; 0 leaves UCX's (8 KiB and 64 KiB).
+    pub tcp_seg_size: u64,
+    /// Whether `tcp_seg_size` was given (then it applies whatever the environment says).
+    pub tcp_seg_size_given: bool,
     /// No completion of any operation to a peer for this long fails its requests.
     pub timeout: Duration,
     /// After the last event, the progress thread polls this long before it sleeps.
@@ -63,6 +80,12 @@ impl Settings {
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let spin = Duration::from_micros(params.take_parsed("spin_us", 2000u64)?);
         let max_op_bytes: u64 = params.take_parsed("max_op_bytes", 64 << 20)?;
+        let tcp_seg_size_param = params.take("tcp_seg_size");
+        let tcp_seg_size_given = tcp_seg_size_param.is_some();
+        let tcp_seg_size = match tcp_seg_size_param {
+            None => DEFAULT_TCP_SEG_SIZE,
+            Some(value) => value.parse().map_err(|err| invalid("tcp_seg_size", format!("{value:?}: {err}")))?,
+        };
         let error_mode = match params.take("error_mode").as_deref() {
             None | Some("auto") => ErrorMode::Auto,
             Some("peer") => ErrorMode::Peer,
@@ -76,7 +99,42 @@ impl Settings {
         if max_op_bytes < 4096 {
             return Err(invalid("max_op_bytes", "must be at least 4096"));
         }
-        Ok(Settings { ucx, timeout, spin, max_op_bytes, error_mode })
+        if tcp_seg_size != 0 && !(8192..=MAX_TCP_SEG_SIZE).contains(&tcp_seg_size) {
+            return Err(invalid("tcp_seg_size", format!("must be 0 or 8192..={MAX_TCP_SEG_SIZE}")));
+        }
+        Ok(Settings { ucx, tcp_seg_size, tcp_seg_size_given, timeout, spin, max_op_bytes, error_mode })
+    }
+
+    /// The UCX options to apply over the environment's configuration, in order: the TCP
+    /// segment size (both TX and RX, so that peers with the same setting fit each other's
+    /// segments), then the explicit ones. The default segment size steps aside when the
+    /// environment or an explicit option sets either segment size (UCX refuses an RX segment
+    /// smaller than the TX one), and when the transports cannot include TCP (UCX warns about
+    /// options no transport used). `env` reads an environment variable.
+    pub fn ucx_options(&self, env: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
+        let mut options = Vec::with_capacity(self.ucx.len() + 2);
+        let set_elsewhere = TCP_SEG_OPTIONS.iter().any(|option| {
+            env(&format!("UCX_TCP_{option}")).is_some() || self.ucx.iter().any(|(name, _)| name == option)
+        });
+        let tls = self.ucx.iter().rev().find(|(name, _)| name == "TLS").map(|(_, value)| value.clone());
+        let default_applies = !set_elsewhere && may_use_tcp(tls.or_else(|| env("UCX_TLS")).as_deref());
+        if self.tcp_seg_size != 0 && (self.tcp_seg_size_given || default_applies) {
+            for option in TCP_SEG_OPTIONS {
+                options.push((option.to_string(), self.tcp_seg_size.to_string()));
+            }
+        }
+        options.extend(self.ucx.iter().cloned());
+        options
+    }
+}
+
+/// Whether a `UCX_TLS` value (none: UCX's default, every transport) can select TCP.
+fn may_use_tcp(tls: Option<&str>) -> bool {
+    let Some(tls) = tls.map(str::trim) else { return true };
+    let names = |list: &str| list.split(',').map(|name| name.trim().to_ascii_lowercase()).collect::<Vec<_>>();
+    match tls.strip_prefix('^') {
+        Some(excluded) => !names(excluded).iter().any(|name| name == "tcp"),
+        None => names(tls).iter().any(|name| name == "tcp" || name == "all"),
     }
 }
 
@@ -108,5 +166,43 @@ mod tests {
         assert_eq!(none.error_mode, ErrorMode::None);
         assert!(Settings::parse(BackendParams::parse("error_mode=maybe").unwrap()).is_err());
         assert!(Settings::parse(BackendParams::parse("max_op_bytes=1").unwrap()).is_err());
+        assert!(Settings::parse(BackendParams::parse("tcp_seg_size=100").unwrap()).is_err());
+        assert!(Settings::parse(BackendParams::parse("tcp_seg_size=1073741824").unwrap()).is_err());
+    }
+
+    fn options(params: &str, env: &[(&str, &str)]) -> Vec<(String, String)> {
+        let settings = Settings::parse(BackendParams::parse(params).unwrap()).unwrap();
+        settings.ucx_options(|name| env.iter().find(|(key, _)| *key == name).map(|(_, value)| value.to_string()))
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect()
+    }
+
+    #[test]
+    fn tcp_segment_size_defaults_unless_set_elsewhere() {
+        let seg = DEFAULT_TCP_SEG_SIZE.to_string();
+        let default = [("TX_SEG_SIZE", seg.as_str()), ("RX_SEG_SIZE", seg.as_str())];
+        // Applied first, so explicit options come after it.
+        assert_eq!(options("tls=tcp", &[]), pairs(&[default[0], default[1], ("TLS", "tcp")]));
+        assert_eq!(options("", &[]), pairs(&default));
+        assert_eq!(options("", &[("UCX_TLS", "^ib")]), pairs(&default));
+        assert_eq!(options("tls=rc+tcp", &[("UCX_TLS", "posix")]), pairs(&[default[0], default[1], ("TLS", "rc,tcp")]));
+        // No TCP among the transports: nothing (UCX would warn about an unused option).
+        assert_eq!(options("tls=posix+cma+self", &[]), pairs(&[("TLS", "posix,cma,self")]));
+        assert_eq!(options("", &[("UCX_TLS", "^tcp,ib")]), pairs(&[]));
+        // Set by the environment or an explicit option: UCX's own rules, ours stay out.
+        assert_eq!(options("", &[("UCX_TCP_RX_SEG_SIZE", "1m")]), pairs(&[]));
+        assert_eq!(options("ucx_tx_seg_size=16k", &[]), pairs(&[("TX_SEG_SIZE", "16k")]));
+        assert_eq!(options("tcp_seg_size=0", &[]), pairs(&[]));
+        // Given explicitly: applies whatever the environment says; explicit options still win.
+        assert_eq!(
+            options("tcp_seg_size=65536", &[("UCX_TCP_TX_SEG_SIZE", "8k")]),
+            pairs(&[("TX_SEG_SIZE", "65536"), ("RX_SEG_SIZE", "65536")])
+        );
+        assert_eq!(
+            options("tcp_seg_size=65536,ucx_rx_seg_size=1m", &[]),
+            pairs(&[("TX_SEG_SIZE", "65536"), ("RX_SEG_SIZE", "65536"), ("RX_SEG_SIZE", "1m")])
+        );
     }
 }

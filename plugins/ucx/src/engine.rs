@@ -429,7 +429,7 @@ macro_rules! env {
 impl Engine {
     fn new(agent_name: String, settings: Settings, notifs: NotifSink) -> Result<Engine, BackendError> {
         let mut config = Config::from_env().map_err(|s| ucx_error("reading the configuration", s))?;
-        for (name, value) in &settings.ucx {
+        for (name, value) in &settings.ucx_options(|name| std::env::var(name).ok()) {
             config.set(name, value).map_err(|status| BackendError::InvalidParam {
                 name: name.to_ascii_lowercase(),
                 reason: format!("UCX_{name}={value}: {status}"),

@@ -23,7 +23,8 @@
 //! |---|---|---|
 //! | `tls` | `$UCX_TLS`, else UCX's choice | UCX transports, e.g. `tcp`, `posix+cma+self`, `rc+cuda_copy` |
 //! | `net_devices` | `$UCX_NET_DEVICES` | devices, e.g. `lo`, `mlx5_0:1` |
-//! | `ucx_<name>` | — | any UCX setting, e.g. `ucx_rndv_thresh=inf` sets `UCX_RNDV_THRESH` |
+//! | `ucx_<name>` | — | any UCX setting, e.g. `ucx_rndv_thresh=inf` sets `UCX_RNDV_THRESH`; a transport's own setting goes without the transport's prefix (`ucx_tx_seg_size=64k` sets `UCX_TCP_TX_SEG_SIZE`), as `ucp_config_modify` takes it |
+//! | `tcp_seg_size` | 262144 | segment size of UCX's TCP transport, sent and received (`UCX_TCP_TX_SEG_SIZE` and `UCX_TCP_RX_SEG_SIZE`; 0: UCX's 8 KiB and 64 KiB). Unless given here, it steps aside when the environment or a `ucx_` setting sets either size, and when `tls` (or `$UCX_TLS`) cannot select tcp. Peers must agree: a peer's RX segment must hold this side's TX segment |
 //! | `timeout_ms` | 5000 | no completion toward a peer for this long fails its requests |
 //! | `spin_us` | 2000 | a waiting thread, and the progress thread, poll this long after the last event before they sleep (waking a sleeping thread costs more than a copy of 1 MiB) |
 //! | `max_op_bytes` | 67108864 | longer descriptors are moved as several operations (progress, and so the timeout, is seen per operation) |
@@ -38,6 +39,19 @@
 //! memory, and `cma` is only used for rendezvous active messages). So over those transports
 //! the target's progress thread is on the data path (its `spin_us` keeps it polling between
 //! requests); over shared memory the bytes cross a FIFO in 8 KiB pieces (two copies).
+//!
+//! Over TCP each emulated put or get moves as active messages of one TCP segment each, and
+//! the target answers every put segment with a completion message of its own (the flush of a
+//! WRITE waits for the last). With UCX's 8 KiB segments a 1 MiB WRITE is 128 sends by the
+//! initiator and 128 acknowledgements by the target, each a system call and a TCP segment
+//! (strace: about 130 `sendto` per MiB on each side, in ucx_perftest's `ucp_put_bw` alike), and
+//! that, not the target's sleep or the initiator's wait, is where the time went. Hence the
+//! `tcp_seg_size` default of 256 KiB: 4 of each per MiB, and WRITE 2-4 times faster on
+//! loopback (bench/README.md, "UCX against ucx_perftest"). The cost: each worker's TCP
+//! transport keeps pools of segment buffers (grown 8 at a time: 2 MiB for sending, 4 MiB for
+//! receiving at 256 KiB), and peers must use segment sizes that fit each other, which they do
+//! with the same setting (the default); UCX does not check a peer's segments against its own
+//! receive buffer.
 //! `ucx_perftest`'s shared-memory figures come from buffers UCX allocates in POSIX shared
 //! memory, which the peer maps and copies with plain `memcpy`; registered application memory
 //! cannot take that path (see `bench/README.md`, "UCX against ucx_perftest").
