@@ -308,6 +308,10 @@ pub enum SetupKind {
     /// Requests enter through the decode engines' pd-sidecars, which pair them through
     /// pd-coordinator (KV events, prefix index, load) — needs both binaries.
     Coordinator,
+    /// Every engine registered as `both` behind its pd-sidecar, requests entering through all
+    /// of them: the coordinator places each request (prefill on the engine holding the prompt,
+    /// or disaggregated between two engines) — the counterpart of vllm-router-colocated.
+    CoordinatorColocated,
     /// vllm-router in P/D mode in front of the engines with --vllm-router-policy (default
     /// cache_aware); needs --vllm-router.
     VllmRouter,

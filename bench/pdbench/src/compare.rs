@@ -54,7 +54,7 @@ async fn prepare_setup(
         SetupKind::RoundRobin => Prepared::plain(Target::round_robin(urls)),
         SetupKind::PdRoundRobin => Prepared::plain(Target::direct_pd(p, d, false, 0)),
         SetupKind::PdPrefixAffinity => Prepared::plain(Target::direct_pd(p, d, true, 0)),
-        SetupKind::Coordinator => {
+        SetupKind::Coordinator | SetupKind::CoordinatorColocated => {
             let (cb, sb) = c.daemons.bins();
             anyhow::ensure!(
                 c.daemons.usable(),
@@ -66,7 +66,11 @@ async fn prepare_setup(
                 .iter()
                 .enumerate()
                 .map(|(i, e)| {
-                    let role = if i < half { "prefill" } else { c.coordinator_decode_role.as_str() };
+                    let role = match kind {
+                        SetupKind::CoordinatorColocated => "both",
+                        _ if i < half => "prefill",
+                        _ => c.coordinator_decode_role.as_str(),
+                    };
                     Engine { role: role.into(), ..e.clone() }
                 })
                 .collect();
@@ -164,7 +168,7 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     let load_before = compare_report::load_average();
     let tokenizer = if c.shared_tokenizer { Some(write_tokenizer(&log_dir)?) } else { None };
     let names: Vec<(String, &str)> = (0..c.engines).map(|i| (format!("engine-{i}"), "both")).collect();
-    let kv_events = c.setups.contains(&SetupKind::Coordinator);
+    let kv_events = c.setups.iter().any(|k| matches!(k, SetupKind::Coordinator | SetupKind::CoordinatorColocated));
     let mut sim_opts = c.sim.options(100, 1000, kv_events, None);
     let extra = sim_extra_args(&c, &spec, tokenizer.as_deref());
     sim_opts.args.extend(extra.iter().cloned());

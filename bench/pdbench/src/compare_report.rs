@@ -95,18 +95,22 @@ pub fn load_average() -> Option<[f64; 3]> {
     (v.len() == 3).then(|| [v[0], v[1], v[2]])
 }
 
-/// Coordinator mean TTFT over round-robin's and over vllm-router's, per repetition.
+/// Mean-TTFT ratios per repetition: the coordinator (P/D) over round-robin's, over
+/// vllm-router's in P/D mode and over vllm-router's regular (colocated) mode, and the
+/// coordinator-colocated setup over vllm-router-colocated. Null where a setup did not run.
 pub fn ratios(rows: &[Row]) -> Vec<Value> {
     let reps = rows.iter().map(|r| r.rep).max().unwrap_or(0);
     (1..=reps)
         .map(|rep| {
             let of = |k: SetupKind| rows.iter().find(|r| r.rep == rep && r.kind == k).and_then(Row::mean_ttft);
-            let coord = of(SetupKind::Coordinator);
-            let over = |base: Option<f64>| coord.zip(base).map(|(c, b)| c / b);
+            let over = |a: SetupKind, b: SetupKind| of(a).zip(of(b)).map(|(a, b)| a / b);
             json!({
                 "run": rep,
-                "coordinator_over_round_robin": over(of(SetupKind::RoundRobin)),
-                "coordinator_over_vllm_router": over(of(SetupKind::VllmRouter)),
+                "coordinator_over_round_robin": over(SetupKind::Coordinator, SetupKind::RoundRobin),
+                "coordinator_over_vllm_router": over(SetupKind::Coordinator, SetupKind::VllmRouter),
+                "coordinator_over_vllm_router_colocated": over(SetupKind::Coordinator, SetupKind::VllmRouterColocated),
+                "coordinator_colocated_over_vllm_router_colocated":
+                    over(SetupKind::CoordinatorColocated, SetupKind::VllmRouterColocated),
             })
         })
         .collect()
@@ -197,11 +201,14 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
     for v in ratios(rows) {
         let _ = writeln!(
             out,
-            "run {}: coordinator mean TTFT = {} x round-robin, {} x vllm-router ({})",
+            "run {}: coordinator mean TTFT = {} x round-robin, {} x vllm-router ({}), {} x vllm-router-colocated; \
+             coordinator-colocated = {} x vllm-router-colocated",
             v["run"],
             fmt_ratio(&v["coordinator_over_round_robin"]),
             fmt_ratio(&v["coordinator_over_vllm_router"]),
-            c.vllm_router_policy
+            c.vllm_router_policy,
+            fmt_ratio(&v["coordinator_over_vllm_router_colocated"]),
+            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"])
         );
     }
     let _ = writeln!(out, "load average before: {}, after: {}", fmt_load(c.load.0), fmt_load(c.load.1));
@@ -258,16 +265,19 @@ pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
     }
     let _ = write!(
         md,
-        "\n| run | coordinator / round-robin | coordinator / vllm-router ({}) |\n|---|---|---|\n",
+        "\n| run | coordinator / round-robin | coordinator / vllm-router ({0}) | coordinator / vllm-router-colocated ({0}) \
+         | coordinator-colocated / vllm-router-colocated ({0}) |\n|---|---|---|---|---|\n",
         c.vllm_router_policy
     );
     for v in ratios(rows) {
         let _ = writeln!(
             md,
-            "| {} | {} | {} |",
+            "| {} | {} | {} | {} | {} |",
             v["run"],
             fmt_ratio(&v["coordinator_over_round_robin"]),
-            fmt_ratio(&v["coordinator_over_vllm_router"])
+            fmt_ratio(&v["coordinator_over_vllm_router"]),
+            fmt_ratio(&v["coordinator_over_vllm_router_colocated"]),
+            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"])
         );
     }
     md

@@ -280,10 +280,11 @@ fn compare_routing_legacy_preset_keeps_the_old_workload() {
     }
 }
 
-/// The coordinator setup with the decode engines registered as `both`: requests still enter
-/// through the decode sidecars, every one is paired.
+/// The coordinator setup with the decode engines registered as `both` (requests still enter
+/// through the decode sidecars), and the coordinator-colocated setup (every engine `both`,
+/// requests through all four sidecars): every request is paired, in each.
 #[test]
-fn compare_routing_coordinator_with_decodes_as_both() {
+fn compare_routing_coordinator_with_decodes_as_both_and_colocated() {
     let daemons_built = ["pd-coordinator", "pd-sidecar"].iter().all(|b| pdbench().parent().unwrap().join(b).is_file());
     if !daemons_built {
         eprintln!("LOUD SKIP: pd-coordinator / pd-sidecar not built next to pdbench; test skipped");
@@ -298,7 +299,7 @@ fn compare_routing_coordinator_with_decodes_as_both() {
             "--coordinator-decode-role",
             "both",
             "--setups",
-            "coordinator",
+            "coordinator,coordinator-colocated",
             "--sim-bin",
             sim.to_str().unwrap(),
             "--log-dir",
@@ -319,11 +320,22 @@ fn compare_routing_coordinator_with_decodes_as_both() {
     );
     assert!(status.success(), "{status}\n{stdout}\n{stderr}");
     let r = read_json(&json);
-    let row = &r["setups"][0];
-    assert_eq!(row["summary"]["ok"], 40, "{row}");
-    let d = &row["decisions"];
-    let pairings = d["coordinator_disaggregated"].as_f64().unwrap() + d["coordinator_local_prefill"].as_f64().unwrap();
-    assert_eq!(pairings, 40.0, "{row}");
+    let rows = r["setups"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["coordinator", "coordinator-colocated"]);
+    for row in rows {
+        assert_eq!(row["summary"]["ok"], 40, "{row}");
+        let d = &row["decisions"];
+        let pairings =
+            d["coordinator_disaggregated"].as_f64().unwrap() + d["coordinator_local_prefill"].as_f64().unwrap();
+        assert_eq!(pairings, 40.0, "{row}");
+    }
+    // Colocated: every engine serves prompts itself, so each one looked prompts up in its cache.
+    for (i, k) in rows[1]["kv_per_engine"].as_array().unwrap().iter().enumerate() {
+        assert!(k["prefix_queries"].as_f64().unwrap() > 0.0, "engine {i} served nothing: {}", rows[1]);
+    }
+    // The ratio against the absent vllm-router-colocated is null, not made up.
+    assert!(r["ratios"][0]["coordinator_colocated_over_vllm_router_colocated"].is_null(), "{}", r["ratios"]);
 }
 
 /// vllm-router (PyPI) in P/D mode in front of the simulators, when `$PDBENCH_VLLM_ROUTER` names
