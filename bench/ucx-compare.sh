@@ -16,6 +16,11 @@
 #   backend       memory UCX allocates (--alloc backend, Agent::allocate), as perftest's default
 #                 buffers are: over shared memory the peer maps it and put/get are a memcpy.
 #
+# Over TCP ucx_perftest also runs twice: with UCX's defaults (8 KiB TCP segments; the bar is
+# set against this), and as "perftest-seg" with the TCP segment size the UCX backend sets by
+# default (TCP_SEG, its tcp_seg_size: UCX_TCP_TX_SEG_SIZE = UCX_TCP_RX_SEG_SIZE), so the table
+# shows what comes from that setting and what from the backend itself.
+#
 # Both tools run their two processes pinned apart (initiator/client on CPU 0, target/server on
 # CPU 1; PIN=0 leaves placement to the scheduler): over these transports UCX needs the
 # target's progress on the data path, and two processes sharing one CPU run several times
@@ -37,6 +42,8 @@ OUT=${OUT:-bench/results}
 XFERBENCH=${XFERBENCH:-target/release/xferbench}
 TRANSPORTS=("tcp|lo" "posix,cma,self|all")
 PIN=${PIN:-$([ "$(nproc)" -ge 2 ] && echo 1 || echo 0)}
+# The UCX backend's default tcp_seg_size (DEFAULT_TCP_SEG_SIZE in plugins/ucx/src/config.rs).
+TCP_SEG=${TCP_SEG:-256K}
 if [ "$PIN" = 1 ]; then
   near=(taskset -c 0)
   far=(taskset -c 1)
@@ -134,14 +141,16 @@ for entry in "${TRANSPORTS[@]}"; do
       if [ "$name" = shm ]; then
         # Registered ordinary memory is slow in perftest: a quarter of the bytes per run.
         registered=$(perftest "$tls" "$dev" "$test" "$size" UCX_ALLOC_PRIO=heap 268435456)
+        seg=-
       else
         registered=-
+        seg=$(perftest "$tls" "$dev" "$test" "$size" "UCX_TCP_TX_SEG_SIZE=$TCP_SEG UCX_TCP_RX_SEG_SIZE=$TCP_SEG")
       fi
       echo "   $name $op $size: ours ${ours:-0} (allocated by UCX: ${ours_alloc:-0}), $test $theirs," \
-        "$test on registered memory $registered" >&2
-      rows+=("$name host $op $size ${ours:-0} $test $theirs $registered ${memcpy:-0}")
+        "$test on registered memory $registered, $test with $TCP_SEG TCP segments $seg" >&2
+      rows+=("$name host $op $size ${ours:-0} $test $theirs $registered ${memcpy:-0} $seg")
       # perftest on registered memory is the host rows' counterpart, not this one's.
-      rows+=("$name backend $op $size ${ours_alloc:-0} $test $theirs - ${memcpy_alloc:-0}")
+      rows+=("$name backend $op $size ${ours_alloc:-0} $test $theirs - ${memcpy_alloc:-0} $seg")
     done
   done
 done
@@ -149,17 +158,17 @@ done
 placement=$([ "$PIN" = 1 ] && echo "initiator/client on CPU 0, target/server on CPU 1" || echo "left to the scheduler")
 echo
 echo "placement: $placement"
-printf '%-9s %-7s %-5s %-4s %10s  %-10s %14s %6s %15s %6s %12s %6s\n' transport memory op size "ours GB/s" \
-  perftest "default GB/s" ratio "registered GB/s" ratio "memcpy GB/s" ratio
+printf '%-9s %-7s %-5s %-4s %10s  %-10s %14s %6s %15s %6s %16s %6s %12s %6s\n' transport memory op size "ours GB/s" \
+  perftest "default GB/s" ratio "registered GB/s" ratio "tcp seg GB/s" ratio "memcpy GB/s" ratio
 for row in "${rows[@]}"; do
-  read -r name mem op size ours test theirs registered memcpy <<<"$row"
+  read -r name mem op size ours test theirs registered memcpy seg <<<"$row"
   awk -v n="$name" -v mem="$mem" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" \
-    -v m="$memcpy" '
+    -v m="$memcpy" -v q="$seg" '
   function ratio(a, b) { return (b != "-" && b > 0) ? sprintf("%.2f", a / b) : "-" }
   BEGIN {
     ms = n == "shm" ? sprintf("%.3f", m) : "-"
-    printf "%-9s %-7s %-5s %-4s %10.3f  %-10s %14.3f %6s %15s %6s %12s %6s\n", n, mem, op, s, o, t, p, ratio(o, p), g,
-      ratio(o, g), ms, n == "shm" ? ratio(o, m) : "-"
+    printf "%-9s %-7s %-5s %-4s %10.3f  %-10s %14.3f %6s %15s %6s %16s %6s %12s %6s\n", n, mem, op, s, o, t, p, ratio(o, p),
+      g, ratio(o, g), q, ratio(o, q), ms, n == "shm" ? ratio(o, m) : "-"
   }'
 done
 
@@ -173,33 +182,37 @@ ucx_version=$(ucx_info -v 2>/dev/null | awk '/Version/ { print $NF; exit }')
   echo "Placement: $placement. tcp: \`UCX_TLS=tcp\` on \`lo\`; shm: \`UCX_TLS=posix,cma,self\`."
   echo "WRITE is compared with \`ucp_put_bw\`, READ with \`ucp_get\`. Memory: host = xferbench \`--alloc host\`"
   echo "(registered ordinary memory), backend = \`--alloc backend\` (allocated by UCX on both sides); memcpy is"
-  echo "measured in the same xferbench run as the row."
+  echo "measured in the same xferbench run as the row. xfer-ucx runs with its default parameters (over tcp:"
+  echo "$TCP_SEG TCP segments, \`tcp_seg_size\`); perftest (tcp seg) is perftest with the same segments"
+  echo "(\`UCX_TCP_TX_SEG_SIZE=UCX_TCP_RX_SEG_SIZE=$TCP_SEG\`), perftest (default) with UCX's (8 KiB)."
   echo
-  echo "| transport | memory | op | size | xfer-ucx GB/s | perftest test | perftest (default) GB/s | ours ÷ default | perftest (registered) GB/s | ours ÷ registered | memcpy GB/s | ours ÷ memcpy |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| transport | memory | op | size | xfer-ucx GB/s | perftest test | perftest (default) GB/s | ours ÷ default | perftest (registered) GB/s | ours ÷ registered | perftest (tcp seg) GB/s | ours ÷ tcp seg | memcpy GB/s | ours ÷ memcpy |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   for row in "${rows[@]}"; do
-    read -r name mem op size ours test theirs registered memcpy <<<"$row"
+    read -r name mem op size ours test theirs registered memcpy seg <<<"$row"
     awk -v n="$name" -v mem="$mem" -v op="$op" -v s="$size" -v o="$ours" -v t="$test" -v p="$theirs" -v g="$registered" \
-      -v m="$memcpy" '
+      -v m="$memcpy" -v q="$seg" '
     function ratio(a, b) { return (b != "-" && b > 0) ? sprintf("%.2f", a / b) : "-" }
     BEGIN {
       shm = n == "shm"
       reg = shm && g != "-"
-      printf "| %s | %s | %s | %s | %.3f | `%s` | %.3f | %s | %s | %s | %s | %s |\n", n, mem, toupper(op), s, o, t, p,
-        ratio(o, p), reg ? sprintf("%.3f", g) : "-", reg ? ratio(o, g) : "-", shm ? sprintf("%.3f", m) : "-",
-        shm ? ratio(o, m) : "-"
+      sg = !shm && q != "-"
+      printf "| %s | %s | %s | %s | %.3f | `%s` | %.3f | %s | %s | %s | %s | %s | %s | %s |\n", n, mem, toupper(op), s, o,
+        t, p, ratio(o, p), reg ? sprintf("%.3f", g) : "-", reg ? ratio(o, g) : "-", sg ? sprintf("%.3f", q) : "-",
+        sg ? ratio(o, q) : "-", shm ? sprintf("%.3f", m) : "-", shm ? ratio(o, m) : "-"
     }'
   done
 } >"$OUT/ucx.md"
 for row in "${rows[@]}"; do
-  read -r name mem op size ours test theirs registered memcpy <<<"$row"
+  read -r name mem op size ours test theirs registered memcpy seg <<<"$row"
   awk -v n="$name" -v mem="$mem" -v op="$op" -v b="$(bytes "$size")" -v o="$ours" -v t="$test" -v p="$theirs" \
-    -v g="$registered" -v m="$memcpy" -v r="$REPEAT" '
+    -v g="$registered" -v m="$memcpy" -v q="$seg" -v r="$REPEAT" -v ts="$(bytes "$TCP_SEG")" '
   BEGIN {
     printf "{\"transport\":\"%s\",\"memory\":\"%s\",\"op\":\"%s\",\"block_size\":%d,\"repeat\":%d,", n, mem, op, b, r
     printf "\"xfer_ucx_gbps\":%s,", o
-    printf "\"perftest_test\":\"%s\",\"perftest_gbps\":%s,\"perftest_registered_gbps\":%s,\"memcpy_gbps\":%s}\n",
-      t, p, g == "-" ? "null" : g, n == "shm" ? m : "null"
+    printf "\"perftest_test\":\"%s\",\"perftest_gbps\":%s,\"perftest_registered_gbps\":%s,", t, p, g == "-" ? "null" : g
+    printf "\"perftest_tcp_seg_gbps\":%s,\"tcp_seg_size\":%s,\"memcpy_gbps\":%s}\n", q == "-" ? "null" : q,
+      n == "tcp" ? ts : "null", n == "shm" ? m : "null"
   }'
 done | python3 -c 'import json, sys; print(json.dumps([json.loads(l) for l in sys.stdin], indent=1))' >"$OUT/ucx.json"
 echo "wrote $OUT/ucx.md $OUT/ucx.json" >&2
