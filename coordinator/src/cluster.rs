@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use pd_protocols::kv_events::EventBatch;
 
 use crate::handoff::{Action, Handoffs};
-use crate::index::PrefixIndex;
+use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
 use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, Weights};
 
@@ -86,6 +86,9 @@ struct Scratch {
     overlaps: Vec<(usize, usize)>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
+    /// The slots the lookup found, so that the speculative insert after it does not probe
+    /// for them again (most of a decision's time is those probes' cache misses).
+    probes: Probes,
 }
 
 impl Cluster {
@@ -176,9 +179,9 @@ impl Cluster {
         uniform: [f64; 2],
         scratch: &mut Scratch,
     ) -> Result<Decision, PairError> {
-        let Scratch { overlaps, decodes, prefills } = scratch;
+        let Scratch { overlaps, decodes, prefills, probes } = scratch;
         match self.indexes.get(req.model) {
-            Some(index) => index.prefix_matches(req.block_hashes, now, overlaps),
+            Some(index) => index.prefix_matches_probed(req.block_hashes, now, overlaps, probes),
             None => overlaps.clear(),
         }
         let overlap = |engine| overlaps.binary_search_by_key(&engine, |&(e, _)| e).map_or(0, |i| overlaps[i].1);
@@ -240,7 +243,7 @@ impl Cluster {
                 self.indexes.insert(req.model.to_string(), PrefixIndex::default());
             }
             let index = self.indexes.get_mut(req.model).expect("just made sure");
-            index.insert_speculative(&guesses[..n], req.block_hashes, speculative_until);
+            index.insert_speculative_probed(&guesses[..n], req.block_hashes, speculative_until, probes);
         }
         Ok(decision)
     }

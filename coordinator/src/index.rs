@@ -206,6 +206,84 @@ impl std::fmt::Debug for PrefixIndex {
     }
 }
 
+/// Where a chunk's blocks start their probes in both tables, computed before any of them is
+/// read: a loop that then only loads those slots keeps dozens of cache misses in flight, where
+/// one that also computes them fits fewer in the CPU's window. Homes go stale when a table
+/// grows (an insert), so each is checked against the capacity it was computed for.
+struct Homes {
+    blocks: [usize; CHUNK],
+    approx: [usize; CHUNK],
+    caps: (usize, usize),
+}
+
+impl Default for Homes {
+    fn default() -> Self {
+        Homes { blocks: [0; CHUNK], approx: [0; CHUNK], caps: (0, 0) }
+    }
+}
+
+impl Homes {
+    /// Computes the homes of `chunk` (at most `CHUNK` blocks) and touches them, except the
+    /// block-table homes of blocks whose slots `known` (a lookup's, by position in the chunk)
+    /// gives: those slots were just read.
+    #[inline]
+    fn fill(&mut self, index: &PrefixIndex, chunk: &[u64], known: &[usize]) {
+        self.caps = (index.blocks.cap(), index.approx.cap());
+        for (k, ((b, a), &hash)) in self.blocks.iter_mut().zip(self.approx.iter_mut()).zip(chunk).enumerate() {
+            *b = if Probes::get(known, k) == NONE { index.blocks.home(hash) } else { NONE };
+            *a = index.approx.home(hash);
+        }
+        let n = chunk.len();
+        let warm = (0..n).fold(0, |acc, k| {
+            let b = if self.blocks[k] == NONE { 0 } else { index.blocks.touch_at(self.blocks[k]) };
+            acc ^ b ^ index.approx.touch_at(self.approx[k])
+        });
+        std::hint::black_box(warm);
+    }
+
+    #[inline]
+    fn block(&self, index: &PrefixIndex, k: usize, hash: u64) -> usize {
+        if index.blocks.cap() == self.caps.0 && self.blocks[k] != NONE {
+            self.blocks[k]
+        } else {
+            index.blocks.home(hash)
+        }
+    }
+
+    #[inline]
+    fn approx(&self, index: &PrefixIndex, k: usize, hash: u64) -> usize {
+        if index.approx.cap() == self.caps.1 {
+            self.approx[k]
+        } else {
+            index.approx.home(hash)
+        }
+    }
+}
+
+/// The slots a lookup found, by block position in its request, so that a speculative insert of
+/// the same request right after it need not probe for them again
+/// ([`PrefixIndex::prefix_matches_probed`], [`PrefixIndex::insert_speculative_probed`]). Each
+/// is checked before use (the slot must still hold that block), so stale ones only cost a probe.
+#[derive(Debug, Default, Clone)]
+pub struct Probes {
+    /// Block-table slots; `NONE` where the block was not found or not probed.
+    blocks: Vec<usize>,
+    /// Approximate-table slots, likewise.
+    approx: Vec<usize>,
+}
+
+impl Probes {
+    fn clear(&mut self) {
+        self.blocks.clear();
+        self.approx.clear();
+    }
+
+    #[inline]
+    fn get(list: &[usize], at: usize) -> usize {
+        list.get(at).copied().unwrap_or(NONE)
+    }
+}
+
 impl PrefixIndex {
     /// Applies one engine's event. Unknown event kinds are ignored.
     pub fn apply(&mut self, engine: usize, event: &KvEvent) {
@@ -213,12 +291,18 @@ impl PrefixIndex {
             KvEvent::BlockStored { block_hashes, medium, .. } => {
                 let tier = Tier::from_medium(medium.as_deref());
                 let Some(local) = self.local(engine) else { return };
+                let mut homes = [0; CHUNK];
                 for chunk in block_hashes.chunks(CHUNK) {
                     // Touch every block's first slot before writing: the cache misses overlap.
-                    let warm = chunk.iter().fold(0, |acc, h| acc ^ self.blocks.touch(h.as_u64()));
-                    std::hint::black_box(warm);
-                    for hash in chunk {
-                        self.store(local, hash.as_u64(), tier);
+                    let cap = self.blocks.cap();
+                    for (home, hash) in homes.iter_mut().zip(chunk) {
+                        *home = self.blocks.home(hash.as_u64());
+                    }
+                    self.blocks.touch_all(&homes[..chunk.len()]);
+                    for (&home, hash) in homes.iter().zip(chunk) {
+                        let hash = hash.as_u64();
+                        let home = if self.blocks.cap() == cap { home } else { self.blocks.home(hash) };
+                        self.store(local, home, hash, tier);
                     }
                 }
             }
@@ -243,16 +327,16 @@ impl PrefixIndex {
         self.clock.origin.get_or_insert(expires);
         let deadline = self.clock.ms(expires);
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
+        let mut homes = Homes::default();
         for chunk in hashes.chunks(CHUNK) {
-            // Touch every block's first slots before writing: the cache misses overlap.
-            let warm = chunk.iter().fold(0, |acc, &h| acc ^ self.blocks.touch(h) ^ self.approx.touch(h));
-            std::hint::black_box(warm);
-            for &hash in chunk {
-                let i = self.slot_for(hash);
+            homes.fill(self, chunk, &[]);
+            for (k, &hash) in chunk.iter().enumerate() {
+                let i = self.slot_for_from(homes.block(self, k, hash), hash);
                 if self.blocks.slot(i)[word] & bit != 0 {
                     continue; // an exact entry is never downgraded to an approximate one
                 }
-                if self.approx.upsert(hash, local, deadline, &self.resets) {
+                let j = self.approx.slot_for(homes.approx(self, k, hash), hash, &self.resets);
+                if self.approx.set(j, local, deadline) {
                     self.engines.approx[local as usize] += 1;
                 }
                 self.blocks.slot_mut(i)[1] |= HAS_APPROX;
@@ -265,6 +349,19 @@ impl PrefixIndex {
     /// [`PrefixIndex::insert_approximate`] per engine, in one pass over the blocks: each block
     /// is found or created once for all engines).
     pub fn insert_speculative(&mut self, guesses: &[(usize, usize)], hashes: &[u64], expires: Instant) {
+        self.insert_speculative_probed(guesses, hashes, expires, &Probes::default());
+    }
+
+    /// [`PrefixIndex::insert_speculative`] right after [`PrefixIndex::prefix_matches_probed`]
+    /// of the same `hashes`: the slots that lookup found are used instead of probing again
+    /// (each checked first; `probes` from another request or an older state only cost probes).
+    pub fn insert_speculative_probed(
+        &mut self,
+        guesses: &[(usize, usize)],
+        hashes: &[u64],
+        expires: Instant,
+        probes: &Probes,
+    ) {
         const MOST: usize = 4;
         if guesses.len() > MOST {
             for &(engine, first) in guesses {
@@ -286,23 +383,38 @@ impl PrefixIndex {
         let Some(start) = who.iter().map(|&(_, first)| first).min() else { return };
         self.clock.origin.get_or_insert(expires);
         let deadline = self.clock.ms(expires);
+        let mut homes = Homes::default();
         for (c, chunk) in hashes[start..].chunks(CHUNK).enumerate() {
-            // Touch every block's first slots before writing: the cache misses overlap.
-            let warm = chunk.iter().fold(0, |acc, &h| acc ^ self.blocks.touch(h) ^ self.approx.touch(h));
-            std::hint::black_box(warm);
+            let first_at = start + c * CHUNK;
+            let known = probes.blocks.get(first_at..).unwrap_or_default();
+            homes.fill(self, chunk, &known[..known.len().min(chunk.len())]);
             for (k, &hash) in chunk.iter().enumerate() {
-                let at = start + c * CHUNK + k;
-                let i = self.slot_for(hash);
-                // Every approximate slot has its block's flag set: without it there is none.
-                let mut absent = self.blocks.slot(i)[1] & HAS_APPROX == 0;
+                let at = first_at + k;
+                let seen = Probes::get(&probes.blocks, at);
+                let i = if seen != NONE && self.blocks.holds_at(seen, hash) {
+                    clean(self.blocks.slot_mut(seen), self.words, &self.resets, &mut self.tiers);
+                    seen
+                } else {
+                    self.slot_for_from(homes.block(self, k, hash), hash)
+                };
                 let mut j = None;
                 for &(local, first) in who {
                     let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
                     if at < first || self.blocks.slot(i)[word] & bit != 0 {
                         continue; // an exact entry is never downgraded to an approximate one
                     }
-                    let slot = *j.get_or_insert_with(|| self.approx.slot_for(hash, absent, &self.resets));
-                    absent = false;
+                    let slot = match j {
+                        Some(slot) => slot,
+                        None => {
+                            let seen = Probes::get(&probes.approx, at);
+                            if seen != NONE && self.approx.holds_at(seen, hash) {
+                                self.approx.slot_at(seen, &self.resets)
+                            } else {
+                                self.approx.slot_for(homes.approx(self, k, hash), hash, &self.resets)
+                            }
+                        }
+                    };
+                    j = Some(slot);
                     if self.approx.set(slot, local, deadline) {
                         self.engines.approx[local as usize] += 1;
                     }
@@ -384,6 +496,23 @@ impl PrefixIndex {
     /// [`PrefixIndex::overlaps`] into a reusable vector: `(engine, leading blocks held)` for
     /// every engine holding the first block, by engine.
     pub fn prefix_matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>) {
+        self.matches(hashes, now, out, None);
+    }
+
+    /// [`PrefixIndex::prefix_matches`], keeping in `probes` the slots it found, for
+    /// [`PrefixIndex::insert_speculative_probed`] of the same request right after.
+    pub fn prefix_matches_probed(
+        &self,
+        hashes: &[u64],
+        now: Instant,
+        out: &mut Vec<(usize, usize)>,
+        probes: &mut Probes,
+    ) {
+        probes.clear();
+        self.matches(hashes, now, out, Some(probes));
+    }
+
+    fn matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>, mut probes: Option<&mut Probes>) {
         out.clear();
         if hashes.is_empty() || self.blocks.len() == 0 {
             return;
@@ -391,18 +520,44 @@ impl PrefixIndex {
         let words = self.words;
         let now = self.clock.ms(now);
         // active: engines holding every block so far; live: holders of the current block.
-        let mut scratch = vec![0u64; 2 * words];
+        let (mut small, mut large) = ([0u64; 8], Vec::new());
+        let scratch: &mut [u64] = if 2 * words <= small.len() {
+            &mut small[..2 * words]
+        } else {
+            large.resize(2 * words, 0);
+            &mut large
+        };
         let (active, live) = scratch.split_at_mut(words);
         let mut found = [NONE; CHUNK];
+        // Homes in the block table, then (for blocks flagged as guessed) in the approximate one.
+        let mut homes = [NONE; CHUNK];
+        let mut guessed = [NONE; CHUNK];
         let mut end = hashes.len();
         let mut start = 0;
         'chunks: while start < hashes.len() {
             let len = if start == 0 { FIRST_CHUNK } else { CHUNK };
             let chunk = &hashes[start..hashes.len().min(start + len)];
-            // Independent probes first, so that their cache misses overlap.
-            for (slot, &hash) in found.iter_mut().zip(chunk) {
-                *slot = self.blocks.find(hash).unwrap_or(NONE);
+            // Independent probes first, so that their cache misses overlap: homes computed, then
+            // only loaded (many loads in flight), then the walks, which mostly hit the cache.
+            for (home, &hash) in homes.iter_mut().zip(chunk) {
+                *home = self.blocks.home(hash);
             }
+            self.blocks.touch_all(&homes[..chunk.len()]);
+            for ((slot, &hash), &home) in found.iter_mut().zip(chunk).zip(&homes) {
+                *slot = self.blocks.find_from(home, hash).unwrap_or(NONE);
+            }
+            if let Some(p) = probes.as_deref_mut() {
+                p.blocks.extend_from_slice(&found[..chunk.len()]);
+                p.approx.resize(p.blocks.len(), NONE);
+            }
+            // The same for the approximate slots of guessed blocks (their flag is in the block
+            // slots just read).
+            for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
+                *j = if i != NONE && self.blocks.slot(i)[1] & HAS_APPROX != 0 { self.approx.home(hash) } else { NONE };
+            }
+            let warm =
+                guessed[..chunk.len()].iter().filter(|&&j| j != NONE).fold(0, |acc, &j| acc ^ self.approx.touch_at(j));
+            std::hint::black_box(warm);
             for (k, &i) in found[..chunk.len()].iter().enumerate() {
                 let at = start + k;
                 if i == NONE {
@@ -414,8 +569,11 @@ impl PrefixIndex {
                 // exactly (on the first block, for every engine).
                 let slot = self.blocks.slot(i);
                 let undecided = at == 0 || active.iter().zip(live.iter()).any(|(a, l)| a & !l != 0);
-                if slot[1] & HAS_APPROX != 0 && undecided {
-                    if let Some(j) = self.approx.find(slot[0]) {
+                if guessed[k] != NONE && undecided {
+                    if let Some(j) = self.approx.find_from(guessed[k], slot[0]) {
+                        if let Some(p) = probes.as_deref_mut() {
+                            p.approx[at] = j;
+                        }
                         self.approx.live(j, now, &self.resets, live);
                     }
                 }
@@ -555,19 +713,18 @@ impl PrefixIndex {
         Some(local)
     }
 
-    /// The slot of block `hash`, cleaned, created empty if needed.
-    fn slot_for(&mut self, hash: u64) -> usize {
-        match self.blocks.find(hash) {
-            Some(i) => {
-                clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
-                i
-            }
-            None => self.blocks.insert(hash, OCCUPIED | u64::from(self.resets.seq)),
+    /// The slot of block `hash`, cleaned, created empty if needed, in one walk from `home`
+    /// (`self.blocks.home(hash)` at the current capacity).
+    fn slot_for_from(&mut self, home: usize, hash: u64) -> usize {
+        let (i, new) = self.blocks.find_or_insert_from(home, hash, OCCUPIED | u64::from(self.resets.seq));
+        if !new {
+            clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
         }
+        i
     }
 
-    fn store(&mut self, local: u32, hash: u64, tier: Tier) {
-        let i = self.slot_for(hash);
+    fn store(&mut self, local: u32, home: usize, hash: u64, tier: Tier) {
+        let i = self.slot_for_from(home, hash);
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let slot = self.blocks.slot_mut(i);
         let meta = slot[1];

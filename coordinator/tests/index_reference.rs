@@ -1,13 +1,14 @@
 //! The prefix index against a naive reference model, over many random operation sequences:
 //! stores and removals (any tier, duplicates), approximate entries with deadlines, time passing,
-//! `expire`, `AllBlocksCleared` and `remove_engine`, with sparse engine ids and tables large
-//! enough that resets stay pending. Every query, count and tier is compared after every step; a
-//! failing sequence is shrunk and printed.
+//! `expire`, `AllBlocksCleared` and `remove_engine`, speculative entries after a decision (plain,
+//! or reusing the slots of a lookup of the same request just before, or of an older one), with
+//! sparse engine ids and tables large enough that resets stay pending. Every query, count and
+//! tier is compared after every step; a failing sequence is shrunk and printed.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use pd_coordinator::index::{PrefixIndex, Tier};
+use pd_coordinator::index::{PrefixIndex, Probes, Tier};
 use pd_protocols::kv_events::{BlockHash, KvEvent};
 
 struct Rng(u64);
@@ -78,6 +79,9 @@ impl Reference {
     }
 }
 
+/// Operations on the index. `Speculative`: `insert_speculative` for each `(engine, first)` of
+/// `guesses` on `hashes[first..]`; with `probed`, after `prefix_matches_probed` of the same
+/// hashes (or, with `stale`, of the last query's).
 #[derive(Clone, Debug)]
 enum Op {
     Stored { engine: usize, hashes: Vec<u64>, medium: Option<&'static str> },
@@ -85,6 +89,7 @@ enum Op {
     Cleared { engine: usize },
     RemoveEngine { engine: usize },
     Approx { engine: usize, hashes: Vec<u64>, ttl_ms: u64 },
+    Speculative { guesses: Vec<(usize, usize)>, hashes: Vec<u64>, ttl_ms: u64, probed: bool, stale: bool },
     Advance { ms: u64 },
     Expire,
     Query { hashes: Vec<u64> },
@@ -152,14 +157,30 @@ fn generate(seed: u64, profile: &Profile) -> Vec<Op> {
             40..=59 => Op::Removed { engine, hashes: run_of(&mut rng, profile) },
             60..=62 => Op::Cleared { engine },
             63..=64 => Op::RemoveEngine { engine },
-            65..=79 => Op::Approx { engine, hashes: run_of(&mut rng, profile), ttl_ms: rng.below(3000) },
+            65..=72 => Op::Approx { engine, hashes: run_of(&mut rng, profile), ttl_ms: rng.below(3000) },
+            73..=79 => {
+                let hashes = run_of(&mut rng, profile);
+                let most = if rng.below(4) == 0 { 6 } else { 2 };
+                let count = 1 + rng.below(most) as usize;
+                let guesses = (0..count)
+                    .map(|_| (rng.pick(profile.engines), rng.below(hashes.len() as u64 + 2) as usize))
+                    .collect();
+                let (probed, stale) = (rng.below(4) != 0, rng.below(4) == 0);
+                Op::Speculative { guesses, hashes, ttl_ms: rng.below(3000), probed, stale }
+            }
             80..=87 => Op::Advance { ms: rng.below(1500) },
             88..=91 => Op::Expire,
             _ => Op::Query { hashes: run_of(&mut rng, profile) },
         });
         // Every step is followed by a query near the last operation's blocks.
         let mut query = run_of(&mut rng, profile);
-        if let Some(Op::Stored { hashes, .. } | Op::Approx { hashes, .. } | Op::Removed { hashes, .. }) = ops.last() {
+        if let Some(
+            Op::Stored { hashes, .. }
+            | Op::Approx { hashes, .. }
+            | Op::Removed { hashes, .. }
+            | Op::Speculative { hashes, .. },
+        ) = ops.last()
+        {
             if rng.below(2) == 0 {
                 query = hashes.clone();
                 query.extend(run_of(&mut rng, profile));
@@ -188,6 +209,8 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
     let mut now_ms = 0u64;
     let (mut index, mut reference) = (PrefixIndex::default(), Reference::default());
     let mut matches = Vec::new();
+    let mut probes = Probes::default();
+    let mut last_query: Vec<u64> = Vec::new();
     for (step, op) in ops.iter().enumerate() {
         let now = t0 + Duration::from_millis(now_ms);
         match op {
@@ -228,6 +251,29 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                     }
                 }
             }
+            Op::Speculative { guesses, hashes, ttl_ms, probed, stale } => {
+                let until = now + Duration::from_millis(*ttl_ms);
+                if *probed {
+                    // Slots found for another request (or before other writes) must not be
+                    // trusted blindly: the stale case looks up the last query instead.
+                    let looked_up = if *stale { &last_query } else { hashes };
+                    index.prefix_matches_probed(looked_up, now, &mut matches, &mut probes);
+                    index.insert_speculative_probed(guesses, hashes, until, &probes);
+                } else {
+                    index.insert_speculative(guesses, hashes, until);
+                }
+                for &(engine, first) in guesses {
+                    if first >= hashes.len() {
+                        continue;
+                    }
+                    let blocks = reference.held.entry(engine).or_default();
+                    for h in &hashes[first..] {
+                        if !matches!(blocks.get(h), Some(State::Exact(_))) {
+                            blocks.insert(*h, State::Approx(now_ms + ttl_ms));
+                        }
+                    }
+                }
+            }
             Op::Advance { ms } => now_ms += ms,
             Op::Expire => {
                 index.expire(now);
@@ -236,6 +282,7 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                 }
             }
             Op::Query { hashes } => {
+                last_query.clone_from(hashes);
                 let got = index.overlaps(hashes, now);
                 let want = reference.overlaps(hashes, now_ms);
                 if got != want {

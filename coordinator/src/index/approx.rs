@@ -66,7 +66,9 @@ fn stride_for(words: usize) -> usize {
 impl Approx {
     pub fn new(words: usize) -> Self {
         Approx {
-            slots: Slots::new(stride_for(words)),
+            // Sparse: inserts (a decision's guesses for blocks new to the table) walk to the
+            // first empty slot, one cache line per slot here.
+            slots: Slots::sparse(stride_for(words)),
             words,
             spill: Vec::new(),
             free: Vec::new(),
@@ -123,16 +125,45 @@ impl Approx {
         *self = wider;
     }
 
-    /// See [`Slots::touch`].
+    /// See [`Slots::home`] and [`Slots::touch_at`]; `cap` tells when homes computed before are
+    /// stale (the table grew).
     #[inline]
-    pub fn touch(&self, hash: u64) -> u64 {
-        self.slots.touch(hash)
+    pub fn home(&self, hash: u64) -> usize {
+        self.slots.home(hash)
+    }
+
+    #[inline]
+    pub fn touch_at(&self, home: usize) -> u64 {
+        self.slots.touch_at(home)
+    }
+
+    #[inline]
+    pub fn cap(&self) -> usize {
+        self.slots.cap()
+    }
+
+    /// Whether slot `j` (found earlier, perhaps stale since) is block `hash`'s.
+    #[inline]
+    pub fn holds_at(&self, j: usize, hash: u64) -> bool {
+        self.slots.holds_at(j, hash)
+    }
+
+    /// Slot `j`, known to be block `hash`'s (see [`Approx::holds_at`]), cleaned.
+    pub fn slot_at(&mut self, j: usize, resets: &Resets) -> usize {
+        self.clean(j, resets);
+        j
     }
 
     /// Where block `hash`'s entries are.
     #[inline]
     pub fn find(&self, hash: u64) -> Option<usize> {
         self.slots.find(hash)
+    }
+
+    /// [`Approx::find`] from `home` (`self.home(hash)` at the current capacity).
+    #[inline]
+    pub fn find_from(&self, home: usize, hash: u64) -> Option<usize> {
+        self.slots.find_from(home, hash)
     }
 
     /// The entries of slot `j`, by deadline.
@@ -252,25 +283,15 @@ impl Approx {
         s[1] |= SPILLED | index << SPILL_SHIFT;
     }
 
-    /// Sets `local`'s deadline for `hash`; true when the engine had no live entry there.
-    pub fn upsert(&mut self, hash: u64, local: u32, at: i32, resets: &Resets) -> bool {
-        let j = self.slot_for(hash, false, resets);
-        self.set(j, local, at)
-    }
-
-    /// The slot of block `hash`, cleaned, created empty when there is none; `absent`: the
-    /// caller knows there is none (skips the search). The position stays valid until a slot
-    /// is added or removed.
-    pub fn slot_for(&mut self, hash: u64, absent: bool, resets: &Resets) -> usize {
-        let found = if absent { None } else { self.slots.find(hash) };
-        debug_assert!(!absent || self.slots.find(hash).is_none(), "approximate slot said absent exists");
-        match found {
-            Some(j) => {
-                self.clean(j, resets);
-                j
-            }
-            None => self.slots.insert(hash, OCCUPIED | u64::from(resets.seq)),
+    /// The slot of block `hash`, cleaned, created empty when there is none, in one walk from
+    /// `home` (`self.home(hash)` at the current capacity). The position stays valid until a
+    /// slot is added or removed.
+    pub fn slot_for(&mut self, home: usize, hash: u64, resets: &Resets) -> usize {
+        let (j, new) = self.slots.find_or_insert_from(home, hash, OCCUPIED | u64::from(resets.seq));
+        if !new {
+            self.clean(j, resets);
         }
+        j
     }
 
     /// Sets `local`'s deadline in (cleaned) slot `j`; true when the engine had no live entry.

@@ -9,9 +9,21 @@
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 
-/// The table grows by half once more than 4/5 of its slots are taken.
-const MAX_LOAD: (usize, usize) = (4, 5);
+/// A dense table grows by half once more than 4/5 of its slots are taken (53-80 % full), and
+/// shrinks (to half full) below a quarter.
+const DENSE: Load = Load { max: (4, 5), shrink_below: 4 };
+/// A sparse one grows by half past half full (33-50 % full), and shrinks (to a third full)
+/// below a sixth: probes that miss (new keys) walk about 2 slots instead of 5-13.
+const SPARSE: Load = Load { max: (1, 2), shrink_below: 6 };
 const MIN_CAP: usize = 16;
+
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    /// Most slots taken, as a fraction.
+    max: (usize, usize),
+    /// Shrinks when fewer than 1 / this are taken, to twice that share.
+    shrink_below: usize,
+}
 
 #[derive(Debug)]
 pub(super) struct Slots {
@@ -21,6 +33,7 @@ pub(super) struct Slots {
     stride: usize,
     cap: usize,
     len: usize,
+    load: Load,
     /// Keys are hashes already, but not always good ones (tests use 0, 1, 2...), and a client
     /// that can choose prompts could grind block hashes into one probe run: mix with a secret
     /// (drawn when the table first gets slots, so that an empty table costs nothing).
@@ -38,7 +51,18 @@ impl Slots {
     /// An empty table of `stride`-word slots (`stride` a power of two, at least 2).
     pub fn new(stride: usize) -> Self {
         debug_assert!(stride.is_power_of_two() && stride >= 2);
-        Slots { words: Vec::new(), base: 0, stride, cap: 0, len: 0, seed: 0 }
+        Slots { words: Vec::new(), base: 0, stride, cap: 0, len: 0, load: DENSE, seed: 0 }
+    }
+
+    /// [`Slots::new`], kept at most half full: for a table whose size matters less than its
+    /// inserts (they walk to the first empty slot).
+    pub fn sparse(stride: usize) -> Self {
+        Slots { load: SPARSE, ..Slots::new(stride) }
+    }
+
+    #[inline]
+    fn fits(&self, len: usize, cap: usize) -> bool {
+        len * self.load.max.1 <= cap * self.load.max.0
     }
 
     pub fn len(&self) -> usize {
@@ -99,7 +123,17 @@ impl Slots {
         if self.len == 0 {
             return None;
         }
-        let mut i = self.home(key);
+        self.find_from(self.home(key), key)
+    }
+
+    /// [`Slots::find`] from `home`, which must be `self.home(key)` for the current capacity
+    /// (a caller that computed a batch of homes first passes them here).
+    #[inline]
+    pub fn find_from(&self, home: usize, key: u64) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut i = home;
         loop {
             let at = self.base + i * self.stride;
             if self.words[at + 1] == 0 {
@@ -112,21 +146,59 @@ impl Slots {
         }
     }
 
-    /// Reads the word a probe for `key` starts at, so that a batch of probes issued this way
-    /// overlaps its cache misses; the caller passes the result to `std::hint::black_box`.
+    /// Reads the first word of slot `i` (a home computed before), so that a batch of probes
+    /// issued this way overlaps its cache misses (the caller passes the result to
+    /// `std::hint::black_box`). A loop doing only this over
+    /// homes computed beforehand keeps dozens of loads in flight at once, where one that also
+    /// computes the homes (a few multiplications each) fits fewer in the CPU's window.
     #[inline]
-    pub fn touch(&self, key: u64) -> u64 {
-        if self.cap == 0 {
-            return 0;
+    pub fn touch_at(&self, i: usize) -> u64 {
+        self.words.get(self.base + i * self.stride).copied().unwrap_or(0)
+    }
+
+    /// Whether slot `i` (a position found earlier, perhaps stale since) holds `key`.
+    #[inline]
+    pub fn holds_at(&self, i: usize, key: u64) -> bool {
+        i < self.cap && self.key(i) == key && self.occupied(i)
+    }
+
+    /// [`Slots::touch_at`] over a batch of homes.
+    #[inline]
+    pub fn touch_all(&self, homes: &[usize]) {
+        std::hint::black_box(homes.iter().fold(0, |acc, &i| acc ^ self.touch_at(i)));
+    }
+
+    /// The slot holding `key` from `home` (as [`Slots::find_from`]), or a new one taken for it
+    /// (as [`Slots::insert`]) in the same walk; true when it is new.
+    pub fn find_or_insert_from(&mut self, home: usize, key: u64, meta: u64) -> (usize, bool) {
+        debug_assert_ne!(meta, 0, "meta 0 marks an empty slot");
+        if self.cap > 0 {
+            let mut i = home;
+            loop {
+                let at = self.base + i * self.stride;
+                if self.words[at + 1] == 0 {
+                    break;
+                }
+                if self.words[at] == key {
+                    return (i, false);
+                }
+                i = self.next(i);
+            }
+            if self.fits(self.len + 1, self.cap) {
+                self.words[self.base + i * self.stride] = key;
+                self.words[self.base + i * self.stride + 1] = meta;
+                self.len += 1;
+                return (i, true);
+            }
         }
-        self.words[self.base + self.home(key) * self.stride]
+        (self.insert(key, meta), true)
     }
 
     /// Takes an empty slot for `key` (growing the table first when it is full enough), with
     /// `meta` (not 0) in word 1 and zeros after; returns its position.
     pub fn insert(&mut self, key: u64, meta: u64) -> usize {
         debug_assert_ne!(meta, 0, "meta 0 marks an empty slot");
-        if (self.len + 1) * MAX_LOAD.1 > self.cap * MAX_LOAD.0 {
+        if !self.fits(self.len + 1, self.cap) {
             let grown = (self.cap + self.cap / 2).max(MIN_CAP);
             self.rebuild(self.stride, grown);
         }
@@ -189,7 +261,7 @@ impl Slots {
         if self.cap == 0 && self.seed == 0 {
             self.seed = RandomState::new().hash_one(0x5eed_u64);
         }
-        assert!(self.len * MAX_LOAD.1 <= cap * MAX_LOAD.0, "rebuild to {cap} slots cannot hold {}", self.len);
+        assert!(self.fits(self.len, cap), "rebuild to {cap} slots cannot hold {}", self.len);
         // One spare line: slot 0 moves up to the first 64-byte boundary.
         let mut words = vec![0u64; cap * stride + 8];
         let base = (8 - (words.as_ptr() as usize / 8) % 8) % 8;
@@ -212,8 +284,8 @@ impl Slots {
 
     /// Gives memory back after many removals.
     pub fn shrink(&mut self) {
-        if self.cap > MIN_CAP && self.len * 4 < self.cap {
-            self.rebuild(self.stride, self.len * 2);
+        if self.cap > MIN_CAP && self.len * self.load.shrink_below < self.cap {
+            self.rebuild(self.stride, self.len * self.load.shrink_below / 2);
         }
     }
 }
@@ -224,10 +296,15 @@ mod tests {
 
     use super::*;
 
-    /// Insert, remove and retain against a HashMap, with keys that crowd a few probe runs.
+    /// Insert (both ways), remove and retain against a HashMap, with keys that crowd a few
+    /// probe runs, in a dense and a sparse table.
     #[test]
     fn behaves_like_a_map() {
-        let mut slots = Slots::new(4);
+        behaves_like_a_map_with(Slots::new(4));
+        behaves_like_a_map_with(Slots::sparse(4));
+    }
+
+    fn behaves_like_a_map_with(mut slots: Slots) {
         let mut model: HashMap<u64, u64> = HashMap::new();
         let mut x = 0x1234_5678_u64;
         for step in 0..20_000u64 {
@@ -236,7 +313,14 @@ mod tests {
             x ^= x << 17;
             let key = x % 600;
             match x % 7 {
-                0..=3 => {
+                0..=1 => {
+                    let (i, new) = slots.find_or_insert_from(slots.home(key), key, 1);
+                    assert_eq!(new, !model.contains_key(&key), "step {step}");
+                    assert!(slots.holds_at(i, key));
+                    slots.slot_mut(i)[2] = step;
+                    model.insert(key, step);
+                }
+                2..=3 => {
                     if let Some(i) = slots.find(key) {
                         slots.slot_mut(i)[2] = step;
                     } else {
@@ -259,6 +343,7 @@ mod tests {
                 _ => {}
             }
             assert_eq!(slots.len(), model.len());
+            assert!(slots.fits(slots.len(), slots.cap()), "step {step}: over its load");
             for probe in [key, key + 1, key * 7 % 600] {
                 assert_eq!(slots.find(probe).map(|i| slots.slot(i)[2]), model.get(&probe).copied(), "step {step}");
             }
