@@ -109,15 +109,20 @@ impl Settings {
     /// segment size (both TX and RX, so that peers with the same setting fit each other's
     /// segments), then the explicit ones. The default segment size steps aside when the
     /// environment or an explicit option sets either segment size (UCX refuses an RX segment
-    /// smaller than the TX one), and when the transports cannot include TCP (UCX warns about
+    /// smaller than the TX one), and when the transports or devices cannot include TCP (UCX warns about
     /// options no transport used). `env` reads an environment variable.
     pub fn ucx_options(&self, env: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
         let mut options = Vec::with_capacity(self.ucx.len() + 2);
         let set_elsewhere = TCP_SEG_OPTIONS.iter().any(|option| {
             env(&format!("UCX_TCP_{option}")).is_some() || self.ucx.iter().any(|(name, _)| name == option)
         });
-        let tls = self.ucx.iter().rev().find(|(name, _)| name == "TLS").map(|(_, value)| value.clone());
-        let default_applies = !set_elsewhere && may_use_tcp(tls.or_else(|| env("UCX_TLS")).as_deref());
+        let setting = |option: &str| {
+            let explicit = self.ucx.iter().rev().find(|(name, _)| name == option).map(|(_, value)| value.clone());
+            explicit.or_else(|| env(&format!("UCX_{option}")))
+        };
+        let default_applies = !set_elsewhere
+            && may_use_tcp(setting("TLS").as_deref())
+            && may_have_netdev(setting("NET_DEVICES").as_deref());
         if self.tcp_seg_size != 0 && (self.tcp_seg_size_given || default_applies) {
             for option in TCP_SEG_OPTIONS {
                 options.push((option.to_string(), self.tcp_seg_size.to_string()));
@@ -126,6 +131,12 @@ impl Settings {
         options.extend(self.ucx.iter().cloned());
         options
     }
+}
+
+/// Whether a `UCX_NET_DEVICES` value (none: every device) can name a network interface, which
+/// TCP needs: not when every entry is an RDMA port (`mlx5_0:1`).
+fn may_have_netdev(devices: Option<&str>) -> bool {
+    devices.is_none_or(|list| list.split(',').any(|device| !device.contains(':')))
 }
 
 /// Whether a `UCX_TLS` value (none: UCX's default, every transport) can select TCP.
@@ -191,6 +202,10 @@ mod tests {
         // No TCP among the transports: nothing (UCX would warn about an unused option).
         assert_eq!(options("tls=posix+cma+self", &[]), pairs(&[("TLS", "posix,cma,self")]));
         assert_eq!(options("", &[("UCX_TLS", "^tcp,ib")]), pairs(&[]));
+        // Only RDMA ports among the devices: no TCP either.
+        assert_eq!(options("net_devices=mlx5_0:1", &[]), pairs(&[("NET_DEVICES", "mlx5_0:1")]));
+        assert_eq!(options("", &[("UCX_NET_DEVICES", "mlx5_0:1,mlx5_1:1")]), pairs(&[]));
+        assert_eq!(options("", &[("UCX_NET_DEVICES", "mlx5_0:1,eth0")]), pairs(&default));
         // Set by the environment or an explicit option: UCX's own rules, ours stay out.
         assert_eq!(options("", &[("UCX_TCP_RX_SEG_SIZE", "1m")]), pairs(&[]));
         assert_eq!(options("ucx_tx_seg_size=16k", &[]), pairs(&[("TX_SEG_SIZE", "16k")]));
