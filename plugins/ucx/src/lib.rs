@@ -49,7 +49,9 @@
 //! `tcp_seg_size` default of 256 KiB: 4 of each per MiB, and WRITE 3-4 times faster on
 //! loopback (bench/README.md, "UCX against ucx_perftest": 1.06 and 1.18 GB/s at 1 MiB and
 //! 16 MiB against `ucp_put_bw`'s 0.33 and 0.29 with UCX's segments and 0.75 and 0.87 with the
-//! same 256 KiB, 2 vCPUs, load average about 4). The cost: each worker's TCP
+//! same 256 KiB, 2 vCPUs, load average about 4; in a quieter run 0.47 and 0.73 against 0.32
+//! and 0.32, and 2.66 and 0.67 with the same segments: `ucp_put_bw` pipelines its puts, a
+//! WRITE here waits for its flush). The cost: each worker's TCP
 //! transport keeps pools of segment buffers (grown 8 at a time: 2 MiB for sending, 4 MiB for
 //! receiving at 256 KiB), and peers must use segment sizes that fit each other, which they do
 //! with the same setting (the default); UCX does not check a peer's segments against its own
