@@ -60,9 +60,12 @@ const HAS_TIER: u64 = 1 << 34;
 const MAX_PENDING_RESETS: usize = 64;
 /// Tables this small are swept at once on a reset (cheaper than carrying the reset).
 const EAGER_SWEEP_BELOW: usize = 4096;
-/// Blocks probed ahead of reading them in a lookup (the first chunk is shorter: a request
-/// whose first block nobody holds costs a few probes only).
-const CHUNK: usize = 32;
+/// Blocks probed ahead of reading them in a write (stores, guesses): their homes are computed,
+/// then loaded, so that the cache misses overlap (64 measured better than 32 and 128).
+const CHUNK: usize = 64;
+/// The same in a lookup, which may stop early (32; the first chunk is shorter: a request whose
+/// first block nobody holds costs a few probes only).
+const LOOKUP_CHUNK: usize = 32;
 const FIRST_CHUNK: usize = 8;
 const NONE: usize = usize::MAX;
 /// Deadlines are `i32` milliseconds from the clock origin; past this the origin moves up.
@@ -535,7 +538,7 @@ impl PrefixIndex {
         let mut end = hashes.len();
         let mut start = 0;
         'chunks: while start < hashes.len() {
-            let len = if start == 0 { FIRST_CHUNK } else { CHUNK };
+            let len = if start == 0 { FIRST_CHUNK } else { LOOKUP_CHUNK };
             let chunk = &hashes[start..hashes.len().min(start + len)];
             // Independent probes first, so that their cache misses overlap: homes computed, then
             // only loaded (many loads in flight), then the walks, which mostly hit the cache.
