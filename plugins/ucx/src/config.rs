@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use xfer_core::{BackendError, BackendParams};
 
+use crate::keys::TcpSegments;
+
 /// Parameter prefix that passes any UCX setting through: `ucx_rndv_thresh=inf` sets
 /// `UCX_RNDV_THRESH`.
 pub const PASSTHROUGH_PREFIX: &str = "ucx_";
@@ -133,6 +135,51 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// The TCP segment sizes UCX will use with these settings and this environment (the options
+    /// [`Settings::ucx_options`] applies, else `UCX_TCP_*`/`UCX_*` variables, else UCX's
+    /// defaults of 8 KiB and 64 KiB); zeros when TCP cannot be selected, 0 for a size that does
+    /// not parse. Published in the connection info so that peers can check they fit.
+    pub fn tcp_segments(&self, env: impl Fn(&str) -> Option<String>) -> TcpSegments {
+        let setting = |option: &str| {
+            let explicit = self.ucx.iter().rev().find(|(name, _)| name == option).map(|(_, value)| value.clone());
+            explicit.or_else(|| env(&format!("UCX_{option}")))
+        };
+        if !may_use_tcp(setting("TLS").as_deref()) || !may_have_netdev(setting("NET_DEVICES").as_deref()) {
+            return TcpSegments::default();
+        }
+        let options = self.ucx_options(&env);
+        let size = |option: &str, default: u32| {
+            let value = options
+                .iter()
+                .rev()
+                .find(|(name, _)| name == option)
+                .map(|(_, value)| value.clone())
+                .or_else(|| env(&format!("UCX_TCP_{option}")))
+                .or_else(|| env(&format!("UCX_{option}")));
+            match value {
+                None => default,
+                Some(text) => parse_size(&text).unwrap_or(0),
+            }
+        };
+        TcpSegments { tx: size("TX_SEG_SIZE", 8192), rx: size("RX_SEG_SIZE", 65_536) }
+    }
+}
+
+/// A UCX memory-size setting (`65536`, `64k`, `1M`, `256KB`) in bytes, when it fits a u32.
+fn parse_size(text: &str) -> Option<u32> {
+    let text = text.trim().to_ascii_lowercase();
+    let text = text.strip_suffix('b').unwrap_or(&text);
+    let (digits, shift) = match text.chars().last()? {
+        'k' => (&text[..text.len() - 1], 10),
+        'm' => (&text[..text.len() - 1], 20),
+        'g' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    let value: u64 = digits.trim().parse().ok()?;
+    u32::try_from(value.checked_mul(1 << shift)?).ok()
+}
+
 /// Whether a `UCX_NET_DEVICES` value (none: every device) can name a network interface, which
 /// TCP needs: not when every entry is an RDMA port (`mlx5_0:1`).
 fn may_have_netdev(devices: Option<&str>) -> bool {
@@ -188,6 +235,38 @@ mod tests {
 
     fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
         list.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect()
+    }
+
+    fn segments(params: &str, env: &[(&str, &str)]) -> (u32, u32) {
+        let settings = Settings::parse(BackendParams::parse(params).unwrap()).unwrap();
+        let s =
+            settings.tcp_segments(|name| env.iter().find(|(key, _)| *key == name).map(|(_, value)| value.to_string()));
+        (s.tx, s.rx)
+    }
+
+    #[test]
+    fn published_tcp_segments_are_the_ones_ucx_will_use() {
+        let seg = DEFAULT_TCP_SEG_SIZE as u32;
+        assert_eq!(segments("", &[]), (seg, seg));
+        assert_eq!(segments("tcp_seg_size=0", &[]), (8192, 65_536), "UCX's own defaults");
+        assert_eq!(segments("", &[("UCX_TCP_RX_SEG_SIZE", "1m")]), (8192, 1 << 20), "the environment's");
+        assert_eq!(segments("ucx_tx_seg_size=16k", &[]), (16_384, 65_536));
+        assert_eq!(segments("tcp_seg_size=65536,ucx_rx_seg_size=128KB", &[]), (65_536, 131_072), "last wins");
+        assert_eq!(segments("", &[("UCX_TCP_TX_SEG_SIZE", "lots")]), (0, 65_536), "unparsable: unknown");
+        // No TCP possible: nothing to check.
+        assert_eq!(segments("tls=posix+cma+self", &[]), (0, 0));
+        assert_eq!(segments("", &[("UCX_NET_DEVICES", "mlx5_0:1")]), (0, 0));
+    }
+
+    #[test]
+    fn ucx_sizes_parse() {
+        for (text, bytes) in [("65536", 65_536), ("64k", 65_536), ("64K", 65_536), ("1m", 1 << 20), ("256KB", 262_144)]
+        {
+            assert_eq!(parse_size(text), Some(bytes), "{text}");
+        }
+        for text in ["", "k", "x", "-1", "8g", "inf"] {
+            assert_eq!(parse_size(text), None, "{text}");
+        }
     }
 
     #[test]

@@ -4,15 +4,18 @@
 //! lengths of its own.
 //!
 //! ```text
-//! connection info: "XUC2" | crc32 of the rest u32 | host u64 | pid u32 | worker address
+//! connection info: "XUC3" | crc32 of the rest u32 | host u64 | pid u32 | tcp tx segment u32
+//!                  | tcp rx segment u32 | worker address
 //! ```
 //! `host` identifies the kernel boot and pid namespace (0: unknown), so a peer on the same
-//! host can tell that the pid is one of its own namespace.
+//! host can tell that the pid is one of its own namespace. The TCP segment sizes are those this
+//! side's UCX uses (0: unknown, or TCP not selectable): UCX does not check that a peer's TX
+//! segments fit its RX segments, so peers compare them before connecting ([`segments_fit`]).
 
 use xfer_core::BackendError;
 
-const CONN_MAGIC: [u8; 4] = *b"XUC2";
-const CONN_HEADER: usize = 4 + 4 + 8 + 4;
+const CONN_MAGIC: [u8; 4] = *b"XUC3";
+const CONN_HEADER: usize = 4 + 4 + 8 + 4 + 4 + 4;
 const KEY_MAGIC: [u8; 4] = *b"XUK1";
 /// Far above any real worker address or packed key (a few hundred bytes with many devices).
 pub const MAX_BLOB: usize = 64 << 10;
@@ -53,20 +56,44 @@ impl ProcessId {
     }
 }
 
-/// What a peer needs to connect: the worker address and the process.
+/// The segment sizes of UCX's TCP transport on one side; 0 where unknown.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpSegments {
+    pub tx: u32,
+    pub rx: u32,
+}
+
+/// Whether two sides' TCP segments fit each other (each side's TX segment within the other's
+/// RX segment); unknown sizes are taken to fit.
+pub fn segments_fit(ours: TcpSegments, theirs: TcpSegments) -> Result<(), String> {
+    let too_big = |tx: u32, rx: u32| tx != 0 && rx != 0 && tx > rx;
+    if too_big(ours.tx, theirs.rx) || too_big(theirs.tx, ours.rx) {
+        return Err(format!(
+            "UCX TCP segments do not fit: ours tx {} rx {}, the peer's tx {} rx {} (a TX segment \
+             larger than the other side's RX segment; give both the same tcp_seg_size)",
+            ours.tx, ours.rx, theirs.tx, theirs.rx
+        ));
+    }
+    Ok(())
+}
+
+/// What a peer needs to connect: the worker address, the process and its TCP segments.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnInfo {
     pub address: Vec<u8>,
     pub process: ProcessId,
+    pub segments: TcpSegments,
 }
 
 /// Frames a worker address and process identity as connection info.
-pub fn encode_conn_info(address: &[u8], process: ProcessId) -> Vec<u8> {
+pub fn encode_conn_info(address: &[u8], process: ProcessId, segments: TcpSegments) -> Vec<u8> {
     let mut out = Vec::with_capacity(CONN_HEADER + address.len());
     out.extend_from_slice(&CONN_MAGIC);
     out.extend_from_slice(&[0; 4]);
     out.extend_from_slice(&process.host.to_le_bytes());
     out.extend_from_slice(&process.pid.to_le_bytes());
+    out.extend_from_slice(&segments.tx.to_le_bytes());
+    out.extend_from_slice(&segments.rx.to_le_bytes());
     out.extend_from_slice(address);
     let crc = crc32fast::hash(&out[8..]);
     out[4..8].copy_from_slice(&crc.to_le_bytes());
@@ -87,7 +114,9 @@ pub fn decode_conn_info(info: &[u8]) -> Result<ConnInfo, BackendError> {
     }
     let host = u64::from_le_bytes(info[8..16].try_into().expect("8 bytes"));
     let pid = u32::from_le_bytes(info[16..20].try_into().expect("4 bytes"));
-    Ok(ConnInfo { address: address.to_vec(), process: ProcessId { host, pid } })
+    let tx = u32::from_le_bytes(info[20..24].try_into().expect("4 bytes"));
+    let rx = u32::from_le_bytes(info[24..28].try_into().expect("4 bytes"));
+    Ok(ConnInfo { address: address.to_vec(), process: ProcessId { host, pid }, segments: TcpSegments { tx, rx } })
 }
 
 /// A peer's registration as published: our key id, its range, and UCX's packed rkey.
@@ -150,9 +179,10 @@ mod tests {
         let here = ProcessId::current();
         assert_eq!(here.pid, std::process::id());
         assert_ne!(here.host, 0, "this test needs /proc");
-        let info = encode_conn_info(b"worker-address", here);
+        let segments = TcpSegments { tx: 262_144, rx: 262_144 };
+        let info = encode_conn_info(b"worker-address", here, segments);
         let decoded = decode_conn_info(&info).unwrap();
-        assert_eq!(decoded, ConnInfo { address: b"worker-address".to_vec(), process: here });
+        assert_eq!(decoded, ConnInfo { address: b"worker-address".to_vec(), process: here, segments });
         assert_eq!(decoded.process.local_pid(&here), Some(here.pid));
         let elsewhere = ProcessId { host: here.host ^ 1, pid: 1 };
         assert_eq!(elsewhere.local_pid(&here), None);
@@ -165,7 +195,21 @@ mod tests {
         for len in 0..info.len() {
             assert!(decode_conn_info(&info[..len]).is_err(), "truncated to {len}");
         }
-        assert!(decode_conn_info(&encode_conn_info(b"", here)).is_err());
+        assert!(decode_conn_info(&encode_conn_info(b"", here, segments)).is_err());
+    }
+
+    #[test]
+    fn tcp_segments_fit_when_each_tx_fits_the_other_rx() {
+        let seg = |tx, rx| TcpSegments { tx, rx };
+        assert!(segments_fit(seg(262_144, 262_144), seg(262_144, 262_144)).is_ok());
+        // UCX's defaults on the other side (8 KiB TX, 64 KiB RX): our 256 KiB TX does not fit.
+        let err = segments_fit(seg(262_144, 262_144), seg(8192, 65_536)).unwrap_err();
+        assert!(err.contains("tcp_seg_size"), "{err}");
+        assert!(segments_fit(seg(8192, 65_536), seg(262_144, 262_144)).is_err(), "symmetric");
+        assert!(segments_fit(seg(8192, 65_536), seg(65_536, 65_536)).is_ok());
+        // Unknown sizes (0) are taken to fit.
+        assert!(segments_fit(seg(0, 0), seg(262_144, 262_144)).is_ok());
+        assert!(segments_fit(seg(262_144, 0), seg(8192, 65_536)).is_err());
     }
 
     #[test]

@@ -24,7 +24,7 @@
 //! | `tls` | `$UCX_TLS`, else UCX's choice | UCX transports, e.g. `tcp`, `posix+cma+self`, `rc+cuda_copy` |
 //! | `net_devices` | `$UCX_NET_DEVICES` | devices, e.g. `lo`, `mlx5_0:1` |
 //! | `ucx_<name>` | — | any UCX setting, e.g. `ucx_rndv_thresh=inf` sets `UCX_RNDV_THRESH`; a transport's own setting goes without the transport's prefix (`ucx_tx_seg_size=64k` sets `UCX_TCP_TX_SEG_SIZE`), as `ucp_config_modify` takes it |
-//! | `tcp_seg_size` | 262144 | segment size of UCX's TCP transport, sent and received (`UCX_TCP_TX_SEG_SIZE` and `UCX_TCP_RX_SEG_SIZE`; 0: UCX's 8 KiB and 64 KiB). Unless given here, it steps aside when the environment or a `ucx_` setting sets either size, when `tls` (or `$UCX_TLS`) cannot select tcp, and when `net_devices` (or `$UCX_NET_DEVICES`) lists only RDMA ports (`mlx5_0:1`); with devices that hold no network interface otherwise, UCX warns that `TX_SEG_SIZE`/`RX_SEG_SIZE` went unused (`tcp_seg_size=0` silences it). Peers must agree: a peer's RX segment must hold this side's TX segment |
+//! | `tcp_seg_size` | 262144 | segment size of UCX's TCP transport, sent and received (`UCX_TCP_TX_SEG_SIZE` and `UCX_TCP_RX_SEG_SIZE`; 0: UCX's 8 KiB and 64 KiB). Unless given here, it steps aside when the environment or a `ucx_` setting sets either size, when `tls` (or `$UCX_TLS`) cannot select tcp, and when `net_devices` (or `$UCX_NET_DEVICES`) lists only RDMA ports (`mlx5_0:1`); with devices that hold no network interface otherwise, UCX warns that `TX_SEG_SIZE`/`RX_SEG_SIZE` went unused (`tcp_seg_size=0` silences it). Peers must fit: a peer's RX segment must hold this side's TX segment (UCX does not check); each side publishes its sizes in its connection info and refuses to connect UCX to a peer whose sizes do not fit (the agent then uses another backend, or has none for that peer) |
 //! | `timeout_ms` | 5000 | no completion toward a peer for this long fails its requests |
 //! | `spin_us` | 2000 | a waiting thread, and the progress thread, poll this long after the last event before they sleep (waking a sleeping thread costs more than a copy of 1 MiB) |
 //! | `max_op_bytes` | 67108864 | longer descriptors are moved as several operations (progress, and so the timeout, is seen per operation) |
@@ -150,6 +150,8 @@ pub struct UcxBackend {
     settings: Settings,
     engine: Arc<Shared>,
     conn_info: Vec<u8>,
+    /// This side's TCP segments, as published (peers must fit them).
+    segments: keys::TcpSegments,
     cuda: bool,
     next_peer: AtomicU64,
     stopped: AtomicBool,
@@ -172,13 +174,15 @@ impl UcxBackend {
         let BackendContext { agent_name, params, notifs } = ctx;
         let settings = Settings::parse(params)?;
         let process = keys::ProcessId::current();
+        let segments = settings.tcp_segments(|name| std::env::var(name).ok());
         let started = engine::start(agent_name.clone(), settings.clone(), notifs)?;
         tracing::debug!(agent = %agent_name, ucx = ?ucp::version(), cuda = started.cuda, "ucx backend started");
         Ok(UcxBackend {
             agent_name,
             settings,
             engine: started.shared,
-            conn_info: keys::encode_conn_info(&started.address, process),
+            conn_info: keys::encode_conn_info(&started.address, process, segments),
+            segments,
             cuda: started.cuda,
             next_peer: AtomicU64::new(1),
             stopped: AtomicBool::new(false),
@@ -240,6 +244,8 @@ impl Backend for UcxBackend {
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
         let info = keys::decode_conn_info(conn_info)?;
+        keys::segments_fit(self.segments, info.segments)
+            .map_err(|reason| BackendError::Unsupported(format!("connecting to {peer}: {reason}")))?;
         let info = PeerInfo {
             id: self.next_peer.fetch_add(1, Ordering::Relaxed),
             name: peer.to_string(),

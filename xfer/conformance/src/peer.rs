@@ -103,6 +103,9 @@ impl Peer {
             .args(["--name", &config.name, "--backend", &config.backend, "--params", &config.params])
             .args(["--size", &config.size.to_string(), "--side-channel", "127.0.0.1:0"])
             .args(["--alloc", if config.backend_alloc { "backend" } else { "host" }])
+            // The peer's stdout is its answer protocol: UCX's own log lines (an error it prints
+            // after a stalled peer resumes, say) must not land there.
+            .env("UCX_LOG_FILE", "stderr")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

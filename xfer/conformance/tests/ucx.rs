@@ -169,6 +169,52 @@ fn picks_by_capability_and_falls_back_to_tcp() {
     }
 }
 
+/// Peers whose UCX TCP segments do not fit each other (a TX segment larger than the other
+/// side's RX segment, which UCX itself never checks) never talk UCX: the connection is refused
+/// (logged with the reason), so a request between them has no backend — or goes over TCP when
+/// both have it; equal settings use UCX.
+#[test]
+fn tcp_segments_that_do_not_fit_are_refused() {
+    use std::time::Duration;
+    use xfer::{Agent, BackendParams, HostBuffer, Op, RequestOptions, XferError};
+    let agent = |name: &str, backends: &[(&str, String)]| {
+        let agent = Agent::new(name).expect("agent");
+        for (backend, params) in backends {
+            agent.add_backend(backend, BackendParams::parse(params).expect("params")).expect("attach");
+        }
+        let buf = std::sync::Arc::new(HostBuffer::new(4096));
+        let reg = agent.register_buffer(&buf).expect("register");
+        (agent, buf, reg)
+    };
+    let ucx = |seg: u32| ("ucx", format!("{TCP},tcp_seg_size={seg}"));
+    let tcp = ("tcp", "listen=127.0.0.1:0".to_string());
+    let (big, big_buf, _r1) = agent("seg-big", &[ucx(262_144), tcp.clone()]);
+    let (small, small_buf, _r2) = agent("seg-small", &[ucx(65_536)]);
+    let (small_tcp, small_tcp_buf, _r3) = agent("seg-small-tcp", &[ucx(65_536), tcp.clone()]);
+    let (also_big, also_big_buf, _r4) = agent("seg-also-big", &[ucx(262_144)]);
+    let write = |from: &Agent, buf: &HostBuffer, to: &Agent, to_buf: &HostBuffer| {
+        let name = from.load_remote_metadata(&to.local_metadata()).expect("metadata loads");
+        from.create_request(Op::Write, &[buf.desc()], &name, &[to_buf.desc()], RequestOptions::default())
+    };
+    match write(&big, &big_buf, &small, &small_buf) {
+        Err(XferError::NoBackend(_)) => {}
+        Err(other) => panic!("expected no backend, got {other}"),
+        Ok(req) => panic!("UCX was used across unfit segments ({})", req.backend()),
+    }
+    match write(&small, &small_buf, &big, &big_buf) {
+        Err(XferError::NoBackend(_)) => {}
+        other => panic!("the other way round: {:?}", other.map(|r| r.backend())),
+    }
+    let req = write(&big, &big_buf, &small_tcp, &small_tcp_buf).expect("TCP serves instead");
+    assert_eq!(req.backend(), "tcp");
+    let req = write(&big, &big_buf, &also_big, &also_big_buf).expect("equal segments");
+    assert_eq!(req.backend(), "ucx");
+    big_buf.write_at(0, &[7u8; 4096]);
+    req.post().expect("post");
+    req.wait(Duration::from_secs(20)).expect("write with equal segments");
+    assert_eq!(also_big_buf.to_vec(), vec![7u8; 4096]);
+}
+
 /// Requests progress without anyone waiting: a waiting thread drives the worker itself, so
 /// the progress thread must still move requests whose caller went on with other work (and
 /// finish them), over both transports.
