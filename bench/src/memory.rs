@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use xfer::{Agent, BackendBuffer, Desc, HostBuffer, Registration};
+use xfer::{Agent, BackendBuffer, HostBuffer, HostRegion, Registration};
 
 use crate::cli::Alloc;
 use crate::units::format_total;
@@ -21,11 +21,16 @@ const PAGE: usize = 4096;
 /// A host buffer with every page written.
 pub fn host_buffer(len: usize) -> Arc<HostBuffer> {
     let buffer = Arc::new(HostBuffer::new(len.max(1)));
-    let chunk = vec![FILL; CHUNK.min(buffer.len())];
-    for start in (0..buffer.len()).step_by(CHUNK) {
-        buffer.write_at(start, &chunk[..CHUNK.min(buffer.len() - start)]);
-    }
+    fill(&buffer);
     buffer
+}
+
+/// Writes [`FILL`] over the whole region, so every page is resident.
+fn fill(region: &HostRegion) {
+    let chunk = vec![FILL; CHUNK.min(region.len())];
+    for start in (0..region.len()).step_by(CHUNK) {
+        region.write_at(start, &chunk[..CHUNK.min(region.len() - start)]);
+    }
 }
 
 /// A side's registered memory: from the global allocator (`--alloc host`) or allocated by the
@@ -56,43 +61,18 @@ impl BenchBuffer {
                 (BenchBuffer::Backend(allocation.buffer), allocation.registration)
             }
         };
-        buffer.fill(FILL);
+        fill(&buffer);
         Ok((buffer, registration))
     }
+}
 
-    pub fn len(&self) -> usize {
+/// Both kinds are a [`HostRegion`]: its accessors (`len`, `sub_desc`, `read_at`, ...) serve.
+impl std::ops::Deref for BenchBuffer {
+    type Target = HostRegion;
+    fn deref(&self) -> &HostRegion {
         match self {
-            BenchBuffer::Host(b) => b.len(),
-            BenchBuffer::Backend(b) => b.len(),
-        }
-    }
-
-    pub fn sub_desc(&self, offset: usize, len: usize) -> Desc {
-        match self {
-            BenchBuffer::Host(b) => b.sub_desc(offset, len),
-            BenchBuffer::Backend(b) => b.sub_desc(offset, len),
-        }
-    }
-
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
-        match self {
-            BenchBuffer::Host(b) => b.read_at(offset, dst),
-            BenchBuffer::Backend(b) => b.read_at(offset, dst),
-        }
-    }
-
-    pub fn write_at(&self, offset: usize, src: &[u8]) {
-        match self {
-            BenchBuffer::Host(b) => b.write_at(offset, src),
-            BenchBuffer::Backend(b) => b.write_at(offset, src),
-        }
-    }
-
-    /// Writes `byte` over the whole buffer (so every page is resident).
-    fn fill(&self, byte: u8) {
-        let chunk = vec![byte; CHUNK.min(self.len())];
-        for start in (0..self.len()).step_by(CHUNK) {
-            self.write_at(start, &chunk[..CHUNK.min(self.len() - start)]);
+            BenchBuffer::Host(b) => b,
+            BenchBuffer::Backend(b) => b,
         }
     }
 }
