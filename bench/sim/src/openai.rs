@@ -69,6 +69,16 @@ pub enum Endpoint {
     Chat,
 }
 
+impl Endpoint {
+    /// vLLM's prefix of this endpoint's response and request ids (`cmpl-…`, `chatcmpl-…`).
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        }
+    }
+}
+
 #[derive(Debug, PartialEq)]
 pub enum PromptInput {
     Text(String),

@@ -28,7 +28,7 @@ fn render(engine: &Engine, endpoint: Endpoint, headers: &HeaderMap, body: &[u8])
     let req = GenRequest::parse(endpoint, body)?;
     check_model(engine, &req)?;
     let (tokens, max_tokens) = prompt_tokens(engine, &req)?;
-    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let prefix = endpoint.id_prefix();
     let generate = json!({
         "request_id": format!("{prefix}-{}", request_base(headers)),
         "token_ids": tokens,

@@ -192,7 +192,7 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
     }
     let (tokens, max_tokens) = prompt_tokens(engine, &req)?;
     let base = request_base(headers);
-    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let prefix = endpoint.id_prefix();
     let meta = Meta {
         id: format!("{prefix}-{base}"),
         model: engine.cfg.model.clone(),
