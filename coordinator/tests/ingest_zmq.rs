@@ -19,7 +19,7 @@ fn batch(n: u64) -> EventBatch {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    pd_sim::ports::free_loopback_port().expect("a free loopback port")
 }
 
 struct Publisher {

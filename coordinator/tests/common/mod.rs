@@ -3,7 +3,6 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +13,7 @@ pub const WAIT: Duration = Duration::from_secs(15);
 pub const MODEL: &str = "sim-model";
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    pd_sim::ports::free_loopback_port().expect("a free loopback port")
 }
 
 pub fn client() -> reqwest::Client {

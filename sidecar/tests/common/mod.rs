@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -15,7 +14,7 @@ use serde_json::Value;
 pub const WAIT: Duration = Duration::from_secs(10);
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    pd_sim::ports::free_loopback_port().expect("a free loopback port")
 }
 
 /// The pd-sim binary: `PD_SIM_BIN`, else next to pd-sidecar (built on first use if missing).

@@ -2,7 +2,6 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -11,7 +10,7 @@ use serde_json::{json, Value};
 pub const WAIT: Duration = Duration::from_secs(10);
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    pd_sim::ports::free_loopback_port().expect("a free loopback port")
 }
 
 pub struct Sim {
