@@ -125,7 +125,7 @@ fn errors_are_counted_by_kind() {
     assert!(status.success(), "{stderr}");
     assert!(stdout.contains("0 ok, 6 failed") && stdout.contains("http_500=6"), "{stdout}");
     // Nobody listening.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = pdbench::procs::free_port().expect("a free loopback port");
     let url = format!("http://127.0.0.1:{port}");
     let (_, stdout, _) = run_pdbench(&["run", "--url", &url, "--requests", "3", "--no-progress"], LIMIT);
     assert!(stdout.contains("connect=3"), "{stdout}");

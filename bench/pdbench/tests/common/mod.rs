@@ -127,7 +127,7 @@ pub struct Sim {
 
 impl Sim {
     pub fn start(args: &[&str]) -> Sim {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = pdbench::procs::free_port().expect("a free loopback port");
         let guard = Guard::spawn(
             Command::new(sim_bin())
                 .args(["--port", &port.to_string(), "--workers", "1"])
