@@ -18,6 +18,7 @@
 //! - A tier other than GPU is kept in a side map, flagged too: the common case costs nothing.
 
 mod approx;
+mod due;
 mod table;
 
 use std::collections::HashMap;

@@ -7,8 +7,7 @@
 //! more spill to a vector of their own. Engine resets are handled as for exact entries: the
 //! slot's stamp in the meta word says which resets it has seen.
 
-use std::collections::BTreeMap;
-
+use super::due::Deadlines;
 use super::table::Slots;
 use super::{Resets, BITS, STAMP};
 
@@ -50,13 +49,9 @@ pub(super) struct Approx {
     words: usize,
     spill: Vec<Vec<u64>>,
     free: Vec<u32>,
-    /// Blocks by the deadlines set on them (a block may be listed under deadlines it no
-    /// longer has), so that `expire` visits what expired instead of every slot.
-    due: BTreeMap<i32, Vec<u64>>,
-    /// The latest deadline's list, not yet in `due`: a decision's blocks share one deadline.
-    tail: (i32, Vec<u64>),
-    /// Hashes in `due` and `tail`.
-    due_len: usize,
+    /// Blocks by the deadlines set on them, so that `expire` visits what expired instead of
+    /// every slot.
+    due: Deadlines,
 }
 
 fn stride_for(words: usize) -> usize {
@@ -72,9 +67,7 @@ impl Approx {
             words,
             spill: Vec::new(),
             free: Vec::new(),
-            due: BTreeMap::new(),
-            tail: (0, Vec::new()),
-            due_len: 0,
+            due: Deadlines::default(),
         }
     }
 
@@ -88,8 +81,7 @@ impl Approx {
             + self.spill.capacity() * std::mem::size_of::<Vec<u64>>()
             + self.spill.iter().map(|v| v.capacity() * 8).sum::<usize>()
             + self.free.capacity() * 4
-            + self.due.values().map(|v| v.capacity() * 8 + 40).sum::<usize>()
-            + self.tail.1.capacity() * 8
+            + self.due.heap_bytes()
     }
 
     fn inline(&self) -> usize {
@@ -105,8 +97,6 @@ impl Approx {
         std::mem::swap(&mut wider.spill, &mut self.spill);
         std::mem::swap(&mut wider.free, &mut self.free);
         std::mem::swap(&mut wider.due, &mut self.due);
-        std::mem::swap(&mut wider.tail, &mut self.tail);
-        wider.due_len = self.due_len;
         wider.slots.rebuild(wider.slots.stride(), self.slots.cap());
         for i in 0..self.slots.cap() {
             let s = self.slots.slot(i);
@@ -215,9 +205,17 @@ impl Approx {
     }
 
     /// Keeps the entries of slot `j` that `keep` wants, preserving order; re-inlines a spilled
-    /// list that fits again.
+    /// list that fits again. The deadline lists learn of every entry that leaves.
     fn retain_entries(&mut self, j: usize, mut keep: impl FnMut(u64) -> bool) {
         let (words, inline) = (self.words, self.inline());
+        let due = &mut self.due;
+        let mut keep = |e: u64| {
+            let kept = keep(e);
+            if !kept {
+                due.unlist(deadline(e));
+            }
+            kept
+        };
         let s = self.slots.slot_mut(j);
         if s[1] & SPILLED == 0 {
             let area = &mut s[BITS + words..];
@@ -303,36 +301,13 @@ impl Approx {
         }
         self.slots.slot_mut(j)[word] |= bit;
         self.insert_entry(j, entry(local, at));
-        let hash = self.slots.slot(j)[0];
-        if at != self.tail.0 || self.tail.1.is_empty() {
-            self.flush_tail();
-            self.tail.0 = at;
-        }
-        self.tail.1.push(hash);
-        self.due_len += 1;
+        self.due.add(at, self.slots.slot(j)[0]);
         !had
-    }
-
-    /// Moves the latest deadline's list into `due`.
-    fn flush_tail(&mut self) {
-        if self.tail.1.is_empty() {
-            return;
-        }
-        let (at, mut hashes) = std::mem::take(&mut self.tail);
-        let list = self.due.entry(at).or_default();
-        if list.is_empty() {
-            *list = hashes;
-        } else {
-            list.append(&mut hashes);
-            self.tail.1 = hashes; // keep the buffer
-        }
     }
 
     /// Forgets the deadline lists (no entries are left).
     pub fn clear_due(&mut self) {
         self.due.clear();
-        self.tail.1.clear();
-        self.due_len = 0;
     }
 
     /// Removes `local`'s entry for `hash`: whether it had a live one, and whether the block has
@@ -377,17 +352,11 @@ impl Approx {
         mut expired: impl FnMut(u32),
         mut gone: impl FnMut(u64),
     ) {
-        if shift != 0 || self.due_len > 2 * self.slots.len() + 1024 {
+        if shift != 0 || self.due.len() > 2 * self.slots.len() + 1024 {
             self.expire_all(now, shift, resets, &mut expired, &mut gone);
             return;
         }
-        self.flush_tail();
-        while let Some(first) = self.due.first_entry() {
-            if *first.key() > now {
-                break;
-            }
-            let hashes = first.remove();
-            self.due_len -= hashes.len();
+        while let Some(hashes) = self.due.pop_due(now) {
             for hash in hashes {
                 let Some(j) = self.slots.find(hash) else { continue };
                 self.expire_slot(j, now, resets, &mut expired);
@@ -442,7 +411,10 @@ impl Approx {
         expired: &mut impl FnMut(u32),
         gone: &mut impl FnMut(u64),
     ) {
+        // Entries leaving in this pass are unlisted from the cleared lists (nothing); the new
+        // lists only count what is left.
         self.clear_due();
+        let mut fresh = Deadlines::default();
         for j in 0..self.slots.cap() {
             if self.slots.slot(j)[1] == 0 {
                 continue;
@@ -460,15 +432,14 @@ impl Approx {
                 }
             }
             let hash = self.slots.slot(j)[0];
-            let mut last = None;
-            for &e in entries_of(&self.slots, &self.spill, words, j) {
-                if last != Some(deadline(e)) {
-                    last = Some(deadline(e));
-                    self.due.entry(deadline(e)).or_default().push(hash);
-                    self.due_len += 1;
-                }
+            let mut rest = entries_of(&self.slots, &self.spill, words, j);
+            while let Some(&first) = rest.first() {
+                let same = rest.iter().take_while(|&&e| deadline(e) == deadline(first)).count();
+                fresh.list(deadline(first), hash, same);
+                rest = &rest[same..];
             }
         }
+        self.due = fresh;
         self.drop_empty(gone);
     }
 
