@@ -84,6 +84,8 @@ pub struct Cluster {
 #[derive(Debug, Default)]
 struct Scratch {
     overlaps: Vec<(usize, usize)>,
+    /// `overlaps` by engine number, zero elsewhere (the next decision clears what it set).
+    overlap_of: Vec<u64>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
     /// The slots the lookup found, so that the speculative insert after it does not probe
@@ -179,14 +181,27 @@ impl Cluster {
         uniform: [f64; 2],
         scratch: &mut Scratch,
     ) -> Result<Decision, PairError> {
-        let Scratch { overlaps, decodes, prefills, probes } = scratch;
+        let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
+        for &(engine, _) in overlaps.iter() {
+            overlap_of[engine] = 0; // the previous decision's
+        }
         match self.indexes.get(req.model) {
             Some(index) => index.prefix_matches_probed(req.block_hashes, now, overlaps, probes),
             None => overlaps.clear(),
         }
-        let overlap = |engine| overlaps.binary_search_by_key(&engine, |&(e, _)| e).map_or(0, |i| overlaps[i].1);
+        for &(engine, blocks) in overlaps.iter() {
+            if overlap_of.len() <= engine {
+                overlap_of.resize(engine + 1, 0);
+            }
+            overlap_of[engine] = blocks as u64;
+        }
         let new_blocks = req.block_hashes.len() as u64;
-        let candidate = |engine| Candidate { engine, overlap_blocks: overlap(engine) as u64, load: self.load(engine) };
+        let overlap_of = &*overlap_of;
+        let candidate = |engine: usize| Candidate {
+            engine,
+            overlap_blocks: overlap_of.get(engine).copied().unwrap_or(0),
+            load: self.load(engine),
+        };
         decodes.clear();
         decodes.extend(self.membership.live_iter(req.model, Role::decodes).map(candidate));
         let weights = &self.settings.weights;
