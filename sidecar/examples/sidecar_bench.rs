@@ -83,6 +83,10 @@ struct Overhead {
     /// Tokio workers of the sidecar (default: its own default, the cores).
     #[arg(long)]
     sidecar_workers: Option<usize>,
+    /// Run the sidecar on this CPU alone and everything else (simulators, this program) on
+    /// the other CPUs (`taskset`), as a proxy with a core of its own runs in production.
+    #[arg(long)]
+    pin_sidecar: Option<usize>,
     /// Write the results as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -293,8 +297,17 @@ async fn wait_health(url: &str) -> anyhow::Result<()> {
     }
 }
 
-fn spawn(bin: &PathBuf, args: &[String]) -> anyhow::Result<Child> {
-    let child = std::process::Command::new(bin)
+/// Starts `bin`, on the CPUs `cpus` (a `taskset` list) when given.
+fn spawn(cpus: Option<&str>, bin: &PathBuf, args: &[String]) -> anyhow::Result<Child> {
+    let mut command = match cpus {
+        Some(cpus) => {
+            let mut c = std::process::Command::new("taskset");
+            c.args(["-c", cpus]).arg(bin);
+            c
+        }
+        None => std::process::Command::new(bin),
+    };
+    let child = command
         .args(args)
         .env("RUST_LOG", "error")
         .stdin(std::process::Stdio::null())
@@ -312,6 +325,25 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
     let sim_bin = o.sim_bin.clone().unwrap_or_else(|| sibling("pd-sim"));
     let sidecar_bin = o.sidecar_bin.clone().unwrap_or_else(|| sibling("pd-sidecar"));
     let (pp, dp, sp) = (free_port(), free_port(), free_port());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = match o.pin_sidecar {
+        Some(cpu) if cpu >= cores || cores < 2 => bail!("--pin-sidecar {cpu}: this machine has CPUs 0..{cores}"),
+        Some(cpu) => {
+            let others: Vec<String> = (0..cores).filter(|&c| c != cpu).map(|c| c.to_string()).collect();
+            let others = others.join(",");
+            let me = std::process::id().to_string();
+            let status = std::process::Command::new("taskset").args(["-a", "-p", "-c", &others, &me]).output()?;
+            if !status.status.success() {
+                bail!("taskset failed: {}", String::from_utf8_lossy(&status.stderr));
+            }
+            Some((cpu.to_string(), others))
+        }
+        None => None,
+    };
+    let (sidecar_cpus, other_cpus) = match &pinned {
+        Some((mine, others)) => (Some(mine.as_str()), Some(others.as_str())),
+        None => (None, None),
+    };
     let sim = |port: u16| -> Vec<String> {
         [
             "--port",
@@ -329,8 +361,8 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
         .map(|s| s.to_string())
         .collect()
     };
-    let _p = spawn(&sim_bin, &sim(pp))?;
-    let _d = spawn(&sim_bin, &sim(dp))?;
+    let _p = spawn(other_cpus, &sim_bin, &sim(pp))?;
+    let _d = spawn(other_cpus, &sim_bin, &sim(dp))?;
     let (p, d) = (format!("http://127.0.0.1:{pp}"), format!("http://127.0.0.1:{dp}"));
     let mut sargs: Vec<String> = ["--listen", &format!("127.0.0.1:{sp}"), "--engine", &d, "--prefill", &p]
         .iter()
@@ -339,7 +371,7 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
     if let Some(n) = o.sidecar_workers {
         sargs.extend(["--workers".to_string(), n.to_string()]);
     }
-    let sidecar = spawn(&sidecar_bin, &sargs)?;
+    let sidecar = spawn(sidecar_cpus, &sidecar_bin, &sargs)?;
     let s = format!("http://127.0.0.1:{sp}");
     wait_health(&p).await?;
     wait_health(&d).await?;
@@ -354,11 +386,15 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
     let mut rss_peak = 0;
     println!(
         "pd-sidecar overhead: pd-sim (decode {} us/token), {} prompt tokens, {} output tokens, {}; direct = this program \
-         makes the prefill and decode calls itself",
+         makes the prefill and decode calls itself{}",
         o.decode_us_per_token,
         o.work.prompt_words,
         o.work.max_tokens,
-        if o.work.no_stream { "non-streaming" } else { "SSE streams" }
+        if o.work.no_stream { "non-streaming" } else { "SSE streams" },
+        match &pinned {
+            Some((mine, others)) => format!("; sidecar on CPU {mine}, the rest on CPUs {others}"),
+            None => String::new(),
+        }
     );
     println!(
         "{:>5} {:>8} | {:>17} {:>17} {:>17} |",
@@ -437,7 +473,7 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
     if let Some(path) = o.json {
         let out = serde_json::json!({"levels": rows, "rss_idle_kib": rss_idle, "rss_peak_kib": rss_peak, "rss_after_kib": rss_after,
                                      "prompt_words": o.work.prompt_words, "max_tokens": o.work.max_tokens, "stream": !o.work.no_stream,
-                                     "decode_us_per_token": o.decode_us_per_token});
+                                     "decode_us_per_token": o.decode_us_per_token, "sidecar_cpu": o.pin_sidecar});
         std::fs::write(path, serde_json::to_vec_pretty(&out)?)?;
     }
     Ok(())
