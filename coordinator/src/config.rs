@@ -143,8 +143,8 @@ pub struct Config {
 pub enum ConfigError {
     #[error("cannot read {path}: {reason}")]
     File { path: String, reason: String },
-    #[error("config file {path}: key {key}: only strings, numbers and booleans are allowed")]
-    Value { path: String, key: String },
+    #[error(transparent)]
+    Settings(#[from] pd_config_file::FileError),
     #[error(transparent)]
     Args(#[from] clap::Error),
     #[error("invalid configuration: {0}")]
@@ -167,7 +167,7 @@ impl Config {
             return Ok(first);
         };
         let mut merged = vec![args[0].clone()];
-        merged.extend(toml_args(&path)?);
+        merged.extend(pd_config_file::to_args(pd_config_file::read_flags(&path)?));
         merged.extend(args.into_iter().skip(1));
         let config = Config::try_parse_from(merged)?;
         config.validate()?;
@@ -255,32 +255,6 @@ impl Config {
             speculative_ttl: Duration::from_millis(self.speculative_ttl_ms),
         }
     }
-}
-
-/// Turns a TOML table into `--key value` arguments (`--key` alone for `true`).
-fn toml_args(path: &Path) -> Result<Vec<String>, ConfigError> {
-    let text = read(path)?;
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })?;
-    let mut out = Vec::new();
-    for (key, value) in table {
-        let flag = format!("--{}", key.replace('_', "-"));
-        let text = match value {
-            toml::Value::String(s) => s,
-            toml::Value::Integer(i) => i.to_string(),
-            toml::Value::Float(f) => f.to_string(),
-            toml::Value::Boolean(true) => {
-                out.push(flag);
-                continue;
-            }
-            toml::Value::Boolean(false) => continue,
-            _ => return Err(ConfigError::Value { path: path.display().to_string(), key }),
-        };
-        out.push(flag);
-        out.push(text);
-    }
-    Ok(out)
 }
 
 fn read(path: &Path) -> Result<String, ConfigError> {

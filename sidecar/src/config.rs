@@ -289,10 +289,8 @@ pub struct Config {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {reason}")]
-    File { path: String, reason: String },
-    #[error("config file {path}: key {key}: only strings, numbers, booleans and arrays of them are allowed")]
-    Value { path: String, key: String },
+    #[error(transparent)]
+    File(#[from] pd_config_file::FileError),
     #[error(transparent)]
     Args(#[from] clap::Error),
     #[error("invalid configuration: {0}")]
@@ -321,15 +319,10 @@ impl Config {
         };
         // File values go first so the environment (read by clap for absent flags only) and
         // flags win: file entries are only added for flags neither sets.
-        let file_args = toml_args(&path)?;
+        let file_flags = pd_config_file::read_flags(&path)?;
+        let set_in_env = |flag: &str| env_var_of(flag).is_some_and(|v| std::env::var_os(v).is_some());
         let mut merged = vec![args[0].clone()];
-        for (flag, values) in file_args {
-            if env_var_of(&flag).is_some_and(|v| std::env::var_os(v).is_some()) {
-                continue;
-            }
-            merged.push(flag);
-            merged.extend(values);
-        }
+        merged.extend(pd_config_file::to_args(file_flags.into_iter().filter(|f| !set_in_env(&f.flag))));
         merged.extend(args.into_iter().skip(1));
         Ok(Config::try_parse_from(merged)?)
     }
@@ -388,36 +381,6 @@ fn config_flag(args: &[String]) -> Option<String> {
 fn env_var_of(flag: &str) -> Option<String> {
     let name = flag.strip_prefix("--")?;
     Some(format!("PD_SIDECAR_{}", name.replace('-', "_").to_ascii_uppercase()))
-}
-
-/// Turns a TOML table into `--key value…` arguments (`--key` alone for `true`; arrays repeat).
-fn toml_args(path: &PathBuf) -> Result<Vec<(String, Vec<String>)>, ConfigError> {
-    let file_err = |reason: String| ConfigError::File { path: path.display().to_string(), reason };
-    let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
-    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| file_err(e.to_string()))?;
-    let scalar = |v: &toml::Value| match v {
-        toml::Value::String(s) => Some(s.clone()),
-        toml::Value::Integer(i) => Some(i.to_string()),
-        toml::Value::Float(f) => Some(f.to_string()),
-        _ => None,
-    };
-    let mut out = Vec::new();
-    for (key, value) in table {
-        let flag = format!("--{}", key.replace('_', "-"));
-        let bad = || ConfigError::Value { path: path.display().to_string(), key: key.clone() };
-        match &value {
-            toml::Value::Boolean(true) => out.push((flag, vec![])),
-            toml::Value::Boolean(false) => {}
-            toml::Value::Array(items) => {
-                let values: Vec<String> = items.iter().map(scalar).collect::<Option<_>>().ok_or_else(bad)?;
-                for v in values {
-                    out.push((flag.clone(), vec![v]));
-                }
-            }
-            v => out.push((flag, vec![scalar(v).ok_or_else(bad)?])),
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
