@@ -270,10 +270,6 @@ impl Drop for Child {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn sibling(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     // target/<profile>/examples/sidecar-bench → target/<profile>/<name>
@@ -324,7 +320,8 @@ fn pct(h: &Histogram<u64>, q: f64) -> f64 {
 async fn overhead(o: Overhead) -> anyhow::Result<()> {
     let sim_bin = o.sim_bin.clone().unwrap_or_else(|| sibling("pd-sim"));
     let sidecar_bin = o.sidecar_bin.clone().unwrap_or_else(|| sibling("pd-sidecar"));
-    let (pp, dp, sp) = (free_port(), free_port(), free_port());
+    let free_port = pd_sim::ports::free_loopback_port;
+    let (pp, dp, sp) = (free_port()?, free_port()?, free_port()?);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned = match o.pin_sidecar {
         Some(cpu) if cpu >= cores || cores < 2 => bail!("--pin-sidecar {cpu}: this machine has CPUs 0..{cores}"),

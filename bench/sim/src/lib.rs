@@ -9,6 +9,7 @@ pub mod content;
 pub mod engine;
 pub mod events;
 pub mod faults;
+pub mod harness;
 pub mod http;
 pub mod lease;
 pub mod mem;

@@ -3,10 +3,11 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use pd_sim::harness;
 use serde_json::{json, Value};
 
 pub const WAIT: Duration = Duration::from_secs(15);
@@ -28,33 +29,9 @@ fn log_file(name: &str) -> std::fs::File {
 }
 
 /// pd-sim sits next to pd-coordinator in the target directory (`cargo test --workspace`
-/// builds it); when only this crate's tests were built, build it now.
+/// builds it); when only this crate's tests were built, it is built now.
 pub fn pd_sim_path() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-coordinator")).parent().unwrap().to_path_buf();
-    let path = dir.join("pd-sim");
-    if !path.exists() {
-        let mut build = Command::new(env!("CARGO"));
-        build.args(["build", "-p", "pd-sim", "--bin", "pd-sim"]);
-        if dir.ends_with("release") {
-            build.arg("--release");
-        }
-        // Bounded: should the outer cargo still hold the build lock, say so instead of hanging.
-        let mut child = build.spawn().expect("running cargo build -p pd-sim");
-        let deadline = Instant::now() + Duration::from_secs(900);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("cargo build -p pd-sim did not finish; build it first (cargo build -p pd-sim)");
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        };
-        assert!(status.success(), "cargo build -p pd-sim failed");
-    }
-    assert!(path.exists(), "pd-sim not found at {}", path.display());
-    path
+    harness::binary_in(Path::new(env!("CARGO_BIN_EXE_pd-coordinator")).parent().unwrap())
 }
 
 pub struct Proc {
@@ -96,16 +73,7 @@ impl Drop for Proc {
 }
 
 async fn wait_healthy(url: &str, what: &str) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Ok(r) = client().get(format!("{url}/health")).send().await {
-            if r.status().is_success() {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "{what} at {url} did not become healthy");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert!(harness::healthy_within(url, WAIT).await, "{what} at {url} did not become healthy");
 }
 
 /// A simulated engine with KV events and replay.
@@ -125,15 +93,11 @@ impl Sim {
     }
 
     pub async fn start_on(id: &str, port: u16, events: u16, replay: u16, extra: &[&str]) -> Sim {
-        let mut cmd = Command::new(pd_sim_path());
-        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--engine-id", id, "--workers", "1"])
+        let mut cmd = harness::command(&pd_sim_path(), port, "warn");
+        cmd.args(["--host", "127.0.0.1", "--engine-id", id, "--workers", "1"])
             .args(["--kv-events-endpoint", &format!("tcp://*:{events}")])
             .args(["--kv-events-replay-endpoint", &format!("tcp://*:{replay}")])
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            .env_remove("PYTHONHASHSEED")
-            .env_remove("VLLM_HOST_IP")
-            .env_remove("VLLM_NIXL_SIDE_CHANNEL_PORT");
+            .args(extra);
         let proc = Proc::spawn(cmd, &format!("sim-{id}-{port}"));
         let url = format!("http://127.0.0.1:{port}");
         wait_healthy(&url, "pd-sim").await;

@@ -4,11 +4,12 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use pd_sim::harness;
 use serde_json::Value;
 
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -20,27 +21,7 @@ pub fn free_port() -> u16 {
 /// The pd-sim binary: `PD_SIM_BIN`, else next to pd-sidecar (built on first use if missing).
 pub fn sim_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(p) = std::env::var_os("PD_SIM_BIN") {
-            return PathBuf::from(p);
-        }
-        let sidecar = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar"));
-        let dir = sidecar.parent().unwrap();
-        let bin = dir.join("pd-sim");
-        if !bin.exists() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut cmd = Command::new(cargo);
-            cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim"]);
-            if dir.file_name().is_some_and(|n| n == "release") {
-                cmd.arg("--release");
-            }
-            let status = cmd.status().expect("running cargo build -p pd-sim");
-            assert!(status.success(), "cargo build -p pd-sim failed");
-        }
-        assert!(bin.exists(), "no pd-sim binary at {}", bin.display());
-        bin
-    })
-    .clone()
+    BIN.get_or_init(|| harness::binary_in(Path::new(env!("CARGO_BIN_EXE_pd-sidecar")).parent().unwrap())).clone()
 }
 
 pub fn client() -> reqwest::Client {
@@ -48,16 +29,7 @@ pub fn client() -> reqwest::Client {
 }
 
 async fn wait_healthy(url: &str, what: &str) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Ok(r) = client().get(format!("{url}/health")).send().await {
-            if r.status().is_success() {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "{what} at {url} did not become healthy");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(harness::healthy_within(url, WAIT).await, "{what} at {url} did not become healthy");
 }
 
 pub struct Sim {
@@ -69,16 +41,7 @@ pub struct Sim {
 impl Sim {
     pub async fn start(args: &[&str]) -> Sim {
         let port = free_port();
-        let child = Command::new(sim_bin())
-            .args(["--port", &port.to_string()])
-            .args(args)
-            .env("RUST_LOG", "error")
-            .env_remove("PYTHONHASHSEED")
-            .env_remove("VLLM_HOST_IP")
-            .env_remove("VLLM_NIXL_SIDE_CHANNEL_PORT")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawning pd-sim");
+        let child = harness::command(&sim_bin(), port, "error").args(args).spawn().expect("spawning pd-sim");
         let sim = Sim { child, port, url: format!("http://127.0.0.1:{port}") };
         wait_healthy(&sim.url, "pd-sim").await;
         sim
@@ -175,14 +138,7 @@ impl Sidecar {
 
     /// Whether the process exited (waiting up to `timeout`).
     pub async fn exited_within(&mut self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if self.child.try_wait().unwrap().is_some() {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        false
+        harness::exited_within(&mut self.child, timeout).await
     }
 
     pub async fn metrics(&self) -> String {

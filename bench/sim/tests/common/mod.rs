@@ -2,9 +2,11 @@
 
 #![allow(dead_code)]
 
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
+use pd_sim::harness;
 use serde_json::{json, Value};
 
 pub const WAIT: Duration = Duration::from_secs(10);
@@ -28,32 +30,13 @@ impl Sim {
 
     pub async fn start_on(port: u16, args: &[&str]) -> Sim {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let child = Command::new(env!("CARGO_BIN_EXE_pd-sim"))
-            .args(["--port", &port.to_string()])
+        let child = harness::command(Path::new(env!("CARGO_BIN_EXE_pd-sim")), port, "warn")
             .args(&args)
-            .env("RUST_LOG", "warn")
-            .env_remove("PYTHONHASHSEED")
-            .env_remove("VLLM_HOST_IP")
-            .env_remove("VLLM_NIXL_SIDE_CHANNEL_PORT")
-            .stdin(Stdio::null())
             .spawn()
             .expect("spawning pd-sim");
         let sim = Sim { child, port, url: format!("http://127.0.0.1:{port}"), args };
-        sim.wait_healthy().await;
+        assert!(harness::healthy_within(&sim.url, WAIT).await, "pd-sim on port {port} did not become healthy");
         sim
-    }
-
-    async fn wait_healthy(&self) {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Ok(r) = client().get(format!("{}/health", self.url)).send().await {
-                if r.status().is_success() {
-                    return;
-                }
-            }
-            assert!(Instant::now() < deadline, "pd-sim on port {} did not become healthy", self.port);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
     }
 
     /// Kills the process and starts it again with the same port and flags.
@@ -72,14 +55,7 @@ impl Sim {
 
     /// Whether the process has exited, waiting up to `timeout`.
     pub async fn exited_within(&mut self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if self.child.try_wait().unwrap().is_some() {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        false
+        harness::exited_within(&mut self.child, timeout).await
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
