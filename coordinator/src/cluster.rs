@@ -183,7 +183,9 @@ impl Cluster {
     ) -> Result<Decision, PairError> {
         let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
         for &(engine, _) in overlaps.iter() {
-            overlap_of[engine] = 0; // the previous decision's
+            if let Some(blocks) = overlap_of.get_mut(engine) {
+                *blocks = 0; // the previous decision's
+            }
         }
         match self.indexes.get(req.model) {
             Some(index) => index.prefix_matches_probed(req.block_hashes, now, overlaps, probes),

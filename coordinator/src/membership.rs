@@ -111,11 +111,13 @@ impl Membership {
         }
         for (engine, entry) in self.engines.iter().enumerate() {
             let Some(entry) = entry.as_ref().filter(|e| e.is_alive()) else { continue };
-            if !self.roster.contains_key(&entry.spec.model) {
-                self.roster.insert(entry.spec.model.clone(), Vec::new());
+            let member = (engine, entry.spec.role);
+            match self.roster.get_mut(&entry.spec.model) {
+                Some(members) => members.push(member),
+                None => {
+                    self.roster.insert(entry.spec.model.clone(), vec![member]);
+                }
             }
-            let members = self.roster.get_mut(&entry.spec.model).expect("just made sure");
-            members.push((engine, entry.spec.role));
         }
         self.roster.retain(|_, members| !members.is_empty());
     }

@@ -293,6 +293,23 @@ async fn wait_health(url: &str) -> anyhow::Result<()> {
     }
 }
 
+/// Moves every thread of this process off `cpu`, for the sidecar alone; returns `cpu` and the
+/// other CPUs as `taskset` lists.
+fn leave_cpu_to_sidecar(cpu: usize) -> anyhow::Result<(String, String)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpu >= cores || cores < 2 {
+        bail!("--pin-sidecar {cpu}: this machine has CPUs 0..{cores}");
+    }
+    let others: Vec<String> = (0..cores).filter(|&c| c != cpu).map(|c| c.to_string()).collect();
+    let others = others.join(",");
+    let me = std::process::id().to_string();
+    let out = std::process::Command::new("taskset").args(["-a", "-p", "-c", &others, &me]).output()?;
+    if !out.status.success() {
+        bail!("taskset failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok((cpu.to_string(), others))
+}
+
 /// Starts `bin`, on the CPUs `cpus` (a `taskset` list) when given.
 fn spawn(cpus: Option<&str>, bin: &PathBuf, args: &[String]) -> anyhow::Result<Child> {
     let mut command = match cpus {
@@ -322,25 +339,9 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
     let sidecar_bin = o.sidecar_bin.clone().unwrap_or_else(|| sibling("pd-sidecar"));
     let free_port = pd_sim::ports::free_loopback_port;
     let (pp, dp, sp) = (free_port()?, free_port()?, free_port()?);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let pinned = match o.pin_sidecar {
-        Some(cpu) if cpu >= cores || cores < 2 => bail!("--pin-sidecar {cpu}: this machine has CPUs 0..{cores}"),
-        Some(cpu) => {
-            let others: Vec<String> = (0..cores).filter(|&c| c != cpu).map(|c| c.to_string()).collect();
-            let others = others.join(",");
-            let me = std::process::id().to_string();
-            let status = std::process::Command::new("taskset").args(["-a", "-p", "-c", &others, &me]).output()?;
-            if !status.status.success() {
-                bail!("taskset failed: {}", String::from_utf8_lossy(&status.stderr));
-            }
-            Some((cpu.to_string(), others))
-        }
-        None => None,
-    };
-    let (sidecar_cpus, other_cpus) = match &pinned {
-        Some((mine, others)) => (Some(mine.as_str()), Some(others.as_str())),
-        None => (None, None),
-    };
+    let pinned = o.pin_sidecar.map(leave_cpu_to_sidecar).transpose()?;
+    let sidecar_cpus = pinned.as_ref().map(|(mine, _)| mine.as_str());
+    let other_cpus = pinned.as_ref().map(|(_, others)| others.as_str());
     let sim = |port: u16| -> Vec<String> {
         [
             "--port",
