@@ -14,7 +14,10 @@
 //!   too many pending resets) sweeps the rest out.
 //! - Approximate entries live in a second table, one slot per block with two entries inline
 //!   (engine, its reset epoch and the deadline packed in a word; more engines in a side map),
-//!   flagged on the block's slot, so exact entries carry no timestamp.
+//!   so exact entries carry no timestamp. A block with exact holders has its guesses flagged on
+//!   its slot; a block only guessed has no block slot at all (a lookup that misses the block
+//!   table asks the approximate one), so a decision's guesses for blocks nobody holds yet write
+//!   one table, not two, and a lookup just before tells the insert which blocks are absent.
 //! - A tier other than GPU is kept in a side map, flagged too: the common case costs nothing.
 
 mod approx;
@@ -179,6 +182,8 @@ pub struct PrefixIndex {
     /// Bitset words per block (64 engines each).
     words: usize,
     approx: Approx,
+    /// Block slots flagged `HAS_APPROX`: the other approximate blocks have no block slot.
+    flagged: usize,
     tiers: HashMap<(u64, u32), Tier>,
     engines: Engines,
     resets: Resets,
@@ -191,6 +196,7 @@ impl Default for PrefixIndex {
             blocks: Slots::new(stride_for(1)),
             words: 1,
             approx: Approx::new(1),
+            flagged: 0,
             tiers: HashMap::new(),
             engines: Engines::default(),
             resets: Resets::default(),
@@ -228,13 +234,13 @@ impl Default for Homes {
 
 impl Homes {
     /// Computes the homes of `chunk` (at most `CHUNK` blocks) and touches them, except the
-    /// block-table homes of blocks whose slots `known` (a lookup's, by position in the chunk)
-    /// gives: those slots were just read.
+    /// block-table homes of blocks for which `known(k)` (by position in the chunk) says a lookup
+    /// just read their slot or found none.
     #[inline]
-    fn fill(&mut self, index: &PrefixIndex, chunk: &[u64], known: &[usize]) {
+    fn fill(&mut self, index: &PrefixIndex, chunk: &[u64], known: impl Fn(usize) -> bool) {
         self.caps = (index.blocks.cap(), index.approx.cap());
         for (k, ((b, a), &hash)) in self.blocks.iter_mut().zip(self.approx.iter_mut()).zip(chunk).enumerate() {
-            *b = if Probes::get(known, k) == NONE { index.blocks.home(hash) } else { NONE };
+            *b = if known(k) { NONE } else { index.blocks.home(hash) };
             *a = index.approx.home(hash);
         }
         let n = chunk.len();
@@ -274,17 +280,30 @@ pub struct Probes {
     blocks: Vec<usize>,
     /// Approximate-table slots, likewise.
     approx: Vec<usize>,
+    /// The blocks probed, by position.
+    hashes: Vec<u64>,
+    /// The block table's [`Slots::stamp`] then: while it is unchanged, a block probed and not
+    /// found is still not there.
+    stamp: (u64, u64),
 }
 
 impl Probes {
     fn clear(&mut self) {
         self.blocks.clear();
         self.approx.clear();
+        self.hashes.clear();
     }
 
     #[inline]
     fn get(list: &[usize], at: usize) -> usize {
         list.get(at).copied().unwrap_or(NONE)
+    }
+
+    /// Whether block `hash`, at position `at`, was probed and not found, in a block table
+    /// that has gained no key since (its stamp is `stamp`).
+    #[inline]
+    fn absent(&self, at: usize, hash: u64, stamp: (u64, u64)) -> bool {
+        self.stamp == stamp && self.hashes.get(at) == Some(&hash) && self.blocks[at] == NONE
     }
 }
 
@@ -333,17 +352,19 @@ impl PrefixIndex {
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let mut homes = Homes::default();
         for chunk in hashes.chunks(CHUNK) {
-            homes.fill(self, chunk, &[]);
+            homes.fill(self, chunk, |_| false);
             for (k, &hash) in chunk.iter().enumerate() {
-                let i = self.slot_for_from(homes.block(self, k, hash), hash);
-                if self.blocks.slot(i)[word] & bit != 0 {
+                let i = self.find_cleaned(homes.block(self, k, hash), hash);
+                if i.is_some_and(|i| self.blocks.slot(i)[word] & bit != 0) {
                     continue; // an exact entry is never downgraded to an approximate one
                 }
                 let j = self.approx.slot_for(homes.approx(self, k, hash), hash, &self.resets);
                 if self.approx.set(j, local, deadline) {
                     self.engines.approx[local as usize] += 1;
                 }
-                self.blocks.slot_mut(i)[1] |= HAS_APPROX;
+                if let Some(i) = i {
+                    self.flag_approx(i);
+                }
             }
         }
     }
@@ -390,21 +411,26 @@ impl PrefixIndex {
         let mut homes = Homes::default();
         for (c, chunk) in hashes[start..].chunks(CHUNK).enumerate() {
             let first_at = start + c * CHUNK;
-            let known = probes.blocks.get(first_at..).unwrap_or_default();
-            homes.fill(self, chunk, &known[..known.len().min(chunk.len())]);
+            let stamp = self.blocks.stamp();
+            homes.fill(self, chunk, |k| {
+                let seen = Probes::get(&probes.blocks, first_at + k);
+                seen != NONE || probes.absent(first_at + k, chunk[k], stamp)
+            });
             for (k, &hash) in chunk.iter().enumerate() {
                 let at = first_at + k;
                 let seen = Probes::get(&probes.blocks, at);
                 let i = if seen != NONE && self.blocks.holds_at(seen, hash) {
                     clean(self.blocks.slot_mut(seen), self.words, &self.resets, &mut self.tiers);
-                    seen
+                    Some(seen)
+                } else if probes.absent(at, hash, self.blocks.stamp()) {
+                    None
                 } else {
-                    self.slot_for_from(homes.block(self, k, hash), hash)
+                    self.find_cleaned(homes.block(self, k, hash), hash)
                 };
                 let mut j = None;
                 for &(local, first) in who {
                     let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
-                    if at < first || self.blocks.slot(i)[word] & bit != 0 {
+                    if at < first || i.is_some_and(|i| self.blocks.slot(i)[word] & bit != 0) {
                         continue; // an exact entry is never downgraded to an approximate one
                     }
                     let slot = match j {
@@ -423,10 +449,10 @@ impl PrefixIndex {
                         self.engines.approx[local as usize] += 1;
                     }
                 }
-                if j.is_some() {
-                    self.blocks.slot_mut(i)[1] |= HAS_APPROX;
-                } else {
-                    self.remove_if_empty(i);
+                match (i, j) {
+                    (Some(i), Some(_)) => self.flag_approx(i),
+                    (Some(i), None) => self.remove_if_empty(i),
+                    (None, _) => {}
                 }
             }
         }
@@ -477,9 +503,8 @@ impl PrefixIndex {
             );
             for hash in emptied {
                 if let Some(i) = self.blocks.find(hash) {
-                    let slot = self.blocks.slot_mut(i);
-                    slot[1] &= !HAS_APPROX;
-                    clean(slot, self.words, &self.resets, &mut self.tiers);
+                    self.unflag_approx(i);
+                    clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
                     self.remove_if_empty(i);
                 }
             }
@@ -513,15 +538,17 @@ impl PrefixIndex {
         probes: &mut Probes,
     ) {
         probes.clear();
+        probes.stamp = self.blocks.stamp();
         self.matches(hashes, now, out, Some(probes));
     }
 
     fn matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>, mut probes: Option<&mut Probes>) {
         out.clear();
-        if hashes.is_empty() || self.blocks.len() == 0 {
+        if hashes.is_empty() || self.blocks.len() + self.approx.len() == 0 {
             return;
         }
         let words = self.words;
+        let guesses = self.approx.len() > 0;
         let now = self.clock.ms(now);
         // active: engines holding every block so far; live: holders of the current block.
         let (mut small, mut large) = ([0u64; 8], Vec::new());
@@ -533,7 +560,8 @@ impl PrefixIndex {
         };
         let (active, live) = scratch.split_at_mut(words);
         let mut found = [NONE; CHUNK];
-        // Homes in the block table, then (for blocks flagged as guessed) in the approximate one.
+        // Homes in the block table, then (for blocks flagged as guessed, or without a block
+        // slot) in the approximate one.
         let mut homes = [NONE; CHUNK];
         let mut guessed = [NONE; CHUNK];
         let mut end = hashes.len();
@@ -551,13 +579,15 @@ impl PrefixIndex {
                 *slot = self.blocks.find_from(home, hash).unwrap_or(NONE);
             }
             if let Some(p) = probes.as_deref_mut() {
+                p.hashes.extend_from_slice(chunk);
                 p.blocks.extend_from_slice(&found[..chunk.len()]);
                 p.approx.resize(p.blocks.len(), NONE);
             }
             // The same for the approximate slots of guessed blocks (their flag is in the block
-            // slots just read).
+            // slots just read) and of blocks without a block slot.
             for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
-                *j = if i != NONE && self.blocks.slot(i)[1] & HAS_APPROX != 0 { self.approx.home(hash) } else { NONE };
+                let maybe = if i == NONE { guesses } else { self.blocks.slot(i)[1] & HAS_APPROX != 0 };
+                *j = if maybe { self.approx.home(hash) } else { NONE };
             }
             let warm =
                 guessed[..chunk.len()].iter().filter(|&&j| j != NONE).fold(0, |acc, &j| acc ^ self.approx.touch_at(j));
@@ -565,21 +595,27 @@ impl PrefixIndex {
             for (k, &i) in found[..chunk.len()].iter().enumerate() {
                 let at = start + k;
                 if i == NONE {
-                    end = at;
-                    break 'chunks;
+                    live.fill(0);
+                } else {
+                    self.live_exact(i, live);
                 }
-                self.live_exact(i, live);
                 // Guesses only matter for engines still matching that do not hold the block
                 // exactly (on the first block, for every engine).
-                let slot = self.blocks.slot(i);
                 let undecided = at == 0 || active.iter().zip(live.iter()).any(|(a, l)| a & !l != 0);
-                if guessed[k] != NONE && undecided {
-                    if let Some(j) = self.approx.find_from(guessed[k], slot[0]) {
+                let guess =
+                    if guessed[k] != NONE && undecided { self.approx.find_from(guessed[k], chunk[k]) } else { None };
+                match guess {
+                    Some(j) => {
                         if let Some(p) = probes.as_deref_mut() {
                             p.approx[at] = j;
                         }
                         self.approx.live(j, now, &self.resets, live);
                     }
+                    None if i == NONE => {
+                        end = at;
+                        break 'chunks;
+                    }
+                    None => {}
                 }
                 let mut any = 0;
                 for (w, (a, &l)) in active.iter_mut().zip(live.iter()).enumerate() {
@@ -611,9 +647,10 @@ impl PrefixIndex {
     /// Where `engine` holds block `hash` now, if it does (approximate entries count as GPU).
     pub fn holds(&self, engine: usize, hash: u64, now: Instant) -> Option<Tier> {
         let local = self.known(engine)?;
-        let i = self.blocks.find(hash)?;
         let mut live = vec![0u64; self.words];
-        self.live_exact(i, &mut live);
+        if let Some(i) = self.blocks.find(hash) {
+            self.live_exact(i, &mut live);
+        }
         if let Some(j) = self.approx.find(hash) {
             self.approx.live(j, self.clock.ms(now), &self.resets, &mut live);
         }
@@ -636,24 +673,34 @@ impl PrefixIndex {
     /// Blocks some engine holds (approximate entries count until `expire` drops them).
     pub fn len(&self) -> usize {
         if self.resets.stale.is_empty() {
-            return self.blocks.len();
+            // Every block slot has an exact holder or a guess; guessed blocks without one are
+            // the approximate blocks not flagged on a block slot.
+            return self.blocks.len() + self.approx.len() - self.flagged;
         }
-        // Resets not swept yet: count the blocks with a holder left.
+        // Resets not swept yet: count the blocks with a holder left (expired guesses count
+        // until `expire` drops them).
         let mut live = vec![0u64; self.words];
-        (0..self.blocks.cap())
+        let exact = self
+            .blocks
+            .occupied_slots()
             .filter(|&i| {
-                let slot = self.blocks.slot(i);
-                if slot[1] == 0 {
-                    return false;
-                }
                 self.live_exact(i, &mut live);
-                if let Some(j) = self.approx.find(slot[0]) {
-                    // Expired entries count until `expire` drops them.
+                if let Some(j) = self.approx.find(self.blocks.slot(i)[0]) {
                     self.approx.live(j, i32::MIN, &self.resets, &mut live);
                 }
                 live.iter().any(|&w| w != 0)
             })
-            .count()
+            .count();
+        let guessed = self
+            .approx
+            .occupied_slots()
+            .filter(|&(j, hash)| {
+                live.fill(0);
+                self.approx.live(j, i32::MIN, &self.resets, &mut live);
+                self.blocks.find(hash).is_none() && live.iter().any(|&w| w != 0)
+            })
+            .count();
+        exact + guessed
     }
 
     pub fn is_empty(&self) -> bool {
@@ -717,18 +764,39 @@ impl PrefixIndex {
         Some(local)
     }
 
-    /// The slot of block `hash`, cleaned, created empty if needed, in one walk from `home`
-    /// (`self.blocks.home(hash)` at the current capacity).
-    fn slot_for_from(&mut self, home: usize, hash: u64) -> usize {
-        let (i, new) = self.blocks.find_or_insert_from(home, hash, OCCUPIED | u64::from(self.resets.seq));
-        if !new {
-            clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
+    /// The slot of block `hash`, cleaned, if it has one (walking from `home`,
+    /// `self.blocks.home(hash)` at the current capacity).
+    fn find_cleaned(&mut self, home: usize, hash: u64) -> Option<usize> {
+        let i = self.blocks.find_from(home, hash)?;
+        clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
+        Some(i)
+    }
+
+    /// Flags block slot `i`: the block has approximate entries.
+    fn flag_approx(&mut self, i: usize) {
+        let meta = &mut self.blocks.slot_mut(i)[1];
+        if *meta & HAS_APPROX == 0 {
+            *meta |= HAS_APPROX;
+            self.flagged += 1;
         }
-        i
+    }
+
+    fn unflag_approx(&mut self, i: usize) {
+        let meta = &mut self.blocks.slot_mut(i)[1];
+        if *meta & HAS_APPROX != 0 {
+            *meta &= !HAS_APPROX;
+            self.flagged -= 1;
+        }
     }
 
     fn store(&mut self, local: u32, home: usize, hash: u64, tier: Tier) {
-        let i = self.slot_for_from(home, hash);
+        let (i, new) = self.blocks.find_or_insert_from(home, hash, OCCUPIED | u64::from(self.resets.seq));
+        if !new {
+            clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
+        } else if self.approx.len() > 0 && self.approx.find(hash).is_some() {
+            // Guesses made before the block had a slot.
+            self.flag_approx(i);
+        }
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let slot = self.blocks.slot_mut(i);
         let meta = slot[1];
@@ -748,7 +816,13 @@ impl PrefixIndex {
     }
 
     fn remove(&mut self, local: u32, hash: u64) {
-        let Some(i) = self.blocks.find(hash) else { return };
+        let Some(i) = self.blocks.find(hash) else {
+            // Perhaps guessed: guesses need no block slot.
+            if self.approx.len() > 0 && self.approx.remove(hash, local, &self.resets).0 {
+                self.engines.approx[local as usize] -= 1;
+            }
+            return;
+        };
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let slot = self.blocks.slot_mut(i);
         clean(slot, self.words, &self.resets, &mut self.tiers);
@@ -773,13 +847,16 @@ impl PrefixIndex {
             self.engines.approx[local as usize] -= 1;
         }
         if !left {
-            self.blocks.slot_mut(i)[1] &= !HAS_APPROX;
+            self.unflag_approx(i);
         }
     }
 
+    /// Removes block slot `i` (cleaned) if no engine holds the block exactly: approximate
+    /// entries need no block slot.
     fn remove_if_empty(&mut self, i: usize) {
         let slot = self.blocks.slot(i);
-        if slot[1] & HAS_APPROX == 0 && slot[BITS..BITS + self.words].iter().all(|&w| w == 0) {
+        if slot[BITS..BITS + self.words].iter().all(|&w| w == 0) {
+            self.unflag_approx(i);
             self.blocks.remove_at(i);
         }
     }
@@ -806,13 +883,17 @@ impl PrefixIndex {
         self.approx.sweep(&self.resets, |hash| emptied.push(hash));
         for hash in emptied {
             if let Some(i) = self.blocks.find(hash) {
-                self.blocks.slot_mut(i)[1] &= !HAS_APPROX;
+                self.unflag_approx(i);
             }
         }
-        let (words, resets, tiers) = (self.words, &self.resets, &mut self.tiers);
+        let (words, resets, tiers, flagged) = (self.words, &self.resets, &mut self.tiers, &mut self.flagged);
         self.blocks.retain(|slot| {
             clean(slot, words, resets, tiers);
-            slot[1] & HAS_APPROX != 0 || slot[BITS..BITS + words].iter().any(|&w| w != 0)
+            let held = slot[BITS..BITS + words].iter().any(|&w| w != 0);
+            if !held && slot[1] & HAS_APPROX != 0 {
+                *flagged -= 1;
+            }
+            held
         });
         self.resets.base = self.resets.seq;
         self.resets.stale.clear();
@@ -966,6 +1047,33 @@ mod tests {
         assert_eq!(index.len(), 2002);
         index.expire(now + Duration::from_secs(20));
         assert_eq!((index.entries(), index.len(), index.approx.len()), (0, 0, 0));
+    }
+
+    /// Guessed blocks nobody holds exactly live in the approximate table only; a block slot
+    /// comes with the first exact holder (flagged if guesses were there before) and goes with
+    /// the last, whatever guesses remain.
+    #[test]
+    fn guesses_need_no_block_slot() {
+        let now = Instant::now();
+        let until = now + Duration::from_secs(1);
+        let mut index = PrefixIndex::default();
+        index.insert_approximate(1, &[10, 11, 12], until);
+        assert_eq!((index.blocks.len(), index.approx.len(), index.len()), (0, 3, 3));
+        assert_eq!(index.overlaps(&[10, 11, 12, 13], now), HashMap::from([(1, 3)]));
+        index.apply(2, &stored(&[10, 11]));
+        assert_eq!((index.blocks.len(), index.flagged, index.len()), (2, 2, 3));
+        assert_eq!(index.overlaps(&[10, 11, 12], now), HashMap::from([(1, 3), (2, 2)]));
+        // Engine 1's event confirms block 10: its guess goes, the flag with it.
+        index.apply(1, &stored(&[10]));
+        assert_eq!((index.flagged, index.approx.len(), index.entries()), (1, 2, 5));
+        index.apply(2, &removed(&[10, 11]));
+        assert_eq!((index.blocks.len(), index.flagged, index.len()), (1, 0, 3));
+        // A removal reaches a guess without a block slot too.
+        index.apply(1, &removed(&[12]));
+        assert_eq!((index.approx.len(), index.engine_blocks(1), index.len()), (1, 2, 2));
+        index.expire(until);
+        assert_eq!((index.blocks.len(), index.approx.len(), index.len()), (1, 0, 1));
+        assert_eq!(index.overlaps(&[10, 11], until), HashMap::from([(1, 1)]));
     }
 
     /// More than 64 engines widen the bitsets; more than 128 the slots.

@@ -81,7 +81,8 @@ impl Reference {
 
 /// Operations on the index. `Speculative`: `insert_speculative` for each `(engine, first)` of
 /// `guesses` on `hashes[first..]`; with `probed`, after `prefix_matches_probed` of the same
-/// hashes (or, with `stale`, of the last query's).
+/// hashes, or, with `stale`, with the probes of the query before the previous operation (often
+/// of the same hashes, with that operation's writes in between).
 #[derive(Clone, Debug)]
 enum Op {
     Stored { engine: usize, hashes: Vec<u64>, medium: Option<&'static str> },
@@ -159,13 +160,17 @@ fn generate(seed: u64, profile: &Profile) -> Vec<Op> {
             63..=64 => Op::RemoveEngine { engine },
             65..=72 => Op::Approx { engine, hashes: run_of(&mut rng, profile), ttl_ms: rng.below(3000) },
             73..=79 => {
-                let hashes = run_of(&mut rng, profile);
+                let (probed, stale) = (rng.below(4) != 0, rng.below(4) == 0);
+                let earlier = ops.len().checked_sub(3).map(|at| &ops[at]);
+                let hashes = match earlier {
+                    Some(Op::Query { hashes }) if stale && rng.below(2) == 0 => hashes.clone(),
+                    _ => run_of(&mut rng, profile),
+                };
                 let most = if rng.below(4) == 0 { 6 } else { 2 };
                 let count = 1 + rng.below(most) as usize;
                 let guesses = (0..count)
                     .map(|_| (rng.pick(profile.engines), rng.below(hashes.len() as u64 + 2) as usize))
                     .collect();
-                let (probed, stale) = (rng.below(4) != 0, rng.below(4) == 0);
                 Op::Speculative { guesses, hashes, ttl_ms: rng.below(3000), probed, stale }
             }
             80..=87 => Op::Advance { ms: rng.below(1500) },
@@ -209,8 +214,8 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
     let mut now_ms = 0u64;
     let (mut index, mut reference) = (PrefixIndex::default(), Reference::default());
     let mut matches = Vec::new();
-    let mut probes = Probes::default();
-    let mut last_query: Vec<u64> = Vec::new();
+    // The probes of the last query, and of the one before it.
+    let (mut probes, mut older) = (Probes::default(), Probes::default());
     for (step, op) in ops.iter().enumerate() {
         let now = t0 + Duration::from_millis(now_ms);
         match op {
@@ -253,12 +258,14 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
             }
             Op::Speculative { guesses, hashes, ttl_ms, probed, stale } => {
                 let until = now + Duration::from_millis(*ttl_ms);
-                if *probed {
-                    // Slots found for another request (or before other writes) must not be
-                    // trusted blindly: the stale case looks up the last query instead.
-                    let looked_up = if *stale { &last_query } else { hashes };
-                    index.prefix_matches_probed(looked_up, now, &mut matches, &mut probes);
-                    index.insert_speculative_probed(guesses, hashes, until, &probes);
+                if *probed && *stale {
+                    // Slots found for another request, or before other writes, must not be
+                    // trusted blindly.
+                    index.insert_speculative_probed(guesses, hashes, until, &older);
+                } else if *probed {
+                    let mut fresh = Probes::default();
+                    index.prefix_matches_probed(hashes, now, &mut matches, &mut fresh);
+                    index.insert_speculative_probed(guesses, hashes, until, &fresh);
                 } else {
                     index.insert_speculative(guesses, hashes, until);
                 }
@@ -282,13 +289,13 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                 }
             }
             Op::Query { hashes } => {
-                last_query.clone_from(hashes);
                 let got = index.overlaps(hashes, now);
                 let want = reference.overlaps(hashes, now_ms);
                 if got != want {
                     return Err(format!("step {step}: overlaps({hashes:?}) = {got:?}, reference {want:?}"));
                 }
-                index.prefix_matches(hashes, now, &mut matches);
+                std::mem::swap(&mut probes, &mut older);
+                index.prefix_matches_probed(hashes, now, &mut matches, &mut probes);
                 let mut sorted: Vec<_> = want.into_iter().collect();
                 sorted.sort_unstable();
                 if matches != sorted {

@@ -76,6 +76,11 @@ impl Approx {
         self.slots.len()
     }
 
+    /// Each block's slot and hash.
+    pub fn occupied_slots(&self) -> impl Iterator<Item = (usize, u64)> + '_ {
+        self.slots.occupied_slots().map(|j| (j, self.slots.slot(j)[0]))
+    }
+
     pub fn heap_bytes(&self) -> usize {
         self.slots.heap_bytes()
             + self.spill.capacity() * std::mem::size_of::<Vec<u64>>()

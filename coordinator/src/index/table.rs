@@ -8,6 +8,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A dense table grows by half once more than 4/5 of its slots are taken (53-80 % full), and
 /// shrinks (to half full) below a quarter.
@@ -38,7 +39,12 @@ pub(super) struct Slots {
     /// that can choose prompts could grind block hashes into one probe run: mix with a secret
     /// (drawn when the table first gets slots, so that an empty table costs nothing).
     seed: u64,
+    /// This table's number and the keys added to it so far (see [`Slots::stamp`]).
+    stamp: (u64, u64),
 }
+
+/// Tables made so far, to number them.
+static TABLES: AtomicU64 = AtomicU64::new(0);
 
 fn mix(mut x: u64) -> u64 {
     // splitmix64's finaliser.
@@ -51,7 +57,8 @@ impl Slots {
     /// An empty table of `stride`-word slots (`stride` a power of two, at least 2).
     pub fn new(stride: usize) -> Self {
         debug_assert!(stride.is_power_of_two() && stride >= 2);
-        Slots { words: Vec::new(), base: 0, stride, cap: 0, len: 0, load: DENSE, seed: 0 }
+        let stamp = (TABLES.fetch_add(1, Ordering::Relaxed), 0);
+        Slots { words: Vec::new(), base: 0, stride, cap: 0, len: 0, load: DENSE, seed: 0, stamp }
     }
 
     /// [`Slots::new`], kept at most half full: for a table whose size matters less than its
@@ -75,6 +82,12 @@ impl Slots {
 
     pub fn stride(&self) -> usize {
         self.stride
+    }
+
+    /// A value that differs from every earlier one of this table, and from any other table's,
+    /// once a key has been added: a key not found before is still absent while it is unchanged.
+    pub fn stamp(&self) -> (u64, u64) {
+        self.stamp
     }
 
     pub fn heap_bytes(&self) -> usize {
@@ -115,6 +128,11 @@ impl Slots {
     #[inline]
     fn key(&self, i: usize) -> u64 {
         self.words[self.base + i * self.stride]
+    }
+
+    /// The positions of the occupied slots.
+    pub fn occupied_slots(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.cap).filter(|&i| self.occupied(i))
     }
 
     /// The first slot holding `key`.
@@ -188,6 +206,7 @@ impl Slots {
                 self.words[self.base + i * self.stride] = key;
                 self.words[self.base + i * self.stride + 1] = meta;
                 self.len += 1;
+                self.stamp.1 += 1;
                 return (i, true);
             }
         }
@@ -210,6 +229,7 @@ impl Slots {
         slot[0] = key;
         slot[1] = meta;
         self.len += 1;
+        self.stamp.1 += 1;
         i
     }
 
