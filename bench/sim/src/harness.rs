@@ -1,9 +1,10 @@
 //! For the test harnesses that run `pd-sim` processes (this crate's, the sidecar's and the
-//! coordinator's): where the binary is, a command with a clean environment, and bounded waits
-//! for `/health` and for an exit. Ports come from [`crate::ports`].
+//! coordinator's): where the binary is, a command with a clean environment, bounded waits for
+//! `/health` (cut short when the child dies) and for an exit, and retries on fresh ports.
+//! Ports come from [`crate::ports`].
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -58,20 +59,65 @@ pub fn command(bin: &Path, port: u16, log: &str) -> Command {
     cmd
 }
 
-/// Whether `GET {url}/health` answered 200 within `within` (`url` is `http://host:port`).
-pub async fn healthy_within(url: &str, within: Duration) -> bool {
+/// Why a process started for a test never answered `/health`.
+#[derive(Debug)]
+pub enum NotHealthy {
+    /// It exited first (most often: its port was taken between drawing it and binding it).
+    Exited(ExitStatus),
+    /// It was still running, silent, when the wait ended.
+    TimedOut(Duration),
+}
+
+impl std::fmt::Display for NotHealthy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotHealthy::Exited(status) => write!(f, "it exited ({status}) before answering /health"),
+            NotHealthy::TimedOut(after) => write!(f, "/health did not answer 200 within {after:?}"),
+        }
+    }
+}
+
+/// Waits until `GET {url}/health` answers 200 (`url` is `http://host:port`), `child` exits, or
+/// `within` passes, whichever comes first: a child that died says so at once instead of
+/// leaving the caller to wait out the bound.
+pub async fn healthy(child: &mut Child, url: &str, within: Duration) -> Result<(), NotHealthy> {
     let Some(authority) = url.strip_prefix("http://").map(|rest| rest.trim_end_matches('/')) else {
-        panic!("healthy_within takes an http:// URL, not {url}");
+        panic!("health checks take an http:// URL, not {url}");
     };
     let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(NotHealthy::Exited(status));
+        }
         let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(NotHealthy::TimedOut(within));
+        }
         if let Ok(Ok(true)) = tokio::time::timeout(left.min(Duration::from_secs(2)), health_ok(authority)).await {
-            return true;
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    false
+}
+
+/// Runs `start` (which draws fresh ports each time) until what it started is healthy, at most
+/// three times when it exits first: a port drawn free can be taken by another process before
+/// the child binds it. `what` names it in the panic when every attempt failed.
+pub async fn start_with_retries<T, F>(what: &str, mut start: impl FnMut() -> F) -> T
+where
+    F: std::future::Future<Output = Result<T, NotHealthy>>,
+{
+    const ATTEMPTS: usize = 3;
+    for attempt in 1..=ATTEMPTS {
+        match start().await {
+            Ok(started) => return started,
+            Err(NotHealthy::Exited(status)) if attempt < ATTEMPTS => {
+                eprintln!("{what}: exited ({status}) before answering /health; retrying on fresh ports");
+            }
+            Err(reason) => panic!("{what}: {reason} (attempt {attempt} of {ATTEMPTS})"),
+        }
+    }
+    unreachable!("the last attempt returns or panics")
 }
 
 async fn health_ok(authority: &str) -> std::io::Result<bool> {
@@ -121,12 +167,44 @@ mod tests {
                 s.write_all(answer.as_bytes()).await.unwrap();
             }
         });
-        assert!(healthy_within(&url, Duration::from_secs(5)).await);
+        let mut running = Command::new("sleep").arg("5").spawn().unwrap();
+        assert!(healthy(&mut running, &url, Duration::from_secs(5)).await.is_ok());
         server.await.unwrap();
-        // Nobody listening: false after the bound, not a hang.
+        // Nobody listening: timed out after the bound, not a hang.
         let started = Instant::now();
-        assert!(!healthy_within(&url, Duration::from_millis(200)).await);
+        let reason = healthy(&mut running, &url, Duration::from_millis(200)).await;
+        assert!(matches!(reason, Err(NotHealthy::TimedOut(_))), "{reason:?}");
         assert!(started.elapsed() < Duration::from_secs(3));
+        let _ = running.kill();
+        let _ = running.wait();
+        // A child that dies is reported at once, well before the bound.
+        let mut dead = Command::new("false").spawn().unwrap();
+        let started = Instant::now();
+        let reason = healthy(&mut dead, &url, Duration::from_secs(20)).await;
+        assert!(matches!(reason, Err(NotHealthy::Exited(status)) if !status.success()), "{reason:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn starts_are_retried_only_when_the_child_exited() {
+        let mut attempts = 0;
+        let started = start_with_retries("flaky", || {
+            attempts += 1;
+            let outcome = if attempts < 3 {
+                Err(NotHealthy::Exited(Command::new("false").status().unwrap()))
+            } else {
+                Ok(attempts)
+            };
+            async move { outcome }
+        })
+        .await;
+        assert_eq!(started, 3);
+        let silent = tokio::spawn(start_with_retries("silent", || async {
+            Err::<(), _>(NotHealthy::TimedOut(Duration::from_millis(1)))
+        }));
+        let panic = silent.await.expect_err("a timeout is not retried").into_panic();
+        let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(message.contains("attempt 1 of 3"), "{message}");
     }
 
     #[tokio::test]

@@ -4,7 +4,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Sim;
+use common::{free_port, Sim, WAIT};
+use pd_sim::harness;
 use serde_json::{json, Value};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,4 +148,25 @@ async fn render_endpoints_return_the_token_ids_the_engine_would_run() {
     let (status, _) = s.post("/v1/chat/completions/render", &json!({"messages": "hi"})).await;
     assert_eq!(status, 400);
     assert_eq!(generations().await, 2.0, "only the two generations counted");
+}
+
+/// A simulator whose port is taken exits at once, the harness says so without waiting out its
+/// bound, and a start on drawn ports retries on fresh ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_is_reported_at_once_and_retried() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let mut child = harness::command(std::path::Path::new(env!("CARGO_BIN_EXE_pd-sim")), port, "off")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let outcome = harness::healthy(&mut child, &format!("http://127.0.0.1:{port}"), WAIT).await;
+    assert!(matches!(outcome, Err(harness::NotHealthy::Exited(status)) if !status.success()), "{outcome:?}");
+    assert!(started.elapsed() < WAIT / 2, "seen after {:?}", started.elapsed());
+    // The first draw is the taken port; the retry draws a free one.
+    let mut ports = [port, free_port()].into_iter();
+    let sim = harness::start_with_retries("pd-sim", || Sim::try_start_on(ports.next().unwrap(), &[])).await;
+    assert_ne!(sim.port, port);
+    drop(taken);
 }

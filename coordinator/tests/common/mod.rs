@@ -23,9 +23,13 @@ pub fn client() -> reqwest::Client {
 
 /// Where the test's log files go (kept for a failing run).
 fn log_file(name: &str) -> std::fs::File {
-    let dir = std::env::temp_dir().join(format!("pd-coordinator-tests-{}", std::process::id()));
+    let dir = log_dir();
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::File::create(dir.join(format!("{name}.log"))).unwrap()
+}
+
+fn log_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("pd-coordinator-tests-{}", std::process::id()))
 }
 
 /// pd-sim sits next to pd-coordinator in the target directory (`cargo test --workspace`
@@ -72,8 +76,11 @@ impl Drop for Proc {
     }
 }
 
-async fn wait_healthy(url: &str, what: &str) {
-    assert!(harness::healthy_within(url, WAIT).await, "{what} at {url} did not become healthy");
+/// Waits for `proc`'s `/health`; when it never answers, says why and where its log is.
+async fn wait_healthy(proc: &mut Proc, url: &str, name: &str) -> Result<(), harness::NotHealthy> {
+    harness::healthy(&mut proc.child, url, WAIT).await.inspect_err(|_| {
+        eprintln!("{name} at {url}: log in {}", log_dir().join(format!("{name}.log")).display());
+    })
 }
 
 /// A simulated engine with KV events and replay.
@@ -89,19 +96,34 @@ pub struct Sim {
 
 impl Sim {
     pub async fn start(id: &str, extra: &[&str]) -> Sim {
-        Self::start_on(id, free_port(), free_port(), free_port(), extra).await
+        let what = format!("pd-sim {id}");
+        harness::start_with_retries(&what, || Self::try_start_on(id, free_port(), free_port(), free_port(), extra))
+            .await
     }
 
     pub async fn start_on(id: &str, port: u16, events: u16, replay: u16, extra: &[&str]) -> Sim {
+        let started = Self::try_start_on(id, port, events, replay, extra).await;
+        started.unwrap_or_else(|e| panic!("pd-sim {id} on port {port}: {e}"))
+    }
+
+    async fn try_start_on(
+        id: &str,
+        port: u16,
+        events: u16,
+        replay: u16,
+        extra: &[&str],
+    ) -> Result<Sim, harness::NotHealthy> {
         let mut cmd = harness::command(&pd_sim_path(), port, "warn");
         cmd.args(["--host", "127.0.0.1", "--engine-id", id, "--workers", "1"])
             .args(["--kv-events-endpoint", &format!("tcp://*:{events}")])
             .args(["--kv-events-replay-endpoint", &format!("tcp://*:{replay}")])
             .args(extra);
-        let proc = Proc::spawn(cmd, &format!("sim-{id}-{port}"));
+        let name = format!("sim-{id}-{port}");
+        let mut proc = Proc::spawn(cmd, &name);
         let url = format!("http://127.0.0.1:{port}");
-        wait_healthy(&url, "pd-sim").await;
-        Sim { proc, id: id.into(), port, url, events, replay, extra: extra.iter().map(|s| s.to_string()).collect() }
+        wait_healthy(&mut proc, &url, &name).await?;
+        let extra = extra.iter().map(|s| s.to_string()).collect();
+        Ok(Sim { proc, id: id.into(), port, url, events, replay, extra })
     }
 
     /// The registration body (as a sidecar would send it); `sidecar_url` optional.
@@ -150,20 +172,26 @@ pub struct Coord {
 
 impl Coord {
     pub async fn start(args: &[&str]) -> Coord {
-        Self::start_on(free_port(), free_port(), args).await
+        harness::start_with_retries("pd-coordinator", || Self::try_start_on(free_port(), free_port(), args)).await
     }
 
     pub async fn start_on(http: u16, grpc: u16, args: &[&str]) -> Coord {
+        let started = Self::try_start_on(http, grpc, args).await;
+        started.unwrap_or_else(|e| panic!("pd-coordinator on port {http}: {e}"))
+    }
+
+    async fn try_start_on(http: u16, grpc: u16, args: &[&str]) -> Result<Coord, harness::NotHealthy> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pd-coordinator"));
         cmd.args(["--listen", &format!("127.0.0.1:{http}"), "--grpc-listen", &format!("127.0.0.1:{grpc}")])
             .args(["--workers", "2", "--log", "info,pd_coordinator=debug"])
             .args(args)
             .env_remove("PYTHONHASHSEED")
             .env_remove("RUST_LOG");
-        let proc = Proc::spawn(cmd, &format!("coordinator-{http}"));
+        let name = format!("coordinator-{http}");
+        let mut proc = Proc::spawn(cmd, &name);
         let url = format!("http://127.0.0.1:{http}");
-        wait_healthy(&url, "pd-coordinator").await;
-        Coord { proc, http, grpc, url, args: args.iter().map(|s| s.to_string()).collect() }
+        wait_healthy(&mut proc, &url, &name).await?;
+        Ok(Coord { proc, http, grpc, url, args: args.iter().map(|s| s.to_string()).collect() })
     }
 
     /// kill -9 and start again on the same ports with the same flags.

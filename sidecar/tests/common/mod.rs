@@ -28,10 +28,6 @@ pub fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(WAIT).pool_max_idle_per_host(0).build().unwrap()
 }
 
-async fn wait_healthy(url: &str, what: &str) {
-    assert!(harness::healthy_within(url, WAIT).await, "{what} at {url} did not become healthy");
-}
-
 pub struct Sim {
     child: Child,
     pub port: u16,
@@ -40,11 +36,14 @@ pub struct Sim {
 
 impl Sim {
     pub async fn start(args: &[&str]) -> Sim {
-        let port = free_port();
-        let child = harness::command(&sim_bin(), port, "error").args(args).spawn().expect("spawning pd-sim");
-        let sim = Sim { child, port, url: format!("http://127.0.0.1:{port}") };
-        wait_healthy(&sim.url, "pd-sim").await;
-        sim
+        harness::start_with_retries("pd-sim", || async {
+            let port = free_port();
+            let child = harness::command(&sim_bin(), port, "error").args(args).spawn().expect("spawning pd-sim");
+            let mut sim = Sim { child, port, url: format!("http://127.0.0.1:{port}") };
+            harness::healthy(&mut sim.child, &sim.url, WAIT).await?;
+            Ok(sim)
+        })
+        .await
     }
 
     pub fn addr(&self) -> String {
@@ -285,18 +284,21 @@ impl Coordinator {
             eprintln!("LOUD SKIP: pd-coordinator is not built next to pd-sidecar (cargo build -p pd-coordinator)");
             return None;
         };
-        let port = free_port();
-        let child = Command::new(bin)
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--no-grpc"])
-            .args(args)
-            .env("RUST_LOG", "error")
-            .env_remove("PD_COORDINATOR_CONFIG")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawning pd-coordinator");
-        let c = Coordinator { child, url: format!("http://127.0.0.1:{port}") };
-        wait_healthy(&c.url, "pd-coordinator").await;
-        Some(c)
+        let started = harness::start_with_retries("pd-coordinator", || async {
+            let port = free_port();
+            let child = Command::new(&bin)
+                .args(["--listen", &format!("127.0.0.1:{port}"), "--no-grpc"])
+                .args(args)
+                .env("RUST_LOG", "error")
+                .env_remove("PD_COORDINATOR_CONFIG")
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("spawning pd-coordinator");
+            let mut c = Coordinator { child, url: format!("http://127.0.0.1:{port}") };
+            harness::healthy(&mut c.child, &c.url, WAIT).await?;
+            Ok(c)
+        });
+        Some(started.await)
     }
 
     pub async fn metrics(&self) -> String {

@@ -25,18 +25,22 @@ pub struct Sim {
 impl Sim {
     /// Starts a simulator with these extra flags and waits for `/health`.
     pub async fn start(args: &[&str]) -> Sim {
-        Self::start_on(free_port(), args).await
+        harness::start_with_retries("pd-sim", || Self::try_start_on(free_port(), args)).await
     }
 
     pub async fn start_on(port: u16, args: &[&str]) -> Sim {
+        Self::try_start_on(port, args).await.unwrap_or_else(|e| panic!("pd-sim on port {port}: {e}"))
+    }
+
+    pub async fn try_start_on(port: u16, args: &[&str]) -> Result<Sim, harness::NotHealthy> {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         let child = harness::command(Path::new(env!("CARGO_BIN_EXE_pd-sim")), port, "warn")
             .args(&args)
             .spawn()
             .expect("spawning pd-sim");
-        let sim = Sim { child, port, url: format!("http://127.0.0.1:{port}"), args };
-        assert!(harness::healthy_within(&sim.url, WAIT).await, "pd-sim on port {port} did not become healthy");
-        sim
+        let mut sim = Sim { child, port, url: format!("http://127.0.0.1:{port}"), args };
+        harness::healthy(&mut sim.child, &sim.url, WAIT).await?;
+        Ok(sim)
     }
 
     /// Kills the process and starts it again with the same port and flags.
