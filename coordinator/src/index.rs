@@ -314,18 +314,30 @@ impl PrefixIndex {
             KvEvent::BlockStored { block_hashes, medium, .. } => {
                 let tier = Tier::from_medium(medium.as_deref());
                 let Some(local) = self.local(engine) else { return };
-                let mut homes = [0; CHUNK];
+                let (mut homes, mut guesses) = ([0; CHUNK], [NONE; CHUNK]);
+                let guessed = self.approx.len() > 0;
                 for chunk in block_hashes.chunks(CHUNK) {
-                    // Touch every block's first slot before writing: the cache misses overlap.
-                    let cap = self.blocks.cap();
-                    for (home, hash) in homes.iter_mut().zip(chunk) {
+                    // Touch every block's first slots before writing: the cache misses overlap.
+                    // A block new to the block table may have been guessed (most stores confirm
+                    // a decision's guesses), so its approximate slot is touched too.
+                    let caps = (self.blocks.cap(), self.approx.cap());
+                    for ((home, guess), hash) in homes.iter_mut().zip(&mut guesses).zip(chunk) {
                         *home = self.blocks.home(hash.as_u64());
+                        if guessed {
+                            *guess = self.approx.home(hash.as_u64());
+                        }
                     }
                     self.blocks.touch_all(&homes[..chunk.len()]);
-                    for (&home, hash) in homes.iter().zip(chunk) {
+                    if guessed {
+                        std::hint::black_box(
+                            guesses[..chunk.len()].iter().fold(0, |a, &j| a ^ self.approx.touch_at(j)),
+                        );
+                    }
+                    for ((&home, &guess), hash) in homes.iter().zip(&guesses).zip(chunk) {
                         let hash = hash.as_u64();
-                        let home = if self.blocks.cap() == cap { home } else { self.blocks.home(hash) };
-                        self.store(local, home, hash, tier);
+                        let home = if self.blocks.cap() == caps.0 { home } else { self.blocks.home(hash) };
+                        let guess = if self.approx.cap() == caps.1 { guess } else { self.approx.home(hash) };
+                        self.store(local, home, guess, hash, tier);
                     }
                 }
             }
@@ -789,13 +801,19 @@ impl PrefixIndex {
         }
     }
 
-    fn store(&mut self, local: u32, home: usize, hash: u64, tier: Tier) {
+    /// Records that `local` holds block `hash` in `tier`; `home` is the block's in the block
+    /// table, `guess` its home in the approximate table (both at their current capacities).
+    fn store(&mut self, local: u32, home: usize, guess: usize, hash: u64, tier: Tier) {
         let (i, new) = self.blocks.find_or_insert_from(home, hash, OCCUPIED | u64::from(self.resets.seq));
+        let mut guessed = None;
         if !new {
             clean(self.blocks.slot_mut(i), self.words, &self.resets, &mut self.tiers);
-        } else if self.approx.len() > 0 && self.approx.find(hash).is_some() {
+        } else if self.approx.len() > 0 {
             // Guesses made before the block had a slot.
-            self.flag_approx(i);
+            guessed = self.approx.find_from(guess, hash);
+            if guessed.is_some() {
+                self.flag_approx(i);
+            }
         }
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let slot = self.blocks.slot_mut(i);
@@ -804,7 +822,7 @@ impl PrefixIndex {
             slot[word] |= bit;
             self.engines.exact[local as usize] += 1;
             if meta & HAS_APPROX != 0 {
-                self.drop_approx(i, hash, local);
+                self.drop_approx(i, hash, local, guessed);
             }
         }
         if tier != Tier::Gpu {
@@ -835,14 +853,18 @@ impl PrefixIndex {
             }
         }
         if meta & HAS_APPROX != 0 {
-            self.drop_approx(i, hash, local);
+            self.drop_approx(i, hash, local, None);
         }
         self.remove_if_empty(i);
     }
 
-    /// Removes `local`'s approximate entry for block slot `i`, and the flag if it was the last.
-    fn drop_approx(&mut self, i: usize, hash: u64, local: u32) {
-        let (had, left) = self.approx.remove(hash, local, &self.resets);
+    /// Removes `local`'s approximate entry for block slot `i`, and the flag if it was the last;
+    /// `found` is the block's approximate slot when the caller just found it.
+    fn drop_approx(&mut self, i: usize, hash: u64, local: u32, found: Option<usize>) {
+        let (had, left) = match found {
+            Some(j) => self.approx.remove_at(j, local, &self.resets),
+            None => self.approx.remove(hash, local, &self.resets),
+        };
         if had {
             self.engines.approx[local as usize] -= 1;
         }

@@ -318,7 +318,14 @@ impl Approx {
     /// Removes `local`'s entry for `hash`: whether it had a live one, and whether the block has
     /// entries left.
     pub fn remove(&mut self, hash: u64, local: u32, resets: &Resets) -> (bool, bool) {
-        let Some(j) = self.slots.find(hash) else { return (false, false) };
+        match self.slots.find(hash) {
+            Some(j) => self.remove_at(j, local, resets),
+            None => (false, false),
+        }
+    }
+
+    /// [`Approx::remove`] from slot `j`, found for the block just before.
+    pub fn remove_at(&mut self, j: usize, local: u32, resets: &Resets) -> (bool, bool) {
         self.clean(j, resets);
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let had = self.slots.slot(j)[word] & bit != 0;
