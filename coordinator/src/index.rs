@@ -12,9 +12,9 @@
 //!   is O(1): it is logged as a reset, and its bit counts as stale in every slot stamped before
 //!   the reset. Reads mask stale bits; a slot drops them when it is next written; `expire` (or
 //!   too many pending resets) sweeps the rest out.
-//! - Approximate entries live in a second table, one slot per block with two entries inline
-//!   (engine, its reset epoch and the deadline packed in a word; more engines in a side map),
-//!   so exact entries carry no timestamp. A block with exact holders has its guesses flagged on
+//! - Approximate entries live in a second table, one 32-byte slot per block with two entries
+//!   inline (engine and deadline packed in a word; more engines spill to a vector), so exact
+//!   entries carry no timestamp. A block with exact holders has its guesses flagged on
 //!   its slot; a block only guessed has no block slot at all (a lookup that misses the block
 //!   table asks the approximate one), so a decision's guesses for blocks nobody holds yet write
 //!   one table, not two, and a lookup just before tells the insert which blocks are absent.
@@ -195,7 +195,7 @@ impl Default for PrefixIndex {
         PrefixIndex {
             blocks: Slots::new(stride_for(1)),
             words: 1,
-            approx: Approx::new(1),
+            approx: Approx::default(),
             flagged: 0,
             tiers: HashMap::new(),
             engines: Engines::default(),
@@ -771,7 +771,6 @@ impl PrefixIndex {
             if stride_for(words) != self.blocks.stride() {
                 self.blocks.rebuild(stride_for(words), self.blocks.cap());
             }
-            self.approx.widen(words);
         }
         Some(local)
     }

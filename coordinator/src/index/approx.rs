@@ -1,11 +1,11 @@
 //! Approximate entries: per block, which engines probably hold it and until when.
 //!
-//! One slot per block: `[hash, meta, engine bitset words..., entries...]`. The bitset says who
-//! has an entry, so a read is a few word operations however many engines guessed; the entries
-//! (deadline and engine, one word each) are kept sorted by deadline, so a read only visits
-//! those that expired since the last `expire` (usually none). A few entries fit in the slot;
-//! more spill to a vector of their own. Engine resets are handled as for exact entries: the
-//! slot's stamp in the meta word says which resets it has seen.
+//! One slot per block: `[hash, meta, entry, entry]`, 32 bytes, whatever the number of engines.
+//! An entry is a deadline and an engine in one word; a slot's entries are kept sorted by
+//! deadline, so a read skips those that expired since the last `expire` (usually none). Most
+//! guessed blocks have one or two entries (the decode engine and the prefill one of a
+//! decision); more spill to a vector of their own. Engine resets are handled as for exact
+//! entries: the slot's stamp in the meta word says which resets it has seen.
 
 use super::due::Deadlines;
 use super::table::Slots;
@@ -30,23 +30,33 @@ pub(super) fn deadline(entry: u64) -> i32 {
     ((entry >> 32) as u32 ^ 0x8000_0000) as i32
 }
 
+/// Slots are `[hash, meta, entry, entry]`: 32 bytes, two to a cache line.
+const STRIDE: usize = 4;
+/// Entries that fit in a slot; more spill.
+const INLINE: usize = STRIDE - BITS;
+
 /// The entries of slot `j` of `slots`, by deadline.
 #[inline]
-fn entries_of<'a>(slots: &'a Slots, spill: &'a [Vec<u64>], words: usize, j: usize) -> &'a [u64] {
+fn entries_of<'a>(slots: &'a Slots, spill: &'a [Vec<u64>], j: usize) -> &'a [u64] {
     let s = slots.slot(j);
     if s[1] & SPILLED != 0 {
         &spill[((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize]
     } else {
-        let inline = &s[BITS + words..];
-        &inline[..inline.iter().position(|&e| e == 0).unwrap_or(inline.len())]
+        let inline = &s[BITS..];
+        &inline[..inline.iter().position(|&e| e == 0).unwrap_or(INLINE)]
     }
+}
+
+/// Whether engine `local` is in bitset `bits` (missing words are zeros).
+#[inline]
+fn has_bit(bits: &[u64], local: u32) -> bool {
+    bits.get(local as usize / 64).is_some_and(|w| w & 1 << (local % 64) != 0)
 }
 
 /// Approximate entries by block.
 #[derive(Debug)]
 pub(super) struct Approx {
     slots: Slots,
-    words: usize,
     spill: Vec<Vec<u64>>,
     free: Vec<u32>,
     /// Blocks by the deadlines set on them, so that `expire` visits what expired instead of
@@ -54,23 +64,20 @@ pub(super) struct Approx {
     due: Deadlines,
 }
 
-fn stride_for(words: usize) -> usize {
-    (BITS + words + 2).next_power_of_two()
-}
-
-impl Approx {
-    pub fn new(words: usize) -> Self {
+impl Default for Approx {
+    fn default() -> Self {
         Approx {
             // Sparse: inserts (a decision's guesses for blocks new to the table) walk to the
-            // first empty slot, one cache line per slot here.
-            slots: Slots::sparse(stride_for(words)),
-            words,
+            // first empty slot.
+            slots: Slots::sparse(STRIDE),
             spill: Vec::new(),
             free: Vec::new(),
             due: Deadlines::default(),
         }
     }
+}
 
+impl Approx {
     /// Blocks with approximate entries.
     pub fn len(&self) -> usize {
         self.slots.len()
@@ -87,37 +94,6 @@ impl Approx {
             + self.spill.iter().map(|v| v.capacity() * 8).sum::<usize>()
             + self.free.capacity() * 4
             + self.due.heap_bytes()
-    }
-
-    fn inline(&self) -> usize {
-        self.slots.stride() - BITS - self.words
-    }
-
-    /// Bitsets get `words` words (more engines): slots are re-laid.
-    pub fn widen(&mut self, words: usize) {
-        if words <= self.words {
-            return;
-        }
-        let mut wider = Approx::new(words);
-        std::mem::swap(&mut wider.spill, &mut self.spill);
-        std::mem::swap(&mut wider.free, &mut self.free);
-        std::mem::swap(&mut wider.due, &mut self.due);
-        wider.slots.rebuild(wider.slots.stride(), self.slots.cap());
-        for i in 0..self.slots.cap() {
-            let s = self.slots.slot(i);
-            if s[1] == 0 {
-                continue;
-            }
-            let j = wider.slots.insert(s[0], s[1]);
-            wider.slots.slot_mut(j)[BITS..BITS + self.words].copy_from_slice(&s[BITS..BITS + self.words]);
-            if s[1] & SPILLED == 0 {
-                // The inline room may differ: add the entries one by one (they may spill).
-                for &e in s[BITS + self.words..].iter().take_while(|&&e| e != 0) {
-                    wider.insert_entry(j, e);
-                }
-            }
-        }
-        *self = wider;
     }
 
     /// See [`Slots::home`] and [`Slots::touch_at`]; `cap` tells when homes computed before are
@@ -164,55 +140,40 @@ impl Approx {
     /// The entries of slot `j`, by deadline.
     #[inline]
     fn entries(&self, j: usize) -> &[u64] {
-        entries_of(&self.slots, &self.spill, self.words, j)
+        entries_of(&self.slots, &self.spill, j)
     }
 
-    /// Adds to `out` the engines of slot `j` whose entries are live at `now`.
+    fn has(&self, j: usize, local: u32) -> bool {
+        self.entries(j).iter().any(|&e| engine(e) == local)
+    }
+
+    /// Adds to `out` (a bitset wide enough for every engine) the engines of slot `j` whose
+    /// entries are live at `now`.
     #[inline]
     pub fn live(&self, j: usize, now: i32, resets: &Resets, out: &mut [u64]) {
-        let s = self.slots.slot(j);
-        let stale = resets.stale((s[1] & STAMP) as u32);
-        let expired = self.entries(j).iter().take_while(|&&e| deadline(e) <= now);
-        // Without expired entries (the usual case) the bitset is the answer.
-        let mut gone = [0u64; 4];
-        let mut spare = Vec::new();
-        let gone: &mut [u64] = if self.words <= 4 {
-            &mut gone[..self.words]
-        } else {
-            spare.resize(self.words, 0);
-            &mut spare
-        };
-        for &e in expired {
-            gone[engine(e) as usize / 64] |= 1 << (engine(e) % 64);
-        }
-        for (w, o) in out.iter_mut().enumerate() {
-            let mask = stale.and_then(|m| m.get(w)).copied().unwrap_or(0) | gone[w];
-            *o |= s[BITS + w] & !mask;
+        let stale = resets.stale((self.slots.slot(j)[1] & STAMP) as u32).unwrap_or_default();
+        // By deadline: the expired ones (usually none) come first.
+        for &e in self.entries(j).iter().skip_while(|&&e| deadline(e) <= now) {
+            let local = engine(e);
+            if !has_bit(stale, local) {
+                out[local as usize / 64] |= 1 << (local % 64);
+            }
         }
     }
 
     /// Drops the entries of engines reset since slot `j` was stamped, and stamps it current.
     fn clean(&mut self, j: usize, resets: &Resets) {
-        let s = self.slots.slot(j);
-        let Some(stale) = resets.stale((s[1] & STAMP) as u32) else { return };
-        let mut dropped = false;
-        let words = self.words;
-        let s = self.slots.slot_mut(j);
-        for (w, &mask) in stale.iter().enumerate().take(words) {
-            dropped |= s[BITS + w] & mask != 0;
-            s[BITS + w] &= !mask;
-        }
-        s[1] = (s[1] & !STAMP) | u64::from(resets.seq);
-        if dropped {
-            let bits = s[BITS..BITS + words].to_vec();
-            self.retain_entries(j, |e| bits[engine(e) as usize / 64] & 1 << (engine(e) % 64) != 0);
+        let meta = &mut self.slots.slot_mut(j)[1];
+        let Some(stale) = resets.stale((*meta & STAMP) as u32) else { return };
+        *meta = (*meta & !STAMP) | u64::from(resets.seq);
+        if self.entries(j).iter().any(|&e| has_bit(stale, engine(e))) {
+            self.retain_entries(j, |e| !has_bit(stale, engine(e)));
         }
     }
 
     /// Keeps the entries of slot `j` that `keep` wants, preserving order; re-inlines a spilled
     /// list that fits again. The deadline lists learn of every entry that leaves.
     fn retain_entries(&mut self, j: usize, mut keep: impl FnMut(u64) -> bool) {
-        let (words, inline) = (self.words, self.inline());
         let due = &mut self.due;
         let mut keep = |e: u64| {
             let kept = keep(e);
@@ -223,7 +184,7 @@ impl Approx {
         };
         let s = self.slots.slot_mut(j);
         if s[1] & SPILLED == 0 {
-            let area = &mut s[BITS + words..];
+            let area = &mut s[BITS..];
             let mut n = 0;
             for k in 0..area.len() {
                 let e = area[k];
@@ -238,12 +199,12 @@ impl Approx {
         let at = ((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize;
         let list = &mut self.spill[at];
         list.retain(|&e| keep(e));
-        if list.len() <= inline {
+        if list.len() <= INLINE {
             let list = std::mem::take(list);
             self.free.push(at as u32);
             let s = self.slots.slot_mut(j);
             s[1] &= !(SPILLED | SPILL_MASK << SPILL_SHIFT);
-            let area = &mut s[BITS + words..];
+            let area = &mut s[BITS..];
             area.fill(0);
             area[..list.len()].copy_from_slice(&list);
         }
@@ -251,7 +212,6 @@ impl Approx {
 
     /// Adds an entry to slot `j` in deadline order (spilling when the slot is full).
     fn insert_entry(&mut self, j: usize, e: u64) {
-        let (words, inline) = (self.words, self.inline());
         let s = self.slots.slot_mut(j);
         if s[1] & SPILLED != 0 {
             let list = &mut self.spill[((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize];
@@ -259,15 +219,15 @@ impl Approx {
             list.insert(at, e);
             return;
         }
-        let area = &mut s[BITS + words..];
-        let n = area.iter().position(|&x| x == 0).unwrap_or(inline);
-        if n < inline {
+        let area = &mut s[BITS..];
+        let n = area.iter().position(|&x| x == 0).unwrap_or(INLINE);
+        if n < INLINE {
             let at = area[..n].partition_point(|&x| x < e);
             area.copy_within(at..n, at + 1);
             area[at] = e;
             return;
         }
-        let mut list = Vec::with_capacity(inline * 2);
+        let mut list = Vec::with_capacity(INLINE * 2);
         list.extend_from_slice(area);
         let at = list.partition_point(|&x| x < e);
         list.insert(at, e);
@@ -299,12 +259,10 @@ impl Approx {
 
     /// Sets `local`'s deadline in (cleaned) slot `j`; true when the engine had no live entry.
     pub fn set(&mut self, j: usize, local: u32, at: i32) -> bool {
-        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
-        let had = self.slots.slot(j)[word] & bit != 0;
+        let had = self.has(j, local);
         if had {
             self.retain_entries(j, |e| engine(e) != local);
         }
-        self.slots.slot_mut(j)[word] |= bit;
         self.insert_entry(j, entry(local, at));
         self.due.add(at, self.slots.slot(j)[0]);
         !had
@@ -327,10 +285,8 @@ impl Approx {
     /// [`Approx::remove`] from slot `j`, found for the block just before.
     pub fn remove_at(&mut self, j: usize, local: u32, resets: &Resets) -> (bool, bool) {
         self.clean(j, resets);
-        let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
-        let had = self.slots.slot(j)[word] & bit != 0;
+        let had = self.has(j, local);
         if had {
-            self.slots.slot_mut(j)[word] &= !bit;
             self.retain_entries(j, |e| engine(e) != local);
         }
         let left = !self.entries(j).is_empty();
@@ -391,26 +347,13 @@ impl Approx {
         if self.entries(j).first().is_none_or(|&e| deadline(e) > now) {
             return;
         }
-        let mut cleared = [0u64; 4];
-        let mut spare = Vec::new();
-        let cleared: &mut [u64] = if self.words <= 4 {
-            &mut cleared[..self.words]
-        } else {
-            spare.resize(self.words, 0);
-            &mut spare
-        };
         self.retain_entries(j, |e| {
             let live = deadline(e) > now;
             if !live {
                 expired(engine(e));
-                cleared[engine(e) as usize / 64] |= 1 << (engine(e) % 64);
             }
             live
         });
-        let s = self.slots.slot_mut(j);
-        for (w, c) in cleared.iter().enumerate() {
-            s[BITS + w] &= !c;
-        }
     }
 
     /// [`Approx::expire`] as one pass over every slot; the deadline lists are rebuilt from
@@ -432,7 +375,6 @@ impl Approx {
                 continue;
             }
             self.expire_slot(j, now, resets, expired);
-            let words = self.words;
             let s = self.slots.slot_mut(j);
             if shift != 0 {
                 let rebased = |e: u64| entry(engine(e), deadline(e).saturating_sub(shift));
@@ -440,11 +382,11 @@ impl Approx {
                     let at = ((s[1] >> SPILL_SHIFT) & SPILL_MASK) as usize;
                     self.spill[at].iter_mut().for_each(|e| *e = rebased(*e));
                 } else {
-                    s[BITS + words..].iter_mut().filter(|e| **e != 0).for_each(|e| *e = rebased(*e));
+                    s[BITS..].iter_mut().filter(|e| **e != 0).for_each(|e| *e = rebased(*e));
                 }
             }
             let hash = self.slots.slot(j)[0];
-            let mut rest = entries_of(&self.slots, &self.spill, words, j);
+            let mut rest = entries_of(&self.slots, &self.spill, j);
             while let Some(&first) = rest.first() {
                 let same = rest.iter().take_while(|&&e| deadline(e) == deadline(first)).count();
                 fresh.list(deadline(first), hash, same);
@@ -466,10 +408,9 @@ impl Approx {
     }
 
     fn drop_empty(&mut self, gone: &mut impl FnMut(u64)) {
-        let words = self.words;
         self.slots.retain(|s| {
             // Spilled lists are never empty (they re-inline first).
-            let empty = s[1] & SPILLED == 0 && s[BITS + words] == 0;
+            let empty = s[1] & SPILLED == 0 && s[BITS] == 0;
             if empty {
                 gone(s[0]);
             }
