@@ -315,7 +315,7 @@ impl PrefixIndex {
                 let tier = Tier::from_medium(medium.as_deref());
                 let Some(local) = self.local(engine) else { return };
                 let (mut homes, mut guesses) = ([0; CHUNK], [NONE; CHUNK]);
-                let guessed = self.approx.len() > 0;
+                let any_guesses = self.approx.len() > 0;
                 for chunk in block_hashes.chunks(CHUNK) {
                     // Touch every block's first slots before writing: the cache misses overlap.
                     // A block new to the block table may have been guessed (most stores confirm
@@ -323,12 +323,12 @@ impl PrefixIndex {
                     let caps = (self.blocks.cap(), self.approx.cap());
                     for ((home, guess), hash) in homes.iter_mut().zip(&mut guesses).zip(chunk) {
                         *home = self.blocks.home(hash.as_u64());
-                        if guessed {
+                        if any_guesses {
                             *guess = self.approx.home(hash.as_u64());
                         }
                     }
                     self.blocks.touch_all(&homes[..chunk.len()]);
-                    if guessed {
+                    if any_guesses {
                         std::hint::black_box(
                             guesses[..chunk.len()].iter().fold(0, |a, &j| a ^ self.approx.touch_at(j)),
                         );
@@ -560,7 +560,7 @@ impl PrefixIndex {
             return;
         }
         let words = self.words;
-        let guesses = self.approx.len() > 0;
+        let any_guesses = self.approx.len() > 0;
         let now = self.clock.ms(now);
         // active: engines holding every block so far; live: holders of the current block.
         let (mut small, mut large) = ([0u64; 8], Vec::new());
@@ -598,7 +598,7 @@ impl PrefixIndex {
             // The same for the approximate slots of guessed blocks (their flag is in the block
             // slots just read) and of blocks without a block slot.
             for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
-                let maybe = if i == NONE { guesses } else { self.blocks.slot(i)[1] & HAS_APPROX != 0 };
+                let maybe = if i == NONE { any_guesses } else { self.blocks.slot(i)[1] & HAS_APPROX != 0 };
                 *j = if maybe { self.approx.home(hash) } else { NONE };
             }
             let warm =
