@@ -245,7 +245,8 @@ impl Homes {
         }
         let n = chunk.len();
         let warm = (0..n).fold(0, |acc, k| {
-            let b = if self.blocks[k] == NONE { 0 } else { index.blocks.touch_at(self.blocks[k]) };
+            // Guessed blocks are mostly new to the block table: their tags tell so.
+            let b = if self.blocks[k] == NONE { 0 } else { index.blocks.touch_tag_at(self.blocks[k]) };
             acc ^ b ^ index.approx.touch_at(self.approx[k])
         });
         std::hint::black_box(warm);
@@ -538,9 +539,11 @@ impl PrefixIndex {
     /// every engine holding the first block, by engine.
     pub fn prefix_matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>) {
         self.matches(hashes, now, out, None);
+        out.sort_unstable();
     }
 
-    /// [`PrefixIndex::prefix_matches`], keeping in `probes` the slots it found, for
+    /// [`PrefixIndex::prefix_matches`] in no particular order (pairing reads them by engine and
+    /// need not pay for a sort), keeping in `probes` the slots it found, for
     /// [`PrefixIndex::insert_speculative_probed`] of the same request right after.
     pub fn prefix_matches_probed(
         &self,
@@ -596,7 +599,8 @@ impl PrefixIndex {
                 p.approx.resize(p.blocks.len(), NONE);
             }
             // The same for the approximate slots of guessed blocks (their flag is in the block
-            // slots just read) and of blocks without a block slot.
+            // slots just read) and of blocks without a block slot (mostly not guessed either:
+            // their tags tell so).
             for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
                 let maybe = if i == NONE { any_guesses } else { self.blocks.slot(i)[1] & HAS_APPROX != 0 };
                 *j = if maybe { self.approx.home(hash) } else { NONE };
@@ -653,7 +657,6 @@ impl PrefixIndex {
         for (engine, _) in out.iter_mut() {
             *engine = self.engines.global[*engine];
         }
-        out.sort_unstable();
     }
 
     /// Where `engine` holds block `hash` now, if it does (approximate entries count as GPU).

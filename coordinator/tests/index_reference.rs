@@ -296,6 +296,7 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                 }
                 std::mem::swap(&mut probes, &mut older);
                 index.prefix_matches_probed(hashes, now, &mut matches, &mut probes);
+                matches.sort_unstable();
                 let mut sorted: Vec<_> = want.into_iter().collect();
                 sorted.sort_unstable();
                 if matches != sorted {

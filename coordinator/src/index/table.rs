@@ -5,6 +5,11 @@
 //!
 //! Word 0 of a slot is its key, word 1 its meta word, which is 0 exactly when the slot is empty
 //! (owners keep a flag bit set in occupied slots); the other words are the owner's.
+//!
+//! Beside the slots, one tag byte per slot (0 when empty, else 7 bits of the key's mix): a
+//! probe walks the tags, a few bytes in one cache line, and reads a slot only where the tag
+//! matches. A key that is absent (most of a decision's new blocks) then costs a read of the
+//! small tag array, which stays in the CPU's cache, instead of slot lines from memory.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -29,6 +34,8 @@ struct Load {
 #[derive(Debug)]
 pub(super) struct Slots {
     words: Vec<u64>,
+    /// One per slot: 0 empty, else [`Slots::tag`] of its key.
+    tags: Vec<u8>,
     /// Where slot 0 starts in `words` (so that slots are aligned to 64 bytes).
     base: usize,
     stride: usize,
@@ -58,7 +65,7 @@ impl Slots {
     pub fn new(stride: usize) -> Self {
         debug_assert!(stride.is_power_of_two() && stride >= 2);
         let stamp = (TABLES.fetch_add(1, Ordering::Relaxed), 0);
-        Slots { words: Vec::new(), base: 0, stride, cap: 0, len: 0, load: DENSE, seed: 0, stamp }
+        Slots { words: Vec::new(), tags: Vec::new(), base: 0, stride, cap: 0, len: 0, load: DENSE, seed: 0, stamp }
     }
 
     /// [`Slots::new`], kept at most half full: for a table whose size matters less than its
@@ -91,12 +98,20 @@ impl Slots {
     }
 
     pub fn heap_bytes(&self) -> usize {
-        self.words.capacity() * std::mem::size_of::<u64>()
+        self.words.capacity() * std::mem::size_of::<u64>() + self.tags.capacity()
     }
 
+    /// Where `key`'s probe starts: the high bits of its mix, scaled to the capacity.
     #[inline]
     pub fn home(&self, key: u64) -> usize {
         ((u128::from(mix(key ^ self.seed)) * self.cap as u128) >> 64) as usize
+    }
+
+    /// `key`'s tag: the low 7 bits of its mix (independent of its home), and the top bit so
+    /// that it is never 0.
+    #[inline]
+    fn tag(&self, key: u64) -> u8 {
+        (mix(key ^ self.seed) as u8 & 0x7f) | 0x80
     }
 
     #[inline]
@@ -122,7 +137,7 @@ impl Slots {
 
     #[inline]
     fn occupied(&self, i: usize) -> bool {
-        self.words[self.base + i * self.stride + 1] != 0
+        self.tags[i] != 0
     }
 
     #[inline]
@@ -151,16 +166,14 @@ impl Slots {
         if self.len == 0 {
             return None;
         }
+        let tag = self.tag(key);
         let mut i = home;
         loop {
-            let at = self.base + i * self.stride;
-            if self.words[at + 1] == 0 {
-                return None;
+            match self.tags[i] {
+                0 => return None,
+                t if t == tag && self.key(i) == key => return Some(i),
+                _ => i = self.next(i),
             }
-            if self.words[at] == key {
-                return Some(i);
-            }
-            i = self.next(i);
         }
     }
 
@@ -171,7 +184,14 @@ impl Slots {
     /// computes the homes (a few multiplications each) fits fewer in the CPU's window.
     #[inline]
     pub fn touch_at(&self, i: usize) -> u64 {
-        self.words.get(self.base + i * self.stride).copied().unwrap_or(0)
+        let tag = self.tags.get(i).copied().unwrap_or(0);
+        u64::from(tag) ^ self.words.get(self.base + i * self.stride).copied().unwrap_or(0)
+    }
+
+    /// [`Slots::touch_at`] of the tag only: enough for a key that is probably absent.
+    #[inline]
+    pub fn touch_tag_at(&self, i: usize) -> u64 {
+        u64::from(self.tags.get(i).copied().unwrap_or(0))
     }
 
     /// Whether slot `i` (a position found earlier, perhaps stale since) holds `key`.
@@ -191,18 +211,17 @@ impl Slots {
     pub fn find_or_insert_from(&mut self, home: usize, key: u64, meta: u64) -> (usize, bool) {
         debug_assert_ne!(meta, 0, "meta 0 marks an empty slot");
         if self.cap > 0 {
+            let tag = self.tag(key);
             let mut i = home;
             loop {
-                let at = self.base + i * self.stride;
-                if self.words[at + 1] == 0 {
-                    break;
+                match self.tags[i] {
+                    0 => break,
+                    t if t == tag && self.key(i) == key => return (i, false),
+                    _ => i = self.next(i),
                 }
-                if self.words[at] == key {
-                    return (i, false);
-                }
-                i = self.next(i);
             }
             if self.fits(self.len + 1, self.cap) {
+                self.tags[i] = tag;
                 self.words[self.base + i * self.stride] = key;
                 self.words[self.base + i * self.stride + 1] = meta;
                 self.len += 1;
@@ -225,6 +244,7 @@ impl Slots {
         while self.occupied(i) {
             i = self.next(i);
         }
+        self.tags[i] = self.tag(key);
         let slot = self.slot_mut(i);
         slot[0] = key;
         slot[1] = meta;
@@ -244,10 +264,12 @@ impl Slots {
             if !stays {
                 let from = self.base + j * self.stride;
                 self.words.copy_within(from..from + self.stride, self.base + hole * self.stride);
+                self.tags[hole] = self.tags[j];
                 hole = j;
             }
             j = self.next(j);
         }
+        self.tags[hole] = 0;
         self.slot_mut(hole).fill(0);
         self.len -= 1;
     }
@@ -286,6 +308,7 @@ impl Slots {
         let mut words = vec![0u64; cap * stride + 8];
         let base = (8 - (words.as_ptr() as usize / 8) % 8) % 8;
         std::mem::swap(&mut self.words, &mut words);
+        self.tags = vec![0; cap];
         let (old_base, old_stride, old_cap) = (self.base, self.stride, self.cap);
         (self.base, self.stride, self.cap) = (base, stride, cap);
         let keep = old_stride.min(stride);
@@ -298,6 +321,7 @@ impl Slots {
             while self.occupied(j) {
                 j = self.next(j);
             }
+            self.tags[j] = self.tag(words[from]);
             self.slot_mut(j)[..keep].copy_from_slice(&words[from..from + keep]);
         }
     }
