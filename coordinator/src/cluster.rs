@@ -412,7 +412,9 @@ mod tests {
     #[test]
     fn the_callers_engine_is_kept_unless_much_worse() {
         let now = Instant::now();
-        let mut c = Cluster::new(Settings::default());
+        // Even weights: a cached block saves one block of work, so costs stay close.
+        let weights = Weights { prefill_scale: 1.0, overlap_credit: 1.0, temperature: 0.0 };
+        let mut c = Cluster::new(Settings { weights, ..Settings::default() });
         c.register(spec("d0", Role::Decode), now);
         c.register(spec("d1", Role::Decode), now);
         let hashes: Vec<u64> = (1..=100).collect();

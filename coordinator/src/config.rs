@@ -105,11 +105,12 @@ pub struct Config {
     #[arg(long, env = "PD_COORDINATOR_FORGET_DEAD_AFTER_SECS", default_value_t = 300.0)]
     pub forget_dead_after_secs: f64,
 
-    /// Cost weight of prefill work against decode load.
-    #[arg(long, env = "PD_COORDINATOR_PREFILL_SCALE", default_value_t = 1.0)]
+    /// Cost of a block of prefill work against a block of decode load (Dynamo's weighting is 1).
+    #[arg(long, env = "PD_COORDINATOR_PREFILL_SCALE", default_value_t = Weights::default().prefill_scale)]
     pub prefill_scale: f64,
-    /// Prefill work one cached block saves (1.0 = a whole block).
-    #[arg(long, env = "PD_COORDINATOR_OVERLAP_CREDIT", default_value_t = 1.0)]
+    /// Prefill work one cached block saves (1.0 = a whole block; above 1 it also forgives as
+    /// much of the engine's prefill queue; Dynamo's weighting is 1).
+    #[arg(long, env = "PD_COORDINATOR_OVERLAP_CREDIT", default_value_t = Weights::default().overlap_credit)]
     pub overlap_credit: f64,
     /// 0 picks the cheapest engine; above 0 samples among near-best ones.
     #[arg(long, env = "PD_COORDINATOR_TEMPERATURE", default_value_t = 0.0)]

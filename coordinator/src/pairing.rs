@@ -26,16 +26,23 @@ pub struct Candidate {
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Weights {
+    /// What a block of prefill costs against a block of decode load.
     pub prefill_scale: f64,
-    /// How much one cached block saves (1.0 = a full block of prefill work).
+    /// How much one cached block saves (1.0 = a full block of prefill work; above 1 it also
+    /// forgives as much of the engine's prefill queue).
     pub overlap_credit: f64,
     /// 0 = always the cheapest; higher spreads load among near-best engines.
     pub temperature: f64,
 }
 
+/// The defaults favour the engine holding the prompt: a block of prefill (compute-bound) costs
+/// ten blocks of decode load (memory-bound), and a cached block also forgives a block of the
+/// holder's queue, which is mostly hits of the same prompts, short to prefill. Dynamo's
+/// weighting is (1, 1); on pdbench's shared-prefix workload it routed at 0.65-0.73 × round
+/// robin's mean TTFT against 0.41-0.54 × with these (coordinator/README.md).
 impl Default for Weights {
     fn default() -> Self {
-        Weights { prefill_scale: 1.0, overlap_credit: 1.0, temperature: 0.0 }
+        Weights { prefill_scale: 10.0, overlap_credit: 2.0, temperature: 0.0 }
     }
 }
 
@@ -125,9 +132,12 @@ mod tests {
         }
     }
 
+    /// Dynamo's weighting: a block of prefill against a block of decode load.
+    const EVEN: Weights = Weights { prefill_scale: 1.0, overlap_credit: 1.0, temperature: 0.0 };
+
     #[test]
     fn overlap_wins_until_load_outweighs_it() {
-        let w = Weights::default();
+        let w = EVEN;
         // 10 new blocks; engine 1 caches 8 of them.
         let idle = [cand(0, 0, 0, 0), cand(1, 8, 0, 0)];
         assert_eq!(choose(&idle, 10, &w, 0.0), Some(1));
@@ -135,11 +145,17 @@ mod tests {
         assert_eq!(choose(&busy, 10, &w, 0.0), Some(0));
         assert_eq!(cost(&cand(0, 20, 0, 0), 10, &w), 10.0, "credit never makes prefill negative");
         assert_eq!(choose(&[], 10, &w, 0.0), None);
+        // The defaults keep the holder under that load (its 8 cached blocks are worth 80 decode
+        // blocks, and forgive 8 queued ones) until the load outweighs them.
+        let d = Weights::default();
+        assert_eq!(choose(&busy, 10, &d, 0.0), Some(1));
+        assert_eq!(choose(&[cand(0, 0, 0, 0), cand(1, 8, 0, 8)], 10, &d, 0.0), Some(1));
+        assert_eq!(choose(&[cand(0, 0, 0, 0), cand(1, 8, 101, 0)], 10, &d, 0.0), Some(0));
     }
 
     #[test]
     fn ties_break_by_engine_id_and_temperature_spreads() {
-        let w = Weights::default();
+        let w = EVEN;
         let tied = [cand(5, 0, 0, 0), cand(2, 0, 0, 0)];
         assert_eq!(choose(&tied, 4, &w, 0.9), Some(1));
         let warm = Weights { temperature: 1.0, ..w };
@@ -153,7 +169,7 @@ mod tests {
 
     #[test]
     fn extreme_loads_and_weights_order_sanely() {
-        let w = Weights::default();
+        let w = EVEN;
         // Loads and overlaps at u64::MAX (a peer's figures): no overflow, no NaN, finite order.
         let huge = [cand(0, u64::MAX, u64::MAX, u64::MAX), cand(1, 0, 0, 0), cand(2, u64::MAX, 0, u64::MAX)];
         for c in &huge {

@@ -328,7 +328,7 @@ pub enum Preset {
     /// 480 requests over 24 system prompts of 1024 tokens (Zipf popularity, s = 1), 64-token
     /// user messages, 16 output tokens; each engine's KV pool holds a third of the prompts
     /// besides its requests in flight (--cache-share 0.333); engines and coordinator share a
-    /// tokenizer.json; the coordinator gets PRESET_COORDINATOR_ARGS (see the README).
+    /// tokenizer.json (see the README).
     SharedPrefix,
     /// No preset: the workload flags' own defaults, the simulator's default pool (4096 blocks),
     /// no shared tokenizer — compare-routing as it was before the presets.
@@ -442,21 +442,8 @@ impl CompareCmd {
         if !given("cache_share") {
             self.cache_share = Some(1.0 / 3.0);
         }
-        // What a user would set on the coordinator for this cluster (README, compare-routing).
-        for (flag, value) in PRESET_COORDINATOR_ARGS {
-            let prefix = format!("{flag}=");
-            if !self.daemons.coordinator_arg.iter().any(|a| a == flag || a.starts_with(&prefix)) {
-                self.daemons.coordinator_arg.push(format!("{flag}={value}"));
-            }
-        }
     }
 }
-
-/// The shared-prefix preset's coordinator flags (each dropped when the command line gives it).
-/// The simulated prefill has no queueing, so cached prefixes should outweigh the load estimates
-/// (a running request counts as a prompt's worth of blocks). The coordinator's default
-/// `--local-decode-slack` stays: the sidecars redirect a request to the decode it names.
-pub const PRESET_COORDINATOR_ARGS: &[(&str, &str)] = &[("--prefill-scale", "10"), ("--overlap-credit", "2")];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ClusterMode {
@@ -543,7 +530,7 @@ mod tests {
         assert_eq!(w.prefix_popularity, Popularity::Zipf { s: 1.0 });
         assert_eq!(c.cache_share, Some(1.0 / 3.0));
         assert!(c.shared_tokenizer);
-        assert_eq!(c.daemons.coordinator_arg, ["--prefill-scale=3", "--overlap-credit=2"]);
+        assert_eq!(c.daemons.coordinator_arg, ["--prefill-scale=3"], "the coordinator runs with its own defaults");
         let c = compare(&["--no-shared-tokenizer", "--prefix-popularity", "uniform", "--cache-share", "0.5"]);
         assert!(!c.shared_tokenizer);
         assert_eq!((c.workload.prefix_popularity, c.cache_share), (Popularity::Uniform, Some(0.5)));

@@ -111,11 +111,8 @@ impl Coordinator {
         inc(&self.metrics.heartbeats);
         if let Some(load) = load {
             if let Some(spec) = inner.cluster.membership.get(engine).map(|e| &e.spec) {
-                let facts = EngineFacts {
-                    role: spec.role,
-                    capacity_blocks: spec.capacity_blocks,
-                    avg_prompt_blocks: inner.avg_prompt_blocks,
-                };
+                let facts =
+                    EngineFacts { role: spec.role, capacity_blocks: spec.capacity_blocks, sizes: inner.request_sizes };
                 if let Some(reported) = reported_load(&load, facts) {
                     inner.cluster.report_load(engine, reported);
                 }
@@ -282,9 +279,6 @@ impl Coordinator {
         let uniform = [rand::random::<f64>(), rand::random::<f64>()];
         let now = Instant::now();
         let mut inner = self.inner.lock();
-        if !hashes.is_empty() {
-            inner.avg_prompt_blocks = 0.95 * inner.avg_prompt_blocks + 0.05 * hashes.len() as f64;
-        }
         let prefer = req
             .local_engine
             .as_deref()
@@ -300,6 +294,11 @@ impl Coordinator {
         let decision = inner.cluster.pair_preferring(request, prefer, now, uniform).map_err(|e| match e {
             PairError::NoDecode(_) => no_decode(),
         })?;
+        if !hashes.is_empty() {
+            let cached = decision.decode_overlap_blocks.max(decision.prefill_overlap_blocks);
+            let prompt = hashes.len() as u64;
+            inner.request_sizes.observe(prompt, prompt.saturating_sub(cached));
+        }
         // Where events cannot confirm what was routed, remember it for longer.
         let approx_until = now + Duration::from_secs_f64(self.config.approx_ttl_secs);
         for engine in std::iter::once(decision.decode).chain(decision.prefill) {

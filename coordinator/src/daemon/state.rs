@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde_json::value::RawValue;
 
+use super::load::RequestSizes;
 use crate::api::{Endpoint, LoadJson, ReleaseNotice};
 use crate::cluster::Cluster;
 use crate::config::Config;
@@ -92,9 +93,8 @@ pub(crate) struct Inner {
     pub(super) params: HashMap<String, HeldParams>,
     pub(super) pending: HashMap<String, Vec<(ReleaseNotice, Instant)>>,
     pub(super) last_upkeep: Instant,
-    /// Moving average of pair requests' prompt blocks: turns reported request counts into
-    /// block estimates.
-    pub(super) avg_prompt_blocks: f64,
+    /// Turns reported request counts into block estimates.
+    pub(super) request_sizes: RequestSizes,
 }
 
 /// Everything the tasks and API edges share.
@@ -152,7 +152,7 @@ impl Coordinator {
                 params: HashMap::new(),
                 pending: HashMap::new(),
                 last_upkeep: Instant::now(),
-                avg_prompt_blocks: 16.0,
+                request_sizes: RequestSizes::default(),
             }),
             config,
             metrics: Metrics::default(),
