@@ -39,7 +39,7 @@ pub struct Weights {
 /// ten blocks of decode load (memory-bound), and a cached block also forgives a block of the
 /// holder's queue, which is mostly hits of the same prompts, short to prefill. Dynamo's
 /// weighting is (1, 1); on pdbench's shared-prefix workload it routed at 0.65-0.73 × round
-/// robin's mean TTFT against 0.41-0.54 × with these (coordinator/README.md).
+/// robin's mean TTFT against 0.42-0.46 × with these (coordinator/README.md).
 impl Default for Weights {
     fn default() -> Self {
         Weights { prefill_scale: 10.0, overlap_credit: 2.0, temperature: 0.0 }
