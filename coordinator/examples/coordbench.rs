@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use pd_coordinator::cluster::{Cluster, PairRequest, Settings};
 use pd_coordinator::index::PrefixIndex;
 use pd_coordinator::membership::{EngineSpec, Role};
+use pd_coordinator::pairing::Weights;
 use pd_protocols::kv_events::{decode_batch, encode_batch, BlockHash, EventBatch, EventFormat, KvEvent};
 
 /// Counts live heap bytes, so that the index's footprint is measured, not estimated.
@@ -158,6 +159,8 @@ struct Options {
     events_only: bool,
     /// Only the pairing runs (skip ingestion, lookups, churn and memory).
     pairing_only: bool,
+    /// Pairing cost weights (the coordinator's defaults unless given).
+    weights: Weights,
 }
 
 fn options() -> Options {
@@ -170,6 +173,7 @@ fn options() -> Options {
         seed: 1,
         events_only: false,
         pairing_only: false,
+        weights: Weights::default(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -185,9 +189,16 @@ fn options() -> Options {
             "--seed" => o.seed = value("--seed") as u64,
             "--events-only" => o.events_only = true,
             "--pairing-only" => o.pairing_only = true,
+            "--weights" => {
+                let given = args.next().unwrap_or_default();
+                let parsed = given.split_once(',').and_then(|(s, c)| Some((s.parse().ok()?, c.parse().ok()?)));
+                let (prefill_scale, overlap_credit) =
+                    parsed.unwrap_or_else(|| panic!("--weights needs PREFILL_SCALE,OVERLAP_CREDIT, got {given:?}"));
+                o.weights = Weights { prefill_scale, overlap_credit, ..Weights::default() };
+            }
             "-h" | "--help" => {
                 println!(
-                    "coordbench [--json] [--engines 128] [--blocks 1000000] [--lookups 200000] [--decisions 200000] [--seed 1] [--events-only] [--pairing-only]"
+                    "coordbench [--json] [--engines 128] [--blocks 1000000] [--lookups 200000] [--decisions 200000] [--seed 1] [--events-only] [--pairing-only] [--weights PREFILL_SCALE,OVERLAP_CREDIT]"
                 );
                 std::process::exit(0);
             }
@@ -799,7 +810,7 @@ struct Pairing {
 /// region. Speculative entries live 2 s; the run warms up for that long (at one decision per
 /// 20 µs, the bar's rate) before measuring.
 fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rng: &mut Rng, events: bool) -> Pairing {
-    let mut cluster = Cluster::new(Settings::default());
+    let mut cluster = Cluster::new(Settings { weights: o.weights, ..Settings::default() });
     let t0 = Instant::now();
     for engine in 0..o.engines {
         let role = if engine < o.engines / 2 { Role::Prefill } else { Role::Decode };
