@@ -599,8 +599,7 @@ impl PrefixIndex {
                 p.approx.resize(p.blocks.len(), NONE);
             }
             // The same for the approximate slots of guessed blocks (their flag is in the block
-            // slots just read) and of blocks without a block slot (mostly not guessed either:
-            // their tags tell so).
+            // slots just read) and of blocks without a block slot.
             for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
                 let maybe = if i == NONE { any_guesses } else { self.blocks.slot(i)[1] & HAS_APPROX != 0 };
                 *j = if maybe { self.approx.home(hash) } else { NONE };
