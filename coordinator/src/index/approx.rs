@@ -371,7 +371,7 @@ impl Approx {
         self.clear_due();
         let mut fresh = Deadlines::default();
         for j in 0..self.slots.cap() {
-            if self.slots.slot(j)[1] == 0 {
+            if !self.slots.occupied(j) {
                 continue;
             }
             self.expire_slot(j, now, resets, expired);
@@ -400,7 +400,7 @@ impl Approx {
     /// Drops what resets left behind; calls `gone` with each block left without entries.
     pub fn sweep(&mut self, resets: &Resets, mut gone: impl FnMut(u64)) {
         for j in 0..self.slots.cap() {
-            if self.slots.slot(j)[1] != 0 {
+            if self.slots.occupied(j) {
                 self.clean(j, resets);
             }
         }

@@ -3,11 +3,11 @@
 //! backward-shift deletion, so there are no tombstones and every probe ends at the first empty
 //! slot.
 //!
-//! Word 0 of a slot is its key, word 1 its meta word, which is 0 exactly when the slot is empty
-//! (owners keep a flag bit set in occupied slots); the other words are the owner's.
+//! Word 0 of a slot is its key, word 1 its meta word, set when the slot is taken; the other
+//! words are the owner's.
 //!
-//! Beside the slots, one tag byte per slot (0 when empty, else 7 bits of the key's mix): a
-//! probe walks the tags, a few bytes in one cache line, and reads a slot only where the tag
+//! Beside the slots, one tag byte per slot (0 when empty, else 7 bits of the key's mix), the
+//! one record of which slots are taken: a probe walks the tags, a few bytes in one cache line, and reads a slot only where the tag
 //! matches. A key that is absent (most of a decision's new blocks) then costs a read of the
 //! small tag array, which stays in the CPU's cache, instead of slot lines from memory.
 
@@ -135,8 +135,9 @@ impl Slots {
         &mut self.words[at..at + self.stride]
     }
 
+    /// Whether slot `i` holds a key.
     #[inline]
-    fn occupied(&self, i: usize) -> bool {
+    pub fn occupied(&self, i: usize) -> bool {
         self.tags[i] != 0
     }
 
@@ -209,7 +210,6 @@ impl Slots {
     /// The slot holding `key` from `home` (as [`Slots::find_from`]), or a new one taken for it
     /// (as [`Slots::insert`]) in the same walk; true when it is new.
     pub fn find_or_insert_from(&mut self, home: usize, key: u64, meta: u64) -> (usize, bool) {
-        debug_assert_ne!(meta, 0, "meta 0 marks an empty slot");
         if self.cap > 0 {
             let tag = self.tag(key);
             let mut i = home;
@@ -233,9 +233,8 @@ impl Slots {
     }
 
     /// Takes an empty slot for `key` (growing the table first when it is full enough), with
-    /// `meta` (not 0) in word 1 and zeros after; returns its position.
+    /// `meta` in word 1 and zeros after; returns its position.
     pub fn insert(&mut self, key: u64, meta: u64) -> usize {
-        debug_assert_ne!(meta, 0, "meta 0 marks an empty slot");
         if !self.fits(self.len + 1, self.cap) {
             let grown = (self.cap + self.cap / 2).max(MIN_CAP);
             self.rebuild(self.stride, grown);
@@ -308,20 +307,17 @@ impl Slots {
         let mut words = vec![0u64; cap * stride + 8];
         let base = (8 - (words.as_ptr() as usize / 8) % 8) % 8;
         std::mem::swap(&mut self.words, &mut words);
-        self.tags = vec![0; cap];
-        let (old_base, old_stride, old_cap) = (self.base, self.stride, self.cap);
+        let tags = std::mem::replace(&mut self.tags, vec![0; cap]);
+        let (old_base, old_stride) = (self.base, self.stride);
         (self.base, self.stride, self.cap) = (base, stride, cap);
         let keep = old_stride.min(stride);
-        for i in 0..old_cap {
+        for (i, &tag) in tags.iter().enumerate().filter(|&(_, &tag)| tag != 0) {
             let from = old_base + i * old_stride;
-            if words[from + 1] == 0 {
-                continue;
-            }
             let mut j = self.home(words[from]);
             while self.occupied(j) {
                 j = self.next(j);
             }
-            self.tags[j] = self.tag(words[from]);
+            self.tags[j] = tag; // same key, same seed
             self.slot_mut(j)[..keep].copy_from_slice(&words[from..from + keep]);
         }
     }
