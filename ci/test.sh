@@ -17,6 +17,10 @@ step() {
 step "system packages"
 ci/install-deps.sh
 
+# First, as a new user runs it: the README's main command with no system package to lean on.
+step "main command (README) with protoc, the protobuf headers and libzmq hidden"
+ci/main-command-bare.sh
+
 step "format, and the benchmark README's tables equal the committed reports in bench/results"
 cargo fmt --all -- --check
 bench/update-readme.sh 2>/dev/null

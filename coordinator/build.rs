@@ -1,6 +1,6 @@
-//! Compiles proto/coordinator.proto with the protoc that `protoc-bin-vendored` ships (`PROTOC`
-//! overrides it). etcd-client's own build script still needs a system protoc with the well-known
-//! types: Debian's protobuf-compiler and libprotobuf-dev (ci/install-deps.sh).
+//! Compiles proto/coordinator.proto. Inside the workspace `PROTOC` is `.cargo/vendored-protoc`
+//! (set by `.cargo/config.toml`, so etcd-client's build script gets the same protoc); a build
+//! outside it falls back to the `protoc-bin-vendored` crate's binary directly.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var_os("PROTOC").is_none() {
