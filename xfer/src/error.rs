@@ -66,6 +66,30 @@ pub enum XferError {
 }
 
 impl XferError {
+    /// A stable name for the error's category, for callers outside Rust (the Python bindings'
+    /// exceptions carry it) and for logs and metrics labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            XferError::UnknownPeer(_) => "unknown_peer",
+            XferError::UnknownBackend(_) => "unknown_backend",
+            XferError::BackendExists(_) => "backend_exists",
+            XferError::NoBackend(_) => "no_backend",
+            XferError::NotRegistered { .. } => "not_registered",
+            XferError::LengthMismatch { .. } => "length_mismatch",
+            XferError::InvalidArgument(_) => "invalid_argument",
+            XferError::Refused { .. } => "refused",
+            XferError::PeerDisconnected { .. } => "peer_disconnected",
+            XferError::TimedOut(_) => "timed_out",
+            XferError::Cancelled => "cancelled",
+            XferError::Busy => "busy",
+            XferError::NotPosted => "not_posted",
+            XferError::Deregistered => "deregistered",
+            XferError::Metadata(_) => "metadata",
+            XferError::SideChannel { .. } => "side_channel",
+            XferError::Backend { .. } => "backend",
+        }
+    }
+
     /// Maps a backend's error onto the API's categories, keeping the backend name for the rest.
     pub(crate) fn from_backend(backend: &str, err: Arc<BackendError>) -> XferError {
         match &*err {

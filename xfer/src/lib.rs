@@ -40,5 +40,5 @@ pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
 pub use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc,
-    HostBuffer, HostMemory, HostRegion, MemType, Op, RefusalCode, SharedFile,
+    HostBuffer, HostMemory, HostRegion, MemType, Op, RefusalCode, SharedFile, UnknownMemType,
 };

@@ -20,5 +20,5 @@ pub use backend::{
 pub use completion::{Completer, Completion, Progress, Status};
 pub use error::{BackendError, RefusalCode};
 pub use host::{BackendBuffer, HostBuffer, HostMemory, HostRegion};
-pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin};
+pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin, UnknownMemType};
 pub use shared_file::SharedFile;

@@ -27,6 +27,27 @@ impl MemType {
     pub const ALL: [MemType; 5] = [MemType::Dram, MemType::Vram, MemType::File, MemType::Blk, MemType::Obj];
 }
 
+/// A memory type name that is none of NIXL's (`DRAM`, `VRAM`, `FILE`, `BLK`, `OBJ`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown memory type {0:?} (expected DRAM, VRAM, FILE, BLK or OBJ)")]
+pub struct UnknownMemType(pub String);
+
+impl std::str::FromStr for MemType {
+    type Err = UnknownMemType;
+
+    /// NIXL's names, in any case, and the torch device types `cpu` and `cuda`.
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name.to_ascii_uppercase().as_str() {
+            "DRAM" | "CPU" => Ok(MemType::Dram),
+            "VRAM" | "CUDA" => Ok(MemType::Vram),
+            "FILE" => Ok(MemType::File),
+            "BLK" => Ok(MemType::Blk),
+            "OBJ" => Ok(MemType::Obj),
+            _ => Err(UnknownMemType(name.to_string())),
+        }
+    }
+}
+
 impl std::fmt::Display for MemType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
