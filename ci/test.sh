@@ -47,7 +47,8 @@ step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
 vllm_venv="$(ci/vllm/install.sh | tail -n1)"
 step "Python wheel pd-xfer: built from source with UCX, its tests inside the real-vLLM venv (torch, numpy, nixl)"
 xfer_site="$(bindings/python/build.sh --features ucx | tail -n1)"
-PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider bindings/python/tests
+PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \
+  -W ignore::DeprecationWarning bindings/python/tests
 
 PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
 

@@ -1,0 +1,671 @@
+"""NIXL's Python agent, ``nixl._api.nixl_agent`` of NIXL 1.x, over pd_xfer.
+
+The calls, argument forms and return values are NIXL's, so code written for NIXL (vLLM's
+NixlConnector, SGLang's NIXL transfer backend, Dynamo) runs its transfers over xfer:
+
+- descriptor lists from lists of ``(addr, len, dev_id[, meta])`` tuples, N×3 numpy arrays,
+  torch tensors or lists of tensors (``get_reg_descs``, ``get_xfer_descs``);
+- prepared lists and index-list transfers (``prep_xfer_dlist``, ``make_prepped_xfer``), or
+  one-shot ones (``initialize_xfer``); ``transfer`` and ``check_xfer_state`` answer ``"DONE"``,
+  ``"PROC"`` or ``"ERR"``; handles are truthy objects that release themselves when collected;
+- ``get_new_notifs`` gives ``{sender name: [bytes, ...]}``, only what is new;
+- ``add_remote_agent`` returns the peer's name as bytes; every call that takes a peer name
+  takes bytes or str;
+- errors are NIXL's exception classes (``nixlNotFoundError``, ``nixlInvalidParamError``, ...),
+  which here are also ``pd_xfer.XferError`` and keep its ``kind``, with the reason in the
+  message rather than only the status name.
+
+Backend names are NIXL's (``"UCX"``, and xfer's own ``"TCP"``) or xfer's (``"ucx"``, ``"tcp"``).
+The metadata blob is xfer's, not NIXL's: a NIXL agent and this one cannot be peers, and
+``add_remote_agent`` says so when handed NIXL's metadata. NIXL methods this module does not
+offer raise ``NotImplementedError`` naming the method.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from . import Agent, XferError, memory_type_of, regions
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMM_PORT = 8888
+# What NIXL callers pass as the agent name of a local descriptor list.
+LOCAL_AGENT_NAMES = ("NIXL_INIT_AGENT", "")
+# NIXL's backend names and the xfer backend each stands for.
+BACKEND_NAMES = {"TCP": "tcp", "UCX": "ucx"}
+# NIXL's per-backend thread-count parameters; xfer's backends size their own threads.
+THREAD_PARAMS = ("num_threads", "thread_count", "num_cpus")
+# The first bytes of NIXL's own metadata blobs (its serializer's tag).
+NIXL_METADATA_PREFIX = b"nixlSerDes|"
+
+
+class nixlNotPostedError(XferError):
+    pass
+
+
+class nixlInvalidParamError(XferError):
+    pass
+
+
+class nixlBackendError(XferError):
+    pass
+
+
+class nixlNotFoundError(XferError):
+    pass
+
+
+class nixlMismatchError(XferError):
+    pass
+
+
+class nixlNotAllowedError(XferError):
+    pass
+
+
+class nixlRepostActiveError(XferError):
+    pass
+
+
+class nixlUnknownError(XferError):
+    pass
+
+
+class nixlNotSupportedError(XferError):
+    pass
+
+
+class nixlRemoteDisconnectError(XferError):
+    pass
+
+
+class nixlCancelledError(XferError):
+    pass
+
+
+class nixlNoTelemetryError(XferError):
+    pass
+
+
+# xfer's error kinds (xfer::XferError::kind) as NIXL's exception classes.
+_ERROR_CLASSES = {
+    "unknown_peer": nixlNotFoundError,
+    "unknown_backend": nixlNotFoundError,
+    "not_registered": nixlNotFoundError,
+    "no_backend": nixlNotFoundError,
+    "deregistered": nixlNotFoundError,
+    "backend_exists": nixlInvalidParamError,
+    "length_mismatch": nixlInvalidParamError,
+    "invalid_argument": nixlInvalidParamError,
+    "metadata": nixlMismatchError,
+    "peer_disconnected": nixlRemoteDisconnectError,
+    "cancelled": nixlCancelledError,
+    "busy": nixlRepostActiveError,
+    "not_posted": nixlNotPostedError,
+}
+
+
+def _nixl_error(cls: type[XferError], method: str, message: str, kind: str) -> XferError:
+    error = cls(f"{method}: {message}")
+    error.kind = kind
+    return error
+
+
+def _translate(error: XferError, method: str) -> XferError:
+    kind = getattr(error, "kind", "backend")
+    return _nixl_error(_ERROR_CLASSES.get(kind, nixlBackendError), method, str(error), kind)
+
+
+class _Translated:
+    """``with _Translated("method"):`` re-raises xfer errors as NIXL's classes."""
+
+    __slots__ = ("method",)
+
+    def __init__(self, method: str):
+        self.method = method
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        if error is not None and isinstance(error, XferError) and type(error) is XferError:
+            raise _translate(error, self.method) from error
+        return False
+
+
+def _peer_name(name: Any) -> str:
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+
+def _message(message: Any) -> bytes:
+    return message.encode() if isinstance(message, str) else bytes(message)
+
+
+def _indices(indices: Any) -> list[int]:
+    if hasattr(indices, "tolist"):
+        indices = indices.tolist()
+    return [int(i) for i in indices]
+
+
+class nixl_thread_sync_t(enum.Enum):
+    NIXL_THREAD_SYNC_NONE = 0
+    NIXL_THREAD_SYNC_STRICT = 1
+    NIXL_THREAD_SYNC_RW = 2
+    NIXL_THREAD_SYNC_DEFAULT = 3
+
+
+class nixl_agent_config:
+    """NIXL's agent settings. xfer agents are always safe to share between threads, and their
+    backends progress on their own, so ``enable_prog_thread``, ``num_threads`` and
+    ``sync_mode`` are accepted and kept but change nothing."""
+
+    def __init__(
+        self,
+        enable_prog_thread: bool = True,
+        enable_listen_thread: bool = False,
+        listen_port: int = DEFAULT_COMM_PORT,
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
+        backends: list[str] | None = None,
+        sync_mode: nixl_thread_sync_t | None = None,
+    ):
+        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+            raise TypeError(f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})")
+        self.backends = ["UCX"] if backends is None else list(backends)
+        self.enable_pthread = enable_prog_thread
+        self.enable_listen = enable_listen_thread
+        self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        self.sync_mode = sync_mode
+
+
+class nixlXferTelemetry:
+    """A finished transfer's figures, in NIXL's fields: microseconds and bytes. ``startTime`` is
+    Unix time; ``descCount`` counts the request's descriptors as given (NIXL counts them after
+    merging contiguous ones)."""
+
+    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
+
+    def __init__(self, startTime: int, postDuration: int, xferDuration: int, totalBytes: int, descCount: int):
+        self.startTime = startTime
+        self.postDuration = postDuration
+        self.xferDuration = xferDuration
+        self.totalBytes = totalBytes
+        self.descCount = descCount
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
+        return f"nixlXferTelemetry({fields})"
+
+
+class _DescList:
+    """A descriptor list and its memory type; ``owner`` keeps the described objects alive."""
+
+    __slots__ = ("descs", "mem_type", "owner")
+
+    def __init__(self, descs: list[tuple[int, int, int]], mem_type: str, owner: Any = None):
+        self.descs = descs
+        self.mem_type = mem_type
+        self.owner = owner
+
+    def descCount(self) -> int:
+        return len(self.descs)
+
+    def isEmpty(self) -> bool:
+        return not self.descs
+
+    def getType(self) -> str:
+        return self.mem_type
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.mem_type}, {len(self.descs)} descriptors)"
+
+
+class nixlRegDList(_DescList):
+    __slots__ = ()
+
+
+class nixlXferDList(_DescList):
+    __slots__ = ()
+
+
+_handle_ids = itertools.count(1)
+
+
+class nixl_prepped_dlist_handle:
+    """A prepared descriptor list. ``release()`` is idempotent; collection releases it too."""
+
+    __slots__ = ("_id", "prepared", "local", "_released")
+
+    def __init__(self, prepared: Any, local: bool):
+        self._id = next(_handle_ids)
+        self.prepared = prepared
+        self.local = local
+        self._released = False
+
+    def release(self):
+        self._released = True
+        self.prepared = None
+
+    def __repr__(self) -> str:
+        return f"nixl_prepped_dlist_handle(0x{self._id:x}, released={self._released})"
+
+
+class nixl_xfer_handle:
+    """A transfer request. ``release()`` is idempotent (an unfinished transfer is cancelled);
+    collection releases it too."""
+
+    __slots__ = ("_id", "request", "notif", "remake", "posted", "post_us", "_released", "__weakref__")
+
+    def __init__(self, request: Any, notif: bytes, remake: Any):
+        self._id = next(_handle_ids)
+        self.request = request
+        self.notif = notif
+        # Builds the same request with another notification (transfer(handle, notif_msg=...)).
+        self.remake = remake
+        self.posted = False
+        self.post_us = 0
+        self._released = False
+
+    def release(self):
+        if not self._released:
+            self._released = True
+            request, self.request = self.request, None
+            if request is not None:
+                request.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            logger.debug("releasing a collected nixl_xfer_handle failed", exc_info=True)
+
+    def __repr__(self) -> str:
+        return f"nixl_xfer_handle(0x{self._id:x}, released={self._released})"
+
+
+# NIXL agent methods that this module does not offer.
+_UNSUPPORTED = frozenset(
+    {
+        "query_memory",
+        "make_connection",
+        "estimate_xfer_cost",
+        "prep_mem_view",
+        "release_mem_view",
+        "get_partial_agent_metadata",
+        "send_partial_agent_metadata",
+        "get_remote_descs",
+        "get_serialized_descs",
+        "deserialize_descs",
+    }
+)
+
+
+class nixl_agent:
+    """NIXL's ``nixl_agent(agent_name, nixl_conf=None, instantiate_all=False)`` over an xfer agent."""
+
+    def __init__(self, agent_name: str, nixl_conf: nixl_agent_config | None = None, instantiate_all: bool = False):
+        conf = nixl_conf or nixl_agent_config()
+        with _Translated("nixl_agent"):
+            self._agent = Agent(agent_name)
+        self.name = agent_name
+        self.plugin_list = self.get_plugin_list()
+        if not self.plugin_list:
+            raise RuntimeError("No plugins available for NIXL, cannot start transfers!")
+        # NIXL name -> xfer backend name, for the backends created.
+        self.backends: dict[str, str] = {}
+        self.notifs: dict[str, list[bytes]] = {}
+        self._telemetry = conf.capture_telemetry
+        self._lock = threading.Lock()
+        # (mem_type, descriptors) -> registrations of exactly those descriptors.
+        self._registrations: dict[tuple[str, tuple], list[Any]] = {}
+        wanted = self.plugin_list if instantiate_all else conf.backends
+        for backend in wanted:
+            if backend.upper() not in self.plugin_list:
+                logger.warning("backend %s is not available (xfer offers %s); skipped", backend, self.plugin_list)
+                continue
+            self.create_backend(backend)
+        if conf.enable_listen:
+            with _Translated("nixl_agent"):
+                self._agent.start_side_channel(f"0.0.0.0:{conf.port}")
+
+    def __getattr__(self, name: str):
+        if name in _UNSUPPORTED:
+            def unsupported(*_args, **_kwargs):
+                raise NotImplementedError(f"pd_xfer.nixl.nixl_agent does not support NIXL's {name}()")
+
+            return unsupported
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # Backends.
+
+    def get_plugin_list(self) -> list[str]:
+        return sorted(nixl for nixl, ours in BACKEND_NAMES.items() if ours in Agent.available_backends())
+
+    def get_plugin_mem_types(self, backend: str) -> list[str]:
+        return ["DRAM_SEG"]
+
+    def get_backend_mem_types(self, backend: str) -> list[str]:
+        return ["DRAM_SEG"]
+
+    def get_plugin_params(self, backend: str) -> dict[str, str]:
+        return {}
+
+    def get_backend_params(self, backend: str) -> dict[str, str]:
+        return {}
+
+    def create_backend(self, backend: str, initParams: dict[str, str] | None = None):
+        ours = BACKEND_NAMES.get(backend.upper())
+        if ours is None or ours not in Agent.available_backends():
+            raise _nixl_error(
+                nixlNotFoundError, "create_backend", f"no backend {backend!r} (available: {self.plugin_list})",
+                "unknown_backend",
+            )
+        if backend.upper() in self.backends:
+            raise _nixl_error(
+                nixlInvalidParamError, "create_backend", f"backend {backend!r} already created", "backend_exists"
+            )
+        params = {k: str(v) for k, v in (initParams or {}).items() if k not in THREAD_PARAMS}
+        with _Translated("create_backend"):
+            self._agent.add_backend(ours, params)
+        self.backends[backend.upper()] = ours
+
+    def _request_backend(self, backends: list[str] | None, method: str) -> str | None:
+        if not backends:
+            return None
+        first = backends[0].upper()
+        if first not in self.backends:
+            raise KeyError(backends[0])
+        return self.backends[first]
+
+    # Registration.
+
+    def get_reg_descs(self, descs: Any, mem_type: str | None = None) -> nixlRegDList:
+        return nixlRegDList(*self._descs(descs, mem_type, "get_reg_descs"))
+
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> nixlXferDList:
+        return nixlXferDList(*self._descs(descs, mem_type, "get_xfer_descs"))
+
+    def _descs(self, descs: Any, mem_type: str | None, method: str):
+        with _Translated(method):
+            tuples = regions(descs)
+            kind = mem_type or memory_type_of(descs, default="")
+            if not kind:
+                raise _nixl_error(nixlInvalidParamError, method, "a memory type is needed (DRAM, VRAM, ...)", "invalid_argument")
+            if not tuples:
+                raise _nixl_error(nixlInvalidParamError, method, "the descriptor list is empty", "invalid_argument")
+            return tuples, _mem_type_name(kind, method), descs
+
+    def register_memory(self, reg_list: Any, mem_type: str | None = None, backends: list[str] | None = None) -> nixlRegDList:
+        dlist = reg_list if isinstance(reg_list, nixlRegDList) else self.get_reg_descs(reg_list, mem_type)
+        for backend in backends or []:
+            if backend.upper() not in self.backends:
+                raise KeyError(backend)
+        with _Translated("register_memory"):
+            registration = self._agent.register_memory(dlist.descs, dlist.mem_type, keep_alive=dlist.owner)
+        with self._lock:
+            self._registrations.setdefault((dlist.mem_type, tuple(dlist.descs)), []).append(registration)
+        return dlist
+
+    def deregister_memory(self, dereg_list: Any, backends: list[str] | None = None):
+        dlist = dereg_list if isinstance(dereg_list, nixlRegDList) else self.get_reg_descs(dereg_list)
+        key = (dlist.mem_type, tuple(dlist.descs))
+        with self._lock:
+            registrations = self._registrations.get(key)
+            registration = registrations.pop() if registrations else None
+            if registrations == []:
+                del self._registrations[key]
+        if registration is None:
+            raise _nixl_error(nixlNotFoundError, "deregister_memory", "these descriptors are not registered", "not_registered")
+        registration.deregister()
+
+    # Metadata and peers.
+
+    def get_agent_metadata(self) -> bytes:
+        if not self.backends:
+            raise _nixl_error(nixlInvalidParamError, "get_agent_metadata", "no backend created", "no_backend")
+        return self._agent.local_metadata()
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        metadata = bytes(metadata)
+        if metadata.startswith(NIXL_METADATA_PREFIX):
+            raise _nixl_error(
+                nixlMismatchError,
+                "add_remote_agent",
+                "the peer's metadata is NIXL's own (it starts with b'nixlSerDes|'), not pd_xfer's: the peer runs "
+                "NIXL. Both sides of a pair must use the same transfer library (XferConnector on both engines, "
+                "or NixlConnector on both)",
+                "metadata",
+            )
+        with _Translated("add_remote_agent"):
+            name = self._agent.load_remote_metadata(metadata)
+        if name == self.name:
+            self._agent.invalidate_remote(name)
+            raise _nixl_error(nixlInvalidParamError, "add_remote_agent", "the metadata is this agent's own", "invalid_argument")
+        return name.encode()
+
+    def remove_remote_agent(self, agent: Any):
+        name = _peer_name(agent)
+        if name in self._agent.peers():
+            with _Translated("remove_remote_agent"):
+                self._agent.invalidate_remote(name)
+
+    def check_remote_metadata(self, remote_name: Any, descs: Any = None) -> bool:
+        name = _peer_name(remote_name)
+        if name == self.name:
+            return True
+        if name not in self._agent.peers():
+            return False
+        if descs is None:
+            return True
+        tuples, kind, _ = self._descs(descs, None if isinstance(descs, _DescList) else "DRAM", "check_remote_metadata")
+        try:
+            self._agent.prep_remote(name, tuples, kind)
+        except XferError:
+            return False
+        return True
+
+    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
+        with _Translated("send_local_metadata"):
+            self._agent.send_local_metadata(f"{ip_addr or '127.0.0.1'}:{port}")
+
+    def fetch_remote_metadata(self, remote_name: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
+        with _Translated("fetch_remote_metadata"):
+            self._agent.fetch_remote_metadata(f"{ip_addr or '127.0.0.1'}:{port}")
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
+        with _Translated("invalidate_local_metadata"):
+            self._agent.invalidate_local_metadata(f"{ip_addr or '127.0.0.1'}:{port}")
+
+    # Prepared lists and transfers.
+
+    def prep_xfer_dlist(
+        self, agent_name: Any, xfer_list: Any, mem_type: str | None = None, backends: list[str] | None = None
+    ) -> nixl_prepped_dlist_handle:
+        dlist = xfer_list if isinstance(xfer_list, _DescList) else self.get_xfer_descs(xfer_list, mem_type)
+        name = _peer_name(agent_name)
+        with _Translated("prep_xfer_dlist"):
+            if name in LOCAL_AGENT_NAMES:
+                return nixl_prepped_dlist_handle(self._agent.prep_local(dlist.descs, dlist.mem_type), local=True)
+            return nixl_prepped_dlist_handle(self._agent.prep_remote(name, dlist.descs, dlist.mem_type), local=False)
+
+    def release_dlist_handle(self, handle: nixl_prepped_dlist_handle):
+        handle.release()
+
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: nixl_prepped_dlist_handle,
+        local_indices: Any,
+        remote_xfer_side: nixl_prepped_dlist_handle,
+        remote_indices: Any,
+        notif_msg: bytes = b"",
+        backends: list[str] | None = None,
+        skip_desc_merge: bool = False,
+    ) -> nixl_xfer_handle:
+        op = _operation(operation)
+        for side, want_local in ((local_xfer_side, True), (remote_xfer_side, False)):
+            if side._released or side.prepared is None:
+                raise _nixl_error(nixlInvalidParamError, "make_prepped_xfer", f"{side!r} was released", "invalid_argument")
+            if side.local != want_local:
+                which = "local" if want_local else "remote"
+                raise _nixl_error(
+                    nixlInvalidParamError, "make_prepped_xfer", f"{side!r} is not a {which} list", "invalid_argument"
+                )
+        local, remote = _indices(local_indices), _indices(remote_indices)
+        if len(local) != len(remote) or not local:
+            raise _nixl_error(
+                nixlInvalidParamError,
+                "make_prepped_xfer",
+                f"{len(local)} local and {len(remote)} remote indices (need the same number, at least one)",
+                "invalid_argument",
+            )
+        backend = self._request_backend(backends, "make_prepped_xfer")
+        prepared_local, prepared_remote = local_xfer_side.prepared, remote_xfer_side.prepared
+
+        def remake(notif: bytes):
+            with _Translated("make_prepped_xfer"):
+                return self._agent.make_request(op, prepared_local, local, prepared_remote, remote, notif or None, backend)
+
+        notif = _message(notif_msg)
+        return nixl_xfer_handle(remake(notif), notif, remake)
+
+    def initialize_xfer(
+        self,
+        operation: str,
+        local_descs: Any,
+        remote_descs: Any,
+        remote_agent: Any,
+        notif_msg: bytes = b"",
+        backends: list[str] | None = None,
+    ) -> nixl_xfer_handle:
+        op = _operation(operation)
+        local_list = local_descs if isinstance(local_descs, _DescList) else self.get_xfer_descs(local_descs)
+        remote_list = remote_descs if isinstance(remote_descs, _DescList) else self.get_xfer_descs(remote_descs)
+        if local_list.descCount() != remote_list.descCount():
+            raise _nixl_error(
+                nixlInvalidParamError,
+                "initialize_xfer",
+                f"{local_list.descCount()} local and {remote_list.descCount()} remote descriptors",
+                "invalid_argument",
+            )
+        name = _peer_name(remote_agent)
+        backend = self._request_backend(backends, "initialize_xfer")
+        with _Translated("initialize_xfer"):
+            prepared_local = self._agent.prep_local(local_list.descs, local_list.mem_type)
+            prepared_remote = self._agent.prep_remote(name, remote_list.descs, remote_list.mem_type)
+        every = list(range(local_list.descCount()))
+
+        def remake(notif: bytes):
+            with _Translated("initialize_xfer"):
+                return self._agent.make_request(op, prepared_local, every, prepared_remote, every, notif or None, backend)
+
+        notif = _message(notif_msg)
+        return nixl_xfer_handle(remake(notif), notif, remake)
+
+    def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
+        request = _live(handle, "transfer")
+        notif = _message(notif_msg)
+        if notif and notif != handle.notif:
+            if handle.posted and not _finished(request):
+                raise _nixl_error(nixlRepostActiveError, "transfer", "the transfer is still in progress", "busy")
+            request.release()
+            handle.request, handle.notif = handle.remake(notif), notif
+            request = handle.request
+        started = time.monotonic()
+        with _Translated("transfer"):
+            request.post()
+        handle.post_us = int((time.monotonic() - started) * 1e6)
+        handle.posted = True
+        return self.check_xfer_state(handle)
+
+    def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
+        request = _live(handle, "check_xfer_state")
+        if not handle.posted:
+            raise _nixl_error(nixlNotPostedError, "check_xfer_state", "the transfer was never posted", "not_posted")
+        try:
+            return "DONE" if request.poll() else "PROC"
+        except XferError as error:
+            logger.warning("transfer %r failed: %s", handle, error)
+            return "ERR"
+
+    def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
+        backend = _live(handle, "query_xfer_backend").backend
+        return next((nixl for nixl, ours in BACKEND_NAMES.items() if ours == backend), backend.upper())
+
+    def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlXferTelemetry:
+        request = _live(handle, "get_xfer_telemetry")
+        telemetry = request.telemetry() if self._telemetry else None
+        if telemetry is None:
+            reason = "telemetry capture is off (nixl_agent_config(capture_telemetry=True))" if not self._telemetry else (
+                "the transfer was never posted"
+            )
+            raise _nixl_error(nixlNoTelemetryError, "get_xfer_telemetry", reason, "invalid_argument")
+        return nixlXferTelemetry(
+            startTime=telemetry["posted_at_us"],
+            postDuration=handle.post_us,
+            xferDuration=telemetry["duration_us"] or 0,
+            totalBytes=telemetry["bytes"],
+            descCount=telemetry["descriptors"],
+        )
+
+    def release_xfer_handle(self, handle: nixl_xfer_handle):
+        handle.release()
+
+    # Notifications.
+
+    def get_new_notifs(self, backends: list[str] | None = None) -> dict[str, list[bytes]]:
+        return {name: messages for name, messages in self._agent.get_notifs().items() if messages}
+
+    def update_notifs(self, backends: list[str] | None = None) -> dict[str, list[bytes]]:
+        for name, messages in self.get_new_notifs().items():
+            self.notifs.setdefault(name, []).extend(messages)
+        return self.notifs
+
+    def check_remote_xfer_done(self, remote_agent_name: Any, lookup_tag: bytes, tag_is_prefix: bool = True) -> bool:
+        self.update_notifs()
+        messages = self.notifs.get(_peer_name(remote_agent_name), [])
+        for i, message in enumerate(messages):
+            if message.startswith(lookup_tag) if tag_is_prefix else message == lookup_tag:
+                del messages[i]
+                return True
+        return False
+
+    def send_notif(self, remote_agent_name: Any, notif_msg: bytes, backend: str | None = None):
+        with _Translated("send_notif"):
+            self._agent.send_notif(_peer_name(remote_agent_name), _message(notif_msg))
+
+
+def _operation(operation: str) -> str:
+    if operation not in ("READ", "WRITE"):
+        raise KeyError(operation)
+    return operation
+
+
+def _mem_type_name(kind: str, method: str) -> str:
+    name = {"CPU": "DRAM", "CUDA": "VRAM", "BLOCK": "BLK"}.get(kind.upper(), kind.upper())
+    if name not in ("DRAM", "VRAM", "FILE", "BLK", "OBJ"):
+        raise KeyError(kind)
+    return name
+
+
+def _live(handle: nixl_xfer_handle, method: str):
+    if not isinstance(handle, nixl_xfer_handle):
+        raise _nixl_error(nixlInvalidParamError, method, f"not a transfer handle: {handle!r}", "invalid_argument")
+    if handle._released or handle.request is None:
+        raise _nixl_error(nixlInvalidParamError, method, f"{handle!r} was released", "invalid_argument")
+    return handle.request
+
+
+def _finished(request: Any) -> bool:
+    try:
+        return request.poll()
+    except XferError:
+        return True

@@ -1,0 +1,92 @@
+"""pd_xfer.nixl.nixl_agent against NIXL's own agent: the same calls (those vLLM's NixlConnector
+makes, nixl_calls.py) between two processes, once per implementation; the records must match
+in return types, state strings, notification shapes, moved bytes and errors on bad input.
+
+NIXL comes from the real-vLLM venv (nixl 1.5.1). Without it these tests fail, unless
+PD_ALLOW_NO_NIXL=1, when they skip, saying so."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pd_xfer.nixl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    import nixl._api  # noqa: F401
+    HAVE_NIXL = True
+except ImportError:
+    HAVE_NIXL = False
+
+if not HAVE_NIXL and os.environ.get("PD_ALLOW_NO_NIXL") != "1":
+    raise RuntimeError("NIXL (pip package nixl) is not importable; run inside the real-vLLM venv")
+
+needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (PD_ALLOW_NO_NIXL=1)")
+
+
+def record(impl: str, backend: str) -> dict:
+    env = dict(os.environ, UCX_NET_DEVICES="lo")
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "nixl_calls.py"), impl, backend],
+        capture_output=True, text=True, timeout=120, env=env, check=True,
+    ).stdout
+    lines = [line[2:] for line in out.splitlines() if line.startswith("@@")]
+    assert lines, f"no record from {impl}/{backend}: {out[-2000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def nixl_record():
+    return record("nixl", "UCX")
+
+
+def differences(theirs: dict, ours: dict) -> list:
+    return [(k, theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+
+
+@needs_nixl
+@pytest.mark.parametrize("backend", [b for b in ("UCX", "TCP") if b in pd_xfer.nixl.nixl_agent("probe").get_plugin_list()])
+def test_same_behaviour_as_nixl(nixl_record, backend):
+    assert nixl_record["bytes read"] is True and nixl_record["check_xfer_state"] == {"value": "DONE"}
+    ours = record("pd_xfer", backend)
+    assert differences(nixl_record, ours) == []
+
+
+@needs_nixl
+def test_a_mixed_pair_is_refused_at_handshake():
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    theirs = nixl_agent("nixl-side", nixl_agent_config(backends=["UCX"]))
+    ours = pd_xfer.nixl.nixl_agent("xfer-side", pd_xfer.nixl.nixl_agent_config(backends=["TCP"]))
+    buffer = bytearray(4096)
+    regions = pd_xfer.regions(buffer)
+    for agent in (theirs, ours):
+        agent.register_memory(agent.get_reg_descs([(a, n, d, "") for a, n, d in regions], "DRAM"))
+    with pytest.raises(pd_xfer.nixl.nixlMismatchError) as refused:
+        ours.add_remote_agent(theirs.get_agent_metadata())
+    assert "NIXL" in str(refused.value) and "same transfer library" in str(refused.value)
+    with pytest.raises(Exception) as refused_by_nixl:
+        theirs.add_remote_agent(ours.get_agent_metadata())
+    assert type(refused_by_nixl.value).__name__ == "nixlMismatchError"
+
+
+def test_unsupported_methods_name_themselves():
+    agent = pd_xfer.nixl.nixl_agent("unsupported", pd_xfer.nixl.nixl_agent_config(backends=["TCP"]))
+    with pytest.raises(NotImplementedError, match="query_memory"):
+        agent.query_memory([], "FILE")
+    with pytest.raises(AttributeError):
+        agent.no_such_method()
+
+
+def test_vllm_builds_xfer_agents_once_the_connector_module_is_imported():
+    pytest.importorskip("vllm")
+    import pd_xfer.vllm
+
+    assert pd_xfer.vllm.vllm_agent_class() is pd_xfer.nixl.nixl_agent
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+    assert issubclass(pd_xfer.vllm.XferConnector, NixlConnector)
