@@ -52,6 +52,14 @@ PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q 
 
 PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
 
+step "real vLLM with XferConnector (pd_xfer) on both engines: the same suite, KV over xfer's TCP backend"
+PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=TCP \
+  cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
+
+step "real vLLM with XferConnector over xfer's UCX backend: P/D by hand and through the sidecar"
+PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=UCX \
+  cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture t0_ t1_
+
 # The test build above made target/debug/xferbench (with UCX).
 step "UCX benchmark smoke run (consistency-checked, shared memory)"
 target/debug/xferbench --backend ucx --params tls=posix+cma+self --op both --block-sizes 64K,1M \

@@ -13,6 +13,10 @@
 #   --model DIR          model directory (default: built by make-model.py into the cache)
 #   --venv DIR           vLLM venv (default: $PD_VLLM_VENV, else the cache's vllm-venv)
 #   --timeout SECS       how long `start` waits for /health (default 300)
+#   --connector NAME     nixl (vLLM's NixlConnector, default) or xfer (pd_xfer.vllm.XferConnector:
+#                        the same protocol over xfer; needs --xfer-site)
+#   --xfer-site DIR      the unpacked pd-xfer wheel (bindings/python/build.sh prints it)
+#   --xfer-backend NAME  xfer backend of XferConnector: TCP (default) or UCX
 #
 # `start` runs the engine in its own session (process group), writes RUN/NAME.pid (the group
 # id) and RUN/NAME.log, and waits (bounded) for GET /health; on failure it stops the group and
@@ -24,7 +28,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 cache="${PD_CACHE_DIR:-$HOME/.cache/pd-suite}"
 run_dir="${PD_VLLM_RUN_DIR:-$cache/run}"
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 (($# >= 2)) || usage
 cmd="$1" name="$2"
 shift 2
@@ -65,6 +69,7 @@ case "$cmd" in
 esac
 
 port="" side_port="" core="" events="" replay="" block_size=32 model="" timeout=300
+connector=nixl xfer_site="" xfer_backend=TCP
 venv="${PD_VLLM_VENV:-$cache/vllm-venv}"
 extra=()
 while (($#)); do
@@ -78,6 +83,9 @@ while (($#)); do
     --model) model="$2"; shift 2 ;;
     --venv) venv="$2"; shift 2 ;;
     --timeout) timeout="$2"; shift 2 ;;
+    --connector) connector="$2"; shift 2 ;;
+    --xfer-site) xfer_site="$2"; shift 2 ;;
+    --xfer-backend) xfer_backend="$2"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "unknown option: $1" >&2; usage ;;
   esac
@@ -88,10 +96,19 @@ if [ -z "$model" ]; then
   model="$("$venv/bin/python" "$here/make-model.py" | tail -n1)"
 fi
 
+python_path=()
+case "$connector" in
+  nixl) kv_config='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}' ;;
+  xfer)
+    [ -d "$xfer_site/pd_xfer" ] || { echo "--connector xfer needs --xfer-site DIR holding pd_xfer" >&2; exit 2; }
+    kv_config="{\"kv_connector\":\"XferConnector\",\"kv_connector_module_path\":\"pd_xfer.vllm\",\"kv_role\":\"kv_both\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"backends\":[\"$xfer_backend\"]}}"
+    python_path=(PYTHONPATH="$xfer_site${PYTHONPATH:+:$PYTHONPATH}") ;;
+  *) echo "unknown connector: $connector (nixl or xfer)" >&2; exit 2 ;;
+esac
 args=(serve "$model" --served-model-name tiny-llama --host 127.0.0.1 --port "$port"
   --load-format dummy --dtype bfloat16 --max-model-len 1024 --block-size "$block_size"
   --enable-prefix-caching --prefix-caching-hash-algo sha256_cbor
-  --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}')
+  --kv-transfer-config "$kv_config")
 if [ -n "$events" ]; then
   if [ -z "$replay" ]; then
     replay="${events%:*}:$(( ${events##*:} + 1 ))"
@@ -106,7 +123,7 @@ engine_env=(env -u PYTHONHASHSEED
   VLLM_HOST_IP=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side_port"
   UCX_NET_DEVICES=lo VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND="$core"
   VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-INFO}" VLLM_NO_USAGE_STATS=1
-  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1)
+  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 "${python_path[@]}")
 
 if [ "$cmd" = run ]; then
   exec "${engine_env[@]}" "$venv/bin/vllm" "${args[@]}"

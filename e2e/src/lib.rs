@@ -226,6 +226,58 @@ pub struct VllmSettings {
     pub model: PathBuf,
     /// First port of the range the suite uses (default 18100).
     pub port_base: u16,
+    pub connector: Connector,
+}
+
+/// The KV connector both engines run (`PD_VLLM_CONNECTOR`: `nixl`, the default, or `xfer`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Connector {
+    /// vLLM's NixlConnector over NIXL.
+    Nixl,
+    /// pd_xfer.vllm.XferConnector: the same protocol over xfer, loaded from the unpacked wheel
+    /// (`PD_XFER_SITE`), on the xfer backend `PD_XFER_BACKEND` (TCP or UCX; default TCP).
+    Xfer { site: PathBuf, backend: String },
+}
+
+impl Connector {
+    fn from_env() -> Result<Connector, String> {
+        match std::env::var("PD_VLLM_CONNECTOR").unwrap_or_default().as_str() {
+            "" | "nixl" => Ok(Connector::Nixl),
+            "xfer" => {
+                let site = std::env::var_os("PD_XFER_SITE")
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from)
+                    .ok_or("PD_VLLM_CONNECTOR=xfer needs PD_XFER_SITE (bindings/python/build.sh prints it)")?;
+                let backend = std::env::var("PD_XFER_BACKEND").unwrap_or_else(|_| "TCP".into());
+                Ok(Connector::Xfer { site, backend })
+            }
+            other => Err(format!("PD_VLLM_CONNECTOR={other:?}: expected nixl or xfer")),
+        }
+    }
+
+    /// engine.sh's flags for this connector.
+    fn engine_args(&self) -> Vec<String> {
+        match self {
+            Connector::Nixl => vec!["--connector".into(), "nixl".into()],
+            Connector::Xfer { site, backend } => vec![
+                "--connector".into(),
+                "xfer".into(),
+                "--xfer-site".into(),
+                site.display().to_string(),
+                "--xfer-backend".into(),
+                backend.clone(),
+            ],
+        }
+    }
+}
+
+impl std::fmt::Display for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Connector::Nixl => f.write_str("NixlConnector"),
+            Connector::Xfer { backend, .. } => write!(f, "XferConnector over {backend}"),
+        }
+    }
 }
 
 pub const SKIP_HOW: &str = "install it with `ci/vllm/install.sh` (prints the venv) and run \
@@ -247,7 +299,7 @@ impl VllmSettings {
         };
         let wanted = std::env::var("PD_E2E_PORT_BASE").ok().and_then(|p| p.parse().ok()).unwrap_or(27100);
         let port_base = free_port_range(wanted, 50)?;
-        Ok(VllmSettings { venv, model, port_base })
+        Ok(VllmSettings { venv, model, port_base, connector: Connector::from_env()? })
     }
 }
 
@@ -331,6 +383,7 @@ impl Engine {
             args.push("--events".into());
             args.push(format!("tcp://*:{p}"));
         }
+        args.extend(settings.connector.engine_args());
         let script = repo_root().join("ci/vllm/engine.sh");
         let proc =
             Proc::spawn(&spec.name, Path::new("bash"), &[vec![script.display().to_string()], args].concat(), &[])?;

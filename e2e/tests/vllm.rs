@@ -3,6 +3,10 @@
 //! for the whole binary (a shared fixture) and every test uses them. Tests run in name order with
 //! `--test-threads 1`; the one that kills the prefill runs last.
 //!
+//! Both engines run the connector `PD_VLLM_CONNECTOR` names: vLLM's NixlConnector (default) or
+//! `xfer`, pd_xfer's XferConnector (the same protocol over xfer; `PD_XFER_SITE`, `PD_XFER_BACKEND`):
+//! the test command runs the suite once with each.
+//!
 //! Without `PD_VLLM_VENV` every test prints a loud SKIPPED line and passes.
 
 use std::io::Write;
@@ -91,7 +95,8 @@ fn start_cluster() -> Result<Cluster, String> {
     decode.wait_healthy(START_TIMEOUT.saturating_sub(t1.elapsed()))?;
     timing("prefill + decode started (in parallel)", t1.elapsed());
     loud(&format!(
-        "vllm-e2e: prefill {} ({:.0} s), decode {} ({:.0} s); logs in {}",
+        "vllm-e2e ({}): prefill {} ({:.0} s), decode {} ({:.0} s); logs in {}",
+        settings.connector,
         prefill.url(),
         prefill.started_in.as_secs_f64(),
         decode.url(),
@@ -260,6 +265,7 @@ async fn pd_by_hand(
 }
 
 const XFER_COUNT: &str = "vllm:nixl_xfer_time_seconds_count";
+const XFER_BYTES: &str = "vllm:nixl_bytes_transferred_sum";
 const BY_SOURCE: &str = "vllm:prompt_tokens_by_source_total";
 const EXTERNAL: (&str, &str) = ("source", "external_kv_transfer");
 
@@ -284,7 +290,7 @@ fn t0_pd_protocol_by_hand() {
         assert_eq!(status, 200, "{text}");
         assert_eq!(response_text(&serde_json::from_str(&text).expect("json")), reference);
         let after = wait_metric(&client, &decode, XFER_COUNT, &[], Duration::from_secs(10), |v| v > xfers).await;
-        assert!(after > xfers, "the decode made no NIXL transfer");
+        assert!(after > xfers, "the decode made no KV transfer");
     });
 }
 
@@ -311,6 +317,7 @@ fn t1_pd_through_sidecar_completions_and_chat_streaming_and_not() {
             reset_prefix_cache(&client, &decode).await;
 
             let xfers = metric(&client, &decode, XFER_COUNT, &[]).await;
+            let moved = metric(&client, &decode, XFER_BYTES, &[]).await;
             let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
             let disaggregated = metric(&client, &sidecar, "pd_sidecar_disaggregated_total", &[]).await;
             let t_req = Instant::now();
@@ -332,10 +339,19 @@ fn t1_pd_through_sidecar_completions_and_chat_streaming_and_not() {
             })
             .await;
             let disaggregated_after = metric(&client, &sidecar, "pd_sidecar_disaggregated_total", &[]).await;
+            // The connector's telemetry (NIXL's, or xfer's through pd_xfer.nixl) counts every
+            // block of the prompt, the last partial one included, each the same size.
+            let moved_after = metric(&client, &decode, XFER_BYTES, &[]).await;
+            let blocks = (prompt_tokens / f64::from(BLOCK_SIZE)).ceil();
+            let moved_now = moved_after - moved;
+            assert!(
+                moved_now > 0.0 && moved_now % blocks == 0.0,
+                "{what}: {XFER_BYTES} grew by {moved_now}, not a whole number of bytes for each of the prompt's {blocks} blocks"
+            );
 
             assert!(
                 xfers_after > xfers,
-                "{what}: the decode made no NIXL transfer ({XFER_COUNT} {xfers} -> {xfers_after})"
+                "{what}: the decode made no KV transfer ({XFER_COUNT} {xfers} -> {xfers_after})"
             );
             assert_eq!(
                 external_after - external,
@@ -511,6 +527,95 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
         assert!(releases_after > releases_before, "the sidecar released nothing");
         assert!(c.sidecar_alive(), "the sidecar died");
     });
+}
+
+/// vLLM's lease (kv_lease_duration, 30 s by default): a prefill whose blocks no decode ever
+/// pulls frees them once the lease runs out, with either connector.
+const LEASE: Duration = Duration::from_secs(30);
+
+#[test]
+fn t4_lease_expiry_frees_prefill_blocks() {
+    let Some(c) = cluster("t4_lease_expiry_frees_prefill_blocks") else { return };
+    runtime().block_on(async {
+        let client = client();
+        let prefill = c.prefill_url();
+        let baseline = metric(&client, &prefill, KV_USAGE, &[]).await;
+        let mut body = request_body(false, &fresh_prompt("lease", 400), false);
+        body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        body["max_tokens"] = json!(1);
+        let (status, text) = post_json(&client, &format!("{prefill}/v1/completions"), &body, REQUEST_TIMEOUT)
+            .await
+            .expect("prefill leg");
+        assert_eq!(status, 200, "{text}");
+        let answered = Instant::now();
+        let held = metric(&client, &prefill, KV_USAGE, &[]).await;
+        assert!(held > baseline + 1e-9, "the prefill holds no blocks after answering ({baseline} -> {held})");
+        // No decode ever comes: the lease must run out and the blocks go back.
+        let after =
+            wait_metric(&client, &prefill, KV_USAGE, &[], LEASE + Duration::from_secs(15), |v| v <= baseline + 1e-9)
+                .await;
+        let took = answered.elapsed();
+        timing(&format!("prefill blocks freed by lease expiry ({held:.6} -> {after:.6})"), took);
+        assert!(after <= baseline + 1e-9, "the prefill still holds blocks {took:?} after answering ({after})");
+    });
+}
+
+/// A prefill on NIXL and a decode on xfer cannot be a pair: the decode's handshake refuses the
+/// NIXL agent's metadata (a clear error in its log), and the request fails or is recomputed by
+/// the decode, never answered from corrupt KV. Runs with `PD_VLLM_CONNECTOR=xfer` only: it
+/// starts a third engine, with NixlConnector.
+#[test]
+fn t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake() {
+    let Some(c) = cluster("t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake") else { return };
+    let mut settings = VllmSettings::from_env().expect("settings");
+    if settings.connector == Connector::Nixl {
+        loud("t5: the suite runs NixlConnector on both engines; the mixed pair is checked by the XferConnector run");
+        return;
+    }
+    settings.connector = Connector::Nixl;
+    let base = settings.port_base;
+    let spec = EngineSpec {
+        name: "vllm-prefill-nixl".into(),
+        port: base,
+        side_port: base + 10,
+        core: 0,
+        events_port: None,
+        block_size: BLOCK_SIZE,
+    };
+    let t0 = Instant::now();
+    let mut nixl_prefill = Engine::spawn(&settings, spec).expect("spawn the NIXL prefill");
+    nixl_prefill.wait_healthy(START_TIMEOUT).expect("NIXL prefill healthy");
+    timing("NIXL prefill started", t0.elapsed());
+    runtime().block_on(async {
+        let client = client();
+        let decode = c.decode_url();
+        let prompt = fresh_prompt("mixed", 90);
+        let body = request_body(false, &prompt, false);
+        let (status, plain) =
+            post_json(&client, &format!("{decode}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("plain");
+        assert_eq!(status, 200, "{plain}");
+        let reference = response_text(&serde_json::from_str(&plain).expect("json"));
+        reset_prefix_cache(&client, &decode).await;
+        let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
+        let answer = pd_by_hand(&client, &nixl_prefill.url(), &decode, "/v1/completions", &body).await;
+        if let Ok((200, text)) = &answer {
+            let text = response_text(&serde_json::from_str(text).expect("json"));
+            assert_eq!(text, reference, "a mixed pair answered with other text than the decode's own");
+        }
+        let external_after = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
+        assert_eq!(external_after, external, "the decode counted KV from a NIXL prefill as transferred");
+        let log = std::fs::read_to_string(log_dir().join("vllm-decode.log")).unwrap_or_default();
+        assert!(
+            log.contains("same transfer library"),
+            "the decode's log does not say why the NIXL peer was refused ({answer:?})"
+        );
+        loud(&format!(
+            "t5: mixed pair answered {:?}",
+            answer.map(|(s, t)| (s, t.chars().take(200).collect::<String>()))
+        ));
+    });
+    drop(nixl_prefill);
 }
 
 /// How one request through the sidecar ended.
