@@ -1,7 +1,10 @@
 //! The agent: backends, registrations, peers, requests and notifications.
 
+use std::any::Any;
 use std::collections::HashMap;
+use std::fs::File;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -41,6 +44,18 @@ pub(crate) struct AgentInner {
     notifs: Arc<NotifQueues>,
     next_region_id: AtomicU64,
     side_channel: Mutex<Option<side_channel::Server>>,
+    /// This agent as its own peer (the local-peer shortcut), built from its own metadata on
+    /// first use after each change of backends or registrations.
+    own: Mutex<OwnPeer>,
+}
+
+/// The cached self-peer and the table generation it was built from.
+#[derive(Default)]
+struct OwnPeer {
+    peer: Option<Arc<Peer>>,
+    built_at: u64,
+    /// Bumped by every change of backends or registrations.
+    generation: u64,
 }
 
 /// A transfer agent. Cheap to clone; `Send + Sync`; the data path takes no agent-wide lock
@@ -61,7 +76,8 @@ impl std::fmt::Debug for Agent {
 pub struct Registration {
     agent: Arc<AgentInner>,
     entries: Vec<Arc<LocalEntry>>,
-    _owner: Option<Arc<dyn HostMemory>>,
+    /// What keeps the registered memory (a `HostMemory`) or file (an open `File`) alive.
+    _owner: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl std::fmt::Debug for Registration {
@@ -115,6 +131,7 @@ impl Agent {
                 notifs: Arc::new(NotifQueues::default()),
                 next_region_id: AtomicU64::new(1),
                 side_channel: Mutex::new(None),
+                own: Mutex::new(OwnPeer::default()),
             }),
         })
     }
@@ -143,6 +160,7 @@ impl Agent {
         let mut backends = inner.backends.load().as_ref().clone();
         backends.push(attached);
         inner.backends.store(Arc::new(backends));
+        inner.own.lock().generation += 1;
         Ok(())
     }
 
@@ -164,10 +182,23 @@ impl Agent {
 
     /// Registers host memory (a `HostBuffer`, a `SharedFile`); the registration keeps it alive.
     pub fn register_buffer<M: HostMemory>(&self, memory: &Arc<M>) -> Result<Registration, XferError> {
-        let owner: Arc<dyn HostMemory> = Arc::clone(memory) as Arc<dyn HostMemory>;
+        let owner: Arc<dyn Any + Send + Sync> = Arc::clone(memory) as Arc<dyn Any + Send + Sync>;
         // SAFETY: the registration holds an `Arc` of the memory, so it outlives the registration;
         // `HostMemory` types own their bytes and only hand out copies (the trait's contract).
         unsafe { self.inner.register(MemType::Dram, &[memory.desc()], Some(owner)) }
+    }
+
+    /// Registers `len` bytes of an open file from `offset` as FILE memory: the descriptor is
+    /// `(offset, len, file descriptor)` (see [`MemType::File`]); it is also in
+    /// [`Registration::descs`]. The registration keeps the file open, so its descriptor number
+    /// cannot be reused for another file meanwhile. Moved by backends whose capabilities name
+    /// FILE (`posix`), between this agent's DRAM and the file: name this agent as the peer.
+    pub fn register_file(&self, file: &Arc<File>, offset: u64, len: u64) -> Result<Registration, XferError> {
+        let fd = u64::try_from(file.as_raw_fd()).map_err(|_| XferError::InvalidArgument("negative fd".into()))?;
+        let owner: Arc<dyn Any + Send + Sync> = Arc::clone(file) as Arc<dyn Any + Send + Sync>;
+        // SAFETY: FILE descriptors name no memory of this process: backends reach the file only
+        // through its descriptor, which the registration keeps open (it holds the `File`).
+        unsafe { self.inner.register(MemType::File, &[Desc::new(offset, len, fd)], Some(owner)) }
     }
 
     /// Allocates `len` bytes of host memory through the first attached backend that allocates
@@ -285,6 +316,21 @@ impl Agent {
         self.inner.make_request(op, &local, None, &remote, None, options)
     }
 
+    /// A request between descriptor lists of the given memory types, e.g. DRAM → FILE through
+    /// `posix` with this agent as the peer (`create_request` is the DRAM↔DRAM case).
+    pub fn create_request_between(
+        &self,
+        op: Op,
+        local: (MemType, &[Desc]),
+        peer: &str,
+        remote: (MemType, &[Desc]),
+        options: RequestOptions,
+    ) -> Result<XferRequest, XferError> {
+        let local = self.prep_local(local.0, local.1)?;
+        let remote = self.prep_remote(peer, remote.0, remote.1)?;
+        self.inner.make_request(op, &local, None, &remote, None, options)
+    }
+
     /// A request from prepared lists and index lists (e.g. KV block ids).
     pub fn make_request(
         &self,
@@ -328,8 +374,36 @@ impl Agent {
 }
 
 impl AgentInner {
+    /// A loaded peer; this agent's own name needs no loading (the local-peer shortcut: requests
+    /// to itself, e.g. DRAM↔FILE through `posix`, resolve against its own registrations).
+    /// Loaded metadata under our own name wins, so NIXL's habit of loading one's own blob
+    /// works the same.
     fn peer(&self, name: &str) -> Result<Arc<Peer>, XferError> {
-        self.peers.load().get(name).cloned().ok_or_else(|| XferError::UnknownPeer(name.to_string()))
+        if let Some(peer) = self.peers.load().get(name) {
+            return Ok(Arc::clone(peer));
+        }
+        if name == self.name {
+            return self.own_peer();
+        }
+        Err(XferError::UnknownPeer(name.to_string()))
+    }
+
+    /// This agent as a peer, rebuilt from its current metadata when backends or registrations
+    /// changed since the last build (links whose connection info is unchanged are kept).
+    fn own_peer(&self) -> Result<Arc<Peer>, XferError> {
+        let mut own = self.own.lock();
+        if let Some(peer) = own.peer.as_ref().filter(|_| own.built_at == own.generation) {
+            return Ok(Arc::clone(peer));
+        }
+        let generation = own.generation;
+        let previous = own.peer.take();
+        let peer = Arc::new(self.build_peer(self.metadata(), previous.as_ref())?);
+        if let Some(previous) = previous {
+            disconnect_unused(&previous, &peer);
+        }
+        own.peer = Some(Arc::clone(&peer));
+        own.built_at = generation;
+        Ok(peer)
     }
 
     /// # Safety
@@ -338,7 +412,7 @@ impl AgentInner {
         self: &Arc<Self>,
         mem_type: MemType,
         descs: &[Desc],
-        owner: Option<Arc<dyn HostMemory>>,
+        owner: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Result<Registration, XferError> {
         if descs.is_empty() {
             return Err(XferError::InvalidArgument("empty descriptor list".into()));
@@ -372,6 +446,7 @@ impl AgentInner {
             }
         }
         self.local.store(Arc::new(table.with_added(&entries)));
+        self.own.lock().generation += 1;
         Ok(Registration { agent: Arc::clone(self), entries, _owner: owner })
     }
 
@@ -413,6 +488,7 @@ impl AgentInner {
             let ids: Vec<u64> = entries.iter().map(|e| e.region.id()).collect();
             let table = self.local.load().without(&ids);
             self.local.store(Arc::new(table));
+            self.own.lock().generation += 1;
         }
         let backends = self.backends.load();
         for entry in entries {
@@ -453,15 +529,35 @@ impl AgentInner {
     fn load_remote(&self, blob: &[u8]) -> Result<String, XferError> {
         let md = AgentMetadata::decode(blob)?;
         let _writer = self.writer.lock();
-        let backends = self.backends.load();
         let previous = self.peers.load().get(&md.name).cloned();
+        let name = md.name.clone();
+        let peer = Arc::new(self.build_peer(md, previous.as_ref())?);
+        let mut peers = self.peers.load().as_ref().clone();
+        peers.insert(name.clone(), Arc::clone(&peer));
+        self.peers.store(Arc::new(peers));
+        if let Some(previous) = previous {
+            disconnect_unused(&previous, &peer);
+        }
+        Ok(name)
+    }
+
+    /// Connects our backends to a peer described by `md` (reusing `previous`'s links whose
+    /// connection info is unchanged) and unpacks its keys.
+    fn build_peer(&self, md: AgentMetadata, previous: Option<&Arc<Peer>>) -> Result<Peer, XferError> {
+        let backends = self.backends.load();
         let mut links = Vec::new();
         // remote backend index -> our slot
         let mut slot_of: Vec<Option<Slot>> = vec![None; md.backends.len()];
         for (remote_index, info) in md.backends.iter().enumerate() {
             let Some(slot) = backends.iter().position(|b| b.name == info.name) else { continue };
+            // Backends that only move data within this agent (posix) skip other peers quietly,
+            // and remote-only ones skip this agent.
+            let to_self = md.name == self.name;
+            let caps = &backends[slot].caps;
+            if to_self && !caps.local || !to_self && !caps.remote {
+                continue;
+            }
             let reused = previous
-                .as_ref()
                 .and_then(|p| p.link(slot))
                 .filter(|l| l.conn_info == info.conn_info)
                 .map(|l| Arc::clone(&l.remote));
@@ -482,27 +578,14 @@ impl AgentInner {
         for region in &md.regions {
             let mut keys = Vec::new();
             for (remote_index, key) in &region.keys {
-                let Some(slot) = slot_of[usize::from(*remote_index)] else { continue };
+                let Some(slot) = slot_of.get(usize::from(*remote_index)).copied().flatten() else { continue };
                 let link = links.iter().find(|l| l.slot == slot).expect("link exists for mapped slot");
                 let unpacked = link.remote.unpack_key(key).map_err(|e| XferError::backend(backends[slot].name, e))?;
                 keys.push((slot, unpacked));
             }
             regions.push(PeerRegion { mem_type: region.mem_type, desc: region.desc, keys });
         }
-        let name = md.name.clone();
-        let peer = Arc::new(Peer::new(name.clone(), md, links, regions));
-        let mut peers = self.peers.load().as_ref().clone();
-        peers.insert(name.clone(), peer);
-        self.peers.store(Arc::new(peers));
-        if let Some(previous) = previous {
-            for link in &previous.links {
-                let still_used = self.peers.load()[&name].links.iter().any(|l| Arc::ptr_eq(&l.remote, &link.remote));
-                if !still_used {
-                    link.remote.disconnect();
-                }
-            }
-        }
-        Ok(name)
+        Ok(Peer::new(md.name.clone(), md, links, regions))
     }
 
     fn invalidate(&self, name: &str) -> Result<(), XferError> {
@@ -581,7 +664,7 @@ impl AgentInner {
                 continue;
             }
             let caps = &attached.caps;
-            let refusal = if !caps.supports(local.mem_type) || !caps.supports(remote.mem_type) {
+            let refusal = if !caps.moves(local.mem_type, remote.mem_type) {
                 Some(format!("{} does not move {}→{}", attached.name, local.mem_type, remote.mem_type))
             } else if to_self && !caps.local || !to_self && !caps.remote {
                 Some(format!("{} does not do {} transfers", attached.name, if to_self { "local" } else { "remote" }))
@@ -616,13 +699,23 @@ impl AgentInner {
 impl Drop for AgentInner {
     fn drop(&mut self) {
         self.side_channel.lock().take();
-        for peer in self.peers.load().values() {
+        let own = self.own.lock().peer.take();
+        for peer in self.peers.load().values().chain(own.as_ref()) {
             for link in &peer.links {
                 link.remote.disconnect();
             }
         }
         for attached in self.backends.load().iter() {
             attached.backend.shutdown();
+        }
+    }
+}
+
+/// Disconnects the links of `previous` that `current` no longer uses.
+fn disconnect_unused(previous: &Peer, current: &Peer) {
+    for link in &previous.links {
+        if !current.links.iter().any(|l| Arc::ptr_eq(&l.remote, &link.remote)) {
+            link.remote.disconnect();
         }
     }
 }
@@ -664,7 +757,13 @@ mod tests {
             "allocating"
         }
         fn capabilities(&self) -> Capabilities {
-            Capabilities { mem_types: vec![MemType::Dram], remote: true, local: true, notifications: false }
+            Capabilities {
+                mem_types: vec![MemType::Dram],
+                paths: vec![(MemType::Dram, MemType::Dram)],
+                remote: true,
+                local: true,
+                notifications: false,
+            }
         }
         fn conn_info(&self) -> Vec<u8> {
             Vec::new()

@@ -2,7 +2,7 @@
 //!
 //! An [`Agent`] registers memory, publishes [metadata](metadata) describing how peers reach it,
 //! loads its peers' metadata, and moves bytes with READ/WRITE [requests](XferRequest) through
-//! pluggable backends (TCP is always available). Notifications reach a peer only after the data
+//! pluggable backends (TCP and POSIX are always available). Notifications reach a peer only after the data
 //! they follow is visible there.
 //!
 //! ```no_run
@@ -40,5 +40,5 @@ pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
 pub use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc,
-    HostBuffer, HostMemory, HostRegion, MemType, Op, RefusalCode, SharedFile, UnknownMemType,
+    FileIoError, HostBuffer, HostMemory, HostRegion, LocalMem, MemType, Op, RefusalCode, SharedFile, UnknownMemType,
 };

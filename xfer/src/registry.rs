@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use xfer_core::BackendFactory;
 
-/// Backend factories by name. The default registry always has `tcp`; other plugins are added
+/// Backend factories by name. The default registry always has `tcp` and `posix`; other plugins are added
 /// with [`register`](BackendRegistry::register) (or by cargo feature in this crate).
 #[derive(Clone)]
 pub struct BackendRegistry {
@@ -34,6 +34,7 @@ impl Default for BackendRegistry {
     fn default() -> Self {
         let mut registry = Self::empty();
         registry.register(Arc::new(xfer_tcp::TcpFactory));
+        registry.register(Arc::new(xfer_posix::PosixFactory));
         #[cfg(feature = "ucx")]
         registry.register(Arc::new(xfer_ucx::UcxFactory));
         registry

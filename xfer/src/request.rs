@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use xfer_core::{Completion, MemSlice, Op, Pin, RemoteAgent, RemoteSeg, Status, TransferJob};
+use xfer_core::{Completion, LocalMem, Op, Pin, RemoteAgent, RemoteSeg, Status, TransferJob};
 
 use crate::error::XferError;
 use crate::prepared::LocalSeg;
@@ -124,7 +124,7 @@ impl XferRequest {
 
     /// Pins every local region the request touches (once per run of descriptors in the same
     /// region) and slices the descriptors out of them.
-    fn pin_local(&self) -> Result<Vec<MemSlice>, XferError> {
+    fn pin_local(&self) -> Result<Vec<LocalMem>, XferError> {
         let mut pinned: Option<(u64, Pin)> = None;
         let mut slices = Vec::with_capacity(self.local.len());
         for seg in &self.local {
@@ -137,8 +137,8 @@ impl XferRequest {
                     pin
                 }
             };
-            let slice = pin.slice_at(seg.addr, seg.len).ok_or_else(|| {
-                XferError::NoBackend(format!("{} memory cannot be moved through host slices", region.mem_type()))
+            let slice = pin.local_at(seg.addr, seg.len).ok_or_else(|| {
+                XferError::NoBackend(format!("{} memory has no form backends move", region.mem_type()))
             })?;
             slices.push(slice);
         }

@@ -19,12 +19,14 @@
 //! | `connect_timeout_ms` | 2000 | TCP connect bound |
 //! | `socket_buffer` | 4194304 | SO_SNDBUF/SO_RCVBUF (0 = system default) |
 
-#![forbid(unsafe_code)]
+// Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
+#![deny(unsafe_code)]
 
 mod conn;
 mod fence;
 pub mod frame;
 mod keys;
+mod memio;
 mod pool;
 mod server;
 
@@ -147,7 +149,13 @@ impl Backend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { mem_types: vec![MemType::Dram], remote: true, local: true, notifications: true }
+        Capabilities {
+            mem_types: vec![MemType::Dram],
+            paths: vec![(MemType::Dram, MemType::Dram)],
+            remote: true,
+            local: true,
+            notifications: true,
+        }
     }
 
     fn conn_info(&self) -> Vec<u8> {

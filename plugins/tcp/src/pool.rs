@@ -6,7 +6,7 @@
 //! chunk does, and only then is its notification sent, on a separate control connection, so
 //! the peer sees the data before the notification.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -15,11 +15,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 use xfer_core::split::{even_sizes, split_by_sizes, Segment};
-use xfer_core::{BackendError, Completer, MemSlice, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
+use xfer_core::{host_slices, BackendError, Completer, MemSlice, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
 
 use crate::conn::{Conn, ConnError, SocketTuning};
 use crate::frame::{self, Kind, WireDesc};
 use crate::keys::TcpRemoteKey;
+use crate::memio;
 
 /// Tunables of the initiator.
 #[derive(Clone, Copy, Debug)]
@@ -207,6 +208,10 @@ impl Segment for WireDesc {
 /// by bytes. On error, hands the completer back with the error.
 fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer, BackendError)> {
     let TransferJob { op, local, remote, notif, done } = job;
+    let local = match host_slices(local, "tcp") {
+        Ok(local) => local,
+        Err(err) => return Err((done, err)),
+    };
     let mut wire: Vec<WireDesc> = Vec::with_capacity(remote.len());
     for seg in &remote {
         let Some(key) = seg.key.downcast_ref::<TcpRemoteKey>() else {
@@ -334,15 +339,14 @@ fn exchange(shared: &PoolShared, conn: &mut Conn, chunk: &mut Chunk) -> Result<(
         Op::Write => {
             let mut iov = Vec::with_capacity(chunk.local.len() + 1);
             iov.push(IoSlice::new(&head));
-            iov.extend(chunk.local.iter().map(|s| IoSlice::new(s.as_slice())));
+            iov.extend(memio::send_from(&chunk.local));
             conn.write_all_vectored(&mut iov).map_err(io)?;
             read_response(shared, conn, request_id, 0)?;
         }
         Op::Read => {
             conn.write_all(&head).map_err(io)?;
             read_response(shared, conn, request_id, chunk.bytes)?;
-            let mut iov: Vec<IoSliceMut<'_>> =
-                chunk.local.iter_mut().map(|s| IoSliceMut::new(s.as_mut_slice())).collect();
+            let mut iov = memio::receive_into(&mut chunk.local);
             conn.read_exact_vectored(&mut iov).map_err(io)?;
         }
     }

@@ -1,6 +1,6 @@
 //! The target side: serves registered memory on the data port, one thread per connection.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use crate::conn::{tune, Conn, ConnError, SocketTuning};
 use crate::fence::{Fence, Fences};
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::keys::KeyTable;
+use crate::memio;
 
 /// What every connection thread shares.
 pub struct ServerShared {
@@ -136,8 +137,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
             }
             Kind::Write => match resolve(&shared.keys, &descs) {
                 Ok(mut slices) => {
-                    let mut iov: Vec<IoSliceMut<'_>> =
-                        slices.iter_mut().map(|s| IoSliceMut::new(s.as_mut_slice())).collect();
+                    let mut iov = memio::receive_into(&mut slices);
                     conn.read_exact_vectored(&mut iov)?;
                     drop(iov);
                     drop(slices);
@@ -155,7 +155,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
                     let mut iov = Vec::with_capacity(slices.len() + 1);
                     iov.push(IoSlice::new(&out));
-                    iov.extend(slices.iter().map(|s| IoSlice::new(s.as_slice())));
+                    iov.extend(memio::send_from(&slices));
                     conn.write_all_vectored(&mut iov)?;
                 }
                 Err((code, msg)) => refuse(&mut conn, &header, code, &msg, &mut out)?,

@@ -162,6 +162,12 @@ impl Conn {
     /// Posts every operation of a job, then (for a WRITE) its flush.
     pub fn start(&mut self, job: TransferJob, env: &mut Env<'_>) {
         let TransferJob { op, local, remote, notif, done } = job;
+        // Local VRAM would need device pointers here; the agent does not route it to us (see
+        // `capabilities`), so a job naming it is refused.
+        let local = match xfer_core::host_slices(local, "ucx") {
+            Ok(local) => local,
+            Err(err) => return env.finished.push((done, Err(err))),
+        };
         let plan = match self.plan(&remote, &local) {
             Ok(plan) => plan,
             Err(err) => return env.finished.push((done, Err(err))),

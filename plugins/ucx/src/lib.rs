@@ -98,9 +98,9 @@
 //!   end by `timeout_ms`. The likely cause: a slot of this worker's receive FIFO that the dead
 //!   peer had claimed but never published; UCX reads the FIFO in order, so everything behind
 //!   it waits for good. Only a new worker (a new backend) recovers.
-//! - VRAM registers only when UCX reports CUDA support; local VRAM as a request's source or
-//!   destination additionally needs device slices in `xfer-core` (today's `MemSlice` is host
-//!   memory only).
+//! - VRAM registers only when UCX reports CUDA support; a peer's VRAM is then a destination
+//!   or source for local DRAM. Local VRAM reaches backends as `LocalMem::Device`, which this
+//!   backend does not pass to UCX yet (it refuses it with `MemoryNotMoved`).
 
 mod config;
 mod conn;
@@ -216,10 +216,14 @@ impl Backend for UcxBackend {
 
     fn capabilities(&self) -> Capabilities {
         let mut mem_types = vec![MemType::Dram];
+        let mut paths = vec![(MemType::Dram, MemType::Dram)];
         if self.cuda {
+            // A peer's VRAM is only an rkey to us; local VRAM needs device pointers in the data
+            // path, which this backend does not take yet.
             mem_types.push(MemType::Vram);
+            paths.push((MemType::Dram, MemType::Vram));
         }
-        Capabilities { mem_types, remote: true, local: true, notifications: true }
+        Capabilities { mem_types, paths, remote: true, local: true, notifications: true }
     }
 
     fn conn_info(&self) -> Vec<u8> {

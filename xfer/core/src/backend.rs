@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::completion::Completer;
 use crate::error::BackendError;
 use crate::host::BackendBuffer;
-use crate::mem::{LocalRegion, MemSlice, MemType};
+use crate::mem::{LocalMem, LocalRegion, MemType};
 
 /// Direction of a transfer, from the initiator's point of view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -32,7 +32,11 @@ impl fmt::Display for Op {
 /// What a backend can do; the agent picks a backend per request from these.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Capabilities {
+    /// Memory the backend registers (it gets a key in the agent's metadata for each region).
     pub mem_types: Vec<MemType>,
+    /// `(local, remote)` pairs of memory a request may join through this backend: TCP moves
+    /// DRAM↔DRAM, POSIX DRAM↔FILE. Registering a type does not imply moving it to every other.
+    pub paths: Vec<(MemType, MemType)>,
     /// Transfers to other agents.
     pub remote: bool,
     /// Transfers between two registrations of the same agent.
@@ -42,8 +46,14 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
+    /// Whether the backend registers `mem_type` memory.
     pub fn supports(&self, mem_type: MemType) -> bool {
         self.mem_types.contains(&mem_type)
+    }
+
+    /// Whether a request from `local` to `remote` memory (either direction) can go through it.
+    pub fn moves(&self, local: MemType, remote: MemType) -> bool {
+        self.paths.contains(&(local, remote))
     }
 }
 
@@ -211,10 +221,12 @@ impl fmt::Debug for RemoteSeg {
 
 /// A posted transfer as handed to a backend. Local and remote lists cover the same number of
 /// bytes; their segment boundaries need not line up (the byte streams are matched in order).
+/// Local pieces come in the form of their memory type; a backend meets only the kinds its
+/// [`Capabilities::paths`] name, unless a request named it explicitly.
 #[derive(Debug)]
 pub struct TransferJob {
     pub op: Op,
-    pub local: Vec<MemSlice>,
+    pub local: Vec<LocalMem>,
     pub remote: Vec<RemoteSeg>,
     /// Delivered to the peer only after the data is visible there.
     pub notif: Option<Vec<u8>>,

@@ -80,4 +80,47 @@ pub enum BackendError {
     Protocol(String),
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+    /// The request involves a kind of memory this backend does not move (the agent's selection
+    /// avoids this; a backend named explicitly, or a bug, meets it).
+    #[error("backend {backend} does not move {mem_type} memory")]
+    MemoryNotMoved { backend: &'static str, mem_type: crate::MemType },
+    #[error("file i/o: {0}")]
+    File(#[from] FileIoError),
+}
+
+/// Why a read or write of a registered file failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FileIoError {
+    /// A read reached the end of the file before the requested range was complete.
+    #[error("fd {fd}: file ends inside {len} bytes at offset {offset} (only {got} there)")]
+    ShortFile { fd: i32, offset: u64, len: u64, got: u64 },
+    /// The range cannot be addressed by the file API (beyond `i64::MAX`).
+    #[error("fd {fd}: offset {offset} + {len} bytes is beyond the largest file offset")]
+    BadOffset { fd: i32, offset: u64, len: u64 },
+    /// A WRITE into a file opened without write access.
+    #[error("fd {fd} is not open for writing")]
+    NotWritable { fd: i32 },
+    /// A READ from a file opened without read access.
+    #[error("fd {fd} is not open for reading")]
+    NotReadable { fd: i32 },
+    /// The descriptor is not (or no longer) an open file.
+    #[error("fd {fd} is not an open file: {source}")]
+    BadFd {
+        fd: i32,
+        #[source]
+        source: std::io::Error,
+    },
+    /// O_DIRECT I/O needs buffer address, length and file offset aligned.
+    #[error("fd {fd} is open with O_DIRECT: {what} {value:#x} is not a multiple of {align}")]
+    Misaligned { fd: i32, what: &'static str, value: u64, align: u64 },
+    /// The kernel refused the read or write.
+    #[error("fd {fd}: {op} of {len} bytes at offset {offset}: {source}")]
+    Os {
+        fd: i32,
+        op: &'static str,
+        offset: u64,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
 }

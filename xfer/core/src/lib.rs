@@ -18,7 +18,9 @@ pub use backend::{
     RemoteSeg, TransferJob,
 };
 pub use completion::{Completer, Completion, Progress, Status};
-pub use error::{BackendError, RefusalCode};
+pub use error::{BackendError, FileIoError, RefusalCode};
 pub use host::{BackendBuffer, HostBuffer, HostMemory, HostRegion};
-pub use mem::{Desc, LocalRegion, MemSlice, MemType, Pin, UnknownMemType};
+pub use mem::{
+    host_slices, Desc, DeviceSlice, FileSlice, LocalMem, LocalRegion, MemSlice, MemType, Pin, UnknownMemType,
+};
 pub use shared_file::SharedFile;

@@ -1,12 +1,15 @@
 //! Registered memory: regions, the usage gate that keeps deregistration from freeing memory
 //! under a transfer, and the slices backends copy through.
 
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use serde::{Deserialize, Serialize};
+
+use crate::error::BackendError;
 
 /// Kind of memory a descriptor points at (NIXL's segment types).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -212,6 +215,25 @@ impl Pin {
         Some(MemSlice { ptr: addr as usize as *mut u8, len: usize::try_from(len).ok()?, pin: self.clone() })
     }
 
+    /// The range `addr .. addr + len` (absolute: a DRAM or VRAM address, a FILE offset) of the
+    /// pinned region in the form its memory type needs; `None` when outside the region or the
+    /// type has no data-path form (BLK, OBJ), or a FILE region's `dev_id` is not a descriptor.
+    pub fn local_at(&self, addr: u64, len: u64) -> Option<LocalMem> {
+        let region = &self.0.region;
+        let inside = region.desc.contains(&Desc::new(addr, len, region.desc.dev_id));
+        match region.mem_type {
+            MemType::Dram => self.slice_at(addr, len).map(LocalMem::Host),
+            MemType::File if inside => {
+                let fd = RawFd::try_from(region.desc.dev_id).ok()?;
+                Some(LocalMem::File(FileSlice { fd, offset: addr, len, pin: self.clone() }))
+            }
+            MemType::Vram if inside => {
+                Some(LocalMem::Device(DeviceSlice { device: region.desc.dev_id, ptr: addr, len, pin: self.clone() }))
+            }
+            _ => None,
+        }
+    }
+
     /// Like [`slice`](Pin::slice) but by absolute address.
     pub fn slice_at(&self, addr: u64, len: u64) -> Option<MemSlice> {
         let offset = addr.checked_sub(self.0.region.desc.addr)?;
@@ -255,23 +277,56 @@ impl MemSlice {
         &self.pin
     }
 
-    pub fn as_slice(&self) -> &[u8] {
+    /// The first byte, for I/O calls that take raw pointers (`pread`, `ucp_put_nbx`).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// Like [`as_ptr`](MemSlice::as_ptr), for calls that write the memory.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The bytes as a Rust slice, for vectored socket I/O.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no `&mut [u8]` over any of these bytes may exist
+    /// (from another `MemSlice` of overlapping memory, e.g. a concurrent transfer into it) and
+    /// nothing may write them. Registered memory can be written by peers and by other
+    /// transfers at any time, so only a backend that knows the bytes are not a destination of
+    /// anything else right now (the application's ordering of requests over the same memory)
+    /// may call this.
+    pub unsafe fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
         }
         // SAFETY: `ptr .. ptr + len` lies inside a pinned DRAM region (checked by
-        // `Pin::slice`), which `LocalRegion::new`'s contract keeps allocated while pinned.
+        // `Pin::slice`), which `LocalRegion::new`'s contract keeps allocated while pinned; the
+        // caller promises no concurrent writer (this function's contract).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+    /// The bytes as a mutable Rust slice, for vectored socket reads.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no other reference to any of these bytes may exist or be
+    /// created: not from another `MemSlice` over overlapping memory (two requests into the same
+    /// bytes at once, a request reading what another writes) and not from the application.
+    /// `&mut self` only rules out a second slice from *this* `MemSlice`; overlapping slices of
+    /// other transfers are ruled out by the application ordering its requests, as with memory
+    /// shared with a NIC.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         if self.len == 0 {
             return &mut [];
         }
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only slice handed out from this
-        // MemSlice. Overlap with other transfers' slices is the application's concern, as
-        // with any memory shared with a NIC.
+        // SAFETY: as in `as_slice` for validity; exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The piece `offset .. offset + len` of this slice (same pin), or `None` when outside.
+    pub fn sub(&self, offset: usize, len: usize) -> Option<MemSlice> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| MemSlice { ptr: self.ptr.wrapping_add(offset), len, pin: self.pin.clone() })
     }
 
     /// Splits off and returns the first `at` bytes, leaving the rest in `self`.
@@ -282,6 +337,133 @@ impl MemSlice {
         self.len -= at;
         front
     }
+}
+
+/// A byte range of a registered file: `len` bytes at `offset` of the open file `fd`. The pin
+/// keeps the registration (and, for `Agent::register_file`, the file) open.
+#[derive(Clone, Debug)]
+pub struct FileSlice {
+    fd: RawFd,
+    offset: u64,
+    len: u64,
+    pin: Pin,
+}
+
+impl FileSlice {
+    pub fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn pin(&self) -> &Pin {
+        &self.pin
+    }
+
+    /// The piece `offset .. offset + len` of this range (same file and pin).
+    pub fn sub(&self, offset: u64, len: u64) -> Option<FileSlice> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| FileSlice { fd: self.fd, offset: self.offset + offset, len, pin: self.pin.clone() })
+    }
+}
+
+/// A byte range of registered GPU memory: `len` bytes at device address `ptr` on CUDA device
+/// `device`. Only backends that speak to the device (UCX with CUDA, GDS) move it; the CPU
+/// must never dereference it.
+#[derive(Clone, Debug)]
+pub struct DeviceSlice {
+    device: u64,
+    ptr: u64,
+    len: u64,
+    pin: Pin,
+}
+
+impl DeviceSlice {
+    pub fn device(&self) -> u64 {
+        self.device
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn pin(&self) -> &Pin {
+        &self.pin
+    }
+}
+
+/// The local memory of a transfer as a backend receives it: where its bytes live. Backends
+/// declare the kinds they move in [`Capabilities`](crate::Capabilities) and refuse the others
+/// with [`BackendError::MemoryNotMoved`].
+#[derive(Debug)]
+pub enum LocalMem {
+    /// Host memory the CPU addresses.
+    Host(MemSlice),
+    /// A range of an open file.
+    File(FileSlice),
+    /// GPU memory.
+    Device(DeviceSlice),
+}
+
+impl LocalMem {
+    pub fn mem_type(&self) -> MemType {
+        match self {
+            LocalMem::Host(_) => MemType::Dram,
+            LocalMem::File(_) => MemType::File,
+            LocalMem::Device(_) => MemType::Vram,
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        match self {
+            LocalMem::Host(slice) => slice.len() as u64,
+            LocalMem::File(slice) => slice.len(),
+            LocalMem::Device(slice) => slice.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn pin(&self) -> &Pin {
+        match self {
+            LocalMem::Host(slice) => slice.pin(),
+            LocalMem::File(slice) => slice.pin(),
+            LocalMem::Device(slice) => slice.pin(),
+        }
+    }
+
+    /// The host slice, or the typed refusal of a backend that moves host memory only.
+    pub fn into_host(self, backend: &'static str) -> Result<MemSlice, BackendError> {
+        match self {
+            LocalMem::Host(slice) => Ok(slice),
+            other => Err(BackendError::MemoryNotMoved { backend, mem_type: other.mem_type() }),
+        }
+    }
+}
+
+/// Host slices of every piece, or the refusal of the first that is not host memory.
+pub fn host_slices(local: Vec<LocalMem>, backend: &'static str) -> Result<Vec<MemSlice>, BackendError> {
+    local.into_iter().map(|mem| mem.into_host(backend)).collect()
 }
 
 #[cfg(test)]
@@ -333,10 +515,40 @@ mod tests {
         let front = s.split_front(4);
         assert_eq!(front.len(), 4);
         assert_eq!(s.len(), 12);
-        s.as_mut_slice().fill(1);
+        // SAFETY: the test holds the only slices of `buf`, and `front` does not overlap `s`.
+        unsafe { s.as_mut_slice() }.fill(1);
         drop((s, front, pin));
         assert_eq!(&buf[12..24], &[1u8; 12]);
         assert_eq!(buf[11], 7);
+    }
+
+    #[test]
+    fn local_memory_takes_the_form_of_its_type() {
+        // SAFETY: FILE and VRAM regions name no host memory; nothing here dereferences them.
+        let file = Arc::new(unsafe { LocalRegion::new(2, MemType::File, Desc::new(4096, 8192, 7)) });
+        let pin = file.pin().unwrap();
+        match pin.local_at(4096 + 100, 50) {
+            Some(LocalMem::File(slice)) => {
+                assert_eq!((slice.fd(), slice.offset(), slice.len()), (7, 4196, 50));
+                let piece = slice.sub(10, 40).unwrap();
+                assert_eq!((piece.offset(), piece.len()), (4206, 40));
+                assert!(slice.sub(10, 41).is_none());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(pin.local_at(0, 1).is_none());
+        assert!(pin.local_at(4096, 8193).is_none());
+        // SAFETY: as above.
+        let gpu = Arc::new(unsafe { LocalRegion::new(3, MemType::Vram, Desc::new(1 << 40, 1 << 20, 1)) });
+        let local = gpu.pin().unwrap().local_at(1 << 40, 64).unwrap();
+        assert_eq!(local.mem_type(), MemType::Vram);
+        let err = local.into_host("tcp").unwrap_err();
+        assert!(matches!(err, BackendError::MemoryNotMoved { backend: "tcp", mem_type: MemType::Vram }), "{err}");
+        let mut buf = vec![0u8; 16];
+        let host = region(&mut buf);
+        let local = host.pin().unwrap().local_at(host.desc().addr + 4, 8).unwrap();
+        assert_eq!((local.mem_type(), local.len()), (MemType::Dram, 8));
+        assert_eq!(host_slices(vec![local], "tcp").unwrap()[0].len(), 8);
     }
 
     #[test]

@@ -1,0 +1,380 @@
+//! POSIX file backend of `xfer`: moves bytes between an agent's host memory (DRAM) and its
+//! registered files (FILE), with `pread`/`pwrite` on a thread pool.
+//!
+//! NIXL's POSIX plugin semantics: the transfer stays inside one agent. A request names the
+//! agent itself as its peer; its local list is DRAM and its "remote" list FILE (or the other way
+//! round), and READ moves remote → local, WRITE local → remote as always. A FILE descriptor is
+//! `(offset in the file as addr, len, file descriptor as dev_id)`; `Agent::register_file`
+//! registers an open `File` that way and keeps it open. Naming the agent itself as the peer
+//! needs no metadata exchange: the agent resolves such requests against its own registrations
+//! (see `xfer::Agent`), and this backend's `connect` accepts only its own agent.
+//!
+//! The data path: the host and file byte streams are paired in order (boundaries need not line
+//! up), cut into runs of at most `chunk_bytes`, grouped into tasks, and the tasks run on
+//! `threads` workers in parallel. The request completes when the last task has; the first error
+//! wins and stops the rest. Before any byte moves, every run is checked: the range must be
+//! addressable (`offset + len ≤ i64::MAX`, else `BadOffset`), a WRITE needs a descriptor open for
+//! writing (`NotWritable`), a READ one open for reading (`NotReadable`). A read that meets the end
+//! of the file fails with `ShortFile`; a closed descriptor gives `BadFd`; every other refusal of
+//! the kernel is `Os` with the errno. All are `BackendError::File(FileIoError::…)`: never a panic.
+//! A file deleted while registered stays readable and writable through its descriptor (POSIX
+//! keeps the inode until the last close), so that is not an error.
+//!
+//! **O_DIRECT**: open the file with `O_DIRECT` (`OpenOptions::custom_flags(libc::O_DIRECT)`);
+//! the backend sees the flag when the file is registered. Every run must then have its host
+//! address, file offset and length a multiple of `direct_align` (default 4096, the largest common
+//! logical block size), checked before any I/O (`Misaligned`); runs are cut at `chunk_bytes`,
+//! which must itself be a multiple of it. `HostBuffer`s are page-aligned, so whole-block
+//! descriptors into them qualify.
+//!
+//! Waits: a request's `wait` is bounded by its caller's timeout; local file I/O has no other
+//! wait (a hung network file system would hold a worker, as it would any `pread`).
+//! io_uring is not used yet: the pool already keeps several requests in flight per thread count.
+//!
+//! Parameters (all optional):
+//! | key | default | meaning |
+//! |---|---|---|
+//! | `threads` | 4 | worker threads doing reads and writes |
+//! | `chunk_bytes` | 4194304 | largest single `pread`/`pwrite` |
+//! | `task_bytes` | 16777216 | bytes one worker takes from the queue at once |
+//! | `direct_align` | 4096 | alignment required for files opened with `O_DIRECT` |
+
+#![deny(unsafe_code)]
+
+mod plan;
+mod pool;
+mod sys;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use xfer_core::{
+    Backend, BackendContext, BackendError, BackendFactory, Capabilities, FileIoError, LocalMem, LocalRegion, MemType,
+    NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, TransferJob,
+};
+
+use pool::{Direction, IoOp, Pool, Task, Tracker};
+use sys::FileMode;
+
+/// Creates [`PosixBackend`]s (`posix`).
+#[derive(Debug)]
+pub struct PosixFactory;
+
+impl BackendFactory for PosixFactory {
+    fn name(&self) -> &'static str {
+        "posix"
+    }
+
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>, BackendError> {
+        Ok(Arc::new(PosixBackend::new(ctx)?))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    threads: usize,
+    chunk_bytes: u64,
+    task_bytes: u64,
+    direct_align: u64,
+}
+
+/// A registration this backend serves: the region, and for a file how it was opened.
+struct Registered {
+    region: Arc<LocalRegion>,
+    file_mode: Option<FileMode>,
+}
+
+struct Shared {
+    agent_name: String,
+    /// Tells this backend instance's own metadata from another process's agent of the same name.
+    instance: Vec<u8>,
+    config: Config,
+    registered: RwLock<HashMap<u64, Registered>>,
+    pool: Pool,
+    notifs: NotifSink,
+}
+
+/// The POSIX backend: DRAM ↔ FILE within its own agent.
+pub struct PosixBackend {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PosixBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PosixBackend")
+            .field("agent", &self.shared.agent_name)
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+static INSTANCES: AtomicU64 = AtomicU64::new(0);
+
+impl PosixBackend {
+    pub fn new(ctx: BackendContext) -> Result<PosixBackend, BackendError> {
+        let mut params = ctx.params;
+        let config = Config {
+            threads: params.take_parsed("threads", 4usize)?.clamp(1, 256),
+            chunk_bytes: params.take_parsed("chunk_bytes", 4u64 << 20)?.max(1),
+            task_bytes: params.take_parsed("task_bytes", 16u64 << 20)?.max(1),
+            direct_align: params.take_parsed("direct_align", 4096u64)?,
+        };
+        params.finish("posix")?;
+        if !config.direct_align.is_power_of_two() || !config.chunk_bytes.is_multiple_of(config.direct_align) {
+            return Err(BackendError::InvalidParam {
+                name: "direct_align".into(),
+                reason: format!(
+                    "{} must be a power of two dividing chunk_bytes ({})",
+                    config.direct_align, config.chunk_bytes
+                ),
+            });
+        }
+        let mut instance = std::process::id().to_le_bytes().to_vec();
+        instance.extend(INSTANCES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        let pool = Pool::start(config.threads)?;
+        let shared = Shared {
+            agent_name: ctx.agent_name,
+            instance,
+            config,
+            registered: RwLock::new(HashMap::new()),
+            pool,
+            notifs: ctx.notifs,
+        };
+        Ok(PosixBackend { shared: Arc::new(shared) })
+    }
+}
+
+impl Backend for PosixBackend {
+    fn name(&self) -> &'static str {
+        "posix"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            mem_types: vec![MemType::Dram, MemType::File],
+            paths: vec![(MemType::Dram, MemType::File), (MemType::File, MemType::Dram)],
+            remote: false,
+            local: true,
+            notifications: true,
+        }
+    }
+
+    fn conn_info(&self) -> Vec<u8> {
+        self.shared.instance.clone()
+    }
+
+    fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
+        let file_mode = match region.mem_type() {
+            MemType::Dram => None,
+            MemType::File => {
+                let dev_id = region.desc().dev_id;
+                let fd = i32::try_from(dev_id).map_err(|_| BackendError::InvalidParam {
+                    name: "dev_id".into(),
+                    reason: format!("{dev_id} is not a file descriptor"),
+                })?;
+                Some(sys::file_mode(fd)?)
+            }
+            other => return Err(BackendError::MemoryNotMoved { backend: "posix", mem_type: other }),
+        };
+        let registered = Registered { region: Arc::clone(region), file_mode };
+        self.shared.registered.write().insert(region.id(), registered);
+        Ok(region.id().to_le_bytes().to_vec())
+    }
+
+    fn deregister(&self, region: &LocalRegion) {
+        self.shared.registered.write().remove(&region.id());
+    }
+
+    fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
+        if peer != self.shared.agent_name || conn_info != self.shared.instance {
+            return Err(BackendError::Unsupported(format!(
+                "posix moves data within its own agent {:?} only, not to {peer:?}",
+                self.shared.agent_name
+            )));
+        }
+        Ok(Arc::new(Loopback { shared: Arc::clone(&self.shared) }))
+    }
+
+    fn shutdown(&self) {
+        self.shared.pool.stop();
+    }
+}
+
+/// A region key as published in the agent's metadata: the region's id, looked up at post time
+/// (a key of a region deregistered since is refused as unknown).
+#[derive(Debug)]
+struct PosixKey(u64);
+
+/// The agent's link to itself through this backend.
+struct Loopback {
+    shared: Arc<Shared>,
+}
+
+impl RemoteAgent for Loopback {
+    fn unpack_key(&self, public: &[u8]) -> Result<RemoteKey, BackendError> {
+        let id: [u8; 8] =
+            public.try_into().map_err(|_| BackendError::InvalidMetadata("posix key is not 8 bytes".into()))?;
+        Ok(Arc::new(PosixKey(u64::from_le_bytes(id))))
+    }
+
+    fn post(&self, job: TransferJob) {
+        let TransferJob { op, local, remote, notif, done } = job;
+        match self.plan(op, local, &remote) {
+            Ok((direction, ops, file_side)) => {
+                let notif = notif.map(|m| (Arc::clone(&self.shared.notifs), self.shared.agent_name.clone(), m));
+                self.submit(direction, ops, file_side, notif, done);
+            }
+            Err(err) => done.complete(Err(err)),
+        }
+    }
+
+    fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
+        (self.shared.notifs)(&self.shared.agent_name, message.to_vec());
+        Ok(())
+    }
+
+    fn disconnect(&self) {}
+}
+
+type Plan = (Direction, Vec<IoOp>, Vec<LocalMem>);
+
+impl Loopback {
+    /// Resolves the remote side against this agent's registrations, orients the request
+    /// (which side is the file), pairs the byte streams and checks every run.
+    fn plan(&self, op: Op, local: Vec<LocalMem>, remote: &[RemoteSeg]) -> Result<Plan, BackendError> {
+        let remote = self.resolve(remote)?;
+        let local_is_file = match (side_type(&local)?, side_type(&remote)?) {
+            (Some(MemType::Dram), Some(MemType::File)) | (None, Some(MemType::File)) => false,
+            (Some(MemType::File), Some(MemType::Dram)) | (Some(MemType::File), None) => true,
+            (Some(MemType::Dram), None) | (None, Some(MemType::Dram)) | (None, None) => false,
+            (l, r) => {
+                return Err(BackendError::Unsupported(format!(
+                    "posix moves DRAM↔FILE, not {}→{}",
+                    l.map_or("empty".to_string(), |t| t.to_string()),
+                    r.map_or("empty".to_string(), |t| t.to_string())
+                )))
+            }
+        };
+        let (host_side, file_side) = if local_is_file { (remote, local) } else { (local, remote) };
+        // Bytes go local → remote on WRITE; the file is the destination when it is remote then.
+        let direction = match (op, local_is_file) {
+            (Op::Write, false) | (Op::Read, true) => Direction::HostToFile,
+            (Op::Read, false) | (Op::Write, true) => Direction::FileToHost,
+        };
+        let host_lens: Vec<u64> = host_side.iter().map(LocalMem::len).collect();
+        let file_lens: Vec<u64> = file_side.iter().map(LocalMem::len).collect();
+        let (host_total, file_total) = (host_lens.iter().sum::<u64>(), file_lens.iter().sum::<u64>());
+        if host_total != file_total {
+            let message = format!("memory {host_total} bytes vs file {file_total} bytes");
+            return Err(BackendError::Refused { code: RefusalCode::BadRequest, message });
+        }
+        let host: Vec<_> = host_side.into_iter().map(|m| m.into_host("posix")).collect::<Result<_, _>>()?;
+        let registered = self.shared.registered.read();
+        let config = &self.shared.config;
+        let mut ops = Vec::new();
+        for run in plan::runs(&host_lens, &file_lens, config.chunk_bytes) {
+            let LocalMem::File(file) = &file_side[run.file] else { unreachable!("oriented above") };
+            let (fd, offset) = (file.fd(), file.offset() + run.file_offset);
+            let host_piece = host[run.host]
+                .sub(run.host_offset as usize, run.len as usize)
+                .ok_or_else(|| BackendError::Protocol("posix plan cut outside a host piece".into()))?;
+            plan::check_range(fd, offset, run.len)?;
+            let mode = registered.get(&file.pin().region().id()).and_then(|r| r.file_mode).ok_or_else(|| {
+                BackendError::Refused {
+                    code: RefusalCode::Deregistered,
+                    message: format!("file fd {fd} is no longer registered with posix"),
+                }
+            })?;
+            match direction {
+                Direction::HostToFile if !mode.writable => return Err(FileIoError::NotWritable { fd }.into()),
+                Direction::FileToHost if !mode.readable => return Err(FileIoError::NotReadable { fd }.into()),
+                _ => {}
+            }
+            if mode.direct {
+                plan::check_direct(fd, host_piece.addr(), offset, run.len, config.direct_align)?;
+            }
+            ops.push(IoOp { fd, file_offset: offset, host: host_piece });
+        }
+        Ok((direction, ops, file_side))
+    }
+
+    /// The remote segments as this agent's own memory, pinned.
+    fn resolve(&self, remote: &[RemoteSeg]) -> Result<Vec<LocalMem>, BackendError> {
+        let registered = self.shared.registered.read();
+        let mut out = Vec::with_capacity(remote.len());
+        let mut pinned: Option<(u64, xfer_core::Pin)> = None;
+        for (index, seg) in remote.iter().enumerate() {
+            let key = seg
+                .key
+                .downcast_ref::<PosixKey>()
+                .ok_or_else(|| BackendError::InvalidMetadata("remote key is not a posix key".into()))?;
+            let pin = match &pinned {
+                Some((id, pin)) if *id == key.0 => pin.clone(),
+                _ => {
+                    let entry = registered.get(&key.0).ok_or_else(|| BackendError::Refused {
+                        code: RefusalCode::UnknownKey,
+                        message: format!("remote descriptor {index}: region {} is not registered", key.0),
+                    })?;
+                    let pin = entry.region.pin().ok_or_else(|| BackendError::Refused {
+                        code: RefusalCode::Deregistered,
+                        message: format!("remote descriptor {index}: region is being deregistered"),
+                    })?;
+                    pinned = Some((key.0, pin.clone()));
+                    pin
+                }
+            };
+            let mem = pin.local_at(seg.addr, seg.len).ok_or_else(|| BackendError::Refused {
+                code: RefusalCode::OutOfBounds,
+                message: format!("remote descriptor {index} ({:#x}+{}) is outside its region", seg.addr, seg.len),
+            })?;
+            out.push(mem);
+        }
+        Ok(out)
+    }
+
+    fn submit(
+        &self,
+        direction: Direction,
+        ops: Vec<IoOp>,
+        file_side: Vec<LocalMem>,
+        notif: Option<(NotifSink, String, Vec<u8>)>,
+        done: xfer_core::Completer,
+    ) {
+        let runs: Vec<u64> = ops.iter().map(|op| op.host.len() as u64).collect();
+        let groups = plan::group(&runs, self.shared.config.task_bytes, MAX_RUNS_PER_TASK);
+        let tracker = Arc::new(Tracker {
+            direction,
+            remaining: AtomicUsize::new(groups.len().max(1)),
+            error: Mutex::new(None),
+            done: Mutex::new(Some(done)),
+            notif,
+            _file_side: file_side,
+        });
+        if ops.is_empty() {
+            // Nothing to move: one empty task still completes the request (and notifies).
+            return self.shared.pool.submit(vec![Task { ops: Vec::new(), tracker }]);
+        }
+        let mut ops = ops.into_iter();
+        let tasks = groups
+            .iter()
+            .map(|range| Task { ops: ops.by_ref().take(range.len()).collect(), tracker: Arc::clone(&tracker) })
+            .collect();
+        self.shared.pool.submit(tasks);
+    }
+}
+
+/// Runs one worker takes at once at most: enough to amortise the queue hop over tiny
+/// descriptors, few enough that 4096 of them still spread over every worker.
+const MAX_RUNS_PER_TASK: usize = 256;
+
+/// The one memory type of a side's pieces (`None` when empty), or a refusal when mixed.
+fn side_type(side: &[LocalMem]) -> Result<Option<MemType>, BackendError> {
+    let mut types = side.iter().map(LocalMem::mem_type);
+    let Some(first) = types.next() else { return Ok(None) };
+    if let Some(other) = types.find(|t| *t != first) {
+        return Err(BackendError::Unsupported(format!("posix cannot mix {first} and {other} on one side")));
+    }
+    Ok(Some(first))
+}
