@@ -50,7 +50,10 @@ xfer_site="$(bindings/python/build.sh --features ucx | tail -n1)"
 PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning bindings/python/tests
 
-PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
+# t4 (lease expiry with xfer's agents) and t5 (a NIXL prefill with an xfer decode) are the
+# XferConnector run's.
+PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture \
+  --skip t4_ --skip t5_
 
 step "real vLLM with XferConnector (pd_xfer) on both engines: the same suite, KV over xfer's TCP backend"
 PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=TCP \

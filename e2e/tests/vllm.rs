@@ -530,12 +530,20 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
 }
 
 /// vLLM's lease (kv_lease_duration, 30 s by default): a prefill whose blocks no decode ever
-/// pulls frees them once the lease runs out, with either connector.
+/// pulls frees them once the lease runs out.
 const LEASE: Duration = Duration::from_secs(30);
 
+/// For `PD_VLLM_CONNECTOR=xfer` (the NixlConnector run skips it with `--skip t4_`): the lease
+/// is vLLM's own, so under NixlConnector it would only repeat vLLM's tests; under XferConnector
+/// it shows the lease still works with xfer's agents and notifications.
 #[test]
 fn t4_lease_expiry_frees_prefill_blocks() {
     let Some(c) = cluster("t4_lease_expiry_frees_prefill_blocks") else { return };
+    assert_ne!(
+        VllmSettings::from_env().expect("settings").connector,
+        Connector::Nixl,
+        "t4 checks XferConnector (PD_VLLM_CONNECTOR=xfer); with NixlConnector pass --skip t4_"
+    );
     runtime().block_on(async {
         let client = client();
         let prefill = c.prefill_url();
@@ -563,16 +571,17 @@ fn t4_lease_expiry_frees_prefill_blocks() {
 
 /// A prefill on NIXL and a decode on xfer cannot be a pair: the decode's handshake refuses the
 /// NIXL agent's metadata (a clear error in its log), and the request fails or is recomputed by
-/// the decode, never answered from corrupt KV. Runs with `PD_VLLM_CONNECTOR=xfer` only: it
-/// starts a third engine, with NixlConnector.
+/// the decode, never answered from corrupt KV. For `PD_VLLM_CONNECTOR=xfer` (the NixlConnector
+/// run skips it with `--skip t5_`): it starts a third engine, with NixlConnector.
 #[test]
 fn t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake() {
     let Some(c) = cluster("t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake") else { return };
     let mut settings = VllmSettings::from_env().expect("settings");
-    if settings.connector == Connector::Nixl {
-        loud("t5: the suite runs NixlConnector on both engines; the mixed pair is checked by the XferConnector run");
-        return;
-    }
+    assert_ne!(
+        settings.connector,
+        Connector::Nixl,
+        "t5 pairs a NIXL prefill with an XferConnector decode (PD_VLLM_CONNECTOR=xfer); with NixlConnector pass --skip t5_"
+    );
     settings.connector = Connector::Nixl;
     let base = settings.port_base;
     let spec = EngineSpec {

@@ -81,7 +81,7 @@ impl Agent {
         Ok(Agent { inner: xfer::Agent::new(name).map_err(raise)? })
     }
 
-    /// Backends this build can attach (`tcp`, and `ucx` when built with it).
+    /// Backends this build can attach (`posix`, `tcp`, and `ucx` when built with it).
     #[staticmethod]
     fn available_backends() -> Vec<&'static str> {
         xfer::BackendRegistry::default().names()

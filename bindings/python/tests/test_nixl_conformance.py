@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,3 +91,41 @@ def test_vllm_builds_xfer_agents_once_the_connector_module_is_imported():
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
     assert issubclass(pd_xfer.vllm.XferConnector, NixlConnector)
+
+
+def test_dram_to_file_and_back_through_the_posix_backend(tmp_path):
+    """NIXL's POSIX plugin usage: the agent names itself as the remote agent of FILE lists."""
+    import numpy
+
+    agent = pd_xfer.nixl.nixl_agent("files", pd_xfer.nixl.nixl_agent_config(backends=["POSIX"]))
+    size, block = 1 << 20, 64 << 10
+    path = tmp_path / "kv.bin"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        source = numpy.frombuffer(os.urandom(size), dtype=numpy.uint8).copy()
+        back = numpy.zeros(size, dtype=numpy.uint8)
+        for array in (source, back):
+            agent.register_memory([(array.ctypes.data, size, 0, "")], "DRAM")
+        agent.register_memory([(0, size, fd, str(path))], "FILE")
+        blocks = size // block
+        file_side = agent.prep_xfer_dlist(agent.name, [(i * block, block, fd) for i in range(blocks)], "FILE")
+        for op, array in (("WRITE", source), ("READ", back)):
+            local = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", [(array.ctypes.data + i * block, block, 0) for i in range(blocks)], "DRAM"
+            )
+            # Reversed block order: memory block i goes to file block blocks-1-i and back.
+            handle = agent.make_prepped_xfer(op, local, list(range(blocks)), file_side, list(reversed(range(blocks))))
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 20
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(handle)
+            assert state == "DONE", f"{op}: {state}"
+            assert agent.query_xfer_backend(handle) == "POSIX"
+            agent.release_xfer_handle(handle)
+        assert numpy.array_equal(back, source), "the bytes read back from the file differ"
+        on_disk = numpy.fromfile(path, dtype=numpy.uint8)
+        assert numpy.array_equal(on_disk[:block], source[size - block:]), "the file's first block is not the last one written"
+    finally:
+        os.close(fd)

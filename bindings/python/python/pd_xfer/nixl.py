@@ -15,7 +15,9 @@ NixlConnector, SGLang's NIXL transfer backend, Dynamo) runs its transfers over x
   which here are also ``pd_xfer.XferError`` and keep its ``kind``, with the reason in the
   message rather than only the status name.
 
-Backend names are NIXL's (``"UCX"``, and xfer's own ``"TCP"``) or xfer's (``"ucx"``, ``"tcp"``).
+Backend names are NIXL's (``"UCX"``, ``"POSIX"``, and xfer's own ``"TCP"``) or xfer's (``"ucx"``,
+``"posix"``, ``"tcp"``). As with NIXL's POSIX plugin, file transfers name the agent itself as the
+remote agent: ``prep_xfer_dlist(agent.name, file_descs, "FILE")`` with ``(offset, len, fd)`` rows.
 The metadata blob is xfer's, not NIXL's: a NIXL agent and this one cannot be peers, and
 ``add_remote_agent`` says so when handed NIXL's metadata. NIXL methods this module does not
 offer raise ``NotImplementedError`` naming the method.
@@ -38,7 +40,7 @@ DEFAULT_COMM_PORT = 8888
 # What NIXL callers pass as the agent name of a local descriptor list.
 LOCAL_AGENT_NAMES = ("NIXL_INIT_AGENT", "")
 # NIXL's backend names and the xfer backend each stands for.
-BACKEND_NAMES = {"TCP": "tcp", "UCX": "ucx"}
+BACKEND_NAMES = {"POSIX": "posix", "TCP": "tcp", "UCX": "ucx"}
 # NIXL's per-backend thread-count parameters; xfer's backends size their own threads.
 THREAD_PARAMS = ("num_threads", "thread_count", "num_cpus")
 # The first bytes of NIXL's own metadata blobs (its serializer's tag).
@@ -134,7 +136,8 @@ class _Translated:
         return self
 
     def __exit__(self, kind, error, trace):
-        if error is not None and isinstance(error, XferError) and type(error) is XferError:
+        # Only xfer's own errors: NIXL classes raised inside are already translated.
+        if type(error) is XferError:
             raise _translate(error, self.method) from error
         return False
 
@@ -350,10 +353,10 @@ class nixl_agent:
         return sorted(nixl for nixl, ours in BACKEND_NAMES.items() if ours in Agent.available_backends())
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
-        return ["DRAM_SEG"]
+        return ["DRAM_SEG", "FILE_SEG"] if backend.upper() == "POSIX" else ["DRAM_SEG"]
 
     def get_backend_mem_types(self, backend: str) -> list[str]:
-        return ["DRAM_SEG"]
+        return self.get_plugin_mem_types(backend)
 
     def get_plugin_params(self, backend: str) -> dict[str, str]:
         return {}
@@ -377,7 +380,7 @@ class nixl_agent:
             self._agent.add_backend(ours, params)
         self.backends[backend.upper()] = ours
 
-    def _request_backend(self, backends: list[str] | None, method: str) -> str | None:
+    def _request_backend(self, backends: list[str] | None) -> str | None:
         if not backends:
             return None
         first = backends[0].upper()
@@ -401,7 +404,7 @@ class nixl_agent:
                 raise _nixl_error(nixlInvalidParamError, method, "a memory type is needed (DRAM, VRAM, ...)", "invalid_argument")
             if not tuples:
                 raise _nixl_error(nixlInvalidParamError, method, "the descriptor list is empty", "invalid_argument")
-            return tuples, _mem_type_name(kind, method), descs
+            return tuples, _mem_type_name(kind), descs
 
     def register_memory(self, reg_list: Any, mem_type: str | None = None, backends: list[str] | None = None) -> nixlRegDList:
         dlist = reg_list if isinstance(reg_list, nixlRegDList) else self.get_reg_descs(reg_list, mem_type)
@@ -527,15 +530,10 @@ class nixl_agent:
                 f"{len(local)} local and {len(remote)} remote indices (need the same number, at least one)",
                 "invalid_argument",
             )
-        backend = self._request_backend(backends, "make_prepped_xfer")
-        prepared_local, prepared_remote = local_xfer_side.prepared, remote_xfer_side.prepared
-
-        def remake(notif: bytes):
-            with _Translated("make_prepped_xfer"):
-                return self._agent.make_request(op, prepared_local, local, prepared_remote, remote, notif or None, backend)
-
-        notif = _message(notif_msg)
-        return nixl_xfer_handle(remake(notif), notif, remake)
+        return self._handle(
+            "make_prepped_xfer", op, (local_xfer_side.prepared, local), (remote_xfer_side.prepared, remote),
+            notif_msg, self._request_backend(backends),
+        )
 
     def initialize_xfer(
         self,
@@ -556,16 +554,20 @@ class nixl_agent:
                 f"{local_list.descCount()} local and {remote_list.descCount()} remote descriptors",
                 "invalid_argument",
             )
-        name = _peer_name(remote_agent)
-        backend = self._request_backend(backends, "initialize_xfer")
+        backend = self._request_backend(backends)
         with _Translated("initialize_xfer"):
             prepared_local = self._agent.prep_local(local_list.descs, local_list.mem_type)
-            prepared_remote = self._agent.prep_remote(name, remote_list.descs, remote_list.mem_type)
+            prepared_remote = self._agent.prep_remote(_peer_name(remote_agent), remote_list.descs, remote_list.mem_type)
         every = list(range(local_list.descCount()))
+        return self._handle("initialize_xfer", op, (prepared_local, every), (prepared_remote, every), notif_msg, backend)
+
+    def _handle(self, method: str, op: str, local: tuple, remote: tuple, notif_msg: Any, backend: str | None):
+        """A transfer handle over prepared lists and index lists; it can rebuild its request
+        with another notification (``transfer(handle, notif_msg=...)``)."""
 
         def remake(notif: bytes):
-            with _Translated("initialize_xfer"):
-                return self._agent.make_request(op, prepared_local, every, prepared_remote, every, notif or None, backend)
+            with _Translated(method):
+                return self._agent.make_request(op, local[0], local[1], remote[0], remote[1], notif or None, backend)
 
         notif = _message(notif_msg)
         return nixl_xfer_handle(remake(notif), notif, remake)
@@ -649,7 +651,9 @@ def _operation(operation: str) -> str:
     return operation
 
 
-def _mem_type_name(kind: str, method: str) -> str:
+def _mem_type_name(kind: str) -> str:
+    """NIXL's memory type names (and its aliases ``cpu``, ``cuda``, ``BLOCK``) as xfer's; NIXL
+    raises KeyError for any other."""
     name = {"CPU": "DRAM", "CUDA": "VRAM", "BLOCK": "BLK"}.get(kind.upper(), kind.upper())
     if name not in ("DRAM", "VRAM", "FILE", "BLK", "OBJ"):
         raise KeyError(kind)
