@@ -129,3 +129,22 @@ def test_dram_to_file_and_back_through_the_posix_backend(tmp_path):
         assert numpy.array_equal(on_disk[:block], source[size - block:]), "the file's first block is not the last one written"
     finally:
         os.close(fd)
+
+
+def test_code_that_imports_nixl_by_name_gets_pd_xfer():
+    """SGLang's way: ``from nixl._api import nixl_agent, nixl_agent_config`` inside a function,
+    exception classes from ``nixl._bindings``. A fresh interpreter, so the real NIXL of this
+    venv is not imported first."""
+    script = (
+        "import pd_xfer.nixl as ours\n"
+        "ours.install_as_nixl()\n"
+        "from nixl._api import nixl_agent, nixl_agent_config\n"
+        "from nixl._bindings import nixlBackendError, nixlCancelledError, nixlRemoteDisconnectError\n"
+        "assert nixl_agent is ours.nixl_agent and issubclass(nixlBackendError, ours.XferError)\n"
+        "agent = nixl_agent('sglang-style', nixl_agent_config(backends=[], num_threads=8))\n"
+        "agent.create_backend('TCP', {'num_threads': '8'})\n"
+        "assert 'TCP' in agent.get_plugin_list() and agent.backends == {'TCP': 'tcp'}\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -645,6 +645,26 @@ class nixl_agent:
             self._agent.send_notif(_peer_name(remote_agent_name), _message(notif_msg))
 
 
+def install_as_nixl() -> None:
+    """Makes ``import nixl._api`` and ``import nixl._bindings`` give this module, in this
+    process: for code that imports NIXL by name with no way to pass another agent class
+    (SGLang's NIXL transfer backend imports ``nixl._api`` when it builds its manager, and the
+    exception classes from ``nixl._bindings``). Call it before that code imports NIXL; a NIXL
+    already imported in this process is replaced for later imports only."""
+    import sys
+    import types
+
+    this = sys.modules[__name__]
+    package = types.ModuleType("nixl")
+    package.__doc__ = "pd_xfer.nixl standing in for NIXL (pd_xfer.nixl.install_as_nixl)"
+    package.__path__ = []
+    package._api = this
+    package._bindings = this
+    sys.modules["nixl"] = package
+    sys.modules["nixl._api"] = this
+    sys.modules["nixl._bindings"] = this
+
+
 def _operation(operation: str) -> str:
     if operation not in ("READ", "WRITE"):
         raise KeyError(operation)
