@@ -135,8 +135,17 @@ if alive; then
   exit 1
 fi
 start=$(date +%s)
-setsid "${engine_env[@]}" "$venv/bin/vllm" "${args[@]}" >"$log_file" 2>&1 < /dev/null &
-echo $! >"$pid_file"
+# The engine's new session writes its own group id: `$!` is not it when setsid has to fork (it
+# does when it starts as a process group leader), and a wrong id made `start` report a running
+# engine as exited and leave it behind, its worker busy on a core.
+rm -f "$pid_file"
+setsid bash -c 'echo $$ >"$0"; exec "$@"' "$pid_file" "${engine_env[@]}" "$venv/bin/vllm" "${args[@]}" \
+  >"$log_file" 2>&1 < /dev/null &
+for _ in $(seq 1 100); do
+  [ -s "$pid_file" ] && break
+  sleep 0.05
+done
+[ -s "$pid_file" ] || { echo "$name: the engine's session did not start" >&2; exit 1; }
 trap 'echo "$name: start interrupted" >&2; stop; exit 130' INT TERM
 deadline=$((start + timeout))
 until curl -fsS -m 2 "http://127.0.0.1:$port/health" >/dev/null 2>&1; do
