@@ -758,7 +758,6 @@ mod tests {
         }
         fn capabilities(&self) -> Capabilities {
             Capabilities {
-                mem_types: vec![MemType::Dram],
                 paths: vec![(MemType::Dram, MemType::Dram)],
                 remote: true,
                 local: true,

@@ -153,7 +153,6 @@ impl Backend for PosixBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            mem_types: vec![MemType::Dram, MemType::File],
             paths: vec![(MemType::Dram, MemType::File), (MemType::File, MemType::Dram)],
             remote: false,
             local: true,

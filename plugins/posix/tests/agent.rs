@@ -381,38 +381,3 @@ fn backend_selection_refuses_what_nothing_moves_with_the_reason() {
     let err = unsafe { agent.register_memory(MemType::Vram, &[Desc::new(1 << 40, 4096, 0)]) }.unwrap_err();
     assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("VRAM")), "{err}");
 }
-
-/// Bandwidth of 16 MiB blocks, buffered and O_DIRECT (run with `--ignored --nocapture`; compare
-/// with `fio` or `dd` on the same file system in the same run, as BENCH figures are noisy).
-#[test]
-#[ignore = "measurement, not a check"]
-fn bandwidth_of_16_mib_blocks() {
-    const BLOCK: usize = 16 << 20;
-    const BLOCKS: usize = 32;
-    for direct in [false, true] {
-        let agent = agent(if direct { "bw-direct" } else { "bw-buffered" });
-        let file_path = path(if direct { "bw-direct" } else { "bw-buffered" });
-        let mut options = OpenOptions::new();
-        options.read(true).write(true).create(true).truncate(true);
-        if direct {
-            options.custom_flags(libc::O_DIRECT);
-        }
-        let file = Arc::new(options.open(&file_path).unwrap());
-        let buf = Arc::new(HostBuffer::new(BLOCK * BLOCKS));
-        buf.write_at(0, &pattern(BLOCK * BLOCKS, 1));
-        let _reg = agent.register_buffer(&buf).unwrap();
-        let file_reg = agent.register_file(&file, 0, (BLOCK * BLOCKS) as u64).unwrap();
-        let fd = file_reg.descs()[0].dev_id;
-        let local: Vec<Desc> = (0..BLOCKS).map(|i| buf.sub_desc(i * BLOCK, BLOCK)).collect();
-        let in_file: Vec<Desc> = (0..BLOCKS).map(|i| Desc::new((i * BLOCK) as u64, BLOCK as u64, fd)).collect();
-        for op in [Op::Write, Op::Read] {
-            let start = std::time::Instant::now();
-            run(&agent, op, (MemType::Dram, &local), (MemType::File, &in_file)).unwrap();
-            let secs = start.elapsed().as_secs_f64();
-            let gbps = (BLOCK * BLOCKS) as f64 / secs / 1e9;
-            println!("posix {op} {} 16 MiB x {BLOCKS}: {gbps:.2} GB/s", if direct { "O_DIRECT" } else { "buffered" });
-        }
-        drop(file_reg);
-        std::fs::remove_file(&file_path).unwrap();
-    }
-}

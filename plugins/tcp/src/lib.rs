@@ -149,13 +149,7 @@ impl Backend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            mem_types: vec![MemType::Dram],
-            paths: vec![(MemType::Dram, MemType::Dram)],
-            remote: true,
-            local: true,
-            notifications: true,
-        }
+        Capabilities { paths: vec![(MemType::Dram, MemType::Dram)], remote: true, local: true, notifications: true }
     }
 
     fn conn_info(&self) -> Vec<u8> {

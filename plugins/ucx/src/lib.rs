@@ -215,15 +215,13 @@ impl Backend for UcxBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        let mut mem_types = vec![MemType::Dram];
         let mut paths = vec![(MemType::Dram, MemType::Dram)];
         if self.cuda {
-            // A peer's VRAM is only an rkey to us; local VRAM needs device pointers in the data
-            // path, which this backend does not take yet.
-            mem_types.push(MemType::Vram);
+            // A peer's VRAM is only an rkey to us (we register ours for peers to reach); local
+            // VRAM needs device pointers in the data path, which this backend does not take yet.
             paths.push((MemType::Dram, MemType::Vram));
         }
-        Capabilities { mem_types, paths, remote: true, local: true, notifications: true }
+        Capabilities { paths, remote: true, local: true, notifications: true }
     }
 
     fn conn_info(&self) -> Vec<u8> {

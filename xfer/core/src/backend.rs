@@ -32,10 +32,10 @@ impl fmt::Display for Op {
 /// What a backend can do; the agent picks a backend per request from these.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Capabilities {
-    /// Memory the backend registers (it gets a key in the agent's metadata for each region).
-    pub mem_types: Vec<MemType>,
     /// `(local, remote)` pairs of memory a request may join through this backend: TCP moves
-    /// DRAM↔DRAM, POSIX DRAM↔FILE. Registering a type does not imply moving it to every other.
+    /// DRAM↔DRAM, POSIX DRAM↔FILE. The backend registers every type that appears on either
+    /// side (it gets a key in the agent's metadata for each such region); registering a type
+    /// does not imply moving it to every other.
     pub paths: Vec<(MemType, MemType)>,
     /// Transfers to other agents.
     pub remote: bool,
@@ -46,9 +46,9 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
-    /// Whether the backend registers `mem_type` memory.
+    /// Whether the backend registers `mem_type` memory: it moves it on one side of a path.
     pub fn supports(&self, mem_type: MemType) -> bool {
-        self.mem_types.contains(&mem_type)
+        self.paths.iter().any(|&(local, remote)| local == mem_type || remote == mem_type)
     }
 
     /// Whether a request from `local` to `remote` memory (either direction) can go through it.
