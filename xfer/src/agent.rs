@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendParams, Capabilities, Desc, HostMemory, LocalRegion, MemType,
-    NotifSink, Op, RemoteSeg,
+    NotifSink, Op, RemoteSeg, Staging,
 };
 
 use crate::error::{Side, XferError};
@@ -35,6 +35,8 @@ struct Attached {
 pub(crate) struct AgentInner {
     name: String,
     registry: BackendRegistry,
+    /// Copy lanes handed to every backend for memory its wire cannot address.
+    staging: Arc<dyn Staging>,
     /// Attach order is preference order; a slot index never changes.
     backends: ArcSwap<Vec<Arc<Attached>>>,
     local: ArcSwap<LocalTable>,
@@ -117,6 +119,12 @@ impl Agent {
     }
 
     pub fn with_registry(name: &str, registry: BackendRegistry) -> Result<Agent, XferError> {
+        Self::with_staging(name, registry, xfer_cuda::staging())
+    }
+
+    /// An agent whose backends stage GPU memory and files through `staging` instead of CUDA's
+    /// (tests stand host memory in for a GPU this way).
+    pub fn with_staging(name: &str, registry: BackendRegistry, staging: Arc<dyn Staging>) -> Result<Agent, XferError> {
         if name.is_empty() || name.len() > NAME_LIMIT {
             return Err(XferError::InvalidArgument(format!("agent name must be 1..={NAME_LIMIT} bytes")));
         }
@@ -124,6 +132,7 @@ impl Agent {
             inner: Arc::new(AgentInner {
                 name: name.to_string(),
                 registry,
+                staging,
                 backends: ArcSwap::from_pointee(Vec::new()),
                 local: ArcSwap::from_pointee(LocalTable::default()),
                 peers: ArcSwap::from_pointee(HashMap::new()),
@@ -154,7 +163,8 @@ impl Agent {
                 queues.push(peer, message);
             }
         });
-        let ctx = BackendContext { agent_name: inner.name.clone(), params, notifs };
+        let ctx =
+            BackendContext { agent_name: inner.name.clone(), params, notifs, staging: Arc::clone(&inner.staging) };
         let backend = factory.create(ctx).map_err(|e| XferError::backend(name, e))?;
         let attached = Arc::new(Attached { name: factory.name(), caps: backend.capabilities(), backend });
         let mut backends = inner.backends.load().as_ref().clone();

@@ -38,7 +38,11 @@ pub use error::{Side, XferError};
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
+pub use xfer_core::staging;
 pub use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc,
-    FileIoError, HostBuffer, HostMemory, HostRegion, LocalMem, MemType, Op, RefusalCode, SharedFile, UnknownMemType,
+    DeviceError, FileIoError, HostBuffer, HostMemory, HostRegion, LocalMem, MemType, Op, RefusalCode, SharedFile,
+    Staging, UnknownMemType,
 };
+/// CUDA: the driver found at run time, device buffers, the staging lanes backends get.
+pub use xfer_cuda as cuda;

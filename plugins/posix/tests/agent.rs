@@ -345,39 +345,34 @@ fn notifications_reach_the_agent_itself_after_the_data() {
 #[test]
 fn backend_selection_refuses_what_nothing_moves_with_the_reason() {
     let agent = Agent::new("selection").unwrap();
+    agent.add_backend("posix", BackendParams::new()).unwrap();
     agent.add_backend("tcp", BackendParams::parse("listen=127.0.0.1:0").unwrap()).unwrap();
     let file = read_write(&path("selection"));
-    let err = agent.register_file(&file, 0, 4096).unwrap_err();
-    assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("FILE")), "{err}");
-    agent.add_backend("posix", BackendParams::new()).unwrap();
     let buf = Arc::new(HostBuffer::new(8192));
     let _reg = agent.register_buffer(&buf).unwrap();
     let file_reg = agent.register_file(&file, 0, 4096).unwrap();
     let file_desc = [file_reg.descs()[0]];
-    // Naming TCP for a DRAM→FILE request: it does not move FILE.
-    let err = agent
-        .create_request_between(
+    // DRAM→FILE: TCP could stage it over loopback, but posix comes first in attach order.
+    let to_file = |options: RequestOptions| {
+        agent.create_request_between(
             Op::Write,
             (MemType::Dram, &[buf.sub_desc(0, 4096)]),
             "selection",
             (MemType::File, &file_desc),
-            RequestOptions::default().backend("tcp"),
+            options,
         )
-        .unwrap_err();
-    assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("tcp does not move DRAM→FILE")), "{err}");
-    // DRAM→DRAM to itself goes through TCP (posix does not move it).
-    let req = agent
-        .create_request(
-            Op::Write,
-            &[buf.sub_desc(0, 4096)],
-            "selection",
-            &[buf.sub_desc(4096, 4096)],
-            Default::default(),
-        )
-        .unwrap();
-    assert_eq!(req.backend(), "tcp");
-    // VRAM: no attached backend registers it.
-    // SAFETY: the registration is refused before anything could touch the (absent) device memory.
-    let err = unsafe { agent.register_memory(MemType::Vram, &[Desc::new(1 << 40, 4096, 0)]) }.unwrap_err();
-    assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("VRAM")), "{err}");
+    };
+    assert_eq!(to_file(RequestOptions::default()).unwrap().backend(), "posix");
+    assert_eq!(to_file(RequestOptions::default().backend("tcp")).unwrap().backend(), "tcp");
+    // Naming posix for DRAM→DRAM: it does not move it.
+    let dram_to_dram = |options: RequestOptions| {
+        agent.create_request(Op::Write, &[buf.sub_desc(0, 4096)], "selection", &[buf.sub_desc(4096, 4096)], options)
+    };
+    let err = dram_to_dram(RequestOptions::default().backend("posix")).unwrap_err();
+    assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("posix does not move DRAM→DRAM")), "{err}");
+    assert_eq!(dram_to_dram(RequestOptions::default()).unwrap().backend(), "tcp");
+    // BLK: no attached backend registers it.
+    // SAFETY: the registration is refused before anything could touch the (absent) device.
+    let err = unsafe { agent.register_memory(MemType::Blk, &[Desc::new(0, 4096, 0)]) }.unwrap_err();
+    assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("BLK")), "{err}");
 }

@@ -29,6 +29,7 @@ mod keys;
 mod memio;
 mod pool;
 mod server;
+mod staged;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
@@ -37,7 +38,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use xfer_core::{
-    Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, RemoteAgent,
+    Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, RemoteAgent, Staging,
 };
 
 pub use keys::{TcpRemoteKey, PUBLIC_KEY_LEN};
@@ -46,6 +47,10 @@ use conn::SocketTuning;
 use keys::KeyTable;
 use pool::{PeerPool, PoolConfig};
 use server::{Server, ServerShared};
+use staged::StagingConfig;
+
+/// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
+const STAGED: [MemType; 3] = [MemType::Dram, MemType::Vram, MemType::File];
 
 /// Registers the TCP backend under the name `tcp`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -66,6 +71,7 @@ pub struct TcpBackend {
     advertised: String,
     keys: Arc<KeyTable>,
     pool_config: PoolConfig,
+    staging: Arc<dyn Staging>,
     server: Mutex<Option<Server>>,
 }
 
@@ -84,7 +90,7 @@ fn invalid(name: &str, reason: impl Into<String>) -> BackendError {
 
 impl TcpBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, mut params, notifs } = ctx;
+        let BackendContext { agent_name, mut params, notifs, staging } = ctx;
         let listen = params.take("listen").unwrap_or_else(|| "0.0.0.0:0".into());
         let advertise = params.take("advertise");
         let streams: usize = params.take_parsed("streams", 2)?;
@@ -93,7 +99,16 @@ impl TcpBackend {
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
         let socket_buffer: usize = params.take_parsed("socket_buffer", 4 << 20)?;
+        let staging_slots: usize = params.take_parsed("staging_slots", 2)?;
+        let staging_bytes: usize = params.take_parsed("staging_bytes", 1 << 20)?;
         params.finish("tcp")?;
+        if !(1..=16).contains(&staging_slots) {
+            return Err(invalid("staging_slots", "must be 1..=16"));
+        }
+        if !(4096..=(256 << 20)).contains(&staging_bytes) {
+            return Err(invalid("staging_bytes", "must be 4096..=268435456"));
+        }
+        let staging_config = StagingConfig { slots: staging_slots, slot_bytes: staging_bytes };
         if !(1..=64).contains(&streams) {
             return Err(invalid("streams", "must be 1..=64"));
         }
@@ -125,6 +140,8 @@ impl TcpBackend {
             tuning,
             stop: Arc::new(AtomicBool::new(false)),
             fences: fence::Fences::default(),
+            staging: Arc::clone(&staging),
+            staging_config,
         };
         let server = Server::start(listener, shared)?;
         tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");
@@ -132,7 +149,16 @@ impl TcpBackend {
             agent_name,
             advertised,
             keys,
-            pool_config: PoolConfig { streams, chunk_bytes, split_bytes, timeout, connect_timeout, tuning },
+            pool_config: PoolConfig {
+                streams,
+                chunk_bytes,
+                split_bytes,
+                timeout,
+                connect_timeout,
+                tuning,
+                staging: staging_config,
+            },
+            staging,
             server: Mutex::new(Some(server)),
         })
     }
@@ -149,7 +175,8 @@ impl Backend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { paths: vec![(MemType::Dram, MemType::Dram)], remote: true, local: true, notifications: true }
+        let paths = STAGED.iter().flat_map(|&local| STAGED.iter().map(move |&remote| (local, remote))).collect();
+        Capabilities { paths, remote: true, local: true, notifications: true }
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -157,8 +184,10 @@ impl Backend for TcpBackend {
     }
 
     fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
-        if region.mem_type() != MemType::Dram {
-            return Err(BackendError::Unsupported(format!("tcp moves DRAM only, not {}", region.mem_type())));
+        match region.mem_type() {
+            MemType::Dram | MemType::File => {}
+            MemType::Vram => self.staging.device_ready(region.desc().dev_id)?,
+            other => return Err(BackendError::Unsupported(format!("tcp moves DRAM, VRAM and FILE, not {other}"))),
         }
         let key = self.keys.insert(region)?;
         let desc = region.desc();
@@ -177,7 +206,13 @@ impl Backend for TcpBackend {
             .map_err(|e| BackendError::InvalidMetadata(format!("tcp address {text:?}: {e}")))?
             .next()
             .ok_or_else(|| BackendError::InvalidMetadata(format!("tcp address {text:?} resolves to nothing")))?;
-        Ok(Arc::new(PeerPool::new(self.agent_name.clone(), peer.to_string(), addr, self.pool_config)))
+        Ok(Arc::new(PeerPool::new(
+            self.agent_name.clone(),
+            peer.to_string(),
+            addr,
+            self.pool_config,
+            Arc::clone(&self.staging),
+        )))
     }
 
     fn shutdown(&self) {

@@ -15,12 +15,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 use xfer_core::split::{even_sizes, split_by_sizes, Segment};
-use xfer_core::{host_slices, BackendError, Completer, MemSlice, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
+use xfer_core::staging::{needs_staging, Flow, Staging};
+use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
 
 use crate::conn::{Conn, ConnError, SocketTuning};
 use crate::frame::{self, Kind, WireDesc};
 use crate::keys::TcpRemoteKey;
 use crate::memio;
+use crate::staged::{Lanes, StagingConfig};
 
 /// Tunables of the initiator.
 #[derive(Clone, Copy, Debug)]
@@ -33,6 +35,7 @@ pub struct PoolConfig {
     pub timeout: Duration,
     pub connect_timeout: Duration,
     pub tuning: SocketTuning,
+    pub staging: StagingConfig,
 }
 
 /// Most descriptors per chunk, so frames stay far below the protocol limit.
@@ -43,6 +46,7 @@ struct PoolShared {
     peer: String,
     addr: SocketAddr,
     config: PoolConfig,
+    staging: Arc<dyn Staging>,
     closed: Arc<AtomicBool>,
     control: Mutex<Option<Pooled>>,
     next_request: AtomicU64,
@@ -65,7 +69,13 @@ pub struct PeerPool {
 }
 
 impl PeerPool {
-    pub fn new(local_name: String, peer: String, addr: SocketAddr, config: PoolConfig) -> PeerPool {
+    pub fn new(
+        local_name: String,
+        peer: String,
+        addr: SocketAddr,
+        config: PoolConfig,
+        staging: Arc<dyn Staging>,
+    ) -> PeerPool {
         let (queue, receiver) = crossbeam_channel::unbounded();
         PeerPool {
             shared: Arc::new(PoolShared {
@@ -73,6 +83,7 @@ impl PeerPool {
                 peer,
                 addr,
                 config,
+                staging,
                 closed: Arc::new(AtomicBool::new(false)),
                 control: Mutex::new(None),
                 next_request: AtomicU64::new(1),
@@ -147,7 +158,7 @@ impl RemoteAgent for PeerPool {
 /// One exchange's worth of a request.
 struct Chunk {
     op: Op,
-    local: Vec<MemSlice>,
+    local: Vec<LocalMem>,
     remote: Vec<WireDesc>,
     bytes: u64,
     queued_at: Instant,
@@ -208,10 +219,6 @@ impl Segment for WireDesc {
 /// by bytes. On error, hands the completer back with the error.
 fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer, BackendError)> {
     let TransferJob { op, local, remote, notif, done } = job;
-    let local = match host_slices(local, "tcp") {
-        Ok(local) => local,
-        Err(err) => return Err((done, err)),
-    };
     let mut wire: Vec<WireDesc> = Vec::with_capacity(remote.len());
     for seg in &remote {
         let Some(key) = seg.key.downcast_ref::<TcpRemoteKey>() else {
@@ -230,7 +237,7 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
         }
     }
     let total: u64 = wire.iter().map(|d| d.len).sum();
-    let local_total: u64 = local.iter().map(|s| s.len() as u64).sum();
+    let local_total: u64 = local.iter().map(LocalMem::len).sum();
     if total != local_total {
         let msg = format!("local {local_total} bytes vs remote {total} bytes");
         return Err((done, BackendError::Refused { code: RefusalCode::BadRequest, message: msg }));
@@ -284,6 +291,7 @@ struct Pooled {
 
 fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
     let mut conn: Option<Pooled> = None;
+    let mut lanes = Lanes::default();
     loop {
         let mut chunk = match receiver.recv_timeout(Duration::from_millis(250)) {
             Ok(chunk) => chunk,
@@ -299,7 +307,7 @@ fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
         } else if let Some(err) = shared.failed_since(chunk.queued_at) {
             Err(err)
         } else {
-            let result = run_chunk(&shared, &mut conn, &mut chunk);
+            let result = run_chunk(&shared, &mut conn, &mut lanes, &mut chunk);
             if let Err(err) = &result {
                 shared.record_failure(err);
             }
@@ -312,11 +320,16 @@ fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
     }
 }
 
-fn run_chunk(shared: &PoolShared, slot: &mut Option<Pooled>, chunk: &mut Chunk) -> Result<(), BackendError> {
+fn run_chunk(
+    shared: &PoolShared,
+    slot: &mut Option<Pooled>,
+    lanes: &mut Lanes,
+    chunk: &mut Chunk,
+) -> Result<(), BackendError> {
     if chunk.bytes == 0 && chunk.remote.is_empty() {
         return Ok(());
     }
-    let result = exchange(shared, shared.current(slot)?, chunk);
+    let result = exchange(shared, shared.current(slot)?, lanes, chunk);
     if let Err(err) = &result {
         // A refusal leaves the stream in step; anything else may not.
         if !matches!(err, BackendError::Refused { .. }) {
@@ -326,7 +339,7 @@ fn run_chunk(shared: &PoolShared, slot: &mut Option<Pooled>, chunk: &mut Chunk) 
     result
 }
 
-fn exchange(shared: &PoolShared, conn: &mut Conn, chunk: &mut Chunk) -> Result<(), BackendError> {
+fn exchange(shared: &PoolShared, conn: &mut Conn, lanes: &mut Lanes, chunk: &mut Chunk) -> Result<(), BackendError> {
     let request_id = shared.next_request.fetch_add(1, Ordering::Relaxed);
     let kind = match chunk.op {
         Op::Write => Kind::Write,
@@ -335,7 +348,19 @@ fn exchange(shared: &PoolShared, conn: &mut Conn, chunk: &mut Chunk) -> Result<(
     let mut head = Vec::new();
     frame::encode_request(kind, request_id, &chunk.remote, chunk.bytes, &mut head);
     let io = |e: ConnError| shared.conn_error(e);
+    let staging = &*shared.staging;
+    let config = shared.config.staging;
     match chunk.op {
+        Op::Write if needs_staging(&chunk.local) => {
+            conn.write_all(&head).map_err(io)?;
+            lanes.run(staging, config, Flow::ToWire, &mut chunk.local, conn, &io)?;
+            read_response(shared, conn, request_id, 0)?;
+        }
+        Op::Read if needs_staging(&chunk.local) => {
+            conn.write_all(&head).map_err(io)?;
+            read_response(shared, conn, request_id, chunk.bytes)?;
+            lanes.run(staging, config, Flow::FromWire, &mut chunk.local, conn, &io)?;
+        }
         Op::Write => {
             let mut iov = Vec::with_capacity(chunk.local.len() + 1);
             iov.push(IoSlice::new(&head));

@@ -7,13 +7,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use xfer_core::{MemSlice, NotifSink, Pin, RefusalCode};
+use xfer_core::staging::{needs_staging, Flow, Staging};
+use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
 
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
 use crate::fence::{Fence, Fences};
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::keys::KeyTable;
 use crate::memio;
+use crate::staged::{Lanes, StagingConfig};
 
 /// What every connection thread shares.
 pub struct ServerShared {
@@ -24,6 +26,8 @@ pub struct ServerShared {
     pub tuning: SocketTuning,
     pub stop: Arc<AtomicBool>,
     pub fences: Fences,
+    pub staging: Arc<dyn Staging>,
+    pub staging_config: StagingConfig,
 }
 
 pub struct Server {
@@ -103,6 +107,8 @@ enum ServeError {
     Name,
     #[error("a newer connection of this initiator took over")]
     Superseded,
+    #[error("staging the payload of a read failed: {0}")]
+    Staging(xfer_core::BackendError),
 }
 
 fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
@@ -113,6 +119,9 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
     let mut table = Vec::new();
     let mut descs = Vec::new();
     let mut out = Vec::with_capacity(64);
+    let mut lanes = Lanes::default();
+    let staging = &*shared.staging;
+    let io = |e: ConnError| xfer_core::BackendError::Protocol(e.to_string());
     loop {
         if !conn.read_frame_start(&mut header_buf)? {
             return Ok(());
@@ -136,6 +145,22 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 conn.write_all(&out)?;
             }
             Kind::Write => match resolve(&shared.keys, &descs) {
+                Ok(mut pieces) if needs_staging(&pieces) => {
+                    // A failed copy still reads the whole payload, so the refusal stays in step.
+                    let staged = lanes.run(staging, shared.staging_config, Flow::FromWire, &mut pieces, &mut conn, &io);
+                    drop(pieces);
+                    drop(current);
+                    match staged {
+                        Ok(()) => {
+                            frame::encode_response(0, header.request_id, 0, "", &mut out);
+                            conn.write_all(&out)?;
+                        }
+                        Err(err) => {
+                            let msg = format!("storing staged memory: {err}");
+                            refuse(&mut conn, &header, RefusalCode::BadRequest, &msg, &mut out)?;
+                        }
+                    }
+                }
                 Ok(mut slices) => {
                     let mut iov = memio::receive_into(&mut slices);
                     conn.read_exact_vectored(&mut iov)?;
@@ -151,6 +176,14 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 }
             },
             Kind::Read => match resolve(&shared.keys, &descs) {
+                Ok(mut pieces) if needs_staging(&pieces) => {
+                    frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
+                    conn.write_all(&out)?;
+                    // The answer is promised: a copy failing now can only end the connection.
+                    lanes
+                        .run(staging, shared.staging_config, Flow::ToWire, &mut pieces, &mut conn, &io)
+                        .map_err(ServeError::Staging)?;
+                }
                 Ok(slices) => {
                     frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
                     let mut iov = Vec::with_capacity(slices.len() + 1);
@@ -201,7 +234,7 @@ fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<(String, S
 }
 
 /// Checks every descriptor before any byte moves: known key, live region, within bounds.
-fn resolve(keys: &KeyTable, descs: &[WireDesc]) -> Result<Vec<MemSlice>, (RefusalCode, String)> {
+fn resolve(keys: &KeyTable, descs: &[WireDesc]) -> Result<Vec<LocalMem>, (RefusalCode, String)> {
     let mut slices = Vec::with_capacity(descs.len());
     let mut pinned: Option<(frame::Key, Pin)> = None;
     for (index, desc) in descs.iter().enumerate() {
@@ -218,7 +251,8 @@ fn resolve(keys: &KeyTable, descs: &[WireDesc]) -> Result<Vec<MemSlice>, (Refusa
                 pin
             }
         };
-        let slice = pin.slice(desc.offset, desc.len).ok_or_else(|| {
+        let base = pin.region().desc().addr;
+        let slice = desc.offset.checked_add(base).and_then(|addr| pin.local_at(addr, desc.len)).ok_or_else(|| {
             (
                 RefusalCode::OutOfBounds,
                 format!(

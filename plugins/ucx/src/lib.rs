@@ -171,7 +171,7 @@ impl std::fmt::Debug for UcxBackend {
 
 impl UcxBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, params, notifs } = ctx;
+        let BackendContext { agent_name, params, notifs, .. } = ctx;
         let settings = Settings::parse(params)?;
         let process = keys::ProcessId::current();
         let segments = settings.tcp_segments(|name| std::env::var(name).ok());

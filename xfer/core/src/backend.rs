@@ -10,6 +10,7 @@ use crate::completion::Completer;
 use crate::error::BackendError;
 use crate::host::BackendBuffer;
 use crate::mem::{LocalMem, LocalRegion, MemType};
+use crate::staging::Staging;
 
 /// Direction of a transfer, from the initiator's point of view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -144,6 +145,9 @@ pub struct BackendContext {
     pub agent_name: String,
     pub params: BackendParams,
     pub notifs: NotifSink,
+    /// Copy lanes for memory the backend's wire cannot address (GPU memory, files); the agent
+    /// supplies CUDA's when the driver is present.
+    pub staging: Arc<dyn Staging>,
 }
 
 impl fmt::Debug for BackendContext {

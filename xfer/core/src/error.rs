@@ -86,6 +86,23 @@ pub enum BackendError {
     MemoryNotMoved { backend: &'static str, mem_type: crate::MemType },
     #[error("file i/o: {0}")]
     File(#[from] FileIoError),
+    #[error("GPU memory: {0}")]
+    Device(#[from] DeviceError),
+}
+
+/// Why GPU memory cannot be used or moved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// No CUDA driver here (or it would not initialise): GPU memory can be neither registered
+    /// nor moved.
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    /// The descriptor names a CUDA device ordinal this machine does not have.
+    #[error("CUDA device {device} does not exist ({count} present)")]
+    NoSuchDevice { device: u64, count: u64 },
+    /// A CUDA driver call failed.
+    #[error("{call}: {message}")]
+    Driver { call: &'static str, message: String },
 }
 
 /// Why a read or write of a registered file failed.

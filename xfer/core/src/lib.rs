@@ -8,19 +8,22 @@
 mod backend;
 mod completion;
 mod error;
+pub mod file_io;
 mod host;
 mod mem;
 mod shared_file;
 pub mod split;
+pub mod staging;
 
 pub use backend::{
     Backend, BackendContext, BackendFactory, BackendParams, Capabilities, NotifSink, Op, RemoteAgent, RemoteKey,
     RemoteSeg, TransferJob,
 };
 pub use completion::{Completer, Completion, Progress, Status};
-pub use error::{BackendError, FileIoError, RefusalCode};
+pub use error::{BackendError, DeviceError, FileIoError, RefusalCode};
 pub use host::{BackendBuffer, HostBuffer, HostMemory, HostRegion};
 pub use mem::{
     host_slices, Desc, DeviceSlice, FileSlice, LocalMem, LocalRegion, MemSlice, MemType, Pin, UnknownMemType,
 };
 pub use shared_file::SharedFile;
+pub use staging::{CopyLane, HostStaging, Staging};

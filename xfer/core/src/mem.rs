@@ -408,6 +408,17 @@ impl DeviceSlice {
     pub fn pin(&self) -> &Pin {
         &self.pin
     }
+
+    /// The piece `offset .. offset + len` of this range (same device and pin).
+    pub fn sub(&self, offset: u64, len: u64) -> Option<DeviceSlice> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| DeviceSlice {
+            device: self.device,
+            ptr: self.ptr + offset,
+            len,
+            pin: self.pin.clone(),
+        })
+    }
 }
 
 /// The local memory of a transfer as a backend receives it: where its bytes live. Backends
@@ -449,6 +460,32 @@ impl LocalMem {
             LocalMem::Host(slice) => slice.pin(),
             LocalMem::File(slice) => slice.pin(),
             LocalMem::Device(slice) => slice.pin(),
+        }
+    }
+
+    /// Splits off and returns the first `at` bytes (at most all of them), leaving the rest.
+    pub fn split_front(&mut self, at: u64) -> LocalMem {
+        let at = at.min(self.len());
+        match self {
+            LocalMem::Host(slice) => LocalMem::Host(slice.split_front(at as usize)),
+            LocalMem::File(slice) => {
+                let front = slice.sub(0, at).expect("front lies inside");
+                *slice = slice.sub(at, slice.len - at).expect("rest lies inside");
+                LocalMem::File(front)
+            }
+            LocalMem::Device(slice) => {
+                let front = slice.sub(0, at).expect("front lies inside");
+                *slice = slice.sub(at, slice.len - at).expect("rest lies inside");
+                LocalMem::Device(front)
+            }
+        }
+    }
+
+    /// The GPU the memory is on, if it is GPU memory.
+    pub fn device(&self) -> Option<u64> {
+        match self {
+            LocalMem::Device(slice) => Some(slice.device),
+            _ => None,
         }
     }
 

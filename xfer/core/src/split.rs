@@ -1,7 +1,7 @@
 //! Splitting a transfer's segment lists into consecutive byte ranges (for parallel streams).
 
 use crate::backend::RemoteSeg;
-use crate::mem::MemSlice;
+use crate::mem::{LocalMem, MemSlice};
 
 /// A contiguous piece that can be cut in two.
 pub trait Segment: Sized {
@@ -17,6 +17,16 @@ impl Segment for MemSlice {
 
     fn take_front(&mut self, n: u64) -> Self {
         self.split_front(n as usize)
+    }
+}
+
+impl Segment for LocalMem {
+    fn seg_len(&self) -> u64 {
+        self.len()
+    }
+
+    fn take_front(&mut self, n: u64) -> Self {
+        self.split_front(n)
     }
 }
 

@@ -1,0 +1,236 @@
+//! GPU memory and files over TCP, staged, between two processes: this test binary runs itself
+//! again as the target (`XFER_STAGED_TARGET=dir`). Both sides stand host memory in for GPU
+//! memory (`HostAsDevice`), so the staging pipeline, the initiator's and the target's, runs on
+//! machines without GPUs; the bytes are checked in the files and buffers themselves.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use xfer::staging::HostAsDevice;
+use xfer::{
+    Agent, BackendParams, BackendRegistry, Desc, HostBuffer, MemType, Op, Registration, RequestOptions, XferError,
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+const SIZE: usize = 8 << 20;
+const TARGET_ENV: &str = "XFER_STAGED_TARGET";
+
+/// Small chunks and slots, so one request spans chunks, streams and many staging rounds.
+fn tcp_params() -> BackendParams {
+    BackendParams::new()
+        .with("listen", "127.0.0.1:0")
+        .with("chunk_bytes", "1048576")
+        .with("staging_bytes", "65536")
+        .with("split_bytes", "65536")
+}
+
+fn stand_in_agent(name: &str) -> Agent {
+    // SAFETY: every VRAM region these agents register is a HostBuffer the test keeps alive.
+    let staging = Arc::new(unsafe { HostAsDevice::new() });
+    let agent = Agent::with_staging(name, BackendRegistry::default(), staging).unwrap();
+    agent.add_backend("tcp", tcp_params()).unwrap();
+    agent
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| ((i * 131 + i / 4099) as u8).wrapping_add(seed)).collect()
+}
+
+/// A file of `contents`, open for reading (and writing, when `writable`).
+fn file_with(path: &Path, contents: &[u8], writable: bool) -> Arc<std::fs::File> {
+    std::fs::write(path, contents).unwrap();
+    Arc::new(std::fs::OpenOptions::new().read(true).write(writable).open(path).unwrap())
+}
+
+/// A HostBuffer registered as (stand-in) VRAM of device 0.
+fn stand_in_vram(agent: &Agent, len: usize) -> (Arc<HostBuffer>, Registration) {
+    let buf = Arc::new(HostBuffer::new(len));
+    // SAFETY: the buffer lives as long as the registration (both returned together and dropped
+    // by the caller in that order); HostBuffer hands out no references.
+    let registration = unsafe { agent.register_memory(MemType::Vram, &[buf.desc()]) }.unwrap();
+    (buf, registration)
+}
+
+/// The target process: a writable FILE, a read-only FILE and stand-in VRAM, served until stdin
+/// says `quit`; `dump` writes the VRAM bytes to `vram.bin` for the test to check.
+fn target_main(dir: &Path) {
+    let agent = stand_in_agent("staged-target");
+    let file = file_with(&dir.join("target.bin"), &pattern(SIZE, 1), true);
+    let _file_reg = agent.register_file(&file, 0, SIZE as u64).unwrap();
+    let read_only = file_with(&dir.join("read-only.bin"), &pattern(4096, 2), false);
+    let _read_only_reg = agent.register_file(&read_only, 0, 4096).unwrap();
+    let (vram, _vram_reg) = stand_in_vram(&agent, SIZE);
+    vram.write_at(0, &pattern(SIZE, 3));
+    let side_channel = agent.start_side_channel("127.0.0.1:0").unwrap();
+    println!("READY {side_channel}");
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().trim() {
+            "dump" => {
+                std::fs::write(dir.join("vram.bin"), vram.to_vec()).unwrap();
+                println!("OK");
+            }
+            _ => break,
+        }
+        std::io::stdout().flush().unwrap();
+    }
+}
+
+struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    side_channel: String,
+}
+
+impl Target {
+    fn spawn(dir: &Path) -> Target {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "staged_target_process", "--nocapture", "--test-threads", "1"])
+            .env(TARGET_ENV, dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let side_channel = loop {
+            let line = lines.next().expect("the target exited before READY").unwrap();
+            // libtest may have begun the line with the test's name.
+            if let Some((_, addr)) = line.split_once("READY ") {
+                break addr.trim().to_string();
+            }
+        };
+        Target { child, stdin, lines, side_channel }
+    }
+
+    fn dump_vram(&mut self, dir: &Path) -> Vec<u8> {
+        writeln!(self.stdin, "dump").unwrap();
+        loop {
+            let line = self.lines.next().expect("target exited").unwrap();
+            if line == "OK" {
+                break;
+            }
+        }
+        std::fs::read(dir.join("vram.bin")).unwrap()
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.wait();
+    }
+}
+
+/// The target's registrations by type, from its metadata: (FILE of SIZE, read-only FILE, VRAM).
+fn remote_regions(agent: &Agent) -> (Desc, Desc, Desc) {
+    let regions = agent.remote_regions("staged-target").unwrap();
+    let find = |mem_type: MemType, len: u64| {
+        regions.iter().find(|(t, d)| *t == mem_type && d.len == len).map(|(_, d)| *d).unwrap()
+    };
+    (find(MemType::File, SIZE as u64), find(MemType::File, 4096), find(MemType::Vram, SIZE as u64))
+}
+
+fn transfer(agent: &Agent, op: Op, local: (MemType, &[Desc]), remote: (MemType, &[Desc])) -> Result<(), XferError> {
+    let request = agent.create_request_between(op, local, "staged-target", remote, RequestOptions::default())?;
+    request.post()?;
+    request.wait(WAIT)
+}
+
+fn sub(desc: Desc, offset: u64, len: u64) -> Desc {
+    Desc::new(desc.addr + offset, len, desc.dev_id)
+}
+
+#[test]
+fn staged_target_process() {
+    // Only a target when started by the test below; otherwise there is nothing to do here.
+    if let Some(dir) = std::env::var_os(TARGET_ENV) {
+        target_main(&PathBuf::from(dir));
+    }
+}
+
+#[test]
+fn gpu_memory_and_files_cross_tcp_staged_on_both_sides() {
+    let dir = std::env::temp_dir().join(format!("xfer-staged-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut target = Target::spawn(&dir);
+    let agent = stand_in_agent("staged-init");
+    assert_eq!(agent.fetch_remote_metadata(&target.side_channel).unwrap(), "staged-target");
+    let (remote_file, remote_read_only, remote_vram) = remote_regions(&agent);
+
+    let dram = Arc::new(HostBuffer::new(SIZE));
+    let _dram_reg = agent.register_buffer(&dram).unwrap();
+    let local_file = file_with(&dir.join("local.bin"), &vec![0u8; SIZE], true);
+    let file_reg = agent.register_file(&local_file, 0, SIZE as u64).unwrap();
+    let local_file_desc = file_reg.descs()[0];
+    let (vram, vram_reg) = stand_in_vram(&agent, SIZE);
+    let local_vram_desc = vram_reg.descs()[0];
+
+    // DRAM → remote FILE, at an odd offset and length.
+    let data = pattern(3 * 1024 * 1024 + 17, 10);
+    dram.write_at(0, &data);
+    let len = data.len() as u64;
+    transfer(
+        &agent,
+        Op::Write,
+        (MemType::Dram, &[dram.sub_desc(0, data.len())]),
+        (MemType::File, &[sub(remote_file, 4093, len)]),
+    )
+    .unwrap();
+    let on_disk = std::fs::read(dir.join("target.bin")).unwrap();
+    assert_eq!(on_disk[4093..4093 + data.len()], data[..], "DRAM → remote FILE");
+    assert_eq!(on_disk[..4093], pattern(SIZE, 1)[..4093], "bytes before the range are untouched");
+
+    // Remote FILE → local (stand-in) VRAM: the whole file.
+    transfer(&agent, Op::Read, (MemType::Vram, &[local_vram_desc]), (MemType::File, &[remote_file])).unwrap();
+    assert_eq!(vram.to_vec(), on_disk, "remote FILE → local VRAM");
+
+    // Local VRAM → remote VRAM, then remote VRAM → local FILE.
+    vram.write_at(0, &pattern(SIZE, 20));
+    transfer(&agent, Op::Write, (MemType::Vram, &[local_vram_desc]), (MemType::Vram, &[remote_vram])).unwrap();
+    assert_eq!(target.dump_vram(&dir), pattern(SIZE, 20), "local VRAM → remote VRAM");
+    transfer(&agent, Op::Read, (MemType::File, &[local_file_desc]), (MemType::Vram, &[remote_vram])).unwrap();
+    assert_eq!(std::fs::read(dir.join("local.bin")).unwrap(), pattern(SIZE, 20), "remote VRAM → local FILE");
+
+    // Scattered: 257 local FILE pieces of 4096 + 13 bytes into one remote VRAM range, reversed.
+    let piece = 4096 + 13;
+    let locals: Vec<Desc> = (0..257).rev().map(|i| sub(local_file_desc, i * piece, piece)).collect();
+    transfer(&agent, Op::Write, (MemType::File, &locals), (MemType::Vram, &[sub(remote_vram, 0, 257 * piece)]))
+        .unwrap();
+    let local_bytes = pattern(SIZE, 20);
+    let want: Vec<u8> = (0..257u64)
+        .rev()
+        .flat_map(|i| local_bytes[(i * piece) as usize..((i + 1) * piece) as usize].to_vec())
+        .collect();
+    assert_eq!(target.dump_vram(&dir)[..want.len()], want[..], "scattered FILE → VRAM");
+
+    // A WRITE into a read-only file is refused with the reason, and the link keeps working.
+    let err =
+        transfer(&agent, Op::Write, (MemType::Dram, &[dram.sub_desc(0, 4096)]), (MemType::File, &[remote_read_only]))
+            .unwrap_err();
+    assert!(matches!(&err, XferError::Refused { message, .. } if message.contains("not open for writing")), "{err}");
+    transfer(&agent, Op::Read, (MemType::Dram, &[dram.sub_desc(0, 4096)]), (MemType::File, &[remote_read_only]))
+        .unwrap();
+    assert_eq!(dram.to_vec()[..4096], pattern(4096, 2)[..], "the read-only file reads");
+
+    drop(target);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn without_cuda_gpu_memory_is_refused_with_the_reason() {
+    if let Some(reason) = xfer::cuda::why_no_gpu() {
+        let agent = Agent::new("no-gpu").unwrap();
+        agent.add_backend("tcp", tcp_params()).unwrap();
+        // SAFETY: the registration is refused before anything could touch the address.
+        let err = unsafe { agent.register_memory(MemType::Vram, &[Desc::new(1 << 40, 4096, 0)]) }.unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("CUDA is not available") && text.contains(&reason), "{text}");
+    } else {
+        eprintln!("SKIPPED: a GPU is present, so GPU memory is not refused (ci/gpu-check.sh tests it)");
+    }
+}
