@@ -1,7 +1,9 @@
 //! The POSIX backend's only `unsafe`: the libc calls that read and write files and ask the
-//! kernel how a descriptor was opened.
+//! kernel how a descriptor was opened, and the io_uring that owns buffers in flight ([`ring`]).
 
 #![allow(unsafe_code)]
+
+pub(crate) mod ring;
 
 use std::io;
 use std::os::fd::RawFd;
@@ -88,7 +90,7 @@ pub(crate) fn write_all_at(fd: RawFd, offset: u64, host: &MemSlice) -> Result<()
     Ok(())
 }
 
-fn os_error(fd: RawFd, op: &'static str, offset: u64, len: u64, source: io::Error) -> FileIoError {
+pub(crate) fn os_error(fd: RawFd, op: &'static str, offset: u64, len: u64, source: io::Error) -> FileIoError {
     // EBADF after registration checked the descriptor: it was closed (or reopened otherwise).
     if source.raw_os_error() == Some(libc::EBADF) {
         return FileIoError::BadFd { fd, source };
