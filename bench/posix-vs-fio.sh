@@ -17,7 +17,7 @@
 # $OUT/posix-fio.md and $OUT/posix-fio.json (OUT=bench/results by default; then bench/README.md's
 # block is updated too, bench/update-readme.sh).
 #
-#   bench/posix-vs-fio.sh [DIR]                     # DIR: target/posix-vs-fio; 1 GiB, 5 rounds
+#   bench/posix-vs-fio.sh [DIR]                     # DIR: target/posix-vs-fio; 1 GiB, 7 rounds
 #   SIZE=512M REPEAT=3 OUT=/tmp/fio bench/posix-vs-fio.sh /mnt/nvme
 #   XFER_PARAMS=threads=8,chunk_bytes=16777216 bench/posix-vs-fio.sh   # tuning: added to both engines
 set -euo pipefail
@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 load_start=$(bench/machine.sh --load)
 DIR=${1:-target/posix-vs-fio}
 SIZE=${SIZE:-1G}
-REPEAT=${REPEAT:-5}
+REPEAT=${REPEAT:-7}
 FIO_IODEPTH=${FIO_IODEPTH:-8}
 XFER_PARAMS=${XFER_PARAMS:-}
 OUT=${OUT:-bench/results}
