@@ -1,5 +1,6 @@
 //! POSIX file backend of `xfer`: moves bytes between an agent's host memory (DRAM) and its
-//! registered files (FILE), with `pread`/`pwrite` on a thread pool.
+//! registered files (FILE), batched through io_uring where the kernel allows it, else with
+//! `pread`/`pwrite` on a thread pool.
 //!
 //! NIXL's POSIX plugin semantics: the transfer stays inside one agent. A request names the
 //! agent itself as its peer; its local list is DRAM and its "remote" list FILE (or the other way
@@ -11,8 +12,8 @@
 //!
 //! The data path: the host and file byte streams are paired in order (boundaries need not line
 //! up), cut into runs of at most `chunk_bytes`, grouped into tasks, and the tasks run on
-//! `threads` workers in parallel. The request completes when the last task has; the first error
-//! wins and stops the rest. Before any byte moves, every run is checked: the range must be
+//! `threads` workers in parallel (see Engines below). The request completes when the last task
+//! has; the first error wins and stops the rest. Before any byte moves, every run is checked: the range must be
 //! addressable (`offset + len ≤ i64::MAX`, else `BadOffset`), a WRITE needs a descriptor open for
 //! writing (`NotWritable`), a READ one open for reading (`NotReadable`). A read that meets the end
 //! of the file fails with `ShortFile`; a closed descriptor gives `BadFd`; every other refusal of

@@ -54,10 +54,13 @@ pub(crate) fn run(receiver: Receiver<Task>, mut ring: UringRing) {
         while !ring.is_full() {
             if let Some(io) = next_pending(&mut active) {
                 let index = io.tag.task;
-                match ring.push(io) {
-                    Ok(()) => slot(&mut active, index).in_ring += 1,
+                let pushed = ring.push(io);
+                // The piece came from this slot, which stays taken while it has pieces.
+                let Some(entry) = active[index].as_mut() else { continue };
+                match pushed {
+                    Ok(()) => entry.in_ring += 1,
                     Err(io) => {
-                        slot(&mut active, index).pending.push_front(io);
+                        entry.pending.push_front(io);
                         break;
                     }
                 }
@@ -87,10 +90,6 @@ pub(crate) fn run(receiver: Receiver<Task>, mut ring: UringRing) {
             complete(&mut active, io, result);
         }
     }
-}
-
-fn slot(active: &mut [Option<Active>], index: usize) -> &mut Active {
-    active[index].as_mut().expect("a piece's task stays active until its last piece is back")
 }
 
 /// Takes a task in: its runs become pending pieces under a free slot.
@@ -134,7 +133,8 @@ fn next_pending(active: &mut [Option<Active>]) -> Option<RingIo<Tag>> {
 /// One completion: done, a remainder to resubmit, or the request's error.
 fn complete(active: &mut [Option<Active>], mut io: RingIo<Tag>, result: RingResult) {
     let Tag { task, run_offset, run_len } = io.tag;
-    let entry = slot(active, task);
+    // A piece's task stays active until its last piece is back.
+    let Some(entry) = active[task].as_mut() else { return };
     entry.in_ring -= 1;
     let fd = io.fd;
     let op = if io.write { "write" } else { "read" };
