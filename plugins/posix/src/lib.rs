@@ -13,13 +13,14 @@
 //! The data path: the host and file byte streams are paired in order (boundaries need not line
 //! up), cut into runs of at most `chunk_bytes`, grouped into tasks, and the tasks run on
 //! `threads` workers in parallel (see Engines below). The request completes when the last task
-//! has; the first error wins and stops the rest. Before any byte moves, every run is checked: the range must be
-//! addressable (`offset + len ≤ i64::MAX`, else `BadOffset`), a WRITE needs a descriptor open for
-//! writing (`NotWritable`), a READ one open for reading (`NotReadable`). A read that meets the end
-//! of the file fails with `ShortFile`; a closed descriptor gives `BadFd`; every other refusal of
-//! the kernel is `Os` with the errno. All are `BackendError::File(FileIoError::…)`: never a panic.
-//! A file deleted while registered stays readable and writable through its descriptor (POSIX
-//! keeps the inode until the last close), so that is not an error.
+//! has; the first error wins and stops the rest. Before any byte moves, every run is checked:
+//! the range must be addressable (`offset + len ≤ i64::MAX`, else `BadOffset`), a WRITE needs a
+//! descriptor open for writing (`NotWritable`), a READ one open for reading (`NotReadable`). A
+//! read that meets the end of the file fails with `ShortFile`; a closed descriptor gives
+//! `BadFd`; every other refusal of the kernel is `Os` with the errno. All are
+//! `BackendError::File(FileIoError::…)`: never a panic. A file deleted while registered stays
+//! readable and writable through its descriptor (POSIX keeps the inode until the last close),
+//! so that is not an error.
 //!
 //! **O_DIRECT**: open the file with `O_DIRECT` (`OpenOptions::custom_flags(libc::O_DIRECT)`);
 //! the backend sees the flag when the file is registered. Every run must then have its host
