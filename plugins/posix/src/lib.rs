@@ -1,5 +1,6 @@
 //! POSIX file backend of `xfer`: moves bytes between an agent's host memory (DRAM) and its
-//! registered files (FILE), with `pread`/`pwrite` on a thread pool.
+//! registered files (FILE), batched through io_uring where the kernel allows it, else with
+//! `pread`/`pwrite` on a thread pool.
 //!
 //! NIXL's POSIX plugin semantics: the transfer stays inside one agent. A request names the
 //! agent itself as its peer; its local list is DRAM and its "remote" list FILE (or the other way
@@ -11,14 +12,15 @@
 //!
 //! The data path: the host and file byte streams are paired in order (boundaries need not line
 //! up), cut into runs of at most `chunk_bytes`, grouped into tasks, and the tasks run on
-//! `threads` workers in parallel. The request completes when the last task has; the first error
-//! wins and stops the rest. Before any byte moves, every run is checked: the range must be
-//! addressable (`offset + len ≤ i64::MAX`, else `BadOffset`), a WRITE needs a descriptor open for
-//! writing (`NotWritable`), a READ one open for reading (`NotReadable`). A read that meets the end
-//! of the file fails with `ShortFile`; a closed descriptor gives `BadFd`; every other refusal of
-//! the kernel is `Os` with the errno. All are `BackendError::File(FileIoError::…)`: never a panic.
-//! A file deleted while registered stays readable and writable through its descriptor (POSIX
-//! keeps the inode until the last close), so that is not an error.
+//! `threads` workers in parallel (see Engines below). The request completes when the last task
+//! has; the first error wins and stops the rest. Before any byte moves, every run is checked:
+//! the range must be addressable (`offset + len ≤ i64::MAX`, else `BadOffset`), a WRITE needs a
+//! descriptor open for writing (`NotWritable`), a READ one open for reading (`NotReadable`). A
+//! read that meets the end of the file fails with `ShortFile`; a closed descriptor gives
+//! `BadFd`; every other refusal of the kernel is `Os` with the errno. All are
+//! `BackendError::File(FileIoError::…)`: never a panic. A file deleted while registered stays
+//! readable and writable through its descriptor (POSIX keeps the inode until the last close),
+//! so that is not an error.
 //!
 //! **O_DIRECT**: open the file with `O_DIRECT` (`OpenOptions::custom_flags(libc::O_DIRECT)`);
 //! the backend sees the flag when the file is registered. Every run must then have its host
@@ -29,13 +31,23 @@
 //!
 //! Waits: a request's `wait` is bounded by its caller's timeout; local file I/O has no other
 //! wait (a hung network file system would hold a worker, as it would any `pread`).
-//! io_uring is not used yet: the pool already keeps several requests in flight per thread count.
+//!
+//! **Engines**: with `engine=uring` every worker owns an io_uring and keeps up to `iodepth`
+//! runs in flight, drawn from as many queued tasks as fit (one `io_uring_enter` submits a batch
+//! and reaps what completed); short transfers are resubmitted for the rest. With
+//! `engine=threads` every worker does one blocking `pread`/`pwrite` at a time. `auto` (the
+//! default) creates the rings and falls back to threads, logging why at debug level, where the
+//! kernel has no io_uring (before 5.6), forbids it (seccomp, `kernel.io_uring_disabled`,
+//! containers) or the ring's memory is refused; `engine=uring` there is an error at creation.
+//! Both engines plan, check and report errors the same way.
 //!
 //! Parameters (all optional):
 //! | key | default | meaning |
 //! |---|---|---|
-//! | `threads` | 4 | worker threads doing reads and writes |
-//! | `chunk_bytes` | 4194304 | largest single `pread`/`pwrite` |
+//! | `engine` | `auto` | `auto`, `uring` or `threads` (above) |
+//! | `threads` | 4 | worker threads doing reads and writes (with `uring`: rings, one per thread) |
+//! | `iodepth` | 32 | runs one ring keeps in flight (`uring` only) |
+//! | `chunk_bytes` | 4194304 | largest single read or write |
 //! | `task_bytes` | 16777216 | bytes one worker takes from the queue at once |
 //! | `direct_align` | 4096 | alignment required for files opened with `O_DIRECT` |
 
@@ -44,6 +56,7 @@
 mod plan;
 mod pool;
 mod sys;
+mod uring;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -55,7 +68,7 @@ use xfer_core::{
     NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, TransferJob,
 };
 
-use pool::{Direction, IoOp, Pool, Task, Tracker};
+use pool::{Direction, IoOp, Pool, Task, Tracker, Workers};
 use sys::FileMode;
 
 /// Creates [`PosixBackend`]s (`posix`).
@@ -74,10 +87,45 @@ impl BackendFactory for PosixFactory {
 
 #[derive(Debug, Clone, Copy)]
 struct Config {
+    /// The engine in use (`auto` resolved).
+    engine: Engine,
     threads: usize,
+    iodepth: u32,
     chunk_bytes: u64,
     task_bytes: u64,
     direct_align: u64,
+}
+
+/// The `engine` parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EngineChoice {
+    Auto,
+    Uring,
+    Threads,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("expected auto, uring or threads")]
+struct UnknownEngine;
+
+impl std::str::FromStr for EngineChoice {
+    type Err = UnknownEngine;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        match value {
+            "auto" => Ok(EngineChoice::Auto),
+            "uring" => Ok(EngineChoice::Uring),
+            "threads" => Ok(EngineChoice::Threads),
+            _ => Err(UnknownEngine),
+        }
+    }
+}
+
+/// The engine a backend runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    Uring,
+    Threads,
 }
 
 /// A registration this backend serves: the region, and for a file how it was opened.
@@ -115,8 +163,11 @@ static INSTANCES: AtomicU64 = AtomicU64::new(0);
 impl PosixBackend {
     pub fn new(ctx: BackendContext) -> Result<PosixBackend, BackendError> {
         let mut params = ctx.params;
-        let config = Config {
+        let requested: EngineChoice = params.take_parsed("engine", EngineChoice::Auto)?;
+        let mut config = Config {
+            engine: Engine::Threads,
             threads: params.take_parsed("threads", 4usize)?.clamp(1, 256),
+            iodepth: params.take_parsed("iodepth", 32u32)?.clamp(1, 4096),
             chunk_bytes: params.take_parsed("chunk_bytes", 4u64 << 20)?.max(1),
             task_bytes: params.take_parsed("task_bytes", 16u64 << 20)?.max(1),
             direct_align: params.take_parsed("direct_align", 4096u64)?,
@@ -133,7 +184,24 @@ impl PosixBackend {
         }
         let mut instance = std::process::id().to_le_bytes().to_vec();
         instance.extend(INSTANCES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
-        let pool = Pool::start(config.threads)?;
+        let workers = match requested {
+            EngineChoice::Threads => Workers::Threads(config.threads),
+            EngineChoice::Uring => Workers::Uring(uring::rings(config.threads, config.iodepth).map_err(|err| {
+                BackendError::Unsupported(format!("posix engine=uring: io_uring is not available here: {err}"))
+            })?),
+            EngineChoice::Auto => match uring::rings(config.threads, config.iodepth) {
+                Ok(rings) => Workers::Uring(rings),
+                Err(err) => {
+                    tracing::debug!(%err, "posix: io_uring is not available, using the pread/pwrite thread pool");
+                    Workers::Threads(config.threads)
+                }
+            },
+        };
+        if matches!(workers, Workers::Uring(_)) {
+            config.engine = Engine::Uring;
+        }
+        tracing::debug!(?config, "posix: backend created");
+        let pool = Pool::start(workers)?;
         let shared = Shared {
             agent_name: ctx.agent_name,
             instance,

@@ -1,5 +1,5 @@
-//! The thread pool that runs a request's reads and writes, and the bookkeeping that completes
-//! the request once its last task is done.
+//! The workers that run a request's reads and writes (with `pread`/`pwrite`, or each driving
+//! an io_uring), and the bookkeeping that completes the request once its last task is done.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use xfer_core::{BackendError, Completer, LocalMem, MemSlice, NotifSink};
 
 use crate::sys;
+use crate::uring::{self, UringRing};
 
 /// Which way the bytes of a request go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,16 +40,16 @@ pub(crate) struct Tracker {
 }
 
 impl Tracker {
-    fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         self.error.lock().is_some() || self.done.lock().as_ref().is_some_and(Completer::is_cancelled)
     }
 
-    fn fail(&self, err: BackendError) {
+    pub(crate) fn fail(&self, err: BackendError) {
         self.error.lock().get_or_insert(err);
     }
 
     /// Completes the request once the last task has finished.
-    fn finish_task(&self) {
+    pub(crate) fn finish_task(&self) {
         if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
@@ -74,21 +75,39 @@ pub(crate) struct Task {
     pub tracker: Arc<Tracker>,
 }
 
+/// What the workers do the I/O with.
+#[derive(Debug)]
+pub(crate) enum Workers {
+    /// This many threads, one blocking `pread`/`pwrite` at a time each.
+    Threads(usize),
+    /// One thread per ring, each keeping its ring's depth of I/O in flight.
+    Uring(Vec<UringRing>),
+}
+
 /// Fixed worker threads fed by one queue; dropping every sender stops them.
 pub(crate) struct Pool {
     sender: Mutex<Option<Sender<Task>>>,
 }
 
 impl Pool {
-    pub fn start(threads: usize) -> Result<Pool, BackendError> {
+    pub fn start(workers: Workers) -> Result<Pool, BackendError> {
         let (sender, receiver) = crossbeam_channel::unbounded::<Task>();
-        for index in 0..threads.max(1) {
-            let receiver: Receiver<Task> = receiver.clone();
-            std::thread::Builder::new().name(format!("xfer-posix-{index}")).spawn(move || {
-                for task in receiver {
-                    run(task);
+        let spawn = |index: usize, work: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(format!("xfer-posix-{index}")).spawn(work)
+        };
+        match workers {
+            Workers::Threads(threads) => {
+                for index in 0..threads.max(1) {
+                    let receiver: Receiver<Task> = receiver.clone();
+                    spawn(index, Box::new(move || receiver.into_iter().for_each(run)))?;
                 }
-            })?;
+            }
+            Workers::Uring(rings) => {
+                for (index, ring) in rings.into_iter().enumerate() {
+                    let receiver: Receiver<Task> = receiver.clone();
+                    spawn(index, Box::new(move || uring::run(receiver, ring)))?;
+                }
+            }
         }
         Ok(Pool { sender: Mutex::new(Some(sender)) })
     }

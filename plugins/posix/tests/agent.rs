@@ -1,5 +1,6 @@
 //! The POSIX backend through the real agent API: real files in a directory on disk, real
-//! worker threads, every byte checked.
+//! worker threads, every byte checked. Each test runs once per engine (`threads::…` and
+//! `uring::…`, see `for_each_engine!` at the end).
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
@@ -17,13 +18,30 @@ fn dir() -> PathBuf {
     dir
 }
 
-fn path(name: &str) -> PathBuf {
-    dir().join(name)
+/// A file of this agent's test (agents are named per engine, so the engines' runs never share one).
+fn path(agent: &Agent, name: &str) -> PathBuf {
+    dir().join(format!("{}-{name}", agent.name()))
 }
 
-fn agent(name: &str) -> Agent {
-    let agent = Agent::new(name).unwrap();
-    agent.add_backend("posix", BackendParams::parse("threads=4,chunk_bytes=1048576").unwrap()).unwrap();
+#[derive(Clone, Copy, Debug)]
+enum Engine {
+    Threads,
+    Uring,
+}
+
+impl Engine {
+    fn param(self) -> &'static str {
+        match self {
+            Engine::Threads => "threads",
+            Engine::Uring => "uring",
+        }
+    }
+}
+
+fn agent(name: &str, engine: Engine) -> Agent {
+    let agent = Agent::new(&format!("{name}-{}", engine.param())).unwrap();
+    let params = format!("engine={},threads=4,iodepth=8,chunk_bytes=1048576", engine.param());
+    agent.add_backend("posix", BackendParams::parse(&params).unwrap()).unwrap();
     agent
 }
 
@@ -60,11 +78,10 @@ fn file_error(err: &XferError) -> &FileIoError {
     }
 }
 
-#[test]
-fn one_byte_to_256_mib_round_trip_through_a_file() {
-    let agent = agent("sizes");
+fn one_byte_to_256_mib_round_trip_through_a_file(engine: Engine) {
+    let agent = agent("sizes", engine);
     for (index, len) in [1usize, 4099, 1 << 20, 16 << 20, 256 << 20].into_iter().enumerate() {
-        let file_path = path(&format!("sizes-{index}"));
+        let file_path = path(&agent, &format!("sizes-{index}"));
         let file = read_write(&file_path);
         let source = Arc::new(HostBuffer::new(len));
         let data = pattern(len, index as u64 + 1);
@@ -95,13 +112,12 @@ fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
-#[test]
-fn one_to_4096_scattered_descriptors() {
-    let agent = agent("descs");
+fn one_to_4096_scattered_descriptors(engine: Engine) {
+    let agent = agent("descs", engine);
     for (round, count) in [1usize, 7, 64, 4096].into_iter().enumerate() {
         let block = 1000usize; // deliberately not a page or sector multiple
         let total = count * block;
-        let file_path = path(&format!("descs-{count}"));
+        let file_path = path(&agent, &format!("descs-{count}"));
         let file = read_write(&file_path);
         let source = Arc::new(HostBuffer::new(total));
         let data = pattern(total, 100 + round as u64);
@@ -126,10 +142,9 @@ fn one_to_4096_scattered_descriptors() {
     }
 }
 
-#[test]
-fn boundaries_of_both_lists_need_not_line_up_and_file_can_be_local() {
-    let agent = agent("unaligned");
-    let file_path = path("unaligned");
+fn boundaries_of_both_lists_need_not_line_up_and_file_can_be_local(engine: Engine) {
+    let agent = agent("unaligned", engine);
+    let file_path = path(&agent, "unaligned");
     let file = read_write(&file_path);
     let buf = Arc::new(HostBuffer::new(10_000));
     let data = pattern(10_000, 5);
@@ -150,10 +165,9 @@ fn boundaries_of_both_lists_need_not_line_up_and_file_can_be_local() {
     assert!(buf.to_vec() == pattern(10_000, 6));
 }
 
-#[test]
-fn concurrent_requests_from_many_threads() {
-    let agent = agent("concurrent");
-    let file_path = path("concurrent");
+fn concurrent_requests_from_many_threads(engine: Engine) {
+    let agent = agent("concurrent", engine);
+    let file_path = path(&agent, "concurrent");
     let file = read_write(&file_path);
     const THREADS: usize = 8;
     const SLICE: usize = 256 << 10;
@@ -183,10 +197,9 @@ fn concurrent_requests_from_many_threads() {
     });
 }
 
-#[test]
-fn reading_past_the_end_of_a_short_file_is_a_typed_error() {
-    let agent = agent("short");
-    let file_path = path("short");
+fn reading_past_the_end_of_a_short_file_is_a_typed_error(engine: Engine) {
+    let agent = agent("short", engine);
+    let file_path = path(&agent, "short");
     std::fs::write(&file_path, pattern(100, 1)).unwrap();
     let file = Arc::new(File::open(&file_path).unwrap());
     let buf = Arc::new(HostBuffer::new(4096));
@@ -203,10 +216,9 @@ fn reading_past_the_end_of_a_short_file_is_a_typed_error() {
     assert_eq!(got, pattern(100, 1));
 }
 
-#[test]
-fn bad_offsets_are_typed_errors() {
-    let agent = agent("offsets");
-    let file = read_write(&path("offsets"));
+fn bad_offsets_are_typed_errors(engine: Engine) {
+    let agent = agent("offsets", engine);
+    let file = read_write(&path(&agent, "offsets"));
     let buf = Arc::new(HostBuffer::new(4096));
     let _reg = agent.register_buffer(&buf).unwrap();
     let file_reg = agent.register_file(&file, 4096, 4096).unwrap();
@@ -234,10 +246,9 @@ fn bad_offsets_are_typed_errors() {
     assert!(matches!(file_error(&err), FileIoError::ShortFile { got: 0, offset: 4096, .. }), "{err}");
 }
 
-#[test]
-fn writing_a_read_only_file_is_refused_and_reading_it_works() {
-    let agent = agent("read-only");
-    let file_path = path("read-only");
+fn writing_a_read_only_file_is_refused_and_reading_it_works(engine: Engine) {
+    let agent = agent("read-only", engine);
+    let file_path = path(&agent, "read-only");
     std::fs::write(&file_path, pattern(8192, 3)).unwrap();
     let file = Arc::new(File::open(&file_path).unwrap());
     let buf = Arc::new(HostBuffer::new(8192));
@@ -256,10 +267,9 @@ fn writing_a_read_only_file_is_refused_and_reading_it_works() {
     assert!(matches!(file_error(&err), FileIoError::NotReadable { .. }), "{err}");
 }
 
-#[test]
-fn a_deleted_file_keeps_working_through_its_descriptor_and_a_closed_one_is_refused() {
-    let agent = agent("deleted");
-    let file_path = path("deleted");
+fn a_deleted_file_keeps_working_through_its_descriptor_and_a_closed_one_is_refused(engine: Engine) {
+    let agent = agent("deleted", engine);
+    let file_path = path(&agent, "deleted");
     let file = read_write(&file_path);
     let buf = Arc::new(HostBuffer::new(65536));
     buf.write_at(0, &pattern(65536, 8));
@@ -279,10 +289,9 @@ fn a_deleted_file_keeps_working_through_its_descriptor_and_a_closed_one_is_refus
     assert!(matches!(file_error(&err), FileIoError::BadFd { fd: 2_000_000_000, .. }), "{err}");
 }
 
-#[test]
-fn o_direct_needs_aligned_transfers() {
-    let agent = agent("direct");
-    let file_path = path("direct");
+fn o_direct_needs_aligned_transfers(engine: Engine) {
+    let agent = agent("direct", engine);
+    let file_path = path(&agent, "direct");
     let opened = OpenOptions::new()
         .read(true)
         .write(true)
@@ -320,10 +329,9 @@ fn o_direct_needs_aligned_transfers() {
     assert!(matches!(file_error(&err), FileIoError::Misaligned { what: "length", .. }), "{err}");
 }
 
-#[test]
-fn notifications_reach_the_agent_itself_after_the_data() {
-    let agent = agent("notify");
-    let file = read_write(&path("notify"));
+fn notifications_reach_the_agent_itself_after_the_data(engine: Engine) {
+    let agent = agent("notify", engine);
+    let file = read_write(&path(&agent, "notify"));
     let buf = Arc::new(HostBuffer::new(4096));
     let _reg = agent.register_buffer(&buf).unwrap();
     let file_reg = agent.register_file(&file, 0, 4096).unwrap();
@@ -338,7 +346,7 @@ fn notifications_reach_the_agent_itself_after_the_data() {
         .unwrap();
     req.post().unwrap();
     req.wait(WAIT).unwrap();
-    assert_eq!(agent.get_notifs_from("notify"), vec![b"saved".to_vec()]);
+    assert_eq!(agent.get_notifs_from(agent.name()), vec![b"saved".to_vec()]);
     assert_eq!(req.backend(), "posix");
 }
 
@@ -347,7 +355,7 @@ fn backend_selection_refuses_what_nothing_moves_with_the_reason() {
     let agent = Agent::new("selection").unwrap();
     agent.add_backend("posix", BackendParams::new()).unwrap();
     agent.add_backend("tcp", BackendParams::parse("listen=127.0.0.1:0").unwrap()).unwrap();
-    let file = read_write(&path("selection"));
+    let file = read_write(&dir().join("selection"));
     let buf = Arc::new(HostBuffer::new(8192));
     let _reg = agent.register_buffer(&buf).unwrap();
     let file_reg = agent.register_file(&file, 0, 4096).unwrap();
@@ -376,3 +384,58 @@ fn backend_selection_refuses_what_nothing_moves_with_the_reason() {
     let err = unsafe { agent.register_memory(MemType::Blk, &[Desc::new(0, 4096, 0)]) }.unwrap_err();
     assert!(matches!(&err, XferError::NoBackend(reason) if reason.contains("BLK")), "{err}");
 }
+
+#[test]
+fn engine_parameter_is_checked() {
+    let agent = Agent::new("engine-param").unwrap();
+    let err = agent.add_backend("posix", BackendParams::parse("engine=aio").unwrap()).unwrap_err();
+    match &err {
+        XferError::Backend { source, .. } => {
+            assert!(matches!(&**source, BackendError::InvalidParam { name, .. } if name == "engine"), "{err}")
+        }
+        other => panic!("not a backend error: {other}"),
+    }
+    agent.add_backend("posix", BackendParams::parse("engine=auto").unwrap()).unwrap();
+}
+
+/// Whether this kernel gives the posix backend io_uring; where not, says so on stderr (a test
+/// that cannot run is never a silent pass). `XFER_POSIX_REQUIRE_URING=1` makes that a failure.
+fn uring_available(test: &str) -> bool {
+    let probe = Agent::new("uring-probe").unwrap();
+    let Err(err) = probe.add_backend("posix", BackendParams::parse("engine=uring").unwrap()) else { return true };
+    assert!(std::env::var_os("XFER_POSIX_REQUIRE_URING").is_none(), "io_uring required but unavailable: {err}");
+    eprintln!("SKIPPED uring::{test}: io_uring is not available here: {err}");
+    false
+}
+
+macro_rules! for_each_engine {
+    ($($test:ident),* $(,)?) => {
+        mod threads {
+            $(#[test]
+            fn $test() {
+                super::$test(super::Engine::Threads)
+            })*
+        }
+        mod uring {
+            $(#[test]
+            fn $test() {
+                if super::uring_available(stringify!($test)) {
+                    super::$test(super::Engine::Uring)
+                }
+            })*
+        }
+    };
+}
+
+for_each_engine!(
+    one_byte_to_256_mib_round_trip_through_a_file,
+    one_to_4096_scattered_descriptors,
+    boundaries_of_both_lists_need_not_line_up_and_file_can_be_local,
+    concurrent_requests_from_many_threads,
+    reading_past_the_end_of_a_short_file_is_a_typed_error,
+    bad_offsets_are_typed_errors,
+    writing_a_read_only_file_is_refused_and_reading_it_works,
+    a_deleted_file_keeps_working_through_its_descriptor_and_a_closed_one_is_refused,
+    o_direct_needs_aligned_transfers,
+    notifications_reach_the_agent_itself_after_the_data,
+);

@@ -92,7 +92,8 @@ pub unsafe fn write_all_raw(fd: RawFd, offset: u64, ptr: *const u8, len: usize) 
     Ok(())
 }
 
-fn os_error(fd: RawFd, op: &'static str, offset: u64, len: u64, source: io::Error) -> FileIoError {
+/// The typed error of a failed `pread`/`pwrite` (or their io_uring forms) of `len` bytes at `offset`.
+pub fn os_error(fd: RawFd, op: &'static str, offset: u64, len: u64, source: io::Error) -> FileIoError {
     if source.raw_os_error() == Some(libc::EBADF) {
         // EBADF is also the answer for a descriptor open the other way round.
         return match file_mode(fd) {
