@@ -231,6 +231,62 @@ fn without_cuda_gpu_memory_is_refused_with_the_reason() {
         let text = err.to_string();
         assert!(text.contains("CUDA is not available") && text.contains(&reason), "{text}");
     } else {
-        eprintln!("SKIPPED: a GPU is present, so GPU memory is not refused (ci/gpu-check.sh tests it)");
+        use std::io::Write as _;
+        let _ =
+            writeln!(std::io::stderr(), "SKIPPED without_cuda_gpu_memory_is_refused_with_the_reason: a GPU is here");
     }
+}
+
+/// Real GPU memory through CUDA's lanes (pinned slots, one stream each), both sides in this
+/// process over loopback: VRAM → remote DRAM, VRAM → remote VRAM, remote DRAM → VRAM. Skips
+/// loudly without a GPU; `ci/gpu-check.sh` runs it with `XFER_REQUIRE_GPU=1`.
+#[test]
+fn real_gpu_memory_crosses_tcp_through_cuda_lanes() {
+    use xfer::cuda::{gpu_or_skip, DeviceBuffer};
+    if !gpu_or_skip("real_gpu_memory_crosses_tcp_through_cuda_lanes") {
+        return;
+    }
+    let len = 48 << 20;
+    let (a, b) = (Agent::new("gpu-a").unwrap(), Agent::new("gpu-b").unwrap());
+    for agent in [&a, &b] {
+        agent.add_backend("tcp", BackendParams::new().with("listen", "127.0.0.1:0")).unwrap();
+    }
+    let register_gpu = |agent: &Agent, buf: &DeviceBuffer| {
+        let desc = Desc::new(buf.ptr(), buf.len() as u64, buf.device());
+        // SAFETY: the device buffer outlives the registration (both live to the end of the test).
+        unsafe { agent.register_memory(MemType::Vram, &[desc]) }.unwrap();
+        desc
+    };
+    let gpu_a = DeviceBuffer::new(0, len).unwrap();
+    let gpu_b = DeviceBuffer::new(0, len).unwrap();
+    let (desc_a, desc_b) = (register_gpu(&a, &gpu_a), register_gpu(&b, &gpu_b));
+    let host_b = Arc::new(HostBuffer::new(len));
+    let _host_reg = b.register_buffer(&host_b).unwrap();
+    let side_channel = b.start_side_channel("127.0.0.1:0").unwrap();
+    a.fetch_remote_metadata(&side_channel.to_string()).unwrap();
+    let run = |op: Op, remote: (MemType, Desc)| {
+        let request = a
+            .create_request_between(
+                op,
+                (MemType::Vram, &[desc_a]),
+                "gpu-b",
+                (remote.0, &[remote.1]),
+                Default::default(),
+            )
+            .unwrap();
+        request.post().unwrap();
+        request.wait(WAIT).unwrap();
+    };
+    let data = pattern(len, 40);
+    gpu_a.write(0, &data).unwrap();
+    run(Op::Write, (MemType::Dram, host_b.desc()));
+    assert_eq!(host_b.to_vec(), data, "VRAM → remote DRAM");
+    run(Op::Write, (MemType::Vram, desc_b));
+    let mut back = vec![0u8; len];
+    gpu_b.read(0, &mut back).unwrap();
+    assert_eq!(back, data, "VRAM → remote VRAM");
+    host_b.write_at(0, &pattern(len, 41));
+    run(Op::Read, (MemType::Dram, host_b.desc()));
+    gpu_a.read(0, &mut back).unwrap();
+    assert_eq!(back, pattern(len, 41), "remote DRAM → VRAM");
 }

@@ -7,6 +7,13 @@
 //! registration by a random 128-bit key; the target checks key and bounds before touching
 //! memory. Wire format: [`frame`].
 //!
+//! GPU memory (VRAM) and files (FILE) move on either side by staging (`xfer_core::staging`): the
+//! initiator's stream workers and the target's connection threads each keep a copy lane
+//! (CUDA's pinned slots and stream from the agent, or `pread`/`pwrite` for files), and the
+//! payload crosses the socket slot by slot while the next slot is being copied. A target whose
+//! copy into staged memory fails still reads the payload and refuses the request with the
+//! reason; one whose copy out of it fails mid-answer can only close the connection.
+//!
 //! Parameters (all optional):
 //! | key | default | meaning |
 //! |---|---|---|
@@ -18,6 +25,8 @@
 //! | `timeout_ms` | 5000 | no progress for this long fails the request |
 //! | `connect_timeout_ms` | 2000 | TCP connect bound |
 //! | `socket_buffer` | 4194304 | SO_SNDBUF/SO_RCVBUF (0 = system default) |
+//! | `staging_slots` | 2 | host slots per staging lane (2 or more overlap copy and wire) |
+//! | `staging_bytes` | 1048576 | bytes per staging slot |
 
 // Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
 #![deny(unsafe_code)]

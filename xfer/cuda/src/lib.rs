@@ -114,9 +114,52 @@ impl Staging for CudaStaging {
     }
 }
 
+/// Page-locked host memory (`cuMemHostAlloc`): what device copies run at full speed against.
+#[derive(Debug)]
+pub struct PinnedHost {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the allocation is owned by this value alone; access goes through `&`/`&mut self`.
+unsafe impl Send for PinnedHost {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for PinnedHost {}
+
+impl PinnedHost {
+    /// `len` bytes (at least one), zeroed.
+    pub fn new(len: usize) -> Result<PinnedHost, DeviceError> {
+        Cuda::get()?;
+        let len = len.max(1);
+        // SAFETY: a plain allocation of pinned host memory, freed in drop.
+        let ptr = unsafe { cu::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(driver("cuMemHostAlloc"))?;
+        let ptr = ptr.cast::<u8>();
+        // SAFETY: `ptr` is a fresh allocation of `len` bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(PinnedHost { ptr, len })
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: a live allocation of `len` initialised bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once; no copy uses it any more (its owners wait first).
+        let _ = unsafe { cu::free_host(self.ptr.cast::<c_void>()) };
+    }
+}
+
 #[derive(Debug)]
 struct Slot {
-    ptr: *mut u8,
+    memory: PinnedHost,
     event: sys::CUevent,
     /// A copy into or out of the slot was started and not yet awaited.
     pending: bool,
@@ -144,19 +187,10 @@ impl CudaLane {
         let slot_bytes = slot_bytes.max(1);
         let mut lane = CudaLane { cuda, device, stream, slot_bytes, slots: Vec::new() };
         for _ in 0..slots.max(1) {
-            // SAFETY: a plain allocation of pinned host memory, freed in drop.
-            let ptr = unsafe { cu::malloc_host(slot_bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
-                .map_err(driver("cuMemHostAlloc"))?
-                .cast::<u8>();
-            let event = match cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
-                Ok(event) => event,
-                Err(err) => {
-                    // SAFETY: allocated just above and not used since.
-                    let _ = unsafe { cu::free_host(ptr.cast::<c_void>()) };
-                    return Err(driver("cuEventCreate")(err));
-                }
-            };
-            lane.slots.push(Slot { ptr, event, pending: false });
+            let memory = PinnedHost::new(slot_bytes)?;
+            let event =
+                cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver("cuEventCreate"))?;
+            lane.slots.push(Slot { memory, event, pending: false });
         }
         Ok(lane)
     }
@@ -180,14 +214,11 @@ impl CudaLane {
         Ok(())
     }
 
-    /// The slot's first `len` bytes, its copies settled.
+    /// The slot's first `len` bytes, its copies settled (so no copy touches them while borrowed).
     fn bytes(&mut self, slot: usize, len: usize) -> Result<&mut [u8], BackendError> {
         self.settle(slot)?;
         let len = len.min(self.slot_bytes);
-        let ptr = self.slot(slot)?.ptr;
-        // SAFETY: `ptr` is a live pinned allocation of `slot_bytes` owned by this lane; no copy
-        // touches it (settled above) and `&mut self` keeps any other reference from existing.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, len) })
+        Ok(&mut self.slot(slot)?.memory.as_mut_slice()[..len])
     }
 
     fn record(&mut self, slot: usize) -> Result<(), BackendError> {
@@ -280,11 +311,9 @@ impl Drop for CudaLane {
             tracing::warn!(%err, "CUDA staging lane: waiting for copies before freeing failed");
         }
         for slot in &self.slots {
-            // SAFETY: created by this lane, unused after the stream synchronised.
-            unsafe {
-                let _ = cu::event::destroy(slot.event);
-                let _ = cu::free_host(slot.ptr.cast::<c_void>());
-            }
+            // SAFETY: created by this lane, unused after the stream synchronised (the slot's
+            // pinned memory is freed after this, by its own drop).
+            let _ = unsafe { cu::event::destroy(slot.event) };
         }
         // SAFETY: the stream belongs to this lane and has no work left.
         let _ = unsafe { cu::stream::destroy(self.stream) };
@@ -344,6 +373,15 @@ impl DeviceBuffer {
         unsafe { cu::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }.map_err(driver("cuMemcpyDtoH"))
     }
 
+    /// Copies all of `src` (another device buffer, any device) to the start of this one.
+    pub fn copy_from(&self, src: &DeviceBuffer) -> Result<(), DeviceError> {
+        self.check(0, src.len)?;
+        self.cuda.bind(self.device)?;
+        // SAFETY: both ranges lie inside live device allocations (checked), and unified
+        // addressing lets one context copy between devices.
+        unsafe { cu::memcpy_dtod_sync(self.ptr, src.ptr, src.len) }.map_err(driver("cuMemcpyDtoD"))
+    }
+
     fn check(&self, offset: usize, len: usize) -> Result<(), DeviceError> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(DeviceError::Driver {
@@ -370,6 +408,19 @@ pub fn why_no_gpu() -> Option<String> {
     Cuda::get().err().map(|err| err.to_string())
 }
 
+/// For GPU-only tests: whether a GPU is here. When not, prints a loud `SKIPPED` line naming the
+/// test and the reason; with `XFER_REQUIRE_GPU` set (the GPU check does), a missing GPU fails
+/// the test instead, so a GPU machine never passes by skipping.
+pub fn gpu_or_skip(test: &str) -> bool {
+    let Some(reason) = why_no_gpu() else { return true };
+    assert!(std::env::var_os("XFER_REQUIRE_GPU").is_none(), "{test}: XFER_REQUIRE_GPU is set but {reason}");
+    // Straight to the process's stderr: the test harness captures `eprintln!` of passing tests,
+    // and a skip must be seen.
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test} (no GPU): {reason}");
+    false
+}
+
 /// A shared handle for the agent.
 pub fn staging() -> Arc<dyn Staging> {
     Arc::new(CudaStaging)
@@ -385,7 +436,7 @@ mod tests {
     fn the_driver_is_found_or_refused_with_the_reason() {
         match Cuda::get() {
             Err(DeviceError::Unavailable(reason)) => {
-                eprintln!("SKIPPED (no GPU): {reason}");
+                assert!(!gpu_or_skip("the_driver_is_found_or_refused_with_the_reason (GPU half)"));
                 assert!(!reason.is_empty());
                 assert!(matches!(CudaStaging.device_ready(0), Err(DeviceError::Unavailable(_))));
                 assert!(CudaStaging.lane(Some(0), 2, 4096).is_err());
