@@ -13,8 +13,11 @@
 # 4. The bars: TCP VRAM→remote DRAM ≥ 0.8 × DRAM→DRAM; the staging pipeline ≥ 0.7 × cuMemcpy
 #    device→host. Printed as ratios; the script fails when a bar is missed.
 #
-# Not covered yet (printed as such): UCX with native CUDA memory and GDS (cuFile) — neither
-# backend path exists (see plugins/ucx, DESIGN.md).
+# 5. UCX with native CUDA memory (VRAM↔VRAM, no staging) when the UCX xfer links has CUDA
+#    (`ucx_info -d` lists cuda_copy/cuda_ipc; the PyPI package libucx-cu12 ships such a UCX), and
+#    the binaries were built with `--features ucx`.
+#
+# Not covered yet (printed as such): GDS (cuFile); VRAM↔FILE goes through TCP staging.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +27,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 if [[ -z "${BIN_DIR:-}" ]]; then
-  cargo build --release --locked -p xfer-bench --bin xferbench
+  cargo build --release --locked -p xfer-bench --bin xferbench ${XFER_UCX:+--features ucx}
   cargo build --release --locked -p xfer-cuda --example cuda_bandwidth
   cargo test --release --locked -p xfer-cuda -p xfer --test staged --no-run
   BIN_DIR=target/release
@@ -42,22 +45,26 @@ baseline=$("$BIN_DIR/examples/cuda_bandwidth" 512 1024 2>/dev/null || "$BIN_DIR/
 echo "$baseline"
 
 bench() {
-  local name=$1
-  shift
-  "$BIN_DIR/xferbench" --backend tcp --op write --block-sizes 16M --iters 40 --warmup 4 --check --no-progress \
+  local name=$1 backend=$2
+  shift 2
+  "$BIN_DIR/xferbench" --backend "$backend" --op write --block-sizes 16M --iters 40 --warmup 4 --check --no-progress \
     --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1 || { cat "$out/$name.log"; return 1; }
   python3 -c 'import json,sys; print(max(r["gbps"] for r in json.load(open(sys.argv[1]))))' "$out/$name.json"
 }
 
 echo "== xferbench over TCP (16 MiB blocks, write, checked)"
-dram=$(bench dram --local-mem dram --remote-mem dram)
-vram_dram=$(bench vram-dram --local-mem vram --remote-mem dram)
-vram_vram=$(bench vram-vram --local-mem vram --remote-mem vram)
-file_vram=$(bench file-vram --local-mem file --remote-mem vram)
-vram_file=$(bench vram-file --local-mem vram --remote-mem file)
+dram=$(bench dram tcp --local-mem dram --remote-mem dram)
+vram_dram=$(bench vram-dram tcp --local-mem vram --remote-mem dram)
+vram_vram=$(bench vram-vram tcp --local-mem vram --remote-mem vram)
+file_vram=$(bench file-vram tcp --local-mem file --remote-mem vram)
+vram_file=$(bench vram-file tcp --local-mem vram --remote-mem file)
 printf '| path | GB/s |\n|---|---|\n| DRAM→DRAM | %s |\n| VRAM→DRAM | %s |\n| VRAM→VRAM | %s |\n| FILE→VRAM | %s |\n| VRAM→FILE | %s |\n' \
   "$dram" "$vram_dram" "$vram_vram" "$file_vram" "$vram_file"
-echo "UCX with CUDA memory: not covered (the UCX backend moves DRAM only)"
+if command -v ucx_info >/dev/null && ucx_info -d | grep -q cuda_copy && [[ -n "${XFER_UCX:-}" ]]; then
+  echo "UCX VRAM→VRAM (native CUDA): $(bench ucx-vram ucx --local-mem vram --remote-mem vram) GB/s"
+else
+  echo "UCX with CUDA memory: not covered here (needs a CUDA-enabled UCX and XFER_UCX=1 for a --features ucx build)"
+fi
 echo "GDS (cuFile) VRAM↔FILE: not covered (no GDS backend yet; VRAM↔FILE goes through TCP staging above)"
 
 python3 - "$baseline" "$dram" "$vram_dram" <<'EOF'

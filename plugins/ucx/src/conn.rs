@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
-use xfer_core::{BackendError, Completer, MemSlice, Op, RefusalCode, TransferJob};
+use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, TransferJob};
 
 use crate::keys::UcxRemoteKey;
 use crate::msg;
@@ -118,6 +118,8 @@ pub struct Env<'a> {
     pub agent_name: &'a str,
     pub regions: &'a HashMap<u64, Rc<MemHandle>>,
     pub max_op_bytes: u64,
+    /// UCX was built with CUDA: device pointers go to it as they are.
+    pub cuda: bool,
     pub next_seq: &'a mut u64,
     pub finished: &'a mut Finished,
 }
@@ -162,12 +164,17 @@ impl Conn {
     /// Posts every operation of a job, then (for a WRITE) its flush.
     pub fn start(&mut self, job: TransferJob, env: &mut Env<'_>) {
         let TransferJob { op, local, remote, notif, done } = job;
-        // Local VRAM would need device pointers here; the agent does not route it to us (see
-        // `capabilities`), so a job naming it is refused.
-        let local = match xfer_core::host_slices(local, "ucx") {
-            Ok(local) => local,
-            Err(err) => return env.finished.push((done, Err(err))),
+        // Host memory, and GPU memory when UCX has CUDA (it detects device pointers itself);
+        // files, or GPU memory without CUDA, would be misread as host addresses: refused.
+        let movable = |piece: &LocalMem| match piece {
+            LocalMem::Host(_) => true,
+            LocalMem::Device(_) => env.cuda,
+            LocalMem::File(_) => false,
         };
+        if let Some(piece) = local.iter().find(|piece| !movable(piece)) {
+            let err = BackendError::MemoryNotMoved { backend: "ucx", mem_type: piece.mem_type() };
+            return env.finished.push((done, Err(err)));
+        }
         let plan = match self.plan(&remote, &local) {
             Ok(plan) => plan,
             Err(err) => return env.finished.push((done, Err(err))),
@@ -184,11 +191,11 @@ impl Conn {
                 if slice.is_empty() || error.is_some() {
                     break;
                 }
-                let n = (slice.len() as u64).min(*left).min(env.max_op_bytes);
-                let piece = if n == slice.len() as u64 {
+                let n = slice.len().min(*left).min(env.max_op_bytes);
+                let piece = if n == slice.len() {
                     slice
                 } else {
-                    let front = slice.split_front(n as usize);
+                    let front = slice.split_front(n);
                     rest = Some(slice);
                     front
                 };
@@ -212,7 +219,7 @@ impl Conn {
     fn issue(
         &mut self,
         op: Op,
-        piece: MemSlice,
+        piece: LocalMem,
         addr: u64,
         key_id: u64,
         regions: &HashMap<u64, Rc<MemHandle>>,
@@ -232,7 +239,7 @@ impl Conn {
     fn plan(
         &mut self,
         remote: &[xfer_core::RemoteSeg],
-        local: &[MemSlice],
+        local: &[LocalMem],
     ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
         let mut plan = Vec::with_capacity(remote.len());
         for seg in remote {
@@ -254,7 +261,7 @@ impl Conn {
             }
         }
         let remote_total: u64 = plan.iter().map(|p| p.1).sum();
-        let local_total: u64 = local.iter().map(|s| s.len() as u64).sum();
+        let local_total: u64 = local.iter().map(LocalMem::len).sum();
         if remote_total != local_total {
             let message = format!("local {local_total} bytes vs remote {remote_total} bytes");
             return Err(BackendError::Refused { code: RefusalCode::BadRequest, message });

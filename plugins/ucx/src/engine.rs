@@ -420,6 +420,7 @@ macro_rules! env {
             agent_name: &$engine.agent_name,
             regions: &$engine.regions,
             max_op_bytes: $engine.settings.max_op_bytes,
+            cuda: $engine.cuda,
             next_seq: &mut $engine.next_seq,
             finished: &mut $engine.finished,
         }

@@ -217,9 +217,13 @@ impl Backend for UcxBackend {
     fn capabilities(&self) -> Capabilities {
         let mut paths = vec![(MemType::Dram, MemType::Dram)];
         if self.cuda {
-            // A peer's VRAM is only an rkey to us (we register ours for peers to reach); local
-            // VRAM needs device pointers in the data path, which this backend does not take yet.
-            paths.push((MemType::Dram, MemType::Vram));
+            // UCX with CUDA takes device pointers on either side (it detects the memory type,
+            // and our registrations tell it too).
+            paths.extend([
+                (MemType::Dram, MemType::Vram),
+                (MemType::Vram, MemType::Dram),
+                (MemType::Vram, MemType::Vram),
+            ]);
         }
         Capabilities { paths, remote: true, local: true, notifications: true }
     }

@@ -9,7 +9,7 @@
 //!
 //! Memory handed to UCX for a put or get must stay valid until UCX is done with it, which a
 //! caller cannot see from the call's return. So each operation takes its buffer (a
-//! [`MemSlice`], which holds its registration's pin) and drops it only once UCX completed the
+//! `LocalMem`, which holds its registration's pin) and drops it only once UCX completed the
 //! request; an operation or send dropped unfinished parks its buffer with the worker until
 //! UCX completes it (or the worker is destroyed), so no safe use can free memory under UCX.
 //! One exception, checked here: when the endpoint's peer is a process on this host that has
@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use xfer_core::{BackendBuffer, MemSlice};
+use xfer_core::{BackendBuffer, LocalMem};
 use xfer_ucx_sys as sys;
 
 /// A UCS status other than `UCS_OK`.
@@ -682,6 +682,12 @@ fn request_status(req: *mut c_void) -> Option<Result<(), Status>> {
     }
 }
 
+/// The address UCX reads or writes for `local`: host memory's, or a device pointer. Files have
+/// none (`Conn::start` never passes one; refused as unsupported all the same).
+fn local_address(local: &LocalMem) -> Result<u64, Status> {
+    local.address().ok_or(Status(sys::UCS_ERR_UNSUPPORTED))
+}
+
 /// Turns a `ucs_status_ptr_t` into done (`None`), a request, or an error.
 fn started(ptr: sys::ucs_status_ptr_t) -> Result<Option<*mut c_void>, Status> {
     if sys::ucs_ptr_is_err(ptr) {
@@ -785,19 +791,21 @@ impl Endpoint {
     /// `local`, when known.
     pub fn put(
         &mut self,
-        local: MemSlice,
+        local: LocalMem,
         remote_addr: u64,
         rkey: &Rkey,
         memh: Option<&MemHandle>,
     ) -> Result<Rma, Status> {
         let param = Self::rma_param(memh);
-        // SAFETY: live endpoint and rkey; `local` is pinned registered memory, kept by the
+        let addr = local_address(&local)?;
+        // SAFETY: live endpoint and rkey; `local` is pinned registered memory (host, or device
+        // memory of a CUDA-enabled UCX: `Conn::start` refuses anything else), kept by the
         // returned Rma (or parked with the worker) until UCX has completed the put.
         let ptr = unsafe {
             sys::ucp_put_nbx(
                 self.raw,
-                local.addr() as usize as *const c_void,
-                local.len(),
+                addr as usize as *const c_void,
+                local.len() as usize,
                 remote_addr,
                 rkey.raw,
                 &param,
@@ -809,21 +817,29 @@ impl Endpoint {
     /// Starts reading the peer's `remote_addr` into `local`; kept like [`put`](Self::put).
     pub fn get(
         &mut self,
-        local: MemSlice,
+        local: LocalMem,
         remote_addr: u64,
         rkey: &Rkey,
         memh: Option<&MemHandle>,
     ) -> Result<Rma, Status> {
         let param = Self::rma_param(memh);
-        // SAFETY: as in `put`; UCX writes `local.len()` bytes into the pinned slice, which no
+        let addr = local_address(&local)?;
+        // SAFETY: as in `put`; UCX writes `local.len()` bytes into the pinned memory, which no
         // Rust reference aliases while the transfer owns it.
         let ptr = unsafe {
-            sys::ucp_get_nbx(self.raw, local.addr() as usize as *mut c_void, local.len(), remote_addr, rkey.raw, &param)
+            sys::ucp_get_nbx(
+                self.raw,
+                addr as usize as *mut c_void,
+                local.len() as usize,
+                remote_addr,
+                rkey.raw,
+                &param,
+            )
         };
         self.rma_started(ptr, local)
     }
 
-    fn rma_started(&mut self, ptr: sys::ucs_status_ptr_t, local: MemSlice) -> Result<Rma, Status> {
+    fn rma_started(&mut self, ptr: sys::ucs_status_ptr_t, local: LocalMem) -> Result<Rma, Status> {
         // Completed in place or failed to start: UCX is done with the buffer, which drops
         // here; otherwise the operation keeps it until UCX completes the request.
         let started = started(ptr)?;

@@ -22,8 +22,6 @@ pub use backend::{
 pub use completion::{Completer, Completion, Progress, Status};
 pub use error::{BackendError, DeviceError, FileIoError, RefusalCode};
 pub use host::{BackendBuffer, HostBuffer, HostMemory, HostRegion};
-pub use mem::{
-    host_slices, Desc, DeviceSlice, FileSlice, LocalMem, LocalRegion, MemSlice, MemType, Pin, UnknownMemType,
-};
+pub use mem::{Desc, DeviceSlice, FileSlice, LocalMem, LocalRegion, MemSlice, MemType, Pin, UnknownMemType};
 pub use shared_file::SharedFile;
 pub use staging::{CopyLane, HostStaging, Staging};

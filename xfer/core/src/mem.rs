@@ -481,6 +481,16 @@ impl LocalMem {
         }
     }
 
+    /// The memory's address in this process's (unified) address space: a host address, or a CUDA
+    /// device pointer. `None` for files. For backends whose library takes either (UCX with CUDA).
+    pub fn address(&self) -> Option<u64> {
+        match self {
+            LocalMem::Host(slice) => Some(slice.addr()),
+            LocalMem::Device(slice) => Some(slice.ptr),
+            LocalMem::File(_) => None,
+        }
+    }
+
     /// The GPU the memory is on, if it is GPU memory.
     pub fn device(&self) -> Option<u64> {
         match self {
@@ -496,11 +506,6 @@ impl LocalMem {
             other => Err(BackendError::MemoryNotMoved { backend, mem_type: other.mem_type() }),
         }
     }
-}
-
-/// Host slices of every piece, or the refusal of the first that is not host memory.
-pub fn host_slices(local: Vec<LocalMem>, backend: &'static str) -> Result<Vec<MemSlice>, BackendError> {
-    local.into_iter().map(|mem| mem.into_host(backend)).collect()
 }
 
 #[cfg(test)]
@@ -585,7 +590,7 @@ mod tests {
         let host = region(&mut buf);
         let local = host.pin().unwrap().local_at(host.desc().addr + 4, 8).unwrap();
         assert_eq!((local.mem_type(), local.len()), (MemType::Dram, 8));
-        assert_eq!(host_slices(vec![local], "tcp").unwrap()[0].len(), 8);
+        assert_eq!(local.into_host("tcp").unwrap().len(), 8);
     }
 
     #[test]

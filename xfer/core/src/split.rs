@@ -1,23 +1,13 @@
 //! Splitting a transfer's segment lists into consecutive byte ranges (for parallel streams).
 
 use crate::backend::RemoteSeg;
-use crate::mem::{LocalMem, MemSlice};
+use crate::mem::LocalMem;
 
 /// A contiguous piece that can be cut in two.
 pub trait Segment: Sized {
     fn seg_len(&self) -> u64;
     /// Removes and returns the first `n` bytes (`n < seg_len`).
     fn take_front(&mut self, n: u64) -> Self;
-}
-
-impl Segment for MemSlice {
-    fn seg_len(&self) -> u64 {
-        self.len() as u64
-    }
-
-    fn take_front(&mut self, n: u64) -> Self {
-        self.split_front(n as usize)
-    }
 }
 
 impl Segment for LocalMem {

@@ -398,7 +398,9 @@ mod tests {
 
     #[test]
     fn segments_cut_staged_pieces_at_the_slot_size_and_keep_host_pieces_whole() {
-        let cases: &[(&[(bool, u64)], u64, Vec<Segment>)] = &[
+        // (pieces as (staged, len), slot bytes, segments)
+        type Case<'a> = (&'a [(bool, u64)], u64, Vec<Segment>);
+        let cases: &[Case] = &[
             (&[(true, 10)], 4, vec![seg(0, 0, 4, true), seg(0, 4, 4, true), seg(0, 8, 2, true)]),
             (&[(false, 10)], 4, vec![seg(0, 0, 10, false)]),
             (
