@@ -5,7 +5,8 @@
 #   BIN_DIR=DIR ci/gpu-check.sh  # uses prebuilt xferbench, cuda_bandwidth and test binaries in DIR
 #
 # 1. The GPU tests with XFER_REQUIRE_GPU=1 (a skip is a failure here): xfer-cuda's driver test
-#    and real VRAM over TCP through CUDA lanes (xfer/tests/staged.rs).
+#    and real VRAM over TCP through CUDA lanes, and VRAM → FILE through posix
+#    (xfer/tests/staged.rs).
 # 2. The baselines, in this run: cuMemcpy device→host, host→device, device→device, and the
 #    staging pipeline alone (examples/cuda_bandwidth.rs).
 # 3. xferbench over TCP, consistency-checked: DRAM→DRAM (the baseline), VRAM→remote DRAM and
@@ -17,7 +18,7 @@
 #    (`ucx_info -d` lists cuda_copy/cuda_ipc; the PyPI package libucx-cu12 ships such a UCX), and
 #    the binaries were built with `--features ucx`.
 #
-# Not covered yet (printed as such): GDS (cuFile); VRAM↔FILE goes through TCP staging.
+# Not covered yet (printed as such): GDS (cuFile); VRAM↔FILE is staged (TCP, posix) instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

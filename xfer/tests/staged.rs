@@ -251,6 +251,7 @@ fn real_gpu_memory_crosses_tcp_through_cuda_lanes() {
     for agent in [&a, &b] {
         agent.add_backend("tcp", BackendParams::new().with("listen", "127.0.0.1:0")).unwrap();
     }
+    a.add_backend("posix", BackendParams::new()).unwrap();
     let register_gpu = |agent: &Agent, buf: &DeviceBuffer| {
         let desc = Desc::new(buf.ptr(), buf.len() as u64, buf.device());
         // SAFETY: the device buffer outlives the registration (both live to the end of the test).
@@ -289,4 +290,21 @@ fn real_gpu_memory_crosses_tcp_through_cuda_lanes() {
     run(Op::Read, (MemType::Dram, host_b.desc()));
     gpu_a.read(0, &mut back).unwrap();
     assert_eq!(back, pattern(len, 41), "remote DRAM → VRAM");
+    // VRAM → this agent's own file through posix (staged), and back.
+    let path = std::env::temp_dir().join(format!("xfer-gpu-file-{}", std::process::id()));
+    let file = file_with(&path, &vec![0u8; len], true);
+    let file_reg = a.register_file(&file, 0, len as u64).unwrap();
+    let to_file = a
+        .create_request_between(
+            Op::Write,
+            (MemType::Vram, &[desc_a]),
+            "gpu-a",
+            (MemType::File, &file_reg.descs()),
+            RequestOptions::default().backend("posix"),
+        )
+        .unwrap();
+    to_file.post().unwrap();
+    to_file.wait(WAIT).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), pattern(len, 41), "VRAM → FILE (posix)");
+    std::fs::remove_file(&path).unwrap();
 }

@@ -29,6 +29,14 @@
 //! which must itself be a multiple of it. `HostBuffer`s are page-aligned, so whole-block
 //! descriptors into them qualify.
 //!
+//! **GPU memory ↔ FILE** (VRAM on one side, FILE on the other) is staged: the agent's CUDA lane
+//! copies between the device and pinned slots, and the slots are read from and written to the
+//! file in order (`xfer_core::staging` with the files as its wire), a slot's device copy
+//! overlapping the next slot's file I/O. Such a request runs on its own thread; the checks above
+//! apply, and with O_DIRECT every file range and GPU piece length must be aligned. Registering
+//! VRAM without a CUDA driver fails with the reason. GPUDirect Storage (no host copy) is not
+//! used yet.
+//!
 //! Waits: a request's `wait` is bounded by its caller's timeout; local file I/O has no other
 //! wait (a hung network file system would hold a worker, as it would any `pread`).
 //!
@@ -67,6 +75,8 @@ use xfer_core::{
     Backend, BackendContext, BackendError, BackendFactory, Capabilities, FileIoError, LocalMem, LocalRegion, MemType,
     NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, TransferJob,
 };
+
+use xfer_core::staging::{self, FileWire, Flow, Staging};
 
 use pool::{Direction, IoOp, Pool, Task, Tracker, Workers};
 use sys::FileMode;
@@ -142,6 +152,8 @@ struct Shared {
     registered: RwLock<HashMap<u64, Registered>>,
     pool: Pool,
     notifs: NotifSink,
+    /// Lanes for GPU memory ↔ FILE (pinned slots and a CUDA stream from the agent).
+    staging: Arc<dyn Staging>,
 }
 
 /// The POSIX backend: DRAM ↔ FILE within its own agent.
@@ -209,6 +221,7 @@ impl PosixBackend {
             registered: RwLock::new(HashMap::new()),
             pool,
             notifs: ctx.notifs,
+            staging: ctx.staging,
         };
         Ok(PosixBackend { shared: Arc::new(shared) })
     }
@@ -221,7 +234,12 @@ impl Backend for PosixBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            paths: vec![(MemType::Dram, MemType::File), (MemType::File, MemType::Dram)],
+            paths: vec![
+                (MemType::Dram, MemType::File),
+                (MemType::File, MemType::Dram),
+                (MemType::Vram, MemType::File),
+                (MemType::File, MemType::Vram),
+            ],
             remote: false,
             local: true,
             notifications: true,
@@ -235,6 +253,10 @@ impl Backend for PosixBackend {
     fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
         let file_mode = match region.mem_type() {
             MemType::Dram => None,
+            MemType::Vram => {
+                self.shared.staging.device_ready(region.desc().dev_id)?;
+                None
+            }
             MemType::File => {
                 let dev_id = region.desc().dev_id;
                 let fd = i32::try_from(dev_id).map_err(|_| BackendError::InvalidParam {
@@ -288,6 +310,9 @@ impl RemoteAgent for Loopback {
 
     fn post(&self, job: TransferJob) {
         let TransferJob { op, local, remote, notif, done } = job;
+        if local.iter().any(|piece| piece.mem_type() == MemType::Vram) || self.shared.remote_is_vram(&remote) {
+            return self.stage_gpu(op, local, &remote, notif, done);
+        }
         match self.plan(op, local, &remote) {
             Ok((direction, ops, file_side)) => {
                 let notif = notif.map(|m| (Arc::clone(&self.shared.notifs), self.shared.agent_name.clone(), m));
@@ -306,6 +331,110 @@ impl RemoteAgent for Loopback {
 }
 
 type Plan = (Direction, Vec<IoOp>, Vec<LocalMem>);
+
+/// Slots of a GPU staging lane, and the largest slot (the chunk size, at most this).
+const STAGING_SLOTS: usize = 2;
+const STAGING_SLOT_MAX: u64 = 4 << 20;
+
+impl Shared {
+    /// Whether a request's remote side is GPU memory (its keys name VRAM registrations).
+    fn remote_is_vram(&self, remote: &[RemoteSeg]) -> bool {
+        let registered = self.registered.read();
+        remote.iter().any(|seg| {
+            seg.key
+                .downcast_ref::<PosixKey>()
+                .and_then(|key| registered.get(&key.0))
+                .is_some_and(|entry| entry.region.mem_type() == MemType::Vram)
+        })
+    }
+}
+
+impl Loopback {
+    /// GPU memory ↔ FILE: the file is the wire of a staged transfer (`xfer_core::staging`), so a
+    /// slot's device copy overlaps the next slot's `pread`/`pwrite`. On its own thread: the
+    /// pool's workers move host memory only.
+    fn stage_gpu(
+        &self,
+        op: Op,
+        local: Vec<LocalMem>,
+        remote: &[RemoteSeg],
+        notif: Option<Vec<u8>>,
+        done: xfer_core::Completer,
+    ) {
+        let remote = match self.resolve(remote) {
+            Ok(remote) => remote,
+            Err(err) => return done.complete(Err(err)),
+        };
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new().name("xfer-posix-gpu".into()).spawn(move || {
+            let result = stage_gpu(&shared, op, local, remote);
+            let result = result.and_then(|()| match notif {
+                Some(message) => {
+                    (shared.notifs)(&shared.agent_name, message);
+                    Ok(())
+                }
+                None => Ok(()),
+            });
+            done.complete(result);
+        });
+        if let Err(err) = spawned {
+            tracing::error!(%err, "posix: cannot spawn a GPU staging thread");
+        }
+    }
+}
+
+/// Checks and runs one GPU memory ↔ FILE request; see [`Loopback::stage_gpu`].
+fn stage_gpu(shared: &Shared, op: Op, local: Vec<LocalMem>, remote: Vec<LocalMem>) -> Result<(), BackendError> {
+    let local_is_file = match (side_type(&local)?, side_type(&remote)?) {
+        (Some(MemType::Vram), Some(MemType::File)) => false,
+        (Some(MemType::File), Some(MemType::Vram)) => true,
+        (l, r) => {
+            return Err(BackendError::Unsupported(format!(
+                "posix moves VRAM↔FILE, not {}→{}",
+                l.map_or("empty".to_string(), |t| t.to_string()),
+                r.map_or("empty".to_string(), |t| t.to_string())
+            )))
+        }
+    };
+    let (mut gpu, files) = if local_is_file { (remote, local) } else { (local, remote) };
+    let (gpu_total, file_total) = (gpu.iter().map(LocalMem::len).sum::<u64>(), files.iter().map(LocalMem::len).sum());
+    if gpu_total != file_total {
+        let message = format!("GPU memory {gpu_total} bytes vs file {file_total} bytes");
+        return Err(BackendError::Refused { code: RefusalCode::BadRequest, message });
+    }
+    let to_file = matches!((op, local_is_file), (Op::Write, false) | (Op::Read, true));
+    let config = &shared.config;
+    {
+        let registered = shared.registered.read();
+        for piece in &files {
+            let LocalMem::File(file) = piece else { continue };
+            let (fd, offset) = (file.fd(), file.offset());
+            plan::check_range(fd, offset, file.len())?;
+            let mode = registered.get(&file.pin().region().id()).and_then(|r| r.file_mode).ok_or_else(|| {
+                BackendError::Refused {
+                    code: RefusalCode::Deregistered,
+                    message: format!("file fd {fd} is no longer registered with posix"),
+                }
+            })?;
+            match to_file {
+                true if !mode.writable => return Err(FileIoError::NotWritable { fd }.into()),
+                false if !mode.readable => return Err(FileIoError::NotReadable { fd }.into()),
+                _ => {}
+            }
+            if mode.direct {
+                // Slots are page-aligned and a multiple of the alignment; the pieces must be too.
+                plan::check_direct(fd, 0, offset, file.len(), config.direct_align)?;
+                for device in &gpu {
+                    plan::check_direct(fd, 0, 0, device.len(), config.direct_align)?;
+                }
+            }
+        }
+    }
+    let device = gpu.iter().find_map(LocalMem::device);
+    let mut lane = shared.staging.lane(device, STAGING_SLOTS, config.chunk_bytes.min(STAGING_SLOT_MAX) as usize)?;
+    let flow = if to_file { Flow::ToWire } else { Flow::FromWire };
+    staging::run(flow, &mut gpu, lane.as_mut(), &mut FileWire::new(&files))
+}
 
 impl Loopback {
     /// Resolves the remote side against this agent's registrations, orients the request

@@ -439,3 +439,62 @@ for_each_engine!(
     o_direct_needs_aligned_transfers,
     notifications_reach_the_agent_itself_after_the_data,
 );
+
+/// GPU memory ↔ FILE, staged through a lane, with host memory standing in for the GPU: a
+/// scattered VRAM list into a file and back, through both request orientations.
+#[test]
+fn gpu_memory_to_and_from_files_is_staged() {
+    // SAFETY: the only VRAM region is a HostBuffer this test keeps alive past the agent's use.
+    let staging = Arc::new(unsafe { xfer::staging::HostAsDevice::new() });
+    let agent = Agent::with_staging("gpu-files", xfer::BackendRegistry::default(), staging).unwrap();
+    agent.add_backend("posix", BackendParams::parse("chunk_bytes=65536").unwrap()).unwrap();
+    let len = (3 << 20) + 4093;
+    let gpu = Arc::new(HostBuffer::new(len));
+    // SAFETY: as above.
+    let gpu_reg = unsafe { agent.register_memory(MemType::Vram, &[gpu.desc()]) }.unwrap();
+    let gpu_desc = gpu_reg.descs()[0];
+    let file = read_write(&dir().join("gpu-files"));
+    let file_reg = agent.register_file(&file, 0, len as u64).unwrap();
+    let file_desc = file_reg.descs()[0];
+    let data = pattern(len, 77);
+    gpu.write_at(0, &data);
+    // Scattered: the GPU side in 97 pieces, reversed, to the file in order.
+    let piece = len as u64 / 97;
+    let mut pieces: Vec<Desc> =
+        (0..97).map(|i| Desc::new(gpu_desc.addr + i * piece, piece, gpu_desc.dev_id)).rev().collect();
+    let tail = len as u64 - 97 * piece;
+    pieces.push(Desc::new(gpu_desc.addr + 97 * piece, tail, gpu_desc.dev_id));
+    run(&agent, Op::Write, (MemType::Vram, &pieces), (MemType::File, &[file_desc])).unwrap();
+    let want: Vec<u8> = pieces
+        .iter()
+        .flat_map(|d| data[(d.addr - gpu_desc.addr) as usize..(d.addr - gpu_desc.addr + d.len) as usize].to_vec())
+        .collect();
+    assert_eq!(std::fs::read(dir().join("gpu-files")).unwrap(), want, "VRAM → FILE");
+    // FILE (local) → VRAM (remote side of the request): the file's bytes land in order.
+    gpu.write_at(0, &vec![0u8; len]);
+    run(&agent, Op::Write, (MemType::File, &[file_desc]), (MemType::Vram, &[gpu_desc])).unwrap();
+    assert_eq!(gpu.to_vec(), want, "FILE → VRAM");
+    // READ the other way: VRAM local, the file remote.
+    gpu.write_at(0, &vec![0u8; len]);
+    run(&agent, Op::Read, (MemType::Vram, &[gpu_desc]), (MemType::File, &[file_desc])).unwrap();
+    assert_eq!(gpu.to_vec(), want, "READ FILE → VRAM");
+    // A length mismatch is refused before any byte moves.
+    let short = [Desc::new(file_desc.addr, file_desc.len - 1, file_desc.dev_id)];
+    let err = run(&agent, Op::Write, (MemType::Vram, &[gpu_desc]), (MemType::File, &short)).unwrap_err();
+    assert!(matches!(&err, XferError::LengthMismatch { .. } | XferError::Refused { .. }), "{err}");
+}
+
+#[test]
+fn gpu_memory_without_cuda_is_refused_with_the_reason() {
+    if xfer::cuda::why_no_gpu().is_none() {
+        use std::io::Write as _;
+        let _ =
+            writeln!(std::io::stderr(), "SKIPPED gpu_memory_without_cuda_is_refused_with_the_reason: a GPU is here");
+        return;
+    }
+    let agent = Agent::new("gpu-none").unwrap();
+    agent.add_backend("posix", BackendParams::new()).unwrap();
+    // SAFETY: refused before anything touches the address.
+    let err = unsafe { agent.register_memory(MemType::Vram, &[Desc::new(1 << 40, 4096, 0)]) }.unwrap_err();
+    assert!(err.to_string().contains("CUDA is not available"), "{err}");
+}

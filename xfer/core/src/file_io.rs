@@ -23,7 +23,7 @@ pub fn write_all_at(file: &FileSlice, offset: u64, buf: &[u8]) -> Result<(), Fil
 
 /// The absolute file offset of `len` bytes at `offset` of `file`, checked to lie inside the slice
 /// and to fit `off_t`.
-fn file_offset(file: &FileSlice, offset: u64, len: usize) -> Result<u64, FileIoError> {
+pub(crate) fn file_offset(file: &FileSlice, offset: u64, len: usize) -> Result<u64, FileIoError> {
     let bad =
         || FileIoError::BadOffset { fd: file.fd(), offset: file.offset().saturating_add(offset), len: len as u64 };
     let end = offset.checked_add(len as u64).ok_or_else(bad)?;

@@ -307,6 +307,81 @@ impl CopyLane for FileLane {
     }
 }
 
+/// File ranges as the wire: bytes sent are written, and bytes received are read, at the next
+/// position of `files` in order. Staging GPU memory to and from files within one agent (the
+/// POSIX backend) is a staged transfer whose wire is this.
+#[derive(Debug)]
+pub struct FileWire<'a> {
+    files: &'a [LocalMem],
+    piece: usize,
+    offset: u64,
+}
+
+impl<'a> FileWire<'a> {
+    pub fn new(files: &'a [LocalMem]) -> Self {
+        FileWire { files, piece: 0, offset: 0 }
+    }
+
+    /// Runs `io(file, offset in it, start, len)` over the next `len` bytes of the files.
+    fn advance(
+        &mut self,
+        len: usize,
+        mut io: impl FnMut(&crate::mem::FileSlice, u64, usize, usize) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        let mut done = 0;
+        while done < len {
+            let Some(piece) = self.files.get(self.piece) else {
+                return Err(BackendError::Protocol(format!("file side ends {} bytes early", len - done)));
+            };
+            let LocalMem::File(file) = piece else {
+                return Err(BackendError::MemoryNotMoved { backend: "staging", mem_type: piece.mem_type() });
+            };
+            let run = (file.len() - self.offset).min((len - done) as u64) as usize;
+            io(file, self.offset, done, run)?;
+            done += run;
+            self.offset += run as u64;
+            if self.offset == file.len() {
+                self.piece += 1;
+                self.offset = 0;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Wire for FileWire<'_> {
+    fn send(&mut self, bytes: &[u8]) -> Result<(), BackendError> {
+        self.advance(bytes.len(), |file, at, start, len| {
+            Ok(file_io::write_all_at(file, at, &bytes[start..start + len])?)
+        })
+    }
+
+    fn send_host(&mut self, slice: &MemSlice) -> Result<(), BackendError> {
+        let base = slice.as_ptr();
+        self.advance(slice.len(), |file, at, start, len| {
+            let at = file_io::file_offset(file, at, len)?;
+            // SAFETY: `start + len` lies inside the pinned host slice; the kernel only reads it;
+            // `at + len` fits `off_t` (checked above).
+            Ok(unsafe { file_io::write_all_raw(file.fd(), at, base.add(start), len) }?)
+        })
+    }
+
+    fn receive(&mut self, bytes: &mut [u8]) -> Result<(), BackendError> {
+        self.advance(bytes.len(), |file, at, start, len| {
+            Ok(file_io::read_exact_at(file, at, &mut bytes[start..start + len])?)
+        })
+    }
+
+    fn receive_host(&mut self, slice: &mut MemSlice) -> Result<(), BackendError> {
+        let base = slice.as_mut_ptr();
+        self.advance(slice.len(), |file, at, start, len| {
+            let at = file_io::file_offset(file, at, len)?;
+            // SAFETY: as in `send_host`; the transfer owns these registered bytes while it runs.
+            Ok(unsafe { file_io::read_exact_raw(file.fd(), at, base.add(start), len) }?)
+        })
+    }
+}
+
 /// Host memory standing in for GPU memory, so staged paths run on machines without GPUs: a
 /// "device pointer" is a host address, and a lane's copies are `memcpy`s (files as in
 /// [`FileLane`]). Every device is ready.
