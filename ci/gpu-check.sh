@@ -6,7 +6,9 @@
 #
 # 1. The GPU tests with XFER_REQUIRE_GPU=1 (a skip is a failure here): xfer-cuda's driver test
 #    and real VRAM over TCP through CUDA lanes, and VRAM → FILE through posix
-#    (xfer/tests/staged.rs).
+#    (xfer/tests/staged.rs); GDS VRAM↔FILE through cuFile (plugins/gds/tests), which skips
+#    loudly where libcufile is not installed (compat mode needs no nvidia-fs: the script points
+#    CUFILE_ENV_PATH_JSON at a cufile.json allowing it unless one is set).
 # 2. The baselines, in this run: cuMemcpy device→host, host→device, device→device, and the
 #    staging pipeline alone (examples/cuda_bandwidth.rs).
 # 3. xferbench over TCP, consistency-checked: DRAM→DRAM (the baseline), VRAM→remote DRAM and
@@ -18,7 +20,6 @@
 #    (`ucx_info -d` lists cuda_copy/cuda_ipc; the PyPI package libucx-cu12 ships such a UCX), and
 #    the binaries were built with `--features ucx`.
 #
-# Not covered yet (printed as such): GDS (cuFile); VRAM↔FILE is staged (TCP, posix) instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,17 +27,23 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "nvidia-smi not found;
 export XFER_REQUIRE_GPU=1
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+if [[ -z "${CUFILE_ENV_PATH_JSON:-}" ]]; then
+  printf '{"properties": {"allow_compat_mode": true}}\n' >"$out/cufile.json"
+  export CUFILE_ENV_PATH_JSON="$out/cufile.json"
+fi
 
 if [[ -z "${BIN_DIR:-}" ]]; then
   cargo build --release --locked -p xfer-bench --bin xferbench ${XFER_UCX:+--features ucx}
   cargo build --release --locked -p xfer-cuda --example cuda_bandwidth
-  cargo test --release --locked -p xfer-cuda -p xfer --test staged --no-run
   BIN_DIR=target/release
   echo "== GPU tests"
-  cargo test --release --locked -p xfer-cuda -p xfer --test staged -- --test-threads 1
+  cargo test --release --locked -p xfer-cuda -- --test-threads 1
+  cargo test --release --locked -p xfer --test staged -- --test-threads 1
+  echo "== GDS (cuFile) tests"
+  cargo test --release --locked -p xfer-gds -- --test-threads 1 --nocapture
 else
   echo "== GPU tests (prebuilt)"
-  for test_bin in "$BIN_DIR"/staged-* "$BIN_DIR"/xfer_cuda-*; do
+  for test_bin in "$BIN_DIR"/staged-* "$BIN_DIR"/xfer_cuda-* "$BIN_DIR"/agent-*; do
     [[ -x "$test_bin" ]] && "$test_bin" --test-threads 1
   done
 fi
@@ -66,7 +73,6 @@ if command -v ucx_info >/dev/null && ucx_info -d | grep -q cuda_copy && [[ -n "$
 else
   echo "UCX with CUDA memory: not covered here (needs a CUDA-enabled UCX and XFER_UCX=1 for a --features ucx build)"
 fi
-echo "GDS (cuFile) VRAM↔FILE: not covered (no GDS backend yet; VRAM↔FILE goes through TCP staging above)"
 
 python3 - "$baseline" "$dram" "$vram_dram" <<'EOF'
 import json, sys

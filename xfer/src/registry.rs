@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use xfer_core::BackendFactory;
 
-/// Backend factories by name. The default registry always has `tcp` and `posix`; other plugins are added
+/// Backend factories by name. The default registry always has `tcp`, `posix` and `gds` (which
+/// fails to attach, with the reason, where cuFile is absent); other plugins are added
 /// with [`register`](BackendRegistry::register) (or by cargo feature in this crate).
 #[derive(Clone)]
 pub struct BackendRegistry {
@@ -35,6 +36,7 @@ impl Default for BackendRegistry {
         let mut registry = Self::empty();
         registry.register(Arc::new(xfer_tcp::TcpFactory));
         registry.register(Arc::new(xfer_posix::PosixFactory));
+        registry.register(Arc::new(xfer_gds::GdsFactory));
         #[cfg(feature = "ucx")]
         registry.register(Arc::new(xfer_ucx::UcxFactory));
         registry

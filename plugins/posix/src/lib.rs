@@ -76,6 +76,8 @@ use xfer_core::{
     NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, TransferJob,
 };
 
+use xfer_core::own::{resolve_own, RegionIdKey};
+use xfer_core::split::pair_runs;
 use xfer_core::staging::{self, FileWire, Flow, Staging};
 
 use pool::{Direction, IoOp, Pool, Task, Tracker, Workers};
@@ -269,7 +271,7 @@ impl Backend for PosixBackend {
         };
         let registered = Registered { region: Arc::clone(region), file_mode };
         self.shared.registered.write().insert(region.id(), registered);
-        Ok(region.id().to_le_bytes().to_vec())
+        Ok(RegionIdKey::encode(region))
     }
 
     fn deregister(&self, region: &LocalRegion) {
@@ -291,11 +293,6 @@ impl Backend for PosixBackend {
     }
 }
 
-/// A region key as published in the agent's metadata: the region's id, looked up at post time
-/// (a key of a region deregistered since is refused as unknown).
-#[derive(Debug)]
-struct PosixKey(u64);
-
 /// The agent's link to itself through this backend.
 struct Loopback {
     shared: Arc<Shared>,
@@ -303,9 +300,7 @@ struct Loopback {
 
 impl RemoteAgent for Loopback {
     fn unpack_key(&self, public: &[u8]) -> Result<RemoteKey, BackendError> {
-        let id: [u8; 8] =
-            public.try_into().map_err(|_| BackendError::InvalidMetadata("posix key is not 8 bytes".into()))?;
-        Ok(Arc::new(PosixKey(u64::from_le_bytes(id))))
+        RegionIdKey::unpack(public, "posix")
     }
 
     fn post(&self, job: TransferJob) {
@@ -341,9 +336,9 @@ impl Shared {
     fn remote_is_vram(&self, remote: &[RemoteSeg]) -> bool {
         let registered = self.registered.read();
         remote.iter().any(|seg| {
-            seg.key
-                .downcast_ref::<PosixKey>()
-                .and_then(|key| registered.get(&key.0))
+            RegionIdKey::of(seg, "posix")
+                .ok()
+                .and_then(|id| registered.get(&id))
                 .is_some_and(|entry| entry.region.mem_type() == MemType::Vram)
         })
     }
@@ -368,13 +363,9 @@ impl Loopback {
         let shared = Arc::clone(&self.shared);
         let spawned = std::thread::Builder::new().name("xfer-posix-gpu".into()).spawn(move || {
             let result = stage_gpu(&shared, op, local, remote);
-            let result = result.and_then(|()| match notif {
-                Some(message) => {
-                    (shared.notifs)(&shared.agent_name, message);
-                    Ok(())
-                }
-                None => Ok(()),
-            });
+            if let (Ok(()), Some(message)) = (&result, notif) {
+                (shared.notifs)(&shared.agent_name, message);
+            }
             done.complete(result);
         });
         if let Err(err) = spawned {
@@ -470,11 +461,11 @@ impl Loopback {
         let registered = self.shared.registered.read();
         let config = &self.shared.config;
         let mut ops = Vec::new();
-        for run in plan::runs(&host_lens, &file_lens, config.chunk_bytes) {
+        for run in pair_runs(&host_lens, &file_lens, config.chunk_bytes) {
             let LocalMem::File(file) = &file_side[run.file] else { unreachable!("oriented above") };
             let (fd, offset) = (file.fd(), file.offset() + run.file_offset);
-            let host_piece = host[run.host]
-                .sub(run.host_offset as usize, run.len as usize)
+            let host_piece = host[run.mem]
+                .sub(run.mem_offset as usize, run.len as usize)
                 .ok_or_else(|| BackendError::Protocol("posix plan cut outside a host piece".into()))?;
             plan::check_range(fd, offset, run.len)?;
             let mode = registered.get(&file.pin().region().id()).and_then(|r| r.file_mode).ok_or_else(|| {
@@ -499,35 +490,7 @@ impl Loopback {
     /// The remote segments as this agent's own memory, pinned.
     fn resolve(&self, remote: &[RemoteSeg]) -> Result<Vec<LocalMem>, BackendError> {
         let registered = self.shared.registered.read();
-        let mut out = Vec::with_capacity(remote.len());
-        let mut pinned: Option<(u64, xfer_core::Pin)> = None;
-        for (index, seg) in remote.iter().enumerate() {
-            let key = seg
-                .key
-                .downcast_ref::<PosixKey>()
-                .ok_or_else(|| BackendError::InvalidMetadata("remote key is not a posix key".into()))?;
-            let pin = match &pinned {
-                Some((id, pin)) if *id == key.0 => pin.clone(),
-                _ => {
-                    let entry = registered.get(&key.0).ok_or_else(|| BackendError::Refused {
-                        code: RefusalCode::UnknownKey,
-                        message: format!("remote descriptor {index}: region {} is not registered", key.0),
-                    })?;
-                    let pin = entry.region.pin().ok_or_else(|| BackendError::Refused {
-                        code: RefusalCode::Deregistered,
-                        message: format!("remote descriptor {index}: region is being deregistered"),
-                    })?;
-                    pinned = Some((key.0, pin.clone()));
-                    pin
-                }
-            };
-            let mem = pin.local_at(seg.addr, seg.len).ok_or_else(|| BackendError::Refused {
-                code: RefusalCode::OutOfBounds,
-                message: format!("remote descriptor {index} ({:#x}+{}) is outside its region", seg.addr, seg.len),
-            })?;
-            out.push(mem);
-        }
-        Ok(out)
+        resolve_own(remote, "posix", |id| registered.get(&id).map(|entry| Arc::clone(&entry.region)))
     }
 
     fn submit(

@@ -11,6 +11,7 @@ mod error;
 pub mod file_io;
 mod host;
 mod mem;
+pub mod own;
 mod shared_file;
 pub mod split;
 pub mod staging;

@@ -68,6 +68,44 @@ pub fn split_by_sizes<S: Segment>(segs: Vec<S>, sizes: &[u64]) -> Vec<Vec<S>> {
     groups
 }
 
+/// One contiguous run of a memory ↔ file transfer: `len` bytes at `mem_offset` of memory piece
+/// `mem` and `file_offset` of file piece `file` (offsets relative to those pieces).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PairedRun {
+    pub mem: usize,
+    pub mem_offset: u64,
+    pub file: usize,
+    pub file_offset: u64,
+    pub len: u64,
+}
+
+/// Matches the memory and file byte streams in order (their boundaries need not line up) and cuts runs at
+/// `max_run` bytes so one large descriptor still spreads over workers. Zero-length pieces
+/// produce nothing. The caller checked that both sides hold the same number of bytes.
+pub fn pair_runs(mem_lens: &[u64], file_lens: &[u64], max_run: u64) -> Vec<PairedRun> {
+    let max_run = max_run.max(1);
+    let mut out = Vec::new();
+    let (mut mem, mut mem_offset) = (0usize, 0u64);
+    let (mut file, mut file_offset) = (0usize, 0u64);
+    while mem < mem_lens.len() && file < file_lens.len() {
+        let mem_left = mem_lens[mem] - mem_offset;
+        let file_left = file_lens[file] - file_offset;
+        if mem_left == 0 {
+            (mem, mem_offset) = (mem + 1, 0);
+            continue;
+        }
+        if file_left == 0 {
+            (file, file_offset) = (file + 1, 0);
+            continue;
+        }
+        let len = mem_left.min(file_left).min(max_run);
+        out.push(PairedRun { mem, mem_offset, file, file_offset, len });
+        mem_offset += len;
+        file_offset += len;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,6 +153,59 @@ mod tests {
                 for (group, size) in groups.iter().zip(&sizes) {
                     assert_eq!(group.iter().map(|s| s.1).sum::<u64>(), *size);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn streams_pair_across_unaligned_boundaries() {
+        let got = pair_runs(&[5, 0, 7], &[3, 9], 100);
+        let want = vec![
+            PairedRun { mem: 0, mem_offset: 0, file: 0, file_offset: 0, len: 3 },
+            PairedRun { mem: 0, mem_offset: 3, file: 1, file_offset: 0, len: 2 },
+            PairedRun { mem: 2, mem_offset: 0, file: 1, file_offset: 2, len: 7 },
+        ];
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn long_runs_are_cut() {
+        let got = pair_runs(&[10], &[10], 4);
+        assert_eq!(
+            got.iter().map(|r| (r.mem_offset, r.file_offset, r.len)).collect::<Vec<_>>(),
+            [(0, 0, 4), (4, 4, 4), (8, 8, 2)]
+        );
+        assert!(pair_runs(&[], &[], 4).is_empty());
+        assert!(pair_runs(&[0, 0], &[0], 4).is_empty());
+    }
+
+    #[test]
+    fn every_byte_is_covered_once_for_many_shapes() {
+        for seed in 1..60u64 {
+            let mem: Vec<u64> = (0..seed % 9 + 1).map(|i| (i * seed * 7) % 23).collect();
+            let sum: u64 = mem.iter().sum();
+            let mut file = Vec::new();
+            let mut left = sum;
+            let mut step = seed % 5 + 1;
+            while left > 0 {
+                let n = step.min(left);
+                file.push(n);
+                left -= n;
+                step = step * 3 % 11 + 1;
+            }
+            let got = pair_runs(&mem, &file, seed % 6 + 1);
+            assert_eq!(got.iter().map(|r| r.len).sum::<u64>(), sum);
+            // Consecutive runs continue each other on both sides.
+            let mut mem_pos = 0;
+            let mut file_pos = 0;
+            for run in &got {
+                let mem_at: u64 = mem[..run.mem].iter().sum::<u64>() + run.mem_offset;
+                let file_at: u64 = file[..run.file].iter().sum::<u64>() + run.file_offset;
+                assert_eq!((mem_at, file_at), (mem_pos, file_pos));
+                assert!(run.mem_offset + run.len <= mem[run.mem]);
+                assert!(run.file_offset + run.len <= file[run.file]);
+                mem_pos += run.len;
+                file_pos += run.len;
             }
         }
     }

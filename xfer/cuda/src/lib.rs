@@ -402,6 +402,12 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Makes `device`'s primary context current on this thread, for CUDA libraries called next
+/// (cuFile registers device buffers in the current context).
+pub fn bind_device(device: u64) -> Result<(), DeviceError> {
+    Cuda::get()?.bind(device)
+}
+
 /// Why GPU tests cannot run here, or `None` when they can: the message GPU-only tests print when
 /// they skip.
 pub fn why_no_gpu() -> Option<String> {
