@@ -208,6 +208,28 @@ fn gpu_memory_and_files_cross_tcp_staged_on_both_sides() {
         .collect();
     assert_eq!(target.dump_vram(&dir)[..want.len()], want[..], "scattered FILE → VRAM");
 
+    // KV blocks the vLLM way, with GPU memory: prepared lists of (stand-in) VRAM blocks here and
+    // FILE blocks there, moved by block-id index lists.
+    let block = 64 * 1024 + 512;
+    let gpu_blocks: Vec<Desc> = (0..64).map(|i| sub(local_vram_desc, i * block, block)).collect();
+    let file_blocks: Vec<Desc> = (0..64).map(|i| sub(remote_file, i * block, block)).collect();
+    let prepared_gpu = agent.prep_local(MemType::Vram, &gpu_blocks).unwrap();
+    let prepared_file = agent.prep_remote("staged-target", MemType::File, &file_blocks).unwrap();
+    vram.write_at(0, &pattern(SIZE, 30));
+    let (ids_here, ids_there) = ([3usize, 60, 7, 7 + 1], [50usize, 2, 33, 34]);
+    let request = agent
+        .make_request(Op::Write, &prepared_gpu, &ids_here, &prepared_file, &ids_there, RequestOptions::default())
+        .unwrap();
+    assert_eq!(request.backend(), "tcp");
+    request.post().unwrap();
+    request.wait(WAIT).unwrap();
+    let on_disk = std::fs::read(dir.join("target.bin")).unwrap();
+    let gpu_bytes = pattern(SIZE, 30);
+    for (&here, &there) in ids_here.iter().zip(&ids_there) {
+        let (from, to) = (here * block as usize, there * block as usize);
+        assert_eq!(on_disk[to..to + block as usize], gpu_bytes[from..from + block as usize], "block {here} → {there}");
+    }
+
     // A WRITE into a read-only file is refused with the reason, and the link keeps working.
     let err =
         transfer(&agent, Op::Write, (MemType::Dram, &[dram.sub_desc(0, 4096)]), (MemType::File, &[remote_read_only]))
