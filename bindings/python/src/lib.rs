@@ -293,6 +293,17 @@ impl Registration {
     }
 }
 
+/// Collected without `deregister()`: the deregistration still waits for transfers using the
+/// memory, so it runs with the GIL released (other Python threads, and callbacks the transfers
+/// may need, keep running).
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(registration) = self.inner.get_mut().take() {
+            Python::attach(|py| py.detach(move || drop(registration)));
+        }
+    }
+}
+
 /// A local descriptor list checked once against the registrations.
 #[pyclass(frozen, module = "pd_xfer._native")]
 struct PreparedLocal {
@@ -337,6 +348,16 @@ impl Request {
 
     fn get(&self) -> PyResult<Arc<xfer::XferRequest>> {
         self.inner.lock().clone().ok_or_else(|| invalid("the request was released"))
+    }
+}
+
+/// Collected without `release()`: a posting in flight is cancelled and waited for, with the GIL
+/// released, as `release()` does.
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(request) = self.inner.get_mut().take() {
+            Python::attach(|py| py.detach(move || drop(request)));
+        }
     }
 }
 
