@@ -62,7 +62,7 @@ pub fn xfer_prepare(op: Op, layout: &Layout, local: &BenchBuffer, conn: &mut Raw
             control(conn, Cmd::RegionFill, pool, seed, &[], "filling the target region")?;
             let zeros = vec![0u8; layout.block as usize];
             for slot in 0..layout.slots {
-                local.write_at(layout.offset(slot) as usize, &zeros);
+                local.write_at(layout.offset(slot) as usize, &zeros)?;
             }
         }
         Op::Write => {
@@ -70,7 +70,7 @@ pub fn xfer_prepare(op: Op, layout: &Layout, local: &BenchBuffer, conn: &mut Raw
             let mut block = vec![0u8; layout.block as usize];
             for (l, r) in layout.pairs() {
                 pattern::fill(&mut block, layout.offset(r), seed);
-                local.write_at(layout.offset(l) as usize, &block);
+                local.write_at(layout.offset(l) as usize, &block)?;
             }
         }
     }
@@ -83,7 +83,7 @@ pub fn xfer_verify(op: Op, layout: &Layout, local: &BenchBuffer, conn: &mut RawC
         Op::Read => {
             let mut block = vec![0u8; layout.block as usize];
             for (l, r) in layout.pairs() {
-                local.read_at(layout.offset(l) as usize, &mut block);
+                local.read_at(layout.offset(l) as usize, &mut block)?;
                 if let Some(at) = pattern::first_mismatch(&block, layout.offset(r), seed) {
                     bail!("CHECK FAILED: local slot {l} (read from remote slot {r}) differs at byte {at} of the block");
                 }

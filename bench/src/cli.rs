@@ -4,9 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
-use xfer::{BackendParams, Op};
+use xfer::{BackendParams, MemType, Op};
 
 use crate::layout::{region_bytes, Case};
+use crate::memory::{MemOptions, RunMemory, DIRECT_ALIGN};
 use crate::units::{format_total, parse_block_size, parse_bytes, MIB};
 
 /// The backend name of the plain-TCP baseline (no xfer involved).
@@ -107,6 +108,23 @@ pub struct Args {
     /// this host maps, so shared-memory transfers are copies; the target is told too)
     #[arg(long, value_enum, default_value_t = Alloc::Host)]
     pub alloc: Alloc,
+    /// The initiator's registered memory: dram (host memory), vram (GPU memory of --device) or
+    /// file (a file in --file-dir)
+    #[arg(long, value_enum, default_value_t = MemKind::Dram)]
+    pub local_mem: MemKind,
+    /// The target's registered memory, as --local-mem (the initiator tells the target it starts)
+    #[arg(long, value_enum, default_value_t = MemKind::Dram)]
+    pub remote_mem: MemKind,
+    /// Where FILE memory lives: one file per side, removed as soon as it is open [default: the
+    /// system temp dir]
+    #[arg(long, value_name = "DIR")]
+    pub file_dir: Option<PathBuf>,
+    /// Open FILE memory with O_DIRECT (registered size and block sizes must be multiples of 4096)
+    #[arg(long)]
+    pub direct: bool,
+    /// CUDA device ordinal of VRAM memory
+    #[arg(long, default_value_t = 0)]
+    pub device: u64,
     /// Target: bytes to register [default: what the sizing flags need]
     #[arg(long, hide = true, value_parser = parse_bytes)]
     pub mem: Option<u64>,
@@ -130,7 +148,30 @@ impl Scheme {
     }
 }
 
-/// Where registered memory comes from (`--alloc`).
+/// A side's kind of registered memory (`--local-mem`, `--remote-mem`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MemKind {
+    Dram,
+    Vram,
+    File,
+}
+
+impl MemKind {
+    pub fn mem_type(self) -> MemType {
+        match self {
+            MemKind::Dram => MemType::Dram,
+            MemKind::Vram => MemType::Vram,
+            MemKind::File => MemType::File,
+        }
+    }
+
+    /// The flag value that names this kind.
+    fn flag(self) -> String {
+        self.to_possible_value().expect("no kind is skipped").get_name().to_string()
+    }
+}
+
+/// Where registered DRAM comes from (`--alloc`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Alloc {
     Host,
@@ -169,9 +210,8 @@ pub struct Settings {
     pub compare: bool,
     pub kv_shape: bool,
     pub seed: u64,
-    /// Registered bytes each side needs.
-    pub mem: u64,
-    pub alloc: Alloc,
+    /// What each side registers.
+    pub memory: RunMemory,
     pub progress: bool,
     /// Initiator agents and targets (see `Scheme`).
     pub agents: u64,
@@ -209,7 +249,18 @@ impl Args {
         (self.backend != RAW_TCP).then(|| self.backend.clone())
     }
 
-    /// Bytes to register per side: `--mem`, else what the cases need, within `--max-mem`.
+    /// How both sides make their memory.
+    pub fn mem_options(&self) -> MemOptions {
+        MemOptions {
+            alloc: self.alloc,
+            file_dir: self.file_dir.clone().unwrap_or_else(std::env::temp_dir),
+            direct: self.direct,
+            device: self.device,
+        }
+    }
+
+    /// Bytes to register per side: `--mem`, else what the cases need, within `--max-mem`; with
+    /// `--direct`, it and every block size a multiple of O_DIRECT's alignment.
     pub fn memory(&self) -> Result<u64> {
         let need = region_bytes(&self.cases(), self.effective_threads());
         let mem = self.mem.unwrap_or(need);
@@ -221,6 +272,18 @@ impl Args {
                 if self.scatter || self.kv_shape { " x 4 for scatter" } else { "" },
                 format_total(self.max_mem)
             );
+        }
+        if self.direct {
+            if self.local_mem != MemKind::File && self.remote_mem != MemKind::File {
+                bail!("--direct opens FILE memory with O_DIRECT: add --local-mem file or --remote-mem file");
+            }
+            let misaligned = self.cases().into_iter().map(|case| case.block).find(|b| !b.is_multiple_of(DIRECT_ALIGN));
+            if let Some(block) = misaligned {
+                bail!("--direct needs block sizes that are multiples of {DIRECT_ALIGN}, not {block}");
+            }
+            if !mem.is_multiple_of(DIRECT_ALIGN) {
+                bail!("--direct needs a registered size that is a multiple of {DIRECT_ALIGN}, not --mem {mem}");
+            }
         }
         Ok(mem)
     }
@@ -235,6 +298,10 @@ impl Args {
         }
         if self.alloc == Alloc::Backend && (xfer_backend.is_none() || self.compare) {
             bail!("--alloc backend needs an xfer backend and no {RAW_TCP} (--compare)");
+        }
+        let both_dram = self.local_mem == MemKind::Dram && self.remote_mem == MemKind::Dram;
+        if !both_dram && (xfer_backend.is_none() || self.alloc == Alloc::Backend) {
+            bail!("--local-mem/--remote-mem vram|file need an xfer backend and --alloc host ({RAW_TCP} and --alloc backend move DRAM)");
         }
         let (agents, targets) = self.scheme.shape(self.peers);
         if self.scheme != Scheme::Pairwise {
@@ -259,8 +326,12 @@ impl Args {
             compare: self.compare,
             kv_shape: self.kv_shape,
             seed: self.seed,
-            mem: self.memory()?,
-            alloc: self.alloc,
+            memory: RunMemory {
+                bytes: self.memory()?,
+                local: self.local_mem,
+                remote: self.remote_mem,
+                options: self.mem_options(),
+            },
             progress: progress_allowed && !self.no_progress,
             agents,
             targets,
@@ -272,13 +343,27 @@ impl Settings {
     /// Arguments that start a target process serving this run.
     pub fn target_args(&self) -> Vec<String> {
         let backend = self.xfer_backend.clone().unwrap_or_else(|| RAW_TCP.to_string());
-        let mut args = vec!["--target".into(), "--backend".into(), backend, "--mem".into(), self.mem.to_string()];
-        args.extend(["--max-mem".into(), self.mem.max(1).to_string()]);
+        let mut args =
+            vec!["--target".into(), "--backend".into(), backend, "--mem".into(), self.memory.bytes.to_string()];
+        args.extend(["--max-mem".into(), self.memory.bytes.max(1).to_string()]);
         if !self.params.is_empty() {
             args.extend(["--params".into(), self.params.clone()]);
         }
-        if self.alloc == Alloc::Backend {
+        if self.memory.options.alloc == Alloc::Backend {
             args.extend(["--alloc".into(), "backend".into()]);
+        }
+        match self.memory.remote {
+            MemKind::Dram => {}
+            MemKind::Vram => args.extend(["--device".into(), self.memory.options.device.to_string()]),
+            MemKind::File => {
+                args.extend(["--file-dir".into(), self.memory.options.file_dir.display().to_string()]);
+                if self.memory.options.direct {
+                    args.push("--direct".into());
+                }
+            }
+        }
+        if self.memory.remote != MemKind::Dram {
+            args.extend(["--remote-mem".into(), self.memory.remote.flag()]);
         }
         args
     }
@@ -355,11 +440,42 @@ mod tests {
         );
         assert!(!args("--no-progress").settings(true).unwrap().progress);
         let s = args("--backend ucx --alloc backend --block-sizes 1M").settings(false).unwrap();
-        assert_eq!(s.alloc, Alloc::Backend);
+        assert_eq!(s.memory.options.alloc, Alloc::Backend);
         assert_eq!(s.target_args().join(" "), "--target --backend ucx --mem 1048576 --max-mem 1048576 --alloc backend");
         assert_eq!(args("").alloc, Alloc::Host);
         assert!(args("--backend raw-tcp --alloc backend").settings(false).is_err());
         assert!(args("--compare --alloc backend").settings(false).is_err());
+    }
+
+    #[test]
+    fn memory_kinds_reach_the_target_and_the_labels() {
+        let s = args("--local-mem file --remote-mem vram --device 3 --block-sizes 1M").settings(false).unwrap();
+        assert_eq!(
+            s.target_args().join(" "),
+            "--target --backend tcp --mem 1048576 --max-mem 1048576 --device 3 --remote-mem vram"
+        );
+        assert_eq!((s.memory.label(Op::Write), s.memory.label(Op::Read)), ("FILE→VRAM".into(), "VRAM→FILE".into()));
+        let s = args("--remote-mem file --file-dir /mnt/nvme --direct --block-sizes 64K").settings(false).unwrap();
+        assert!(s.target_args().join(" ").ends_with("--file-dir /mnt/nvme --direct --remote-mem file"));
+        assert_eq!(s.memory.label(Op::Read), "FILE→DRAM");
+        assert_eq!(
+            args("").settings(false).unwrap().memory.label(Op::Write),
+            "",
+            "DRAM→DRAM is the unlabelled default"
+        );
+        assert!(args("--backend raw-tcp --local-mem file").settings(false).is_err());
+        assert!(args("--local-mem vram --alloc backend").settings(false).is_err());
+    }
+
+    #[test]
+    fn direct_needs_a_file_and_aligned_sizes() {
+        let err = args("--direct").memory().unwrap_err().to_string();
+        assert!(err.contains("--local-mem file"), "{err}");
+        let err = args("--direct --local-mem file --block-sizes 64K,10000").memory().unwrap_err().to_string();
+        assert!(err.contains("multiples of 4096, not 10000"), "{err}");
+        let err = args("--direct --remote-mem file --mem 5000").memory().unwrap_err().to_string();
+        assert!(err.contains("not --mem 5000"), "{err}");
+        assert_eq!(args("--direct --remote-mem file --block-sizes 64K,1M").memory().unwrap(), 1 << 20);
     }
 
     #[test]

@@ -18,11 +18,18 @@ const SIZE: (u32, u32) = (1200, 500);
 /// One line of a panel: a backend's (block size, GB/s) points, sorted by size.
 type Series = BTreeMap<String, Vec<(u64, f64)>>;
 
-/// Splits rows into panels by op and lines by backend (+ layout when scattered).
+/// Splits rows into panels by op and lines by backend (+ memory kinds beyond DRAM→DRAM, +
+/// layout when scattered).
 fn panels(rows: &[Row]) -> BTreeMap<String, Series> {
     let mut panels: BTreeMap<String, Series> = BTreeMap::new();
     for row in rows.iter().filter(|r| r.gbps.is_finite() && r.block_size > 0) {
-        let name = if row.scatter { format!("{} scattered", row.backend) } else { row.backend.clone() };
+        let mut name = row.backend.clone();
+        if !row.mem.is_empty() {
+            name = format!("{name} {}", row.mem);
+        }
+        if row.scatter {
+            name.push_str(" scattered");
+        }
         panels.entry(row.op.clone()).or_default().entry(name).or_default().push((row.block_size, row.gbps));
     }
     for series in panels.values_mut() {

@@ -26,6 +26,9 @@ pub struct Row {
     /// `pairwise`, `many-to-one:N` or `one-to-many:N` (left out when pairwise).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub scheme: String,
+    /// The memory kinds moved, source→destination (`FILE→DRAM`); left out when DRAM→DRAM.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub mem: String,
     /// Bytes moved by the measured requests of all threads.
     pub bytes: u64,
     pub gbps: f64,
@@ -51,6 +54,7 @@ impl Row {
             repeat,
             scatter: case.scatter,
             scheme: String::new(),
+            mem: String::new(),
             bytes: measured.bytes,
             gbps: measured.gbps(),
             p50_us: measured.p50_us(),
@@ -93,12 +97,19 @@ fn line(cells: [String; 11]) -> String {
     out.trim_end().to_string()
 }
 
-pub fn header() -> String {
-    line(COLUMNS.map(|(name, _)| name.to_string()))
+/// The table's header; with a memory column when some row moves more than DRAM→DRAM (a
+/// DRAM-only table stays as it always was).
+pub fn header(with_mem: bool) -> String {
+    let head = line(COLUMNS.map(|(name, _)| name.to_string()));
+    if with_mem {
+        head + "  memory"
+    } else {
+        head
+    }
 }
 
 pub fn format_row(row: &Row) -> String {
-    line([
+    let cells = line([
         row.backend.clone(),
         row.op.clone(),
         format_size(row.block_size),
@@ -110,16 +121,21 @@ pub fn format_row(row: &Row) -> String {
         format!("{:.1}", row.p50_us),
         format!("{:.1}", row.p99_us),
         row.ratio_vs_raw.map_or_else(|| "-".to_string(), |r| format!("{r:.2}")),
-    ])
+    ]);
+    if row.mem.is_empty() {
+        cells
+    } else {
+        format!("{cells}  {}", row.mem)
+    }
 }
 
 const CSV_HEADER: &str =
-    "backend,op,block_size,batch,threads,iters,repeat,scatter,bytes,gbps,p50_us,p99_us,ratio_vs_raw,ratio_vs_contiguous";
+    "backend,op,block_size,batch,threads,iters,repeat,scatter,bytes,gbps,p50_us,p99_us,ratio_vs_raw,ratio_vs_contiguous,mem";
 
 pub fn csv_line(row: &Row) -> String {
     let optional = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.4}"));
     format!(
-        "{},{},{},{},{},{},{},{},{},{:.4},{:.2},{:.2},{},{}",
+        "{},{},{},{},{},{},{},{},{},{:.4},{:.2},{:.2},{},{},{}",
         row.backend,
         row.op,
         row.block_size,
@@ -133,7 +149,8 @@ pub fn csv_line(row: &Row) -> String {
         row.p50_us,
         row.p99_us,
         optional(row.ratio_vs_raw),
-        optional(row.ratio_vs_contiguous)
+        optional(row.ratio_vs_contiguous),
+        row.mem
     )
 }
 
@@ -172,6 +189,7 @@ mod tests {
             repeat: 1,
             scatter: false,
             scheme: String::new(),
+            mem: String::new(),
             bytes: 2 << 30,
             gbps: 3.21,
             p50_us: 310.25,
@@ -183,11 +201,16 @@ mod tests {
 
     #[test]
     fn table_rows_line_up_with_the_header() {
-        let (head, line) = (header(), format_row(&row()));
+        let (head, line) = (header(false), format_row(&row()));
         assert!(head.starts_with("backend   op      block   batch"), "{head}");
         assert!(line.starts_with("tcp       write      1M       1"), "{line}");
         assert!(line.contains("2.00 GiB") && line.contains("3.210") && line.ends_with("0.91"), "{line}");
         assert_eq!(head.find("GB/s").map(|i| i + 4), line.find("3.210").map(|i| i + 5));
+        let file = Row { mem: "FILE→DRAM".into(), ..row() };
+        let (head, line) = (header(true), format_row(&file));
+        assert!(head.ends_with("vs raw  memory") && line.ends_with("0.91  FILE→DRAM"), "{head}\n{line}");
+        let column = |text: &str, cell: &str| text.find(cell).map(|at| text[..at].chars().count());
+        assert_eq!(column(&head, "memory"), column(&line, "FILE"));
     }
 
     #[test]
@@ -197,6 +220,7 @@ mod tests {
             assert!(value.get(key).is_some(), "{key}");
         }
         assert!(value.get("ratio_vs_contiguous").is_none(), "absent ratios are left out");
+        assert!(value.get("mem").is_none(), "DRAM→DRAM rows are as they were");
         assert_eq!(value["block_size"], 1 << 20);
     }
 
@@ -205,6 +229,7 @@ mod tests {
         let line = csv_line(&row());
         assert_eq!(line.split(',').count(), CSV_HEADER.split(',').count());
         assert!(line.starts_with("tcp,write,1048576,1,2,1024,1,false,2147483648,3.2100,310.25,1200.00,0.9130,"));
+        assert!(csv_line(&Row { mem: "VRAM→FILE".into(), ..row() }).ends_with(",VRAM→FILE"));
     }
 
     #[test]

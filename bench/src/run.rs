@@ -19,6 +19,7 @@ pub fn main(args: &Args) -> Result<()> {
         return replay(args);
     }
     let settings = args.settings(std::io::stderr().is_terminal())?;
+    settings.memory.check_gpu(args.connect.is_empty())?;
     let targets = if args.connect.is_empty() {
         (0..settings.targets).map(|_| Target::spawn(&settings.target_args())).collect::<Result<Vec<_>>>()?
     } else {
@@ -40,7 +41,7 @@ fn replay(args: &Args) -> Result<()> {
     for path in &args.rows {
         rows.extend(read_json(path)?);
     }
-    println!("{}", header());
+    println!("{}", header(rows.iter().any(|row| !row.mem.is_empty())));
     for row in &rows {
         println!("{}", format_row(row));
     }
@@ -70,14 +71,7 @@ fn run(settings: &Settings, targets: &[Target]) -> Result<Vec<Row>> {
                 .map(|t| t.side.clone().ok_or_else(|| anyhow!("the target serves no side channel")))
                 .collect::<Result<Vec<_>>>()?;
             let control = if settings.check { Some(RawConn::connect(&first.raw)?) } else { None };
-            Some(XferEngine::connect(
-                backend,
-                &settings.params,
-                &sides,
-                settings.agents,
-                (settings.mem, settings.alloc),
-                control,
-            )?)
+            Some(XferEngine::connect(backend, &settings.params, &sides, settings.agents, &settings.memory, control)?)
         }
         None => None,
     };
@@ -91,7 +85,8 @@ fn run(settings: &Settings, targets: &[Target]) -> Result<Vec<Row>> {
             settings.targets
         );
     }
-    println!("{}", header());
+    let beyond_dram = settings.cases.iter().any(|case| !settings.memory.label(case.op).is_empty());
+    println!("{}", header(beyond_dram));
     let mut rows = Vec::new();
     for case in &settings.cases {
         for row in run_case(settings, case, xfer.as_mut(), raw.as_ref())? {
@@ -130,12 +125,15 @@ fn run_case(
             bar.finish_and_clear();
         }
     }
-    let row = |name: &str, measured: &Measurement| Row {
+    let row = |name: &str, measured: &Measurement, mem: String| Row {
         scheme: settings.scheme_label(),
+        mem,
         ..Row::new(name, case, settings.threads, plan.iters, settings.repeat, measured)
     };
-    let mut engine_row = xfer.zip(median(xfer_runs)).map(|(engine, m)| row(engine.name(), &m));
-    let raw_row = median(raw_runs).map(|m| row(RAW_TCP, &m));
+    let mut engine_row =
+        xfer.zip(median(xfer_runs)).map(|(engine, m)| row(engine.name(), &m, settings.memory.label(case.op)));
+    // The baseline moves host memory whatever the engine's kinds.
+    let raw_row = median(raw_runs).map(|m| row(RAW_TCP, &m, String::new()));
     if let (Some(engine_row), Some(raw_row)) = (engine_row.as_mut(), raw_row.as_ref()) {
         engine_row.ratio_vs_raw = ratio(engine_row.gbps, raw_row.gbps);
     }

@@ -119,9 +119,16 @@ fn region_fill(region: Option<&BenchBuffer>, len: u64, seed: u64) -> Reply {
     for start in (0..len as usize).step_by(CHUNK) {
         let piece = &mut scratch[..CHUNK.min(len as usize - start)];
         pattern::fill(piece, start as u64, seed);
-        region.write_at(start, piece);
+        if let Err(err) = region.write_at(start, piece) {
+            return region_io_failed(&err);
+        }
     }
     Reply::Ok
+}
+
+fn region_io_failed(err: &anyhow::Error) -> Reply {
+    eprintln!("xferbench target: {err:#}");
+    Reply::Refused(Refusal::RegionIo)
 }
 
 fn region_verify(region: Option<&BenchBuffer>, ranges: &[(u64, u64)], seed: u64) -> Reply {
@@ -135,7 +142,9 @@ fn region_verify(region: Option<&BenchBuffer>, ranges: &[(u64, u64)], seed: u64)
         let (offset, len) = (offset as usize, len as usize);
         for start in (offset..offset + len).step_by(CHUNK) {
             let piece = &mut scratch[..CHUNK.min(offset + len - start)];
-            region.read_at(start, piece);
+            if let Err(err) = region.read_at(start, piece) {
+                return region_io_failed(&err);
+            }
             if let Some(at) = pattern::first_mismatch(piece, start as u64, seed) {
                 return Reply::Mismatch((start + at) as u64);
             }

@@ -27,7 +27,7 @@ pub fn serve(args: &Args) -> Result<()> {
             params.insert("advertise", listen.ip().to_string());
         }
         agent.add_backend(&backend, params).with_context(|| format!("attaching backend {backend}"))?;
-        let (buffer, registration) = BenchBuffer::register(&agent, args.alloc, mem as usize)?;
+        let (buffer, registration) = BenchBuffer::register(&agent, args.remote_mem, &args.mem_options(), mem as usize)?;
         side = Some(agent.start_side_channel(&listen.to_string())?);
         region = Some(buffer);
         xfer = Some((agent, registration));

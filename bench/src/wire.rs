@@ -73,6 +73,8 @@ pub enum Refusal {
     NoRegion = 2,
     /// A range outside the registered region.
     OutOfRange = 3,
+    /// Reading or writing the region failed (a file or GPU error; the target prints it).
+    RegionIo = 4,
 }
 
 /// The target's answer to a request that has one.
@@ -101,6 +103,7 @@ impl Reply {
             [2, 1] => Ok(Reply::Refused(Refusal::TooLarge)),
             [2, 2] => Ok(Reply::Refused(Refusal::NoRegion)),
             [2, 3] => Ok(Reply::Refused(Refusal::OutOfRange)),
+            [2, 4] => Ok(Reply::Refused(Refusal::RegionIo)),
             [status, detail] => Err(format!("bad reply ({status}, {detail})")),
         }
     }
@@ -155,7 +158,9 @@ mod tests {
 
     #[test]
     fn replies_round_trip() {
-        for reply in [Reply::Ok, Reply::Mismatch(12345), Reply::Refused(Refusal::OutOfRange)] {
+        for reply in
+            [Reply::Ok, Reply::Mismatch(12345), Reply::Refused(Refusal::OutOfRange), Reply::Refused(Refusal::RegionIo)]
+        {
             assert_eq!(Reply::decode(&reply.encode()), Ok(reply));
         }
         assert!(Reply::decode(&words([2, 9])).is_err());

@@ -6,15 +6,12 @@ use std::collections::HashMap;
 
 use anyhow::{anyhow, bail, Context, Result};
 use indicatif::ProgressBar;
-use xfer::{
-    Agent, BackendParams, Desc, MemType, PreparedLocal, PreparedRemote, Registration, RequestOptions, XferRequest,
-};
+use xfer::{Agent, BackendParams, Desc, MemType, PreparedLocal, PreparedRemote, RequestOptions, XferRequest};
 
 use crate::check;
-use crate::cli::Alloc;
 use crate::layout::{Case, Layout};
 use crate::measure::{measure, Measurement, Plan, Worker, REQUEST_TIMEOUT};
-use crate::memory::BenchBuffer;
+use crate::memory::{BenchBuffer, BenchRegistration, RunMemory};
 use crate::raw::RawConn;
 use crate::units::format_total;
 
@@ -37,10 +34,11 @@ impl Worker for XferWorker {
 struct Initiator {
     agent: Agent,
     local: BenchBuffer,
-    /// Per target: the peer's name and its DRAM region.
+    /// Per target: the peer's name and its region (of the remote memory type).
     targets: Vec<(String, Desc)>,
+    remote_type: MemType,
     /// Keeps `local` registered (and alive) for the whole run.
-    _registration: Registration,
+    _registration: BenchRegistration,
 }
 
 #[derive(Debug)]
@@ -52,20 +50,21 @@ pub struct XferEngine {
 }
 
 impl XferEngine {
-    /// Attaches `backend` to `agents` agents, registers `mem` bytes (from `alloc`) in each and
-    /// loads every target's metadata from its side channel in `sides`.
+    /// Attaches `backend` to `agents` agents, registers `memory.bytes` of `memory.local` in each
+    /// and loads every target's metadata (and its `memory.remote` region) from its side channel
+    /// in `sides`.
     pub fn connect(
         backend: &str,
         params: &str,
         sides: &[String],
         agents: u64,
-        (mem, alloc): (u64, Alloc),
+        memory: &RunMemory,
         control: Option<RawConn>,
     ) -> Result<XferEngine> {
         let initiators = (0..agents)
             .map(|i| {
                 let name = format!("xferbench-{}-{i}", std::process::id());
-                Initiator::connect(&name, backend, params, sides, mem, alloc)
+                Initiator::connect(&name, backend, params, sides, memory)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(XferEngine { backend: backend.to_string(), initiators, control })
@@ -121,13 +120,18 @@ impl XferEngine {
 }
 
 impl Initiator {
-    fn connect(name: &str, backend: &str, params: &str, sides: &[String], mem: u64, alloc: Alloc) -> Result<Initiator> {
+    fn connect(name: &str, backend: &str, params: &str, sides: &[String], memory: &RunMemory) -> Result<Initiator> {
         let agent = Agent::new(name)?;
         let params = BackendParams::parse(params).context("--params")?;
         agent.add_backend(backend, params).with_context(|| format!("attaching backend {backend}"))?;
-        let (local, registration) = BenchBuffer::register(&agent, alloc, mem as usize)?;
-        let targets = sides.iter().map(|side| load_target(&agent, side, mem)).collect::<Result<Vec<_>>>()?;
-        Ok(Initiator { agent, local, targets, _registration: registration })
+        let (local, registration) =
+            BenchBuffer::register(&agent, memory.local, &memory.options, memory.bytes as usize)?;
+        let remote_type = memory.remote.mem_type();
+        let targets = sides
+            .iter()
+            .map(|side| load_target(&agent, side, remote_type, memory.bytes))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Initiator { agent, local, targets, remote_type, _registration: registration })
     }
 
     /// Both sides' block lists of the layout, against target `t`.
@@ -139,23 +143,25 @@ impl Initiator {
         let remote_descs: Vec<Desc> =
             (0..layout.slots).map(|s| Desc::new(region.addr + layout.offset(s), block, region.dev_id)).collect();
         Ok((
-            self.agent.prep_local(MemType::Dram, &local_descs)?,
-            self.agent.prep_remote(peer, MemType::Dram, &remote_descs)?,
+            self.agent.prep_local(self.local.mem_type(), &local_descs)?,
+            self.agent.prep_remote(peer, self.remote_type, &remote_descs)?,
         ))
     }
 }
 
-/// Loads a target's metadata; returns its name and largest DRAM region (at least `mem`).
-fn load_target(agent: &Agent, side: &str, mem: u64) -> Result<(String, Desc)> {
+/// Loads a target's metadata; returns its name and largest region of `mem_type` (at least `mem`).
+fn load_target(agent: &Agent, side: &str, mem_type: MemType, mem: u64) -> Result<(String, Desc)> {
     let peer =
         agent.fetch_remote_metadata(side).with_context(|| format!("fetching the target's metadata from {side}"))?;
     let regions = agent.remote_regions(&peer)?;
     let remote = regions
         .iter()
-        .filter(|(mem_type, _)| *mem_type == MemType::Dram)
+        .filter(|(published, _)| *published == mem_type)
         .map(|(_, desc)| *desc)
         .max_by_key(|desc| desc.len)
-        .ok_or_else(|| anyhow!("the target {peer} published no DRAM region"))?;
+        .ok_or_else(|| {
+            anyhow!("the target {peer} published no {mem_type} region: start it with the same --remote-mem")
+        })?;
     if remote.len < mem {
         bail!(
             "the target's region is {} but this run needs {}: start the target with the same \
