@@ -2,7 +2,7 @@
 //! baseline between the same two processes. See the crate's README for usage.
 
 // Unsafe only to register GPU memory (`memory.rs`), which the agent names by address.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod check;
 mod cli;

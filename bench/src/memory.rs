@@ -146,15 +146,14 @@ impl BenchBuffer {
                 (BenchBuffer::File(file), registration)
             }
             (MemKind::Vram, _) => {
-                let device = DeviceBuffer::new(options.device, len)
-                    .with_context(|| format!("allocating {size} on CUDA device {}", options.device))?;
-                let desc = Desc::new(device.ptr(), len as u64, device.device());
-                // SAFETY: the descriptor is exactly the device allocation, and the returned
-                // `BenchRegistration` holds the allocation until after the registration is dropped.
-                #[allow(unsafe_code)]
-                let registration = unsafe { agent.register_memory(MemType::Vram, &[desc]) }
+                let device = Arc::new(
+                    DeviceBuffer::new(options.device, len)
+                        .with_context(|| format!("allocating {size} on CUDA device {}", options.device))?,
+                );
+                let registration = agent
+                    .register_device_buffer(&device)
                     .with_context(|| format!("registering {size} of GPU memory"))?;
-                (BenchBuffer::Device(Arc::new(device)), registration)
+                (BenchBuffer::Device(device), registration)
             }
         };
         buffer.fill()?;

@@ -198,6 +198,17 @@ impl Agent {
         unsafe { self.inner.register(MemType::Dram, &[memory.desc()], Some(owner)) }
     }
 
+    /// Registers a device buffer allocated here (`xfer::cuda::DeviceBuffer`) as VRAM; the
+    /// registration holds the buffer, so it is freed only after deregistration. GPU memory from
+    /// elsewhere (a torch tensor) goes through `unsafe` [`register_memory`](Agent::register_memory).
+    pub fn register_device_buffer(&self, buffer: &Arc<xfer_cuda::DeviceBuffer>) -> Result<Registration, XferError> {
+        let desc = Desc::new(buffer.ptr(), buffer.len() as u64, buffer.device());
+        let owner: Arc<dyn Any + Send + Sync> = Arc::clone(buffer) as Arc<dyn Any + Send + Sync>;
+        // SAFETY: the descriptor is exactly the device allocation, which the registration keeps
+        // alive (it holds the `Arc`); the CPU never dereferences VRAM.
+        unsafe { self.inner.register(MemType::Vram, &[desc], Some(owner)) }
+    }
+
     /// Registers `len` bytes of an open file from `offset` as FILE memory: the descriptor is
     /// `(offset, len, file descriptor)` (see [`MemType::File`]); it is also in
     /// [`Registration::descs`]. The registration keeps the file open, so its descriptor number

@@ -62,6 +62,9 @@ fn target_main(dir: &Path) {
     let _file_reg = agent.register_file(&file, 0, SIZE as u64).unwrap();
     let read_only = file_with(&dir.join("read-only.bin"), &pattern(4096, 2), false);
     let _read_only_reg = agent.register_file(&read_only, 0, 4096).unwrap();
+    // Registered longer than it is: reading its end is refused before any byte moves.
+    let short = file_with(&dir.join("short.bin"), &pattern(4096, 4), false);
+    let _short_reg = agent.register_file(&short, 0, 12288).unwrap();
     let (vram, _vram_reg) = stand_in_vram(&agent, SIZE);
     vram.write_at(0, &pattern(SIZE, 3));
     let side_channel = agent.start_side_channel("127.0.0.1:0").unwrap();
@@ -238,6 +241,14 @@ fn gpu_memory_and_files_cross_tcp_staged_on_both_sides() {
     transfer(&agent, Op::Read, (MemType::Dram, &[dram.sub_desc(0, 4096)]), (MemType::File, &[remote_read_only]))
         .unwrap();
     assert_eq!(dram.to_vec()[..4096], pattern(4096, 2)[..], "the read-only file reads");
+    // Reading past the end of a remote file: a refusal with the reason, the link still in step.
+    let short = agent.remote_regions("staged-target").unwrap().into_iter().find(|(_, d)| d.len == 12288).unwrap().1;
+    let err =
+        transfer(&agent, Op::Read, (MemType::Dram, &[dram.sub_desc(0, 12288)]), (MemType::File, &[short])).unwrap_err();
+    assert!(matches!(&err, XferError::Refused { message, .. } if message.contains("file ends")), "{err}");
+    transfer(&agent, Op::Read, (MemType::Dram, &[dram.sub_desc(0, 4096)]), (MemType::File, &[sub(short, 0, 4096)]))
+        .unwrap();
+    assert_eq!(dram.to_vec()[..4096], pattern(4096, 4)[..], "its first block reads");
 
     drop(target);
     std::fs::remove_dir_all(&dir).unwrap();

@@ -10,9 +10,12 @@
 //! GPU memory (VRAM) and files (FILE) move on either side by staging (`xfer_core::staging`): the
 //! initiator's stream workers and the target's connection threads each keep a copy lane
 //! (CUDA's pinned slots and stream from the agent, or `pread`/`pwrite` for files), and the
-//! payload crosses the socket slot by slot while the next slot is being copied. A target whose
-//! copy into staged memory fails still reads the payload and refuses the request with the
-//! reason; one whose copy out of it fails mid-answer can only close the connection.
+//! payload crosses the socket slot by slot while the next slot is being copied. Files are
+//! checked on both sides before any byte moves (open the right way, long enough to read,
+//! O_DIRECT alignment), so those mistakes are typed refusals; requests are cut over the streams
+//! at 4 KiB multiples so O_DIRECT pieces stay aligned. A target whose copy into staged memory
+//! fails later still reads the payload and refuses with the reason; one whose copy out of it
+//! fails mid-answer (a device error) can only close the connection.
 //!
 //! Parameters (all optional):
 //! | key | default | meaning |
@@ -114,8 +117,8 @@ impl TcpBackend {
         if !(1..=16).contains(&staging_slots) {
             return Err(invalid("staging_slots", "must be 1..=16"));
         }
-        if !(4096..=(256 << 20)).contains(&staging_bytes) {
-            return Err(invalid("staging_bytes", "must be 4096..=268435456"));
+        if !(4096..=(256 << 20)).contains(&staging_bytes) || !staging_bytes.is_multiple_of(4096) {
+            return Err(invalid("staging_bytes", "must be a multiple of 4096 in 4096..=268435456"));
         }
         let staging_config = StagingConfig { slots: staging_slots, slot_bytes: staging_bytes };
         if !(1..=64).contains(&streams) {

@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
+use xfer_core::file_io;
 use xfer_core::split::{even_sizes, split_by_sizes, Segment};
-use xfer_core::staging::{needs_staging, Flow, Staging};
+use xfer_core::staging::{check_files, needs_staging, Flow, Staging};
 use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
 
 use crate::conn::{Conn, ConnError, SocketTuning};
@@ -248,7 +249,8 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
         1
     };
     let by_descs = wire.len().max(local.len()).div_ceil(MAX_CHUNK_DESCS) as u64;
-    let sizes = even_sizes(total, by_bytes.max(by_descs).max(1) as usize);
+    // Cuts at 4 KiB multiples, so an O_DIRECT file's pieces stay aligned on every stream.
+    let sizes = even_sizes(total, by_bytes.max(by_descs).max(1) as usize, file_io::DIRECT_ALIGN);
     let tracker = Arc::new(Tracker {
         remaining: AtomicUsize::new(sizes.len().max(1)),
         error: Mutex::new(None),
@@ -352,11 +354,13 @@ fn exchange(shared: &PoolShared, conn: &mut Conn, lanes: &mut Lanes, chunk: &mut
     let config = shared.config.staging;
     match chunk.op {
         Op::Write if needs_staging(&chunk.local) => {
+            check_files(Flow::ToWire, &chunk.local)?;
             conn.write_all(&head).map_err(io)?;
             lanes.run(staging, config, Flow::ToWire, &mut chunk.local, conn, &io)?;
             read_response(shared, conn, request_id, 0)?;
         }
         Op::Read if needs_staging(&chunk.local) => {
+            check_files(Flow::FromWire, &chunk.local)?;
             conn.write_all(&head).map_err(io)?;
             read_response(shared, conn, request_id, chunk.bytes)?;
             lanes.run(staging, config, Flow::FromWire, &mut chunk.local, conn, &io)?;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use xfer_core::staging::{needs_staging, Flow, Staging};
+use xfer_core::staging::{check_files, needs_staging, Flow, Staging};
 use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
 
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
@@ -146,8 +146,17 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
             }
             Kind::Write => match resolve(&shared.keys, &descs) {
                 Ok(mut pieces) if needs_staging(&pieces) => {
-                    // A failed copy still reads the whole payload, so the refusal stays in step.
-                    let staged = lanes.run(staging, shared.staging_config, Flow::FromWire, &mut pieces, &mut conn, &io);
+                    let staged = match check_files(Flow::FromWire, &pieces) {
+                        // Refused before any byte moved: the payload is read and dropped.
+                        Err(err) => {
+                            conn.discard(header.payload_len)?;
+                            Err(err)
+                        }
+                        // A failed copy still reads the whole payload, so the refusal stays in step.
+                        Ok(()) => {
+                            lanes.run(staging, shared.staging_config, Flow::FromWire, &mut pieces, &mut conn, &io)
+                        }
+                    };
                     drop(pieces);
                     drop(current);
                     match staged {
@@ -176,14 +185,21 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 }
             },
             Kind::Read => match resolve(&shared.keys, &descs) {
-                Ok(mut pieces) if needs_staging(&pieces) => {
-                    frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
-                    conn.write_all(&out)?;
-                    // The answer is promised: a copy failing now can only end the connection.
-                    lanes
-                        .run(staging, shared.staging_config, Flow::ToWire, &mut pieces, &mut conn, &io)
-                        .map_err(ServeError::Staging)?;
-                }
+                Ok(mut pieces) if needs_staging(&pieces) => match check_files(Flow::ToWire, &pieces) {
+                    Err(err) => {
+                        let msg = format!("reading staged memory: {err}");
+                        refuse(&mut conn, &header, RefusalCode::BadRequest, &msg, &mut out)?;
+                    }
+                    Ok(()) => {
+                        frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
+                        conn.write_all(&out)?;
+                        // The answer is promised: a copy failing now (checked above, so a device
+                        // error or the file changing meanwhile) can only end the connection.
+                        lanes
+                            .run(staging, shared.staging_config, Flow::ToWire, &mut pieces, &mut conn, &io)
+                            .map_err(ServeError::Staging)?;
+                    }
+                },
                 Ok(slices) => {
                     frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
                     let mut iov = Vec::with_capacity(slices.len() + 1);

@@ -105,6 +105,23 @@ pub fn os_error(fd: RawFd, op: &'static str, offset: u64, len: u64, source: io::
     FileIoError::Os { fd, op, offset, len, source }
 }
 
+/// The alignment O_DIRECT asks of buffers, offsets and lengths: the largest common logical
+/// block size.
+pub const DIRECT_ALIGN: u64 = 4096;
+
+/// The size of the file open as `fd`.
+pub fn file_size(fd: RawFd) -> Result<u64, FileIoError> {
+    let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a `stat` into the provided buffer and reads nothing else; any integer
+    // is a valid descriptor argument (an unknown one gives EBADF).
+    if unsafe { libc::fstat(fd, stat.as_mut_ptr()) } != 0 {
+        return Err(FileIoError::BadFd { fd, source: io::Error::last_os_error() });
+    }
+    // SAFETY: fstat succeeded, so it filled the structure.
+    let stat = unsafe { stat.assume_init() };
+    Ok(stat.st_size.max(0) as u64)
+}
+
 /// How a descriptor was opened, as far as the data path cares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileMode {

@@ -33,12 +33,21 @@ impl Segment for RemoteSeg {
     }
 }
 
-/// `parts` sizes adding up to `total`, as equal as possible (earlier parts get the remainder).
-pub fn even_sizes(total: u64, parts: usize) -> Vec<u64> {
-    let parts = parts.max(1) as u64;
-    let base = total / parts;
-    let extra = total % parts;
-    (0..parts).map(|i| base + u64::from(i < extra)).filter(|&size| size > 0).collect()
+/// At most `parts` sizes adding up to `total`, as equal as possible, each but the last a
+/// multiple of `align` (so every cut of an O_DIRECT file stays aligned; `align` 1 cuts anywhere).
+/// Earlier parts get the remainder.
+pub fn even_sizes(total: u64, parts: usize, align: u64) -> Vec<u64> {
+    let align = align.max(1);
+    let units = total.div_ceil(align);
+    let parts = (parts.max(1) as u64).min(units.max(1));
+    let (base, extra) = (units / parts, units % parts);
+    let mut sizes: Vec<u64> = (0..parts).map(|i| (base + u64::from(i < extra)) * align).collect();
+    // The units cover `total` rounded up to `align`: the last part gives the difference back.
+    if let Some(last) = sizes.last_mut() {
+        *last -= units * align - total;
+    }
+    sizes.retain(|&size| size > 0);
+    sizes
 }
 
 /// Cuts `segs` into consecutive groups holding `sizes[i]` bytes each, splitting segments that
@@ -127,10 +136,15 @@ mod tests {
 
     #[test]
     fn even_sizes_add_up() {
-        assert_eq!(even_sizes(10, 3), vec![4, 3, 3]);
-        assert_eq!(even_sizes(2, 4), vec![1, 1]);
-        assert_eq!(even_sizes(0, 4), Vec::<u64>::new());
-        assert_eq!(even_sizes(7, 0), vec![7]);
+        assert_eq!(even_sizes(10, 3, 1), vec![4, 3, 3]);
+        assert_eq!(even_sizes(2, 4, 1), vec![1, 1]);
+        assert_eq!(even_sizes(0, 4, 1), Vec::<u64>::new());
+        assert_eq!(even_sizes(7, 0, 1), vec![7]);
+        // Aligned: every part but the last a multiple of the alignment.
+        assert_eq!(even_sizes(10 * 4096 + 5, 3, 4096), vec![4 * 4096, 4 * 4096, 2 * 4096 + 5]);
+        assert_eq!(even_sizes(4096, 4, 4096), vec![4096]);
+        assert_eq!(even_sizes(100, 2, 4096), vec![100]);
+        assert_eq!(even_sizes(3 * 4096, 3, 4096), vec![4096; 3]);
     }
 
     #[test]
@@ -148,7 +162,7 @@ mod tests {
             for parts in 1..7 {
                 let segs: Vec<Span> = (0..n_segs).map(|i| Span(i * 1000, i * 7 % 13 + 1)).collect();
                 let total: u64 = segs.iter().map(|s| s.1).sum();
-                let sizes = even_sizes(total, parts);
+                let sizes = even_sizes(total, parts, 1);
                 let groups = split_by_sizes(segs, &sizes);
                 for (group, size) in groups.iter().zip(&sizes) {
                     assert_eq!(group.iter().map(|s| s.1).sum::<u64>(), *size);

@@ -19,7 +19,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::{BackendError, DeviceError};
+use crate::error::{BackendError, DeviceError, FileIoError};
 use crate::file_io;
 use crate::mem::{LocalMem, MemSlice};
 
@@ -148,6 +148,41 @@ pub fn needs_staging(pieces: &[LocalMem]) -> bool {
     pieces.iter().any(|piece| !matches!(piece, LocalMem::Host(_)))
 }
 
+/// Checks the file pieces of a staged transfer before any byte moves, so a backend can refuse
+/// with the reason instead of failing half-way: open the right way (read when the files are the
+/// source, `ToWire`; written when `FromWire`), within the file when read, addressable, and for
+/// O_DIRECT files aligned (offset and length multiples of [`file_io::DIRECT_ALIGN`]).
+pub fn check_files(flow: Flow, pieces: &[LocalMem]) -> Result<(), BackendError> {
+    for piece in pieces {
+        let LocalMem::File(file) = piece else { continue };
+        let (fd, offset, len) = (file.fd(), file.offset(), file.len());
+        if offset.checked_add(len).is_none_or(|end| end > i64::MAX as u64) {
+            return Err(FileIoError::BadOffset { fd, offset, len }.into());
+        }
+        let mode = file_io::file_mode(fd)?;
+        match flow {
+            Flow::ToWire if !mode.readable => return Err(FileIoError::NotReadable { fd }.into()),
+            Flow::FromWire if !mode.writable => return Err(FileIoError::NotWritable { fd }.into()),
+            _ => {}
+        }
+        if mode.direct {
+            for (what, value) in [("file offset", offset), ("length", len)] {
+                if !value.is_multiple_of(file_io::DIRECT_ALIGN) {
+                    let align = file_io::DIRECT_ALIGN;
+                    return Err(FileIoError::Misaligned { fd, what, value, align }.into());
+                }
+            }
+        }
+        if flow == Flow::ToWire {
+            let size = file_io::file_size(fd)?;
+            if size < offset + len {
+                return Err(FileIoError::ShortFile { fd, offset, len, got: size.saturating_sub(offset) }.into());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Moves `pieces` over `wire` in order, staging what is not host memory through `lane`.
 ///
 /// Every copy started has finished when this returns, error or not: staged memory is never
@@ -253,29 +288,50 @@ impl Staging for HostStaging {
     }
 }
 
-/// A lane over plain host slots that stages file ranges with `pread`/`pwrite` (synchronously:
-/// the page cache makes these memory copies, or the disk is the bottleneck anyway).
+/// Host bytes that start on a page boundary, so O_DIRECT files can be read into them.
+#[derive(Debug)]
+struct PageSlot {
+    storage: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl PageSlot {
+    fn new(len: usize) -> PageSlot {
+        let storage = vec![0u8; len + file_io::DIRECT_ALIGN as usize];
+        let start = storage.as_ptr().align_offset(file_io::DIRECT_ALIGN as usize);
+        PageSlot { storage, start, len }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        &mut self.storage[self.start..self.start + self.len]
+    }
+}
+
+/// A lane over plain (page-aligned) host slots that stages file ranges with `pread`/`pwrite`
+/// (synchronously: the page cache makes these memory copies, or the disk is the bottleneck).
 #[derive(Debug)]
 pub struct FileLane {
-    slots: Vec<Vec<u8>>,
+    slots: Vec<PageSlot>,
 }
 
 impl FileLane {
     pub fn new(slots: usize, slot_bytes: usize) -> Self {
-        FileLane { slots: (0..slots.max(1)).map(|_| vec![0u8; slot_bytes.max(1)]).collect() }
+        FileLane { slots: (0..slots.max(1)).map(|_| PageSlot::new(slot_bytes.max(1))).collect() }
     }
 
-    fn slot_mut(&mut self, slot: usize) -> Result<&mut Vec<u8>, BackendError> {
+    fn slot_mut(&mut self, slot: usize) -> Result<&mut [u8], BackendError> {
         let count = self.slots.len();
         self.slots
             .get_mut(slot)
+            .map(PageSlot::bytes)
             .ok_or_else(|| BackendError::Protocol(format!("staging slot {slot} of {count} does not exist")))
     }
 }
 
 impl CopyLane for FileLane {
     fn slot_bytes(&self) -> usize {
-        self.slots[0].len()
+        self.slots[0].len
     }
 
     fn slots(&self) -> usize {
@@ -299,7 +355,7 @@ impl CopyLane for FileLane {
     }
 
     fn host(&mut self, slot: usize) -> Result<&mut [u8], BackendError> {
-        Ok(self.slot_mut(slot)?.as_mut_slice())
+        self.slot_mut(slot)
     }
 
     fn finish(&mut self) -> Result<(), BackendError> {
