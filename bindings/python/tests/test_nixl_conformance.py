@@ -148,3 +148,17 @@ def test_code_that_imports_nixl_by_name_gets_pd_xfer():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_gds_is_listed_and_refused_with_the_reason_without_a_gpu():
+    agent = pd_xfer.nixl.nixl_agent("gds-probe", pd_xfer.nixl.nixl_agent_config(backends=[]))
+    assert "GDS" in agent.get_plugin_list()
+    assert agent.get_plugin_mem_types("GDS") == ["FILE_SEG", "VRAM_SEG"]
+    assert "VRAM_SEG" in agent.get_plugin_mem_types("TCP")
+    try:
+        agent.create_backend("GDS")
+    except pd_xfer.nixl.XferError as err:
+        # No CUDA driver (or no cuFile) here: the reason travels in the error.
+        assert "CUDA is not available" in str(err) or "libcufile" in str(err), str(err)
+    else:
+        print("SKIPPED the refusal half: GDS attached (a GPU with cuFile is here)", file=sys.__stderr__)

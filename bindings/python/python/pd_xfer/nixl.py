@@ -40,7 +40,15 @@ DEFAULT_COMM_PORT = 8888
 # What NIXL callers pass as the agent name of a local descriptor list.
 LOCAL_AGENT_NAMES = ("NIXL_INIT_AGENT", "")
 # NIXL's backend names and the xfer backend each stands for.
-BACKEND_NAMES = {"POSIX": "posix", "TCP": "tcp", "UCX": "ucx"}
+BACKEND_NAMES = {"POSIX": "posix", "TCP": "tcp", "UCX": "ucx", "GDS": "gds"}
+# The segment types each moves (TCP and POSIX stage GPU memory through host slots; UCX moves
+# VRAM too when its build has CUDA, which is only known once created).
+BACKEND_MEM_TYPES = {
+    "POSIX": ["DRAM_SEG", "FILE_SEG", "VRAM_SEG"],
+    "TCP": ["DRAM_SEG", "FILE_SEG", "VRAM_SEG"],
+    "UCX": ["DRAM_SEG"],
+    "GDS": ["FILE_SEG", "VRAM_SEG"],
+}
 # NIXL's per-backend thread-count parameters; xfer's backends size their own threads.
 THREAD_PARAMS = ("num_threads", "thread_count", "num_cpus")
 # The first bytes of NIXL's own metadata blobs (its serializer's tag).
@@ -353,7 +361,7 @@ class nixl_agent:
         return sorted(nixl for nixl, ours in BACKEND_NAMES.items() if ours in Agent.available_backends())
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
-        return ["DRAM_SEG", "FILE_SEG"] if backend.upper() == "POSIX" else ["DRAM_SEG"]
+        return list(BACKEND_MEM_TYPES.get(backend.upper(), []))
 
     def get_backend_mem_types(self, backend: str) -> list[str]:
         return self.get_plugin_mem_types(backend)
