@@ -211,10 +211,16 @@ pub fn run(
             }
             Step::Wire { segment, slot: Some(slot) } => {
                 let len = segs[segment].len as usize;
-                match (flow, lane.host(slot)) {
-                    (Flow::ToWire, Ok(bytes)) => wire.send(&bytes[..len]),
-                    (Flow::FromWire, Ok(bytes)) => wire.receive(&mut bytes[..len]),
-                    (_, Err(err)) => Err(err),
+                match flow {
+                    Flow::ToWire => lane.host(slot).and_then(|bytes| wire.send(&bytes[..len])),
+                    Flow::FromWire => {
+                        // A drain out of this slot that failed is reported here; the slot is
+                        // free again, so the payload is still read into it.
+                        if let Err(err) = lane.host(slot) {
+                            failed.get_or_insert(err);
+                        }
+                        lane.host(slot).and_then(|bytes| wire.receive(&mut bytes[..len]))
+                    }
                 }
             }
             Step::Wire { segment, slot: None } => match (&mut pieces[segs[segment].piece], flow) {
@@ -308,30 +314,127 @@ impl PageSlot {
     }
 }
 
-/// A lane over plain (page-aligned) host slots that stages file ranges with `pread`/`pwrite`
-/// (synchronously: the page cache makes these memory copies, or the disk is the bottleneck).
+/// A lane over plain (page-aligned) host slots that stages file ranges with `pread`/`pwrite` on
+/// a thread of its own, so reading the next slot from the file overlaps sending this one (and
+/// writing the last received slot overlaps receiving the next). A slot's buffer travels to that
+/// thread and back by value: no memory is shared while the I/O runs.
 #[derive(Debug)]
 pub struct FileLane {
-    slots: Vec<PageSlot>,
+    slots: Vec<Option<PageSlot>>,
+    slot_bytes: usize,
+    io: Option<FileIo>,
+    /// The first error of an I/O that finished, reported by the next `host` or `finish`.
+    failed: Option<BackendError>,
+}
+
+/// One queued read or write of a file range through a slot's buffer.
+#[derive(Debug)]
+struct FileJob {
+    slot: usize,
+    buf: PageSlot,
+    file: crate::mem::FileSlice,
+    offset: u64,
+    len: usize,
+    write: bool,
+}
+
+type FileDone = (usize, PageSlot, Result<(), FileIoError>);
+
+/// The lane's I/O thread and its queues (the thread ends when the lane drops its sender).
+#[derive(Debug)]
+struct FileIo {
+    jobs: std::sync::mpsc::Sender<FileJob>,
+    done: std::sync::mpsc::Receiver<FileDone>,
+}
+
+impl FileIo {
+    fn start() -> Result<FileIo, BackendError> {
+        let (jobs, queue) = std::sync::mpsc::channel::<FileJob>();
+        let (report, done) = std::sync::mpsc::channel::<FileDone>();
+        std::thread::Builder::new().name("xfer-file-lane".into()).spawn(move || {
+            for mut job in queue {
+                let buf = &mut job.buf.bytes()[..job.len];
+                let result = if job.write {
+                    file_io::write_all_at(&job.file, job.offset, buf)
+                } else {
+                    file_io::read_exact_at(&job.file, job.offset, buf)
+                };
+                if report.send((job.slot, job.buf, result)).is_err() {
+                    return;
+                }
+            }
+        })?;
+        Ok(FileIo { jobs, done })
+    }
 }
 
 impl FileLane {
     pub fn new(slots: usize, slot_bytes: usize) -> Self {
-        FileLane { slots: (0..slots.max(1)).map(|_| PageSlot::new(slot_bytes.max(1))).collect() }
+        let slot_bytes = slot_bytes.max(1);
+        FileLane {
+            slots: (0..slots.max(1)).map(|_| Some(PageSlot::new(slot_bytes))).collect(),
+            slot_bytes,
+            io: None,
+            failed: None,
+        }
     }
 
-    fn slot_mut(&mut self, slot: usize) -> Result<&mut [u8], BackendError> {
+    /// Waits until `slot`'s buffer is back from the I/O thread.
+    fn settle(&mut self, slot: usize) -> Result<(), BackendError> {
         let count = self.slots.len();
-        self.slots
-            .get_mut(slot)
-            .map(PageSlot::bytes)
-            .ok_or_else(|| BackendError::Protocol(format!("staging slot {slot} of {count} does not exist")))
+        if slot >= count {
+            return Err(BackendError::Protocol(format!("staging slot {slot} of {count} does not exist")));
+        }
+        while self.slots[slot].is_none() {
+            let io = self.io.as_ref().ok_or_else(|| BackendError::Protocol("file lane lost a slot".into()))?;
+            let (done, buf, result) =
+                io.done.recv().map_err(|_| BackendError::Protocol("the file lane's I/O thread ended".into()))?;
+            self.slots[done] = Some(buf);
+            if let Err(err) = result {
+                self.failed.get_or_insert(err.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The slot's bytes once its I/O is done, or the first error of an I/O that failed.
+    fn slot_mut(&mut self, slot: usize) -> Result<&mut [u8], BackendError> {
+        self.settle(slot)?;
+        if let Some(err) = self.failed.take() {
+            return Err(err);
+        }
+        Ok(self.slots[slot].as_mut().map(PageSlot::bytes).expect("settled above"))
+    }
+
+    /// Hands the slot's buffer to the I/O thread for `len` bytes at `offset` of `file`.
+    fn queue(
+        &mut self,
+        slot: usize,
+        piece: &LocalMem,
+        offset: u64,
+        len: usize,
+        write: bool,
+    ) -> Result<(), BackendError> {
+        let LocalMem::File(file) = piece else {
+            return Err(BackendError::MemoryNotMoved { backend: "staging", mem_type: piece.mem_type() });
+        };
+        if len > self.slot_bytes {
+            return Err(BackendError::Protocol(format!("{len} bytes do not fit a {}-byte slot", self.slot_bytes)));
+        }
+        self.settle(slot)?;
+        if self.io.is_none() {
+            self.io = Some(FileIo::start()?);
+        }
+        let buf = self.slots[slot].take().expect("settled above");
+        let job = FileJob { slot, buf, file: file.clone(), offset, len, write };
+        let io = self.io.as_ref().expect("started above");
+        io.jobs.send(job).map_err(|_| BackendError::Protocol("the file lane's I/O thread ended".into()))
     }
 }
 
 impl CopyLane for FileLane {
     fn slot_bytes(&self) -> usize {
-        self.slots[0].len
+        self.slot_bytes
     }
 
     fn slots(&self) -> usize {
@@ -339,19 +442,11 @@ impl CopyLane for FileLane {
     }
 
     fn fill(&mut self, slot: usize, src: &LocalMem, offset: u64, len: usize) -> Result<(), BackendError> {
-        let buf = &mut self.slot_mut(slot)?[..len];
-        match src {
-            LocalMem::File(file) => Ok(file_io::read_exact_at(file, offset, buf)?),
-            other => Err(BackendError::MemoryNotMoved { backend: "staging", mem_type: other.mem_type() }),
-        }
+        self.queue(slot, src, offset, len, false)
     }
 
     fn drain(&mut self, slot: usize, dst: &LocalMem, offset: u64, len: usize) -> Result<(), BackendError> {
-        let buf = &self.slot_mut(slot)?[..len];
-        match dst {
-            LocalMem::File(file) => Ok(file_io::write_all_at(file, offset, buf)?),
-            other => Err(BackendError::MemoryNotMoved { backend: "staging", mem_type: other.mem_type() }),
-        }
+        self.queue(slot, dst, offset, len, true)
     }
 
     fn host(&mut self, slot: usize) -> Result<&mut [u8], BackendError> {
@@ -359,7 +454,10 @@ impl CopyLane for FileLane {
     }
 
     fn finish(&mut self) -> Result<(), BackendError> {
-        Ok(())
+        for slot in 0..self.slots.len() {
+            self.settle(slot)?;
+        }
+        self.failed.take().map_or(Ok(()), Err)
     }
 }
 
@@ -515,7 +613,7 @@ impl CopyLane for HostAsDeviceLane {
     }
 
     fn finish(&mut self) -> Result<(), BackendError> {
-        Ok(())
+        self.0.finish()
     }
 }
 
