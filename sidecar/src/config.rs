@@ -46,12 +46,12 @@ pub enum Role {
     Both,
 }
 
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Both => "both",
+impl From<Role> for pd_api::Role {
+    fn from(role: Role) -> pd_api::Role {
+        match role {
+            Role::Prefill => pd_api::Role::Prefill,
+            Role::Decode => pd_api::Role::Decode,
+            Role::Both => pd_api::Role::Both,
         }
     }
 }

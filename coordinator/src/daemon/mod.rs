@@ -15,6 +15,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::config::{ClusterFile, Config, StoreUrl};
+use crate::membership::EngineSpec;
 use crate::prompt::PromptHasher;
 use crate::store::etcd::EtcdStore;
 
@@ -48,7 +49,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let now = Instant::now();
         let mut inner = coordinator.inner.lock();
         for spec in &cluster.engines {
-            coordinator.apply_register(&mut inner, spec.to_spec(), Origin::Static, None, now);
+            coordinator.apply_register(&mut inner, EngineSpec::from(spec), Origin::Static, None, now);
         }
     }
     tracing::info!(

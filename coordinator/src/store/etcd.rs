@@ -80,7 +80,7 @@ impl EtcdStore {
     }
 
     async fn put(&self, spec: &EngineSpec, lease: i64) -> Result<(), StoreError> {
-        let value = serde_json::to_vec(&Stored { spec: EngineSpecJson::from_spec(spec), lease }).expect("serializable");
+        let value = serde_json::to_vec(&Stored { spec: EngineSpecJson::from(spec), lease }).expect("serializable");
         let mut client = self.client.clone();
         bounded(client.put(self.key(&spec.id), value, Some(PutOptions::new().with_lease(lease)))).await?;
         Ok(())
@@ -180,7 +180,13 @@ fn parse(value: &[u8]) -> Option<Stored> {
 impl Coordinator {
     fn store_put(self: &Arc<Self>, stored: Stored) {
         let mut inner = self.inner.lock();
-        self.apply_register(&mut inner, stored.spec.to_spec(), Origin::Registered, Some(stored.lease), Instant::now());
+        self.apply_register(
+            &mut inner,
+            EngineSpec::from(&stored.spec),
+            Origin::Registered,
+            Some(stored.lease),
+            Instant::now(),
+        );
     }
 
     fn store_delete(self: &Arc<Self>, id: &str) {
