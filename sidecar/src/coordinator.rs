@@ -19,30 +19,13 @@ use tokio::sync::mpsc;
 use crate::allowlist::HostPort;
 use crate::config::Config;
 use crate::errors::UpstreamError;
+use crate::handoff::{Pairing, RemoteDecode};
 use crate::load;
 use crate::metrics::{inc, Metrics};
 use crate::rewrite::Prompt;
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{self, HttpClient};
-
-/// What the sidecar takes from a pairing decision.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Pairing {
-    /// The prefill; `None`: the decode engine computes the prompt itself (`local_prefill`: the
-    /// uncached part is short, or no prefill is worth it).
-    pub prefill: Option<Target>,
-    /// The decode engine the coordinator chose when it is another than this sidecar's.
-    pub remote_decode: Option<RemoteDecode>,
-}
-
-/// Another engine chosen as decode, and its sidecar (where the request can be redirected).
-#[derive(Debug, Clone, PartialEq)]
-pub struct RemoteDecode {
-    pub id: String,
-    /// `None` when it registered no (usable) `sidecar_url`.
-    pub sidecar: Option<Target>,
-}
 
 /// Why a call to the coordinator came to nothing.
 #[derive(Debug, thiserror::Error)]

@@ -14,14 +14,16 @@ use tracing::Instrument;
 use crate::config::{Fallback, Mode};
 use crate::coordinator::Reporter;
 use crate::decode::{self, DecodeCall, Finish};
-use crate::errors::ApiError;
+use crate::errors::{ApiError, LegError};
+use crate::handoff::{Plan, Route};
 use crate::json::Object;
+use crate::legs::Legged;
 use crate::metrics::{inc, LocalReason, Outcome, Tracker};
 use crate::prefill::{self, Prefilled};
 use crate::redirect;
 use crate::release::ReleaseGuard;
 use crate::rewrite::{self, Api};
-use crate::routing::{self, Plan, Route};
+use crate::routing;
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::REQUEST_ID;
@@ -76,8 +78,8 @@ pub(crate) async fn route<'a>(
     let Ok(object) = Object::parse(body) else {
         return Err(local(state, path, headers, rid, body, None, tracker, reporter, None).await);
     };
-    let plan = match routing::plan(state, headers, &object, api, rid).await {
-        Route::Here(plan) => plan,
+    let plan = match routing::route(state, headers, &object, api, rid).await {
+        Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
         Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, body).await {
             Ok(opened) => return Err(redirect::relay(state, opened, tracker, reporter)),
             Err(fallback) => fallback,
@@ -109,37 +111,34 @@ async fn vllm(
     let prefilled_at = Instant::now();
     // Ok: the prefill's params; Err: the reason to compute the prompt here after all.
     let handed_off = match prefilled {
-        Prefilled::Params { params, target } => Ok((params, target)),
-        Prefilled::ClientError(resp) => {
+        Legged::Done(Prefilled::Params { params, target }) => Ok((params, target)),
+        Legged::Done(Prefilled::ClientError(resp)) => {
             if let Some(r) = reporter {
                 r.failed(&format!("prefill answered {}", resp.status()));
             }
             tracker.finish(Outcome::ClientError);
             return resp;
         }
-        Prefilled::BadBody { target, reason } => {
-            let e =
-                ApiError::bad_gateway(format!("prefill {} answered a body that is not JSON: {reason}", target.name()));
-            return fail(e, tracker, reporter);
-        }
-        Prefilled::NullParams { target } => {
+        Legged::Done(Prefilled::NullParams { target }) => {
             tracing::warn!(prefill = %target.name(), "prefill returned kv_transfer_params: null");
             if state.cfg.null_params != Fallback::Local {
-                let e = ApiError::bad_gateway(format!(
-                    "prefill {} returned no kv_transfer_params (the request stopped early or was aborted)",
-                    target.name()
-                ));
-                return fail(e, tracker, reporter);
+                return fail((&LegError::NullParams { prefill: target.name().to_string() }).into(), tracker, reporter);
             }
             Err(LocalReason::NullParams)
         }
-        Prefilled::Failed(e) => {
-            if state.cfg.fallback != Fallback::Local {
-                return fail(e, tracker, reporter);
+        // Another 5xx follows --fallback; a body that is not JSON never does.
+        Legged::Done(Prefilled::Failed(e)) => {
+            if state.cfg.fallback != Fallback::Local || !matches!(e, LegError::PrefillStatus { .. }) {
+                return fail((&e).into(), tracker, reporter);
             }
-            tracing::warn!(error = %e.message, "no prefill; computing the prompt locally");
+            tracing::warn!(error = %e, "no prefill; computing the prompt locally");
             Err(LocalReason::PrefillFailed)
         }
+        Legged::Fallback(e) => {
+            tracing::warn!(error = %e, "no prefill; computing the prompt locally");
+            Err(LocalReason::PrefillFailed)
+        }
+        Legged::Fail(e) => return fail((&LegError::from(e)).into(), tracker, reporter),
     };
     let (params, target) = match handed_off {
         Ok(handed_off) => handed_off,
@@ -189,7 +188,7 @@ async fn prefill_detached(
     rid: &str,
     object: &Object<'_>,
     body: &Bytes,
-) -> Prefilled {
+) -> Legged<Prefilled> {
     let prefill_body = Bytes::from(rewrite::prefill_body(object));
     let orphan = Orphan { state: Arc::clone(state), rid: rid.to_string(), path: path.to_string(), body: body.clone() };
     let (task_state, path, headers, rid) = (Arc::clone(state), path.to_string(), headers.clone(), rid.to_string());
@@ -198,7 +197,7 @@ async fn prefill_detached(
     Orphanable { leg: Some(Box::pin(leg.instrument(span))), orphan: Some(orphan) }.await
 }
 
-type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Prefilled> + Send>>;
+type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Legged<Prefilled>> + Send>>;
 
 /// What an abandoned prefill needs to release its blocks.
 struct Orphan {
@@ -215,9 +214,9 @@ struct Orphanable {
 }
 
 impl std::future::Future for Orphanable {
-    type Output = Prefilled;
+    type Output = Legged<Prefilled>;
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Prefilled> {
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Legged<Prefilled>> {
         let leg = self.leg.as_mut().expect("polled after completion");
         let out = std::task::ready!(leg.as_mut().poll(cx));
         self.leg = None;
@@ -230,7 +229,7 @@ impl Drop for Orphanable {
         let (Some(leg), Some(o)) = (self.leg.take(), self.orphan.take()) else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(async move {
-            if let Prefilled::Params { params, .. } = leg.await {
+            if let Legged::Done(Prefilled::Params { params, .. }) = leg.await {
                 tracing::info!(request_id = %o.rid, "client left during the prefill; releasing its blocks");
                 drop(ReleaseGuard::new(&o.state, &o.rid, &params, o.body, &o.path));
             }
@@ -263,7 +262,7 @@ pub(crate) async fn local(
     if let Some(r) = reason {
         state.metrics.local(r);
         if r == LocalReason::NoCandidate && state.cfg.fallback == Fallback::Fail {
-            return fail(ApiError::unavailable("no prefill engine is configured or alive"), tracker, reporter);
+            return fail((&LegError::NoCandidate).into(), tracker, reporter);
         }
     }
     let rewritten = match object.filter(|_| !state.cfg.trust_client_kv_params).and_then(rewrite::local_body) {

@@ -13,8 +13,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response};
 use crate::coordinator::Reporter;
 use crate::decode::{self, Finish, Opened};
 use crate::errors::UpstreamError;
+use crate::handoff::{Plan, Redirect, Redirected};
 use crate::metrics::{RedirectOutcome, Tracker};
-use crate::routing::{self, Plan, Redirect, Redirected};
+use crate::routing::redirect_mark;
 use crate::state::State;
 use crate::upstream::{self, LegHeaders, REDIRECT_HEADER, ROUTING_HEADER};
 
@@ -27,7 +28,7 @@ fn headers(client: &HeaderMap, request_id: &str, r: &Redirect) -> HeaderMap {
         Some(p) => (Redirected::Prefill, HeaderValue::from_str(&p.host_port.authority()).ok()),
         None => (Redirected::Local, None),
     };
-    out.insert(HeaderName::from_static(REDIRECT_HEADER), HeaderValue::from_static(mark.value()));
+    out.insert(HeaderName::from_static(REDIRECT_HEADER), HeaderValue::from_static(redirect_mark(mark)));
     if let Some(p) = prefill {
         out.insert(HeaderName::from_static(ROUTING_HEADER), p);
     }
@@ -73,7 +74,7 @@ pub async fn open(
         Err((o, why)) => {
             state.metrics.redirect(o);
             tracing::warn!(decode = %r.decode, %why, "redirect failed; serving the request here");
-            Err(routing::fallback(state, r.prefill.clone()))
+            Err(r.fallback.clone())
         }
     }
 }
