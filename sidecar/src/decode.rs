@@ -15,10 +15,9 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
-use crate::coordinator::Reporter;
 use crate::errors::{ApiError, UpstreamError};
-use crate::metrics::{inc, Metrics, Outcome, Phase, Tracker};
-use crate::release::ReleaseGuard;
+use crate::finish::Finish;
+use crate::metrics::{inc, Metrics, Outcome, Phase};
 use crate::state::State;
 use crate::upstream::{self, LegHeaders};
 
@@ -34,27 +33,6 @@ pub struct DecodeCall<'a> {
     pub rewritten: bool,
     /// When the prefill answered (times the KV handoff).
     pub prefilled_at: Option<Instant>,
-}
-
-/// What the request carries to its end: its bookkeeping, the blocks to free if the decode does
-/// not happen, and the coordinator's reports.
-#[derive(Debug)]
-pub struct Finish {
-    pub tracker: Tracker,
-    pub release: Option<ReleaseGuard>,
-    pub reporter: Option<Reporter>,
-}
-
-impl Finish {
-    pub fn fail(self, error: &ApiError) -> Response<Body> {
-        if let Some(r) = self.reporter {
-            r.failed(&error.message);
-        }
-        // `release` (if still armed) frees the prefill's blocks as it drops here.
-        drop(self.release);
-        self.tracker.finish(error.outcome());
-        error.response()
-    }
 }
 
 /// The decode's response head and first body frame.
@@ -189,13 +167,10 @@ pub async fn run(state: &Arc<State>, call: DecodeCall<'_>, mut fin: Finish) -> R
     };
     if opened.status.is_success() {
         // Output exists, so the engine has the KV: the prefill's blocks are its business now.
-        if let Some(g) = fin.release.as_mut() {
-            g.disarm();
-        }
+        fin.blocks_taken();
     } else {
         tracing::warn!(status = %opened.status, "decode engine answered an error");
-        // The decode did not use the blocks: free them now.
-        drop(fin.release.take());
+        fin.release_now();
     }
     relay(state, opened, fin)
 }
@@ -245,15 +220,7 @@ impl Relay {
     fn settle(&mut self, outcome: Outcome, error: Option<&str>) {
         self.ended = true;
         if let Some(fin) = self.fin.take() {
-            if let Some(r) = fin.reporter {
-                match error {
-                    None if outcome == Outcome::Ok => r.finished(),
-                    None => r.failed(&format!("decode answered {outcome:?}")),
-                    Some(e) => r.failed(e),
-                }
-            }
-            drop(fin.release);
-            fin.tracker.finish(outcome);
+            fin.end(outcome, error);
         }
     }
 }
@@ -347,11 +314,7 @@ impl Drop for Relay {
             // The client went away mid-stream; dropping `inner` closes the engine's connection,
             // which aborts the request there.
             if let Some(fin) = self.fin.take() {
-                if let Some(r) = fin.reporter {
-                    r.failed("client disconnected");
-                }
-                drop(fin.release);
-                drop(fin.tracker); // counts as cancelled
+                fin.cancel("client disconnected");
             }
         }
     }

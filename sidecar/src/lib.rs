@@ -22,6 +22,7 @@ pub mod config;
 pub mod coordinator;
 pub mod decode;
 pub mod errors;
+pub mod finish;
 pub mod handoff;
 pub mod ids;
 pub mod json;

@@ -10,11 +10,11 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 
-use crate::coordinator::Reporter;
-use crate::decode::{self, Finish, Opened};
+use crate::decode::{self, Opened};
 use crate::errors::UpstreamError;
+use crate::finish::Finish;
 use crate::handoff::{Plan, Redirect, Redirected};
-use crate::metrics::{RedirectOutcome, Tracker};
+use crate::metrics::RedirectOutcome;
 use crate::routing::redirect_mark;
 use crate::state::State;
 use crate::upstream::{self, LegHeaders, REDIRECT_HEADER, ROUTING_HEADER};
@@ -80,9 +80,7 @@ pub async fn open(
 }
 
 /// Relays the redirected answer; the other sidecar reports on the request, so this one does not.
-pub fn relay(state: &State, opened: Opened, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
-    if let Some(r) = reporter {
-        r.disown();
-    }
-    decode::relay(state, opened, Finish { tracker, release: None, reporter: None })
+pub fn relay(state: &State, opened: Opened, mut fin: Finish) -> Response<Body> {
+    fin.disown();
+    decode::relay(state, opened, fin)
 }

@@ -12,12 +12,12 @@ use http::{header, HeaderMap, Response};
 use http_body_util::BodyExt;
 use tokio::task::JoinHandle;
 
-use crate::coordinator::Reporter;
-use crate::decode::{self, DecodeCall, Finish, Opened};
+use crate::decode::{self, DecodeCall, Opened};
 use crate::errors::{ApiError, LegError};
+use crate::finish::Finish;
 use crate::legs::{self, Attempted, Legged};
-use crate::metrics::{inc, LocalReason, Outcome, Tracker};
-use crate::proxy::{fail, Disaggregation};
+use crate::metrics::{inc, LocalReason, Outcome};
+use crate::proxy::{Disaggregation, Routed};
 use crate::rewrite::{self, Api};
 use crate::state::State;
 use crate::upstream::{self, LegHeaders};
@@ -69,12 +69,12 @@ pub async fn run(
     headers: &HeaderMap,
     rid: &str,
     body: Bytes,
-    tracker: Tracker,
+    fin: Finish,
 ) -> Response<Body> {
-    let Disaggregation { object, candidates, tracker, reporter } =
-        match crate::proxy::route(state, api, path, headers, rid, &body, tracker).await {
-            Ok(d) => d,
-            Err(served) => return served,
+    let Disaggregation { object, candidates, fin } =
+        match crate::proxy::route(state, api, path, headers, rid, &body, fin).await {
+            Routed::Disaggregate(d) => d,
+            Routed::Served(response) => return response,
         };
     let merge_logprobs = object.bool("return_logprob") == Some(true) && object.bool("stream") != Some(true);
     let items = rewrite::batch_size(&object, api);
@@ -129,33 +129,26 @@ pub async fn run(
     })
     .await;
     match legged {
-        Legged::Done(Ended::ClientError(resp)) => {
-            if let Some(r) = reporter {
-                r.failed(&format!("prefill answered {}", resp.status()));
-            }
-            tracker.finish(Outcome::ClientError);
-            resp
-        }
-        Legged::Done(Ended::Failed(e)) => fail((&e).into(), tracker, reporter),
-        Legged::Done(Ended::Decode(e)) => fail(e, tracker, reporter),
+        Legged::Done(Ended::ClientError(resp)) => fin.client_error(resp),
+        Legged::Done(Ended::Failed(e)) => fin.leg_failed(&e),
+        Legged::Done(Ended::Decode(e)) => fin.fail(&e),
         Legged::Done(Ended::Opened { opened, prefill, prefill_ok }) => {
             inc(&state.metrics.disaggregated);
             if merge_logprobs && opened.status.is_success() {
-                return merged(state, opened, prefill, prefill_ok, tracker, reporter).await;
+                return merged(state, opened, prefill, prefill_ok, fin).await;
             }
             if opened.status.is_success() {
                 // The decode has its KV; let the prefill's call end on its own.
                 prefill.detach();
             }
-            let fin = Finish { tracker, release: None, reporter };
             decode::relay(state, opened, fin)
         }
         Legged::Fallback(e) => {
             tracing::warn!(error = %e, "no prefill; computing the prompt locally");
             let reason = Some(LocalReason::PrefillFailed);
-            crate::proxy::local(state, path, headers, rid, &body, Some(&object), tracker, reporter, reason).await
+            crate::proxy::local(state, path, headers, rid, &body, Some(&object), fin, reason).await
         }
-        Legged::Fail(e) => fail((&LegError::from(e)).into(), tracker, reporter),
+        Legged::Fail(e) => fin.leg_failed(&LegError::from(e)),
     }
 }
 
@@ -165,8 +158,7 @@ async fn merged(
     opened: Opened,
     mut prefill: AbortOnDrop,
     prefill_ok: Option<Bytes>,
-    tracker: Tracker,
-    reporter: Option<Reporter>,
+    fin: Finish,
 ) -> Response<Body> {
     let timeout = state.cfg.decode_first_byte_timeout.max(state.cfg.stream_idle_timeout);
     let mut decode_body = BytesMut::new();
@@ -175,7 +167,7 @@ async fn merged(
     }
     match tokio::time::timeout(timeout, opened.incoming.collect()).await {
         Ok(Ok(rest)) => decode_body.extend_from_slice(&rest.to_bytes()),
-        _ => return fail((&LegError::DecodeIncomplete).into(), tracker, reporter),
+        _ => return fin.leg_failed(&LegError::DecodeIncomplete),
     }
     let prefill_body = match prefill_ok {
         Some(b) => b,
@@ -190,9 +182,6 @@ async fn merged(
     let mut r = Response::new(Body::from(body));
     *r.status_mut() = opened.status;
     *r.headers_mut() = headers;
-    if let Some(rep) = reporter {
-        rep.finished();
-    }
-    tracker.finish(Outcome::Ok);
+    fin.end(Outcome::Ok, None);
     r
 }
