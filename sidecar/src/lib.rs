@@ -64,7 +64,7 @@ pub fn build_state(cfg: Config) -> anyhow::Result<Arc<State>> {
     let resolved = cfg.resolve()?;
     let tls = tls::client_config(cfg.upstream_ca.as_deref()).context("upstream TLS")?;
     let client = upstream::client(cfg.connect_timeout, tls);
-    let wants_xfer = cfg.mode == Mode::Pull || cfg.release_method == ReleaseMethod::Xfer;
+    let wants_xfer = cfg.mode == Mode::SimPull || cfg.release_method == ReleaseMethod::SimXfer;
     let xfer = if wants_xfer {
         Some(xfer_link::XferLink::new(&cfg.xfer_listen).context("starting the xfer agent")?)
     } else {

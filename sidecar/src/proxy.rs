@@ -146,7 +146,7 @@ async fn vllm(
     fin.prefill_done(target.id.as_deref(), &params);
     fin.hold(ReleaseGuard::new(state, rid, &params, body.clone(), path));
     let mut decode_params = params;
-    if state.cfg.mode == Mode::Pull {
+    if state.cfg.mode == Mode::SimPull {
         let span = tracing::info_span!("pull");
         match crate::pull::run(state, &object, path, rid, &decode_params).instrument(span).await {
             Ok(reservation) => {

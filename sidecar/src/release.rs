@@ -105,7 +105,7 @@ async fn release_with(
     path: Option<&str>,
 ) -> Result<&'static str, String> {
     let via_xfer = match method {
-        ReleaseMethod::Xfer => true,
+        ReleaseMethod::SimXfer => true,
         ReleaseMethod::Decode => false,
         ReleaseMethod::Auto => state.xfer.is_some(),
     };
@@ -115,7 +115,7 @@ async fn release_with(
                 inc(&state.metrics.releases_ok);
                 return Ok("xfer");
             }
-            Err(e) if method == ReleaseMethod::Xfer => {
+            Err(e) if method == ReleaseMethod::SimXfer => {
                 inc(&state.metrics.releases_failed);
                 return Err(e);
             }
@@ -128,7 +128,7 @@ async fn release_with(
 }
 
 async fn notify(state: &State, params: &str) -> Result<(), String> {
-    let link = state.xfer.clone().ok_or("this sidecar has no xfer agent (--mode pull)")?;
+    let link = state.xfer.clone().ok_or("this sidecar has no xfer agent (--mode sim-pull)")?;
     let handle = Handle::parse(params).map_err(|e| e.to_string())?;
     xfer_link::blocking(state.cfg.release_timeout, move || link.notify_done(&handle)).await.map_err(|e| e.to_string())
 }

@@ -48,7 +48,7 @@ impl State {
                 v
             })
         };
-        let puller = (cfg.mode == Mode::Pull).then(Puller::default);
+        let puller = (cfg.mode == Mode::SimPull).then(Puller::default);
         State {
             auth: bearer(&cfg.auth_token),
             upstream_auth: bearer(&cfg.upstream_token),
