@@ -15,7 +15,7 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
-use crate::errors::{ApiError, UpstreamError};
+use crate::errors::{ApiError, LegError, UpstreamError};
 use crate::finish::Finish;
 use crate::metrics::{inc, Metrics, Outcome, Phase};
 use crate::state::State;
@@ -49,7 +49,7 @@ pub struct Opened {
 
 /// Sends the decode call (another rank when one cannot be reached) and waits, within the
 /// first-byte timeout, for the head and the first body frame.
-pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiError> {
+pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, LegError> {
     let started = Instant::now();
     let first_byte = state.cfg.decode_first_byte_timeout;
     let headers = upstream::leg_headers(
@@ -65,7 +65,7 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
     let mut tried = Vec::with_capacity(state.engines.len());
     let (resp, rank) = loop {
         let Some(rank) = state.engines.pick(&tried) else {
-            return Err(ApiError::unavailable("the decode engine is unavailable"));
+            return Err(LegError::DecodeUnavailable(String::new()));
         };
         let target = state.engines.rank(rank.index).clone();
         let req = upstream::post(&target, call.path, headers.clone(), call.body.clone());
@@ -80,15 +80,12 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
                     continue;
                 }
                 tracing::error!(engine = %target.base, %e, "decode engine unreachable");
-                return Err(ApiError::unavailable(format!("the decode engine is unavailable: {e}")));
+                return Err(LegError::DecodeUnavailable(e.to_string()));
             }
             Err(e @ UpstreamError::Timeout { .. }) => {
-                return Err(ApiError::gateway_timeout(format!(
-                    "the decode engine did not answer within {:.3} s: {e}",
-                    first_byte.as_secs_f64()
-                )));
+                return Err(LegError::DecodeTimeout { secs: first_byte.as_secs_f64(), source: e });
             }
-            Err(e) => return Err(ApiError::bad_gateway(format!("the decode engine failed: {e}"))),
+            Err(e) => return Err(LegError::DecodeFailed(e)),
         }
     };
     if let Some(at) = call.prefilled_at {
@@ -107,7 +104,7 @@ pub async fn first_frame(
     what: &str,
     started: Instant,
     limit: Duration,
-) -> Result<Opened, ApiError> {
+) -> Result<Opened, LegError> {
     let status = resp.status();
     let (parts, mut incoming) = resp.into_parts();
     let headers = upstream::response_headers(&parts.headers);
@@ -117,10 +114,8 @@ pub async fn first_frame(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let left = limit.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
     let first = match tokio::time::timeout(left, next_data_frame(&mut incoming)).await {
-        Err(_) => {
-            return Err(ApiError::gateway_timeout(format!("{what} sent no output within {:.3} s", limit.as_secs_f64())))
-        }
-        Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("{what} broke off its response: {e}"))),
+        Err(_) => return Err(LegError::NoOutput { what: what.to_string(), secs: limit.as_secs_f64() }),
+        Ok(Err(e)) => return Err(LegError::BrokeOff { what: what.to_string(), reason: e.to_string() }),
         Ok(Ok(frame)) => frame,
     };
     Ok(Opened { rank, status, headers, incoming, first, sse })
@@ -163,7 +158,7 @@ pub fn relay(state: &State, opened: Opened, fin: Finish) -> Response<Body> {
 pub async fn run(state: &Arc<State>, call: DecodeCall<'_>, mut fin: Finish) -> Response<Body> {
     let opened = match open(state, &call).await {
         Ok(o) => o,
-        Err(e) => return fin.fail(&e),
+        Err(e) => return fin.leg_failed(&e),
     };
     if opened.status.is_success() {
         // Output exists, so the engine has the KV: the prefill's blocks are its business now.
@@ -270,11 +265,12 @@ impl HttpBody for Relay {
                     }
                 }
                 inc(&this.metrics.stream_idle_timeouts);
-                let msg = format!("the decode stream was idle for {:.3} s", this.idle.as_secs_f64());
+                let idle = LegError::StreamIdle { secs: this.idle.as_secs_f64() };
+                let msg = idle.to_string();
                 tracing::warn!("{msg}; cutting it");
                 this.settle(Outcome::Timeout, Some(&msg));
                 if this.sse {
-                    let event = ApiError::gateway_timeout(msg).body();
+                    let event = ApiError::from(&idle).body();
                     let mut chunk = Vec::with_capacity(event.len() + 8);
                     chunk.extend_from_slice(b"data: ");
                     chunk.extend_from_slice(&event);

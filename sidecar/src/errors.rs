@@ -45,6 +45,19 @@ pub enum LegError {
     PrefillTask(#[from] tokio::task::JoinError),
     #[error("the decode response did not complete")]
     DecodeIncomplete,
+    #[error("the decode engine is unavailable{}", with_detail(.0))]
+    DecodeUnavailable(String),
+    #[error("the decode engine did not answer within {secs:.3} s: {source}")]
+    DecodeTimeout { secs: f64, source: UpstreamError },
+    #[error("the decode engine failed: {0}")]
+    DecodeFailed(UpstreamError),
+    /// `what` (the decode engine, a redirect's sidecar) sent no body within the limit.
+    #[error("{what} sent no output within {secs:.3} s")]
+    NoOutput { what: String, secs: f64 },
+    #[error("{what} broke off its response: {reason}")]
+    BrokeOff { what: String, reason: String },
+    #[error("the decode stream was idle for {secs:.3} s")]
+    StreamIdle { secs: f64 },
 }
 
 fn with_detail(detail: &str) -> String {
@@ -59,15 +72,20 @@ fn with_detail(detail: &str) -> String {
 impl From<&LegError> for ApiError {
     fn from(e: &LegError) -> ApiError {
         let status = match e {
-            LegError::Exhausted(PrefillExhausted::NothingReachable { .. }) | LegError::NoCandidate => {
-                StatusCode::SERVICE_UNAVAILABLE
+            LegError::Exhausted(PrefillExhausted::NothingReachable { .. })
+            | LegError::NoCandidate
+            | LegError::DecodeUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            LegError::DecodeTimeout { .. } | LegError::NoOutput { .. } | LegError::StreamIdle { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
             }
             LegError::PrefillStatus { .. }
             | LegError::PrefillBadBody { .. }
             | LegError::NullParams { .. }
             | LegError::Exhausted(PrefillExhausted::AllFailed { .. })
             | LegError::PrefillTask(_)
-            | LegError::DecodeIncomplete => StatusCode::BAD_GATEWAY,
+            | LegError::DecodeIncomplete
+            | LegError::DecodeFailed(_)
+            | LegError::BrokeOff { .. } => StatusCode::BAD_GATEWAY,
         };
         ApiError::new(status, e.to_string())
     }
@@ -179,6 +197,10 @@ mod tests {
             (LegError::NullParams { prefill: "p".into() }, 502),
             (LegError::PrefillBadBody { prefill: "p".into(), reason: "x".into() }, 502),
             (LegError::DecodeIncomplete, 502),
+            (LegError::DecodeUnavailable(String::new()), 503),
+            (LegError::NoOutput { what: "the decode engine".into(), secs: 1.0 }, 504),
+            (LegError::StreamIdle { secs: 1.0 }, 504),
+            (LegError::BrokeOff { what: "x".into(), reason: "y".into() }, 502),
         ];
         for (e, status) in cases {
             assert_eq!(ApiError::from(&e).status.as_u16(), status, "{e}");

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 
 use crate::decode::{self, Opened};
-use crate::errors::UpstreamError;
+use crate::errors::{LegError, UpstreamError};
 use crate::finish::Finish;
 use crate::handoff::{Plan, Redirect, Redirected};
 use crate::metrics::RedirectOutcome;
@@ -56,12 +56,11 @@ pub async fn open(
             Err((RedirectOutcome::FallbackErrorStatus, format!("{what} answered {}", resp.status())))
         }
         Ok(resp) => decode::first_frame(resp, None, &what, started, limit).await.map_err(|e| {
-            let o = if e.status.as_u16() == 504 {
-                RedirectOutcome::FallbackTimeout
-            } else {
-                RedirectOutcome::FallbackUnreachable
+            let o = match e {
+                LegError::NoOutput { .. } => RedirectOutcome::FallbackTimeout,
+                _ => RedirectOutcome::FallbackUnreachable,
             };
-            (o, e.message)
+            (o, e.to_string())
         }),
         Err(e @ UpstreamError::Timeout { .. }) => Err((RedirectOutcome::FallbackTimeout, e.to_string())),
         Err(e) => Err((RedirectOutcome::FallbackUnreachable, e.to_string())),

@@ -13,7 +13,7 @@ use http_body_util::BodyExt;
 use tokio::task::JoinHandle;
 
 use crate::decode::{self, DecodeCall, Opened};
-use crate::errors::{ApiError, LegError};
+use crate::errors::LegError;
 use crate::finish::Finish;
 use crate::legs::{self, Attempted, Legged};
 use crate::metrics::{inc, LocalReason, Outcome};
@@ -30,7 +30,7 @@ enum Ended {
     /// The decode answered (head and first frame); the prefill may still run.
     Opened { opened: Opened, prefill: AbortOnDrop, prefill_ok: Option<Bytes> },
     /// The decode could not be opened.
-    Decode(ApiError),
+    Decode(LegError),
     /// The prefill answered a 4xx.
     ClientError(Response<Body>),
     /// The prefill failed in a way no other candidate is asked to fix.
@@ -131,7 +131,7 @@ pub async fn run(
     match legged {
         Legged::Done(Ended::ClientError(resp)) => fin.client_error(resp),
         Legged::Done(Ended::Failed(e)) => fin.leg_failed(&e),
-        Legged::Done(Ended::Decode(e)) => fin.fail(&e),
+        Legged::Done(Ended::Decode(e)) => fin.leg_failed(&e),
         Legged::Done(Ended::Opened { opened, prefill, prefill_ok }) => {
             inc(&state.metrics.disaggregated);
             if merge_logprobs && opened.status.is_success() {
