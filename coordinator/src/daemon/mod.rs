@@ -7,6 +7,7 @@ mod load;
 mod ops;
 mod release;
 pub mod state;
+mod store;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,7 +78,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(Arc::clone(&coordinator).health_loop()));
     }
     if let Some(store) = &coordinator.store {
-        tasks.push(tokio::spawn(store.clone().watch(Arc::clone(&coordinator))));
+        let (tx, rx) = tokio::sync::mpsc::channel(store::EVENTS);
+        tasks.push(tokio::spawn(store.clone().watch(tx)));
+        tasks.push(tokio::spawn(Arc::clone(&coordinator).apply_store_events(rx)));
     }
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
