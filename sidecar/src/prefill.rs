@@ -78,3 +78,31 @@ fn read_params(state: &State, target: &Target, bytes: &[u8]) -> Prefilled {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn params_are_read_verbatim_or_classified() {
+        let args = ["pd-sidecar", "--engine", "127.0.0.1:1"];
+        let state = crate::build_state(crate::config::Config::try_parse_from(args).unwrap()).unwrap();
+        let target = Target::parse("p:1", "http", None).unwrap();
+        let read = |body: &str| read_params(&state, &target, body.as_bytes());
+        let Prefilled::Params { params, .. } =
+            read(r#"{"id": "x", "kv_transfer_params": {"b": 1.00000000000000000001, "a": 2}}"#)
+        else {
+            panic!()
+        };
+        assert_eq!(params, r#"{"b": 1.00000000000000000001, "a": 2}"#);
+        assert!(matches!(read(r#"{"kv_transfer_params": null}"#), Prefilled::NullParams { .. }));
+        assert!(matches!(read(r#"{"choices": []}"#), Prefilled::NullParams { .. }));
+        for bad in [r#"{"kv_transfer_params": "x"}"#, "not json", "[1]"] {
+            assert!(matches!(read(bad), Prefilled::Failed(LegError::PrefillBadBody { .. })), "{bad}");
+        }
+        let counted = [Attempt::Ok, Attempt::NullParams, Attempt::BadBody].map(|a| state.metrics.attempts(a));
+        assert_eq!(counted, [1, 2, 3]);
+    }
+}

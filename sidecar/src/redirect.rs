@@ -83,3 +83,36 @@ pub fn relay(state: &State, opened: Opened, mut fin: Finish) -> Response<Body> {
     fin.disown();
     decode::relay(state, opened, fin)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handoff::Plan;
+    use crate::metrics::LocalReason;
+    use crate::target::Target;
+
+    fn redirect(prefill: Option<&str>) -> Redirect {
+        Redirect {
+            sidecar: Target::parse("d:8000", "http", None).unwrap(),
+            decode: "d1".into(),
+            prefill: prefill.map(|p| Target::parse(p, "http", None).unwrap()),
+            fallback: Plan::Local(LocalReason::NoCandidate),
+        }
+    }
+
+    #[test]
+    fn the_decision_travels_in_headers() {
+        let mut client = HeaderMap::new();
+        client.insert(ROUTING_HEADER, HeaderValue::from_static("10.6.6.6:1"));
+        client.insert(REDIRECT_HEADER, HeaderValue::from_static("local"));
+        client.insert("authorization", HeaderValue::from_static("Bearer t"));
+        let out = headers(&client, "r1", &redirect(Some("10.0.0.5:8100")));
+        assert_eq!(out[REDIRECT_HEADER], "prefill");
+        assert_eq!(out[ROUTING_HEADER], "10.0.0.5:8100");
+        assert_eq!(out["x-request-id"], "r1");
+        assert_eq!(out["authorization"], "Bearer t", "the client's authorization passes");
+        let out = headers(&client, "r1", &redirect(None));
+        assert_eq!(out[REDIRECT_HEADER], "local");
+        assert!(out.get(ROUTING_HEADER).is_none(), "the client's routing header never passes");
+    }
+}

@@ -94,3 +94,71 @@ pub async fn route(state: &State, headers: &HeaderMap, body: &Object<'_>, api: A
     }
     route
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use http::HeaderValue;
+
+    use super::*;
+    use crate::handoff::Plan;
+    use crate::metrics::LocalReason;
+
+    fn state(flags: &[&str]) -> std::sync::Arc<State> {
+        let args = ["pd-sidecar", "--engine", "127.0.0.1:1"].iter().chain(flags);
+        crate::build_state(crate::config::Config::try_parse_from(args).unwrap()).unwrap()
+    }
+
+    fn with(name: &'static str, value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(name, HeaderValue::from_str(value).unwrap());
+        h
+    }
+
+    #[test]
+    fn the_redirect_mark() {
+        assert_eq!(redirected(&HeaderMap::new()), None);
+        for (value, mark) in
+            [("local", Redirected::Local), ("prefill", Redirected::Prefill), ("x", Redirected::Prefill)]
+        {
+            assert_eq!(redirected(&with(REDIRECT_HEADER, value)), Some(mark), "{value}");
+        }
+        for mark in [Redirected::Local, Redirected::Prefill] {
+            assert_eq!(redirected(&with(REDIRECT_HEADER, redirect_mark(mark))), Some(mark));
+        }
+    }
+
+    #[test]
+    fn routing_header_targets() {
+        let s = state(&["--prefill", "10.0.0.1:8100#bootstrap=9000", "--allow", "10.9.0.0/16"]);
+        let listed = header_targets(&s, &with(ROUTING_HEADER, "10.0.0.1:8100"));
+        assert_eq!((listed[0].base.as_str(), listed[0].bootstrap_port), ("http://10.0.0.1:8100", Some(9000)));
+        let allowed = header_targets(&s, &with(ROUTING_HEADER, "10.9.1.2:7000, 10.0.0.1:8100"));
+        let bases: Vec<_> = allowed.iter().map(|t| t.base.as_str()).collect();
+        assert_eq!(bases, ["http://10.9.1.2:7000", "http://10.0.0.1:8100"]);
+        assert!(header_targets(&s, &HeaderMap::new()).is_empty());
+        // One refused target refuses the header, counted.
+        assert!(header_targets(&s, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
+        assert_eq!(s.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let ignoring = state(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
+        assert!(header_targets(&ignoring, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_edge_hands_the_core_its_inputs() {
+        let s = state(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
+        let body = Object::parse(br#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "max_tokens": 1}"#).unwrap();
+        let Route::Here(Plan::Prefill(c)) = route(&s, &HeaderMap::new(), &body, Api::Completions, "r").await else {
+            panic!("expected the static prefill")
+        };
+        assert_eq!(c[0].base, "http://10.0.0.1:8100");
+        let short = Object::parse(br#"{"prompt": [1, 2, 3], "max_tokens": 1}"#).unwrap();
+        let short_route = route(&s, &HeaderMap::new(), &short, Api::Completions, "r").await;
+        assert_eq!(short_route, Route::Here(Plan::Local(LocalReason::Threshold)));
+        let received = with(REDIRECT_HEADER, "local");
+        let body =
+            Object::parse(br#"{"prompt": "a much longer prompt than ten tokens, surely", "max_tokens": 1}"#).unwrap();
+        let marked = route(&s, &received, &body, Api::Completions, "r").await;
+        assert_eq!(marked, Route::Here(Plan::Local(LocalReason::Coordinator)));
+    }
+}
