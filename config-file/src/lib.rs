@@ -7,6 +7,10 @@
 
 use std::path::Path;
 
+mod duration;
+
+pub use duration::{parse_duration, parse_duration_or_bare, warn_unitless, BareUnit, DurationError};
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FileError {
     #[error("cannot read config file {path}: {reason}")]

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+use pd_config_file::{parse_duration, warn_unitless, DurationError};
 use serde::Deserialize;
 
 use crate::api::EngineSpecJson;
@@ -55,23 +56,23 @@ pub struct Config {
     pub etcd_prefix: String,
 
     /// Lease of an engine: it is dead when neither a heartbeat nor (for engines without a
-    /// sidecar) a successful health check renewed it for this long, milliseconds.
-    #[arg(long, env = "PD_COORDINATOR_LEASE_MS", default_value_t = 3000)]
+    /// sidecar) a successful health check renewed it for this long.
+    #[arg(long, env = "PD_COORDINATOR_LEASE_MS", value_parser = millis, default_value = "3s")]
     pub lease_ms: u64,
-    /// Heartbeat interval told to sidecars, milliseconds.
-    #[arg(long, env = "PD_COORDINATOR_HEARTBEAT_MS", default_value_t = 1000)]
+    /// Heartbeat interval told to sidecars.
+    #[arg(long, env = "PD_COORDINATOR_HEARTBEAT_MS", value_parser = millis, default_value = "1s")]
     pub heartbeat_ms: u64,
-    /// How often every engine's GET /health is polled, milliseconds (0: never).
-    #[arg(long, env = "PD_COORDINATOR_HEALTH_INTERVAL_MS", default_value_t = 1000)]
+    /// How often every engine's GET /health is polled (0s: never).
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_INTERVAL_MS", value_parser = millis, default_value = "1s")]
     pub health_interval_ms: u64,
-    /// Timeout of one health check, milliseconds.
-    #[arg(long, env = "PD_COORDINATOR_HEALTH_TIMEOUT_MS", default_value_t = 1000)]
+    /// Timeout of one health check.
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_TIMEOUT_MS", value_parser = millis, default_value = "1s")]
     pub health_timeout_ms: u64,
     /// Consecutive failed health checks after which an engine is dead.
     #[arg(long, env = "PD_COORDINATOR_HEALTH_FAILURES", default_value_t = 2)]
     pub health_failures: u32,
-    /// How often leases are checked, milliseconds.
-    #[arg(long, env = "PD_COORDINATOR_TICK_MS", default_value_t = 100)]
+    /// How often leases are checked.
+    #[arg(long, env = "PD_COORDINATOR_TICK_MS", value_parser = millis, default_value = "100ms")]
     pub tick_ms: u64,
 
     /// Hugging Face tokenizer.json used to turn a pair request's `prompt` into token ids
@@ -89,20 +90,20 @@ pub struct Config {
     #[arg(long, env = "PD_COORDINATOR_APPROX_CHARS_PER_TOKEN", default_value_t = 4)]
     pub approx_chars_per_token: usize,
     /// How long a routed prefix counts as cached on an engine whose events cannot confirm it
-    /// (no KV events, or approximate hashes), seconds.
-    #[arg(long, env = "PD_COORDINATOR_APPROX_TTL_SECS", default_value_t = 120.0)]
+    /// (no KV events, or approximate hashes).
+    #[arg(long, env = "PD_COORDINATOR_APPROX_TTL_SECS", value_parser = secs, default_value = "120s")]
     pub approx_ttl_secs: f64,
     /// How long a routing decision counts as "the engines hold this prefix" before their
-    /// events confirm it, milliseconds.
-    #[arg(long, env = "PD_COORDINATOR_SPECULATIVE_TTL_MS", default_value_t = 2000)]
+    /// events confirm it.
+    #[arg(long, env = "PD_COORDINATOR_SPECULATIVE_TTL_MS", value_parser = millis, default_value = "2s")]
     pub speculative_ttl_ms: u64,
     /// A handoff that never finished is phantom load after this long (and held blocks are
-    /// released), seconds.
-    #[arg(long, env = "PD_COORDINATOR_HANDOFF_MAX_AGE_SECS", default_value_t = 120.0)]
+    /// released).
+    #[arg(long, env = "PD_COORDINATOR_HANDOFF_MAX_AGE_SECS", value_parser = secs, default_value = "120s")]
     pub handoff_max_age_secs: f64,
     /// An engine dead this long is removed altogether (unknown id, number reused; it must
-    /// register as new), seconds; 0 keeps dead engines forever. Static engines are kept.
-    #[arg(long, env = "PD_COORDINATOR_FORGET_DEAD_AFTER_SECS", default_value_t = 300.0)]
+    /// register as new) ; 0s keeps dead engines forever. Static engines are kept.
+    #[arg(long, env = "PD_COORDINATOR_FORGET_DEAD_AFTER_SECS", value_parser = secs, default_value = "300s")]
     pub forget_dead_after_secs: f64,
 
     /// Cost of a block of prefill work against a block of decode load (Dynamo's weighting is 1).
@@ -125,8 +126,8 @@ pub struct Config {
     #[arg(long, env = "PD_COORDINATOR_LOCAL_DECODE_SLACK", default_value_t = 1.5)]
     pub local_decode_slack: f64,
 
-    /// Timeout of a POST {sidecar}/pd/release, milliseconds.
-    #[arg(long, env = "PD_COORDINATOR_RELEASE_TIMEOUT_MS", default_value_t = 2000)]
+    /// Timeout of a POST {sidecar}/pd/release.
+    #[arg(long, env = "PD_COORDINATOR_RELEASE_TIMEOUT_MS", value_parser = millis, default_value = "2s")]
     pub release_timeout_ms: u64,
     /// ZMQ topic subscribed to on every engine's KV-event publisher ("" = all).
     #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_TOPIC", default_value = "")]
@@ -258,6 +259,26 @@ impl Config {
     }
 }
 
+/// A `*-ms` flag: a duration ("250ms", "3s"), or bare milliseconds — the old spelling, taken
+/// as before (range checked by [`Config::validate`]) with a warning.
+fn millis(text: &str) -> Result<u64, DurationError> {
+    if let Ok(ms) = text.trim().parse::<u64>() {
+        warn_unitless(text, "ms");
+        return Ok(ms);
+    }
+    parse_duration(text).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A `*-secs` flag: a duration ("120s", "2m"), or bare seconds — the old spelling, taken as
+/// before (range checked by [`Config::validate`]) with a warning.
+fn secs(text: &str) -> Result<f64, DurationError> {
+    if let Ok(secs) = text.trim().parse::<f64>() {
+        warn_unitless(text, "s");
+        return Ok(secs);
+    }
+    parse_duration(text).map(|d| d.as_secs_f64())
+}
+
 fn read(path: &Path) -> Result<String, ConfigError> {
     std::fs::read_to_string(path)
         .map_err(|e| ConfigError::File { path: path.display().to_string(), reason: e.to_string() })
@@ -310,7 +331,7 @@ mod tests {
 
     #[test]
     fn file_then_flags_and_validation() {
-        let path = temp("cfg.toml", "lease_ms = 5000\nlisten = \"127.0.0.1:9000\"\nno-grpc = true\n");
+        let path = temp("cfg.toml", "lease_ms = \"5s\"\nlisten = \"127.0.0.1:9000\"\nno-grpc = true\n");
         let c = Config::from_args(args(&["--config", path.to_str().unwrap(), "--listen", "127.0.0.1:9001"])).unwrap();
         assert_eq!((c.lease_ms, c.listen.port(), c.no_grpc), (5000, 9001, true));
         std::fs::remove_file(&path).unwrap();

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use pd_config_file::{parse_duration_or_bare, BareUnit, DurationError};
 
 use crate::allowlist::{AllowError, Allowlist};
 use crate::target::{Target, TargetError};
@@ -16,9 +17,11 @@ pub enum Mode {
     Vllm,
     /// SGLang bootstrap protocol: both legs at once, paired by bootstrap_room.
     Sglang,
-    /// Sidecar-pull: the sidecar's xfer agent pulls the blocks into the local engine's
-    /// shared-memory pool, then the decode call names the reservation.
-    Pull,
+    /// The pd-sim protocol, not an engine feature: the sidecar's xfer agent pulls the blocks
+    /// into the simulator's shared-memory pool (`/admin/pool`, `/admin/reserve`), then the
+    /// decode call names the reservation. `pull` is the old name.
+    #[value(name = "sim-pull", alias = "pull")]
+    SimPull,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -31,12 +34,14 @@ pub enum Fallback {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ReleaseMethod {
-    /// `xfer` when the sidecar has an xfer agent (pull mode), else `decode`.
+    /// `sim-xfer` when the sidecar has an xfer agent (sim-pull mode), else `decode`.
     Auto,
     /// A discarded one-token decode on the local engine with the held params (any engine).
     Decode,
-    /// The done notification straight to the prefill engine's xfer agent (simulator engines).
-    Xfer,
+    /// The pd-sim protocol, not an engine feature: the done notification straight to the
+    /// prefill engine's xfer agent. `xfer` is the old name.
+    #[value(name = "sim-xfer", alias = "xfer")]
+    SimXfer,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -46,47 +51,28 @@ pub enum Role {
     Both,
 }
 
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Both => "both",
+impl From<Role> for pd_api::Role {
+    fn from(role: Role) -> pd_api::Role {
+        match role {
+            Role::Prefill => pd_api::Role::Prefill,
+            Role::Decode => pd_api::Role::Decode,
+            Role::Both => pd_api::Role::Both,
         }
     }
 }
 
-/// A duration: `250ms`, `2s`, `1.5s`, `1m`, or a plain number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1e-3)
-    } else if let Some(n) = s.strip_suffix("us") {
-        (n, 1e-6)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = s.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num.trim().parse().map_err(|_| format!("{s:?} is not a duration (e.g. 250ms, 2s, 1m)"))?;
-    let secs = v * scale;
-    if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
-        return Err(format!("{s:?} is out of range"));
-    }
-    Ok(Duration::from_secs_f64(secs))
+/// A duration flag: "250ms", "30s" (the shared parser), or bare seconds — the old spelling,
+/// accepted for this release with a warning.
+fn duration(text: &str) -> Result<Duration, DurationError> {
+    parse_duration_or_bare(text, BareUnit::Seconds)
 }
 
-fn parse_statuses(s: &str) -> Result<u16, String> {
-    let v: u16 = s.trim().parse().map_err(|_| format!("{s:?} is not an HTTP status"))?;
-    if (500..600).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("{v} is not a 5xx status"))
-    }
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a 5xx HTTP status")]
+pub struct StatusError(String);
+
+fn parse_statuses(s: &str) -> Result<u16, StatusError> {
+    s.trim().parse::<u16>().ok().filter(|v| (500..600).contains(v)).ok_or_else(|| StatusError(s.to_string()))
 }
 
 #[derive(Clone, Debug, Parser)]
@@ -131,7 +117,7 @@ pub struct Config {
     #[arg(long, env = "PD_SIDECAR_WORKERS", help_heading = "Serving")]
     pub workers: Option<usize>,
     /// How long a shutdown waits for requests in flight.
-    #[arg(long, env = "PD_SIDECAR_DRAIN_TIMEOUT", value_parser = parse_duration, default_value = "10s", help_heading = "Serving")]
+    #[arg(long, env = "PD_SIDECAR_DRAIN_TIMEOUT", value_parser = duration, default_value = "10s", help_heading = "Serving")]
     pub drain_timeout: Duration,
 
     // ---- prefill selection
@@ -169,17 +155,17 @@ pub struct Config {
 
     // ---- failure handling
     /// Longest wait for the prefill's whole response.
-    #[arg(long, env = "PD_SIDECAR_PREFILL_TIMEOUT", value_parser = parse_duration, default_value = "60s", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_PREFILL_TIMEOUT", value_parser = duration, default_value = "60s", help_heading = "Failure handling")]
     pub prefill_timeout: Duration,
     /// Longest wait for the decode's first body byte (its headers and first chunk).
-    #[arg(long, env = "PD_SIDECAR_DECODE_FIRST_BYTE_TIMEOUT", value_parser = parse_duration, default_value = "120s", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_DECODE_FIRST_BYTE_TIMEOUT", value_parser = duration, default_value = "120s", help_heading = "Failure handling")]
     pub decode_first_byte_timeout: Duration,
     /// Longest silence in the middle of a streamed decode response.
-    #[arg(long, env = "PD_SIDECAR_STREAM_IDLE_TIMEOUT", value_parser = parse_duration, default_value = "60s", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_STREAM_IDLE_TIMEOUT", value_parser = duration, default_value = "60s", help_heading = "Failure handling")]
     pub stream_idle_timeout: Duration,
     /// TCP connect timeout towards every upstream (a TLS handshake counts against the leg's
     /// own timeout).
-    #[arg(long, env = "PD_SIDECAR_CONNECT_TIMEOUT", value_parser = parse_duration, default_value = "2s", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_CONNECT_TIMEOUT", value_parser = duration, default_value = "2s", help_heading = "Failure handling")]
     pub connect_timeout: Duration,
     /// Prefill candidates tried per request (connect failure, failover status or timeout moves
     /// to the next).
@@ -187,10 +173,10 @@ pub struct Config {
     pub max_prefill_attempts: usize,
     /// Pause before the first failover; doubles per attempt up to --failover-backoff-max
     /// (with jitter).
-    #[arg(long, env = "PD_SIDECAR_FAILOVER_BACKOFF", value_parser = parse_duration, default_value = "20ms", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_FAILOVER_BACKOFF", value_parser = duration, default_value = "20ms", help_heading = "Failure handling")]
     pub failover_backoff: Duration,
     /// Longest pause between two failovers.
-    #[arg(long, env = "PD_SIDECAR_FAILOVER_BACKOFF_MAX", value_parser = parse_duration, default_value = "500ms", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_FAILOVER_BACKOFF_MAX", value_parser = duration, default_value = "500ms", help_heading = "Failure handling")]
     pub failover_backoff_max: Duration,
     /// Prefill statuses that move on to the next candidate (other 5xx go straight to the
     /// fallback policy; 4xx go back to the client unchanged).
@@ -206,7 +192,7 @@ pub struct Config {
     #[arg(long, env = "PD_SIDECAR_RELEASE_METHOD", value_enum, default_value_t = ReleaseMethod::Auto, help_heading = "Failure handling")]
     pub release_method: ReleaseMethod,
     /// Longest a release call may take.
-    #[arg(long, env = "PD_SIDECAR_RELEASE_TIMEOUT", value_parser = parse_duration, default_value = "30s", help_heading = "Failure handling")]
+    #[arg(long, env = "PD_SIDECAR_RELEASE_TIMEOUT", value_parser = duration, default_value = "30s", help_heading = "Failure handling")]
     pub release_timeout: Duration,
     /// Tokens per KV block (sizes a release whose params do not give remote_num_tokens).
     #[arg(long, env = "PD_SIDECAR_BLOCK_SIZE", default_value_t = 16, help_heading = "Failure handling")]
@@ -264,10 +250,10 @@ pub struct Config {
     #[arg(long, env = "PD_SIDECAR_CAPACITY_BLOCKS", help_heading = "Coordinator")]
     pub capacity_blocks: Option<u64>,
     /// Timeout of each coordinator call (pairing sits on the request path: keep it short).
-    #[arg(long, env = "PD_SIDECAR_COORDINATOR_TIMEOUT", value_parser = parse_duration, default_value = "250ms", help_heading = "Coordinator")]
+    #[arg(long, env = "PD_SIDECAR_COORDINATOR_TIMEOUT", value_parser = duration, default_value = "250ms", help_heading = "Coordinator")]
     pub coordinator_timeout: Duration,
     /// After a failed coordinator call, skip pairing for this long (last view / static list).
-    #[arg(long, env = "PD_SIDECAR_COORDINATOR_BACKOFF", value_parser = parse_duration, default_value = "2s", help_heading = "Coordinator")]
+    #[arg(long, env = "PD_SIDECAR_COORDINATOR_BACKOFF", value_parser = duration, default_value = "2s", help_heading = "Coordinator")]
     pub coordinator_backoff: Duration,
     /// Do not ask the coordinator for a pairing per request (register and heartbeat only).
     #[arg(long, env = "PD_SIDECAR_NO_PAIRING", help_heading = "Coordinator")]
@@ -283,7 +269,7 @@ pub struct Config {
     #[arg(long, env = "PD_SIDECAR_XFER_LISTEN", default_value = "0.0.0.0:0", help_heading = "Sidecar pull")]
     pub xfer_listen: String,
     /// Longest one pull (metadata fetch, reservation and READ) may take.
-    #[arg(long, env = "PD_SIDECAR_PULL_TIMEOUT", value_parser = parse_duration, default_value = "10s", help_heading = "Sidecar pull")]
+    #[arg(long, env = "PD_SIDECAR_PULL_TIMEOUT", value_parser = duration, default_value = "10s", help_heading = "Sidecar pull")]
     pub pull_timeout: Duration,
 }
 
@@ -393,12 +379,12 @@ mod tests {
 
     #[test]
     fn durations() {
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
-        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
-        assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
+        assert_eq!(duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(duration("2").unwrap(), Duration::from_secs(2));
+        assert_eq!(duration("1m").unwrap(), Duration::from_secs(60));
         for bad in ["", "x", "-1s", "1e99s", "NaNs"] {
-            assert!(parse_duration(bad).is_err(), "{bad}");
+            assert!(duration(bad).is_err(), "{bad}");
         }
     }
 

@@ -9,154 +9,39 @@ use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
 use parking_lot::{Mutex, RwLock};
-use serde::{Deserialize, Serialize};
+use pd_api::{
+    EngineSpec, EngineView, Heartbeat, Load, Notices, PairDecision, PairReason, PairRequest, Registration, Report,
+    ReportEvent,
+};
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
 use crate::allowlist::HostPort;
 use crate::config::Config;
 use crate::errors::UpstreamError;
-use crate::load::{self, Load};
+use crate::handoff::{Pairing, RemoteDecode};
+use crate::load;
 use crate::metrics::{inc, Metrics};
 use crate::rewrite::Prompt;
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{self, HttpClient};
 
-/// `EngineSpec` of the API (optional fields omitted when unset: the coordinator rejects
-/// unknown fields, so only these are ever sent).
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct EngineSpec {
-    pub id: String,
-    pub role: &'static str,
-    pub node: String,
-    pub model: String,
-    pub engine_url: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sidecar_url: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_events: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub replay: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub xfer_side_channel: Option<String>,
-    pub block_size: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub capacity_blocks: Option<u64>,
+/// Why a call to the coordinator came to nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error("{call} answered {status}: {body}")]
+    Status { call: &'static str, status: StatusCode, body: String },
+    #[error("unreadable {what}: {source}")]
+    Unreadable { what: &'static str, source: serde_json::Error },
 }
 
-#[derive(Debug, Deserialize)]
-struct Registered {
-    engine: String,
-    #[serde(default)]
-    heartbeat_ms: Option<u64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct Notices {
-    #[serde(default)]
-    pub dead_engines: Vec<String>,
-    #[serde(default)]
-    pub release: Vec<ReleaseNotice>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ReleaseNotice {
-    pub request_id: String,
-    #[serde(default)]
-    pub prefill: Option<String>,
-    pub kv_transfer_params: Box<RawValue>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct Endpoint {
-    pub id: String,
-    pub engine_url: String,
-    #[serde(default)]
-    pub sidecar_url: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct PairDecision {
-    #[serde(default)]
-    pub decode: Option<Endpoint>,
-    #[serde(default)]
-    pub prefill: Option<Endpoint>,
-    #[serde(default)]
-    pub reason: Option<String>,
-}
-
-/// What the sidecar takes from a pairing decision.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Pairing {
-    /// The prefill; `None`: the decode engine computes the prompt itself (`local_prefill`: the
-    /// uncached part is short, or no prefill is worth it).
-    pub prefill: Option<Target>,
-    /// The decode engine the coordinator chose when it is another than this sidecar's.
-    pub remote_decode: Option<RemoteDecode>,
-}
-
-/// Another engine chosen as decode, and its sidecar (where the request can be redirected).
-#[derive(Debug, Clone, PartialEq)]
-pub struct RemoteDecode {
-    pub id: String,
-    /// `None` when it registered no (usable) `sidecar_url`.
-    pub sidecar: Option<Target>,
-}
-
-#[derive(Serialize)]
-struct PairRequest<'a> {
-    request_id: &'a str,
-    model: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    token_ids: Option<&'a [u32]>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    prompt: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    prompt_tokens: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    local_engine: Option<&'a str>,
-}
-
-/// `Report` of the API.
-#[derive(Debug, Serialize)]
-pub struct Report {
-    pub request_id: String,
-    pub event: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub engine: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_transfer_params: Option<Box<RawValue>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// One engine of the coordinator's view.
-#[derive(Debug, Deserialize)]
-struct EngineView {
-    id: String,
-    #[serde(default)]
-    role: Option<String>,
-    engine_url: String,
-    #[serde(default)]
-    alive: Option<bool>,
-    #[serde(default)]
-    state: Option<String>,
-    #[serde(default)]
-    liveness: Option<serde_json::Value>,
-}
-
-impl EngineView {
-    fn is_alive(&self) -> bool {
-        if let Some(a) = self.alive {
-            return a;
-        }
-        let dead = |s: &str| s.to_ascii_lowercase().contains("dead");
-        !(self.state.as_deref().is_some_and(dead) || self.liveness.as_ref().is_some_and(|l| dead(&l.to_string())))
-    }
-
-    fn prefills(&self) -> bool {
-        self.role.as_deref().is_none_or(|r| r == "prefill" || r == "both")
+impl LinkError {
+    fn status(call: &'static str, status: StatusCode, body: &[u8]) -> LinkError {
+        let body = String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned();
+        LinkError::Status { call, status, body }
     }
 }
 
@@ -196,7 +81,7 @@ impl Coordinator {
         let port = cfg.listen.rsplit(':').next().unwrap_or("0");
         let spec = EngineSpec {
             id: cfg.engine_id.clone().unwrap_or_else(|| format!("{node}:{port}")),
-            role: cfg.role.as_str(),
+            role: cfg.role.into(),
             node,
             model: cfg.model.clone().unwrap_or_default(),
             engine_url: cfg.advertise_engine_url.clone().unwrap_or_else(|| engine.base.clone()),
@@ -297,12 +182,12 @@ impl Coordinator {
         };
         let engine = self.engine_id();
         let req = PairRequest {
-            request_id,
-            model: model.unwrap_or(&self.spec.model),
-            token_ids,
-            prompt: text,
+            request_id: request_id.to_string(),
+            model: model.unwrap_or(&self.spec.model).to_string(),
+            token_ids: token_ids.map(<[u32]>::to_vec),
+            prompt: text.map(String::from),
             prompt_tokens: prompt.map(|p| p.estimated_tokens(state.cfg.chars_per_token)),
-            local_engine: Some(&engine),
+            local_engine: Some(engine.clone()),
         };
         let body = serde_json::to_vec(&req).ok()?;
         match self.call(&state.client, Method::POST, "/v1/pair", Some(body)).await {
@@ -342,51 +227,55 @@ impl Coordinator {
         self.stopping.store(true, Relaxed);
     }
 
-    async fn register(&self, client: &HttpClient) -> Result<(), String> {
-        let body = serde_json::to_vec(&self.spec).map_err(|e| e.to_string())?;
-        let (status, body) =
-            self.call(client, Method::POST, "/v1/engines", Some(body)).await.map_err(|e| e.to_string())?;
+    async fn register(&self, client: &HttpClient) -> Result<(), LinkError> {
+        let body = serde_json::to_vec(&self.spec).expect("an EngineSpec serialises");
+        let (status, body) = self.call(client, Method::POST, "/v1/engines", Some(body)).await?;
         if !status.is_success() {
-            return Err(format!("registration answered {status}: {}", String::from_utf8_lossy(&body)));
+            return Err(LinkError::status("registration", status, &body));
         }
-        let r: Registered = serde_json::from_slice(&body).map_err(|e| format!("unreadable registration: {e}"))?;
-        if let Some(ms) = r.heartbeat_ms.filter(|&ms| ms > 0) {
-            *self.heartbeat.lock() = Duration::from_millis(ms.clamp(50, 60_000));
+        let r: Registration =
+            serde_json::from_slice(&body).map_err(|source| LinkError::Unreadable { what: "registration", source })?;
+        if r.heartbeat_ms > 0 {
+            *self.heartbeat.lock() = Duration::from_millis(r.heartbeat_ms.clamp(50, 60_000));
         }
         tracing::info!(engine = %r.engine, "registered with the coordinator");
         *self.engine.write() = Some(r.engine);
         Ok(())
     }
 
-    async fn refresh_view(&self, client: &HttpClient, scheme: &str) -> Result<(), String> {
-        let (status, body) = self.call(client, Method::GET, "/v1/engines", None).await.map_err(|e| e.to_string())?;
+    async fn refresh_view(&self, client: &HttpClient, scheme: &str) -> Result<(), LinkError> {
+        let (status, body) = self.call(client, Method::GET, "/v1/engines", None).await?;
         if !status.is_success() {
-            return Err(format!("engine list answered {status}"));
+            return Err(LinkError::status("the engine list", status, &body));
         }
-        let views: Vec<EngineView> = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        let own = self.engine_id();
-        let targets = views
-            .iter()
-            .filter(|v| v.is_alive() && v.prefills() && v.id != own)
-            .filter_map(|v| {
-                let mut t = Target::parse(&v.engine_url, scheme, Some(self.bootstrap_port)).ok()?;
-                t.id = Some(v.id.clone());
-                Some(t)
-            })
-            .collect();
-        *self.view.write() = targets;
+        let views: Vec<EngineView> =
+            serde_json::from_slice(&body).map_err(|source| LinkError::Unreadable { what: "engine list", source })?;
+        *self.view.write() = prefill_view(views, &self.engine_id(), scheme, self.bootstrap_port);
         Ok(())
     }
 }
 
+/// The live prefill-capable engines of a view other than this sidecar's own.
+fn prefill_view(views: Vec<EngineView>, own: &str, scheme: &str, bootstrap_port: u16) -> Vec<Target> {
+    views
+        .into_iter()
+        .filter(|v| v.alive && v.spec.role.prefills() && v.spec.id != own)
+        .filter_map(|v| {
+            let mut t = Target::parse(&v.spec.engine_url, scheme, Some(bootstrap_port)).ok()?;
+            t.id = Some(v.spec.id);
+            Some(t)
+        })
+        .collect()
+}
+
 fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16, own: &str) -> Pairing {
-    let local = d.reason.as_deref() == Some("local_prefill");
+    let local = d.reason == PairReason::LocalPrefill;
     let prefill = d.prefill.filter(|_| !local).and_then(|p| {
         let mut t = Target::parse(&p.engine_url, scheme, Some(bootstrap_port)).ok()?;
         t.id = Some(p.id);
         Some(t)
     });
-    let remote_decode = d.decode.filter(|e| e.id != own).map(|e| RemoteDecode {
+    let remote_decode = Some(d.decode).filter(|e| e.id != own).map(|e| RemoteDecode {
         sidecar: e.sidecar_url.as_deref().and_then(|u| Target::parse(u, "http", None).ok()),
         id: e.id,
     });
@@ -411,7 +300,7 @@ pub async fn run(state: Arc<State>) {
                     c.mark_up();
                     beats = 0;
                 }
-                Err(e) => c.mark_down(&state.metrics, &e),
+                Err(e) => c.mark_down(&state.metrics, &e.to_string()),
             }
         }
         if registered {
@@ -419,7 +308,7 @@ pub async fn run(state: Arc<State>) {
             match heartbeat(&c, &state, load).await {
                 Ok(Some(notices)) => handle_notices(&state, &c, notices),
                 Ok(None) => registered = false, // 404: re-register at once
-                Err(e) => c.mark_down(&state.metrics, &e),
+                Err(e) => c.mark_down(&state.metrics, &e.to_string()),
             }
             if beats.is_multiple_of(5) {
                 if let Err(e) = c.refresh_view(&state.client, &state.cfg.prefill_scheme).await {
@@ -444,28 +333,22 @@ pub async fn leave(state: &State) {
     let _ = c.call(&state.client, Method::DELETE, &format!("/v1/engines/{id}"), None).await;
 }
 
-async fn heartbeat(c: &Coordinator, state: &State, load: Load) -> Result<Option<Notices>, String> {
-    #[derive(Serialize)]
-    struct Beat {
-        load: Load,
-    }
+async fn heartbeat(c: &Coordinator, state: &State, load: Load) -> Result<Option<Notices>, LinkError> {
     let id = c.engine_id();
-    let body = serde_json::to_vec(&Beat { load }).map_err(|e| e.to_string())?;
-    let (status, body) = c
-        .call(&state.client, Method::POST, &format!("/v1/engines/{id}/heartbeat"), Some(body))
-        .await
-        .map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(&Heartbeat { load: Some(load) }).expect("a heartbeat serialises");
+    let (status, body) =
+        c.call(&state.client, Method::POST, &format!("/v1/engines/{id}/heartbeat"), Some(body)).await?;
     if status == StatusCode::NOT_FOUND {
         return Ok(None);
     }
     if !status.is_success() {
-        return Err(format!("heartbeat answered {status}"));
+        return Err(LinkError::status("the heartbeat", status, &body));
     }
     c.mark_up();
     if body.is_empty() {
         return Ok(Some(Notices::default()));
     }
-    serde_json::from_slice(&body).map(Some).map_err(|e| format!("unreadable notices: {e}"))
+    serde_json::from_slice(&body).map(Some).map_err(|source| LinkError::Unreadable { what: "notices", source })
 }
 
 fn handle_notices(state: &Arc<State>, c: &Coordinator, notices: Notices) {
@@ -551,7 +434,7 @@ impl Reporter {
         })
     }
 
-    fn send(&self, event: &'static str, engine: Option<String>, params: Option<&str>, error: Option<&str>) {
+    fn send(&self, event: ReportEvent, engine: Option<String>, params: Option<&str>, error: Option<&str>) {
         let kv_transfer_params = params.and_then(|p| RawValue::from_string(p.to_string()).ok());
         self.c.report(
             &self.metrics,
@@ -568,7 +451,7 @@ impl Reporter {
     /// The prefill holds the KV under `params` (so the coordinator can release it if this
     /// decode dies).
     pub fn prefill_done(&self, prefill_engine: Option<&str>, params: &str) {
-        self.send("prefill_done", prefill_engine.map(String::from), Some(params), None);
+        self.send(ReportEvent::PrefillDone, prefill_engine.map(String::from), Some(params), None);
     }
 
     /// Another sidecar owns the request now (it was redirected there): report nothing.
@@ -578,29 +461,31 @@ impl Reporter {
 
     pub fn finished(mut self) {
         self.done = true;
-        self.send("finished", Some(self.c.engine_id()), None, None);
+        self.send(ReportEvent::Finished, Some(self.c.engine_id()), None, None);
     }
 
     pub fn failed(mut self, error: &str) {
         self.done = true;
-        self.send("failed", Some(self.c.engine_id()), None, Some(error));
+        self.send(ReportEvent::Failed, Some(self.c.engine_id()), None, Some(error));
     }
 }
 
 impl Drop for Reporter {
     fn drop(&mut self) {
         if !self.done {
-            self.send("failed", Some(self.c.engine_id()), None, Some("request dropped"));
+            self.send(ReportEvent::Failed, Some(self.c.engine_id()), None, Some("request dropped"));
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
 
     #[test]
-    fn decisions_and_views() {
+    fn decisions() {
         let d: PairDecision = serde_json::from_str(
             r#"{"request_id": "r", "decode": {"id": "d0", "engine_url": "http://d:1", "node": "n"},
                 "prefill": {"id": "p0", "engine_url": "http://10.0.0.5:8100", "node": "n"},
@@ -627,60 +512,61 @@ mod tests {
         let p = decision(other, "http", 1, "d0");
         let r = p.remote_decode.unwrap();
         assert_eq!((p.prefill, r.id.as_str(), r.sidecar.unwrap().base.as_str()), (None, "d1", "http://d:8000"));
-        let no_url: PairDecision =
-            serde_json::from_str(r#"{"decode": {"id": "d1", "engine_url": "http://d:1"}, "reason": "local_prefill"}"#)
-                .unwrap();
+        let no_url: PairDecision = serde_json::from_str(
+            r#"{"request_id": "r", "decode": {"id": "d1", "engine_url": "http://d:1", "node": "n"}, "prefill": null,
+                "decode_overlap_blocks": 0, "prefill_overlap_blocks": 0, "reason": "local_prefill"}"#,
+        )
+        .unwrap();
         assert_eq!(
             decision(no_url, "http", 1, "d0").remote_decode,
             Some(RemoteDecode { id: "d1".into(), sidecar: None })
         );
-
-        let views: Vec<EngineView> = serde_json::from_str(
-            r#"[{"id": "a", "role": "prefill", "engine_url": "http://a:1", "alive": true},
-                {"id": "b", "role": "decode", "engine_url": "http://b:1"},
-                {"id": "c", "role": "both", "engine_url": "http://c:1", "state": "Dead"},
-                {"id": "e", "engine_url": "http://e:1", "liveness": {"dead": {"since_ms": 3}}}]"#,
-        )
-        .unwrap();
-        let usable: Vec<&str> = views.iter().filter(|v| v.is_alive() && v.prefills()).map(|v| v.id.as_str()).collect();
-        assert_eq!(usable, ["a"]);
     }
 
     #[test]
-    fn wire_shapes() {
-        let spec = EngineSpec {
-            id: "n:8000".into(),
-            role: "decode",
-            node: "n".into(),
-            model: "m".into(),
-            engine_url: "http://127.0.0.1:8200".into(),
-            sidecar_url: None,
-            kv_events: None,
-            replay: None,
-            xfer_side_channel: None,
-            block_size: 16,
-            capacity_blocks: None,
+    fn the_view_keeps_live_prefills_but_our_own_engine() {
+        let view = |id: &str, role: &str, alive: bool| {
+            format!(
+                r#"{{"id": "{id}", "role": "{role}", "node": "n", "model": "m", "engine_url": "http://{id}:1",
+                    "block_size": 16, "alive": {alive}, "generation": 1, "origin": "registered", "indexed_blocks": 0}}"#
+            )
         };
+        let list = [
+            view("a", "prefill", true),
+            view("b", "decode", true),
+            view("c", "both", false),
+            view("d", "both", true),
+            view("own", "both", true),
+        ];
+        let views: Vec<EngineView> = serde_json::from_str(&format!("[{}]", list.join(","))).unwrap();
+        let targets = prefill_view(views, "own", "http", 8998);
+        let ids: Vec<_> = targets.iter().map(|t| (t.id.as_deref().unwrap(), t.base.as_str())).collect();
+        assert_eq!(ids, [("a", "http://a:1"), ("d", "http://d:1")]);
+    }
+
+    #[test]
+    fn the_spec_sent_names_only_what_is_set() {
+        let cfg = Config::try_parse_from([
+            "pd-sidecar",
+            "--engine",
+            "http://127.0.0.1:8200",
+            "--coordinator",
+            "http://c:1",
+            "--node",
+            "n",
+            "--role",
+            "decode",
+            "--model",
+            "m",
+            "--listen",
+            "0.0.0.0:8000",
+        ])
+        .unwrap();
+        let engine = Target::parse("http://127.0.0.1:8200", "http", None).unwrap();
+        let c = Coordinator::new(&cfg, &engine).unwrap();
         assert_eq!(
-            serde_json::to_string(&spec).unwrap(),
+            serde_json::to_string(c.spec()).unwrap(),
             r#"{"id":"n:8000","role":"decode","node":"n","model":"m","engine_url":"http://127.0.0.1:8200","block_size":16}"#
         );
-        let params = RawValue::from_string(r#"{"b": 1.00000000000000000001, "a": 2}"#.into()).unwrap();
-        let r = Report {
-            request_id: "r".into(),
-            event: "prefill_done",
-            engine: Some("p0".into()),
-            kv_transfer_params: Some(params),
-            error: None,
-        };
-        assert_eq!(
-            serde_json::to_string(&r).unwrap(),
-            r#"{"request_id":"r","event":"prefill_done","engine":"p0","kv_transfer_params":{"b": 1.00000000000000000001, "a": 2}}"#
-        );
-        let n: Notices = serde_json::from_str(
-            r#"{"dead_engines": ["p1"], "release": [{"request_id": "r", "prefill": "p1", "kv_transfer_params": {"x": 1}}]}"#,
-        )
-        .unwrap();
-        assert_eq!((n.dead_engines.len(), n.release[0].kv_transfer_params.get()), (1, r#"{"x": 1}"#));
     }
 }

@@ -15,10 +15,9 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
-use crate::coordinator::Reporter;
-use crate::errors::{ApiError, UpstreamError};
-use crate::metrics::{inc, Metrics, Outcome, Phase, Tracker};
-use crate::release::ReleaseGuard;
+use crate::errors::{ApiError, LegError, UpstreamError};
+use crate::finish::Finish;
+use crate::metrics::{inc, Metrics, Outcome, Phase};
 use crate::state::State;
 use crate::upstream::{self, LegHeaders};
 
@@ -36,27 +35,6 @@ pub struct DecodeCall<'a> {
     pub prefilled_at: Option<Instant>,
 }
 
-/// What the request carries to its end: its bookkeeping, the blocks to free if the decode does
-/// not happen, and the coordinator's reports.
-#[derive(Debug)]
-pub struct Finish {
-    pub tracker: Tracker,
-    pub release: Option<ReleaseGuard>,
-    pub reporter: Option<Reporter>,
-}
-
-impl Finish {
-    pub fn fail(self, error: &ApiError) -> Response<Body> {
-        if let Some(r) = self.reporter {
-            r.failed(&error.message);
-        }
-        // `release` (if still armed) frees the prefill's blocks as it drops here.
-        drop(self.release);
-        self.tracker.finish(error.outcome());
-        error.response()
-    }
-}
-
 /// The decode's response head and first body frame.
 #[derive(Debug)]
 pub struct Opened {
@@ -71,7 +49,7 @@ pub struct Opened {
 
 /// Sends the decode call (another rank when one cannot be reached) and waits, within the
 /// first-byte timeout, for the head and the first body frame.
-pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiError> {
+pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, LegError> {
     let started = Instant::now();
     let first_byte = state.cfg.decode_first_byte_timeout;
     let headers = upstream::leg_headers(
@@ -87,7 +65,7 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
     let mut tried = Vec::with_capacity(state.engines.len());
     let (resp, rank) = loop {
         let Some(rank) = state.engines.pick(&tried) else {
-            return Err(ApiError::unavailable("the decode engine is unavailable"));
+            return Err(LegError::DecodeUnavailable(String::new()));
         };
         let target = state.engines.rank(rank.index).clone();
         let req = upstream::post(&target, call.path, headers.clone(), call.body.clone());
@@ -102,15 +80,12 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, ApiErr
                     continue;
                 }
                 tracing::error!(engine = %target.base, %e, "decode engine unreachable");
-                return Err(ApiError::unavailable(format!("the decode engine is unavailable: {e}")));
+                return Err(LegError::DecodeUnavailable(e.to_string()));
             }
             Err(e @ UpstreamError::Timeout { .. }) => {
-                return Err(ApiError::gateway_timeout(format!(
-                    "the decode engine did not answer within {:.3} s: {e}",
-                    first_byte.as_secs_f64()
-                )));
+                return Err(LegError::DecodeTimeout { secs: first_byte.as_secs_f64(), source: e });
             }
-            Err(e) => return Err(ApiError::bad_gateway(format!("the decode engine failed: {e}"))),
+            Err(e) => return Err(LegError::DecodeFailed(e)),
         }
     };
     if let Some(at) = call.prefilled_at {
@@ -129,7 +104,7 @@ pub async fn first_frame(
     what: &str,
     started: Instant,
     limit: Duration,
-) -> Result<Opened, ApiError> {
+) -> Result<Opened, LegError> {
     let status = resp.status();
     let (parts, mut incoming) = resp.into_parts();
     let headers = upstream::response_headers(&parts.headers);
@@ -139,10 +114,8 @@ pub async fn first_frame(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let left = limit.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
     let first = match tokio::time::timeout(left, next_data_frame(&mut incoming)).await {
-        Err(_) => {
-            return Err(ApiError::gateway_timeout(format!("{what} sent no output within {:.3} s", limit.as_secs_f64())))
-        }
-        Ok(Err(e)) => return Err(ApiError::bad_gateway(format!("{what} broke off its response: {e}"))),
+        Err(_) => return Err(LegError::NoOutput { what: what.to_string(), secs: limit.as_secs_f64() }),
+        Ok(Err(e)) => return Err(LegError::BrokeOff { what: what.to_string(), reason: e.to_string() }),
         Ok(Ok(frame)) => frame,
     };
     Ok(Opened { rank, status, headers, incoming, first, sse })
@@ -185,17 +158,14 @@ pub fn relay(state: &State, opened: Opened, fin: Finish) -> Response<Body> {
 pub async fn run(state: &Arc<State>, call: DecodeCall<'_>, mut fin: Finish) -> Response<Body> {
     let opened = match open(state, &call).await {
         Ok(o) => o,
-        Err(e) => return fin.fail(&e),
+        Err(e) => return fin.leg_failed(&e),
     };
     if opened.status.is_success() {
         // Output exists, so the engine has the KV: the prefill's blocks are its business now.
-        if let Some(g) = fin.release.as_mut() {
-            g.disarm();
-        }
+        fin.blocks_taken();
     } else {
         tracing::warn!(status = %opened.status, "decode engine answered an error");
-        // The decode did not use the blocks: free them now.
-        drop(fin.release.take());
+        fin.release_now();
     }
     relay(state, opened, fin)
 }
@@ -245,15 +215,7 @@ impl Relay {
     fn settle(&mut self, outcome: Outcome, error: Option<&str>) {
         self.ended = true;
         if let Some(fin) = self.fin.take() {
-            if let Some(r) = fin.reporter {
-                match error {
-                    None if outcome == Outcome::Ok => r.finished(),
-                    None => r.failed(&format!("decode answered {outcome:?}")),
-                    Some(e) => r.failed(e),
-                }
-            }
-            drop(fin.release);
-            fin.tracker.finish(outcome);
+            fin.end(outcome, error);
         }
     }
 }
@@ -303,11 +265,12 @@ impl HttpBody for Relay {
                     }
                 }
                 inc(&this.metrics.stream_idle_timeouts);
-                let msg = format!("the decode stream was idle for {:.3} s", this.idle.as_secs_f64());
+                let idle = LegError::StreamIdle { secs: this.idle.as_secs_f64() };
+                let msg = idle.to_string();
                 tracing::warn!("{msg}; cutting it");
                 this.settle(Outcome::Timeout, Some(&msg));
                 if this.sse {
-                    let event = ApiError::gateway_timeout(msg).body();
+                    let event = ApiError::from(&idle).body();
                     let mut chunk = Vec::with_capacity(event.len() + 8);
                     chunk.extend_from_slice(b"data: ");
                     chunk.extend_from_slice(&event);
@@ -347,11 +310,7 @@ impl Drop for Relay {
             // The client went away mid-stream; dropping `inner` closes the engine's connection,
             // which aborts the request there.
             if let Some(fin) = self.fin.take() {
-                if let Some(r) = fin.reporter {
-                    r.failed("client disconnected");
-                }
-                drop(fin.release);
-                drop(fin.tracker); // counts as cancelled
+                fin.cancel("client disconnected");
             }
         }
     }

@@ -5,6 +5,7 @@ use axum::body::Body;
 use http::{header, Response, StatusCode};
 use serde::Serialize;
 
+use crate::handoff::PrefillExhausted;
 use crate::metrics::Outcome;
 
 /// What can go wrong talking to an upstream (engine, prefill, coordinator).
@@ -24,6 +25,69 @@ impl UpstreamError {
     /// Whether nothing reached the upstream (a retry elsewhere is always safe).
     pub fn is_connect(&self) -> bool {
         matches!(self, UpstreamError::Connect { .. })
+    }
+}
+
+/// Why a request's legs ended without an answer to relay.
+#[derive(Debug, thiserror::Error)]
+pub enum LegError {
+    #[error("prefill {prefill} answered {status}{}", with_detail(.detail))]
+    PrefillStatus { prefill: String, status: StatusCode, detail: String },
+    #[error("prefill {prefill} answered a body that is not JSON: {reason}")]
+    PrefillBadBody { prefill: String, reason: String },
+    #[error("prefill {prefill} returned no kv_transfer_params (the request stopped early or was aborted)")]
+    NullParams { prefill: String },
+    #[error(transparent)]
+    Exhausted(#[from] PrefillExhausted),
+    #[error("no prefill engine is configured or alive")]
+    NoCandidate,
+    #[error("prefill task: {0}")]
+    PrefillTask(#[from] tokio::task::JoinError),
+    #[error("the decode response did not complete")]
+    DecodeIncomplete,
+    #[error("the decode engine is unavailable{}", with_detail(.0))]
+    DecodeUnavailable(String),
+    #[error("the decode engine did not answer within {secs:.3} s: {source}")]
+    DecodeTimeout { secs: f64, source: UpstreamError },
+    #[error("the decode engine failed: {0}")]
+    DecodeFailed(UpstreamError),
+    /// `what` (the decode engine, a redirect's sidecar) sent no body within the limit.
+    #[error("{what} sent no output within {secs:.3} s")]
+    NoOutput { what: String, secs: f64 },
+    #[error("{what} broke off its response: {reason}")]
+    BrokeOff { what: String, reason: String },
+    #[error("the decode stream was idle for {secs:.3} s")]
+    StreamIdle { secs: f64 },
+}
+
+fn with_detail(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!(": {detail}")
+    }
+}
+
+/// The one place a leg's error becomes the client's HTTP error.
+impl From<&LegError> for ApiError {
+    fn from(e: &LegError) -> ApiError {
+        let status = match e {
+            LegError::Exhausted(PrefillExhausted::NothingReachable { .. })
+            | LegError::NoCandidate
+            | LegError::DecodeUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            LegError::DecodeTimeout { .. } | LegError::NoOutput { .. } | LegError::StreamIdle { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            LegError::PrefillStatus { .. }
+            | LegError::PrefillBadBody { .. }
+            | LegError::NullParams { .. }
+            | LegError::Exhausted(PrefillExhausted::AllFailed { .. })
+            | LegError::PrefillTask(_)
+            | LegError::DecodeIncomplete
+            | LegError::DecodeFailed(_)
+            | LegError::BrokeOff { .. } => StatusCode::BAD_GATEWAY,
+        };
+        ApiError::new(status, e.to_string())
     }
 }
 
@@ -121,5 +185,37 @@ mod tests {
         assert_eq!(e.response().status(), 503);
         assert_eq!(ApiError::gateway_timeout("x").outcome(), Outcome::Timeout);
         assert_eq!(ApiError::new(StatusCode::UNAUTHORIZED, "x").response().headers()["www-authenticate"], "Bearer");
+    }
+
+    #[test]
+    fn leg_errors_map_to_statuses() {
+        let exhausted = |e| LegError::Exhausted(e);
+        let cases = [
+            (exhausted(PrefillExhausted::NothingReachable { tried: 2, last: "x".into() }), 503),
+            (exhausted(PrefillExhausted::AllFailed { tried: 2, last: "x".into() }), 502),
+            (LegError::NoCandidate, 503),
+            (LegError::NullParams { prefill: "p".into() }, 502),
+            (LegError::PrefillBadBody { prefill: "p".into(), reason: "x".into() }, 502),
+            (LegError::DecodeIncomplete, 502),
+            (LegError::DecodeUnavailable(String::new()), 503),
+            (LegError::NoOutput { what: "the decode engine".into(), secs: 1.0 }, 504),
+            (LegError::StreamIdle { secs: 1.0 }, 504),
+            (LegError::BrokeOff { what: "x".into(), reason: "y".into() }, 502),
+        ];
+        for (e, status) in cases {
+            assert_eq!(ApiError::from(&e).status.as_u16(), status, "{e}");
+        }
+        let e = LegError::PrefillStatus {
+            prefill: "p".into(),
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            detail: "boom".into(),
+        };
+        assert_eq!(ApiError::from(&e).message, "prefill p answered 500 Internal Server Error: boom");
+        let e = LegError::PrefillStatus {
+            prefill: "p".into(),
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            detail: String::new(),
+        };
+        assert_eq!(e.to_string(), "prefill p answered 500 Internal Server Error");
     }
 }

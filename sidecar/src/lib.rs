@@ -9,9 +9,11 @@
 //! will not come are released at once.
 //!
 //! Layout: [`config`] (flags, env, TOML), [`allowlist`] and [`target`] (who may be called),
-//! [`json`] and [`rewrite`] (pure body rewriting), [`routing`] (which prefill), [`prefill`] and
-//! [`decode`] (the legs), [`sglang`], [`pull`], [`release`], [`coordinator`], [`metrics`],
-//! [`errors`], [`server`] (HTTP surface and accept loop).
+//! [`json`] and [`rewrite`] (pure body rewriting), [`handoff`] (the pure core: where a request
+//! is served, the failover policy), [`routing`] (gathers the core's inputs), [`legs`] (the
+//! prefill-leg executor both modes share), [`prefill`] and [`decode`] (the legs), [`sglang`],
+//! [`pull`], [`release`], [`coordinator`], [`metrics`], [`errors`] (where errors become HTTP),
+//! [`server`] (HTTP surface and accept loop).
 
 #![forbid(unsafe_code)]
 
@@ -20,8 +22,11 @@ pub mod config;
 pub mod coordinator;
 pub mod decode;
 pub mod errors;
+pub mod finish;
+pub mod handoff;
 pub mod ids;
 pub mod json;
+pub mod legs;
 pub mod load;
 pub mod metrics;
 pub mod prefill;
@@ -59,7 +64,7 @@ pub fn build_state(cfg: Config) -> anyhow::Result<Arc<State>> {
     let resolved = cfg.resolve()?;
     let tls = tls::client_config(cfg.upstream_ca.as_deref()).context("upstream TLS")?;
     let client = upstream::client(cfg.connect_timeout, tls);
-    let wants_xfer = cfg.mode == Mode::Pull || cfg.release_method == ReleaseMethod::Xfer;
+    let wants_xfer = cfg.mode == Mode::SimPull || cfg.release_method == ReleaseMethod::SimXfer;
     let xfer = if wants_xfer {
         Some(xfer_link::XferLink::new(&cfg.xfer_listen).context("starting the xfer agent")?)
     } else {

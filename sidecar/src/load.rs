@@ -1,18 +1,7 @@
 //! The engine's load as the coordinator wants it, read from the engine's Prometheus `/metrics`
 //! (vLLM and SGLang names, PROTOCOLS.md §3, §4).
 
-use serde::Serialize;
-
-/// `Load` of coordinator/API.md.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct Load {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub running: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub waiting: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_usage: Option<f64>,
-}
+use pd_api::Load;
 
 /// Sums the samples of each gauge over its label sets (one line per model/engine/rank);
 /// KV usage is averaged.
@@ -44,6 +33,7 @@ pub fn parse(text: &str) -> Load {
         running: running.map(|v| v.max(0.0).round() as u64),
         waiting: waiting.map(|v| v.max(0.0).round() as u64),
         kv_usage: (usage.1 > 0).then(|| (usage.0 / f64::from(usage.1)).clamp(0.0, 1.0)),
+        ..Load::default()
     }
 }
 
@@ -57,6 +47,7 @@ pub fn combine(loads: &[Load]) -> Load {
         running: sum(|l| l.running),
         waiting: sum(|l| l.waiting),
         kv_usage: (!usages.is_empty()).then(|| usages.iter().sum::<f64>() / usages.len() as f64),
+        ..Load::default()
     }
 }
 
@@ -73,9 +64,9 @@ mod tests {
             vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"0\"} 0.5\n\
             vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"1\"} 0.25\n\
             vllm:num_requests_running_other 99\nbroken line\nvllm:num_requests_waiting NaN\n";
-        assert_eq!(parse(text), Load { running: Some(5), waiting: Some(7), kv_usage: Some(0.375) });
+        assert_eq!(parse(text), Load { running: Some(5), waiting: Some(7), kv_usage: Some(0.375), ..Load::default() });
         let sg = "sglang:num_running_reqs{tp_rank=\"0\"} 4\nsglang:num_queue_reqs 1\nsglang:token_usage 0.1\n";
-        assert_eq!(parse(sg), Load { running: Some(4), waiting: Some(1), kv_usage: Some(0.1) });
+        assert_eq!(parse(sg), Load { running: Some(4), waiting: Some(1), kv_usage: Some(0.1), ..Load::default() });
         assert_eq!(parse(""), Load::default());
         assert_eq!(serde_json::to_string(&Load::default()).unwrap(), "{}");
         let both = combine(&[parse(text), parse(sg), Load::default()]);

@@ -12,16 +12,18 @@ use http::{HeaderMap, Response};
 use tracing::Instrument;
 
 use crate::config::{Fallback, Mode};
-use crate::coordinator::Reporter;
-use crate::decode::{self, DecodeCall, Finish};
-use crate::errors::ApiError;
+use crate::decode::{self, DecodeCall};
+use crate::errors::LegError;
+use crate::finish::Finish;
+use crate::handoff::{Plan, Route};
 use crate::json::Object;
-use crate::metrics::{inc, LocalReason, Outcome, Tracker};
+use crate::legs::Legged;
+use crate::metrics::{inc, LocalReason};
 use crate::prefill::{self, Prefilled};
 use crate::redirect;
 use crate::release::ReleaseGuard;
 use crate::rewrite::{self, Api};
-use crate::routing::{self, Plan, Route};
+use crate::routing;
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::REQUEST_ID;
@@ -40,14 +42,24 @@ pub async fn generation(state: Arc<State>, api: Api, path: String, headers: Head
     let rid = request_id(&state, &headers);
     let span = tracing::info_span!("request", request_id = %rid, api = api.name(), redirect = tracing::field::Empty);
     async {
-        let tracker = Tracker::new(&state.metrics);
+        let fin = Finish::new(&state, &rid);
         if state.cfg.mode == Mode::Sglang {
-            return crate::sglang::run(&state, api, &path, &headers, &rid, body, tracker).await;
+            return crate::sglang::run(&state, api, &path, &headers, &rid, body, fin).await;
         }
-        vllm(&state, api, &path, &headers, &rid, body, tracker).await
+        vllm(&state, api, &path, &headers, &rid, body, fin).await
     }
     .instrument(span)
     .await
+}
+
+/// What routing did with a request (both flows).
+pub(crate) enum Routed<'a> {
+    /// It needed no prefill leg from here — a body that is not a JSON object (the engine
+    /// explains the problem to the client), a local plan, a redirect to another sidecar — and
+    /// was served.
+    Served(Response<Body>),
+    /// It is this sidecar's to disaggregate.
+    Disaggregate(Disaggregation<'a>),
 }
 
 /// A request that routing left to this sidecar to disaggregate.
@@ -55,14 +67,10 @@ pub(crate) struct Disaggregation<'a> {
     pub object: Object<'a>,
     /// Prefill candidates in the order to try them.
     pub candidates: Vec<Target>,
-    pub tracker: Tracker,
-    pub reporter: Option<Reporter>,
+    pub fin: Finish,
 }
 
-/// Parses the body and plans the request (both flows). A request that needs no prefill leg
-/// from here — a body that is not a JSON object (the engine explains the problem to the
-/// client), a local plan, a redirect to another sidecar — is served and its response returned
-/// as `Err`.
+/// Parses the body, routes the request, and serves it when no prefill leg is needed here.
 pub(crate) async fn route<'a>(
     state: &Arc<State>,
     api: Api,
@@ -70,24 +78,23 @@ pub(crate) async fn route<'a>(
     headers: &HeaderMap,
     rid: &str,
     body: &'a Bytes,
-    tracker: Tracker,
-) -> Result<Disaggregation<'a>, Response<Body>> {
-    let reporter = Reporter::new(state, rid);
+    fin: Finish,
+) -> Routed<'a> {
     let Ok(object) = Object::parse(body) else {
-        return Err(local(state, path, headers, rid, body, None, tracker, reporter, None).await);
+        return Routed::Served(local(state, path, headers, rid, body, None, fin, None).await);
     };
-    let plan = match routing::plan(state, headers, &object, api, rid).await {
-        Route::Here(plan) => plan,
+    let plan = match routing::route(state, headers, &object, api, rid).await {
+        Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
         Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, body).await {
-            Ok(opened) => return Err(redirect::relay(state, opened, tracker, reporter)),
+            Ok(opened) => return Routed::Served(redirect::relay(state, opened, fin)),
             Err(fallback) => fallback,
         },
     };
     match plan {
         Plan::Local(reason) => {
-            Err(local(state, path, headers, rid, body, Some(&object), tracker, reporter, Some(reason)).await)
+            Routed::Served(local(state, path, headers, rid, body, Some(&object), fin, Some(reason)).await)
         }
-        Plan::Prefill(candidates) => Ok(Disaggregation { object, candidates, tracker, reporter }),
+        Plan::Prefill(candidates) => Routed::Disaggregate(Disaggregation { object, candidates, fin }),
     }
 }
 
@@ -98,67 +105,53 @@ async fn vllm(
     headers: &HeaderMap,
     rid: &str,
     body: Bytes,
-    tracker: Tracker,
+    fin: Finish,
 ) -> Response<Body> {
-    let Disaggregation { object, candidates, tracker, reporter } =
-        match route(state, api, path, headers, rid, &body, tracker).await {
-            Ok(d) => d,
-            Err(served) => return served,
-        };
+    let Disaggregation { object, candidates, mut fin } = match route(state, api, path, headers, rid, &body, fin).await {
+        Routed::Disaggregate(d) => d,
+        Routed::Served(response) => return response,
+    };
     let prefilled = prefill_detached(state, candidates, path, headers, rid, &object, &body).await;
     let prefilled_at = Instant::now();
     // Ok: the prefill's params; Err: the reason to compute the prompt here after all.
     let handed_off = match prefilled {
-        Prefilled::Params { params, target } => Ok((params, target)),
-        Prefilled::ClientError(resp) => {
-            if let Some(r) = reporter {
-                r.failed(&format!("prefill answered {}", resp.status()));
-            }
-            tracker.finish(Outcome::ClientError);
-            return resp;
-        }
-        Prefilled::BadBody { target, reason } => {
-            let e =
-                ApiError::bad_gateway(format!("prefill {} answered a body that is not JSON: {reason}", target.name()));
-            return fail(e, tracker, reporter);
-        }
-        Prefilled::NullParams { target } => {
+        Legged::Done(Prefilled::Params { params, target }) => Ok((params, target)),
+        Legged::Done(Prefilled::ClientError(resp)) => return fin.client_error(resp),
+        Legged::Done(Prefilled::NullParams { target }) => {
             tracing::warn!(prefill = %target.name(), "prefill returned kv_transfer_params: null");
             if state.cfg.null_params != Fallback::Local {
-                let e = ApiError::bad_gateway(format!(
-                    "prefill {} returned no kv_transfer_params (the request stopped early or was aborted)",
-                    target.name()
-                ));
-                return fail(e, tracker, reporter);
+                return fin.leg_failed(&LegError::NullParams { prefill: target.name().to_string() });
             }
             Err(LocalReason::NullParams)
         }
-        Prefilled::Failed(e) => {
-            if state.cfg.fallback != Fallback::Local {
-                return fail(e, tracker, reporter);
+        // Another 5xx follows --fallback; a body that is not JSON never does.
+        Legged::Done(Prefilled::Failed(e)) => {
+            if state.cfg.fallback != Fallback::Local || !matches!(e, LegError::PrefillStatus { .. }) {
+                return fin.leg_failed(&e);
             }
-            tracing::warn!(error = %e.message, "no prefill; computing the prompt locally");
+            tracing::warn!(error = %e, "no prefill; computing the prompt locally");
             Err(LocalReason::PrefillFailed)
         }
+        Legged::Fallback(e) => {
+            tracing::warn!(error = %e, "no prefill; computing the prompt locally");
+            Err(LocalReason::PrefillFailed)
+        }
+        Legged::Fail(e) => return fin.leg_failed(&LegError::from(e)),
     };
     let (params, target) = match handed_off {
         Ok(handed_off) => handed_off,
-        Err(reason) => {
-            return local(state, path, headers, rid, &body, Some(&object), tracker, reporter, Some(reason)).await
-        }
+        Err(reason) => return local(state, path, headers, rid, &body, Some(&object), fin, Some(reason)).await,
     };
     inc(&state.metrics.disaggregated);
-    if let Some(r) = &reporter {
-        r.prefill_done(target.id.as_deref(), &params);
-    }
-    let mut guard = ReleaseGuard::new(state, rid, &params, body.clone(), path);
+    fin.prefill_done(target.id.as_deref(), &params);
+    fin.hold(ReleaseGuard::new(state, rid, &params, body.clone(), path));
     let mut decode_params = params;
-    if state.cfg.mode == Mode::Pull {
+    if state.cfg.mode == Mode::SimPull {
         let span = tracing::info_span!("pull");
         match crate::pull::run(state, &object, path, rid, &decode_params).instrument(span).await {
             Ok(reservation) => {
                 // The prefill was told we are done; now the reservation is what is held.
-                guard = ReleaseGuard::new(state, rid, &reservation, body.clone(), path).decode_only();
+                fin.hold(ReleaseGuard::new(state, rid, &reservation, body.clone(), path).decode_only());
                 decode_params = reservation;
             }
             Err(e) => tracing::warn!(%e, "sidecar pull failed; the engine pulls itself"),
@@ -173,7 +166,6 @@ async fn vllm(
         rewritten: true,
         prefilled_at: Some(prefilled_at),
     };
-    let fin = Finish { tracker, release: Some(guard), reporter };
     decode::run(state, call, fin).instrument(tracing::info_span!("decode")).await
 }
 
@@ -189,7 +181,7 @@ async fn prefill_detached(
     rid: &str,
     object: &Object<'_>,
     body: &Bytes,
-) -> Prefilled {
+) -> Legged<Prefilled> {
     let prefill_body = Bytes::from(rewrite::prefill_body(object));
     let orphan = Orphan { state: Arc::clone(state), rid: rid.to_string(), path: path.to_string(), body: body.clone() };
     let (task_state, path, headers, rid) = (Arc::clone(state), path.to_string(), headers.clone(), rid.to_string());
@@ -198,7 +190,7 @@ async fn prefill_detached(
     Orphanable { leg: Some(Box::pin(leg.instrument(span))), orphan: Some(orphan) }.await
 }
 
-type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Prefilled> + Send>>;
+type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Legged<Prefilled>> + Send>>;
 
 /// What an abandoned prefill needs to release its blocks.
 struct Orphan {
@@ -215,9 +207,9 @@ struct Orphanable {
 }
 
 impl std::future::Future for Orphanable {
-    type Output = Prefilled;
+    type Output = Legged<Prefilled>;
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Prefilled> {
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Legged<Prefilled>> {
         let leg = self.leg.as_mut().expect("polled after completion");
         let out = std::task::ready!(leg.as_mut().poll(cx));
         self.leg = None;
@@ -230,21 +222,12 @@ impl Drop for Orphanable {
         let (Some(leg), Some(o)) = (self.leg.take(), self.orphan.take()) else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(async move {
-            if let Prefilled::Params { params, .. } = leg.await {
+            if let Legged::Done(Prefilled::Params { params, .. }) = leg.await {
                 tracing::info!(request_id = %o.rid, "client left during the prefill; releasing its blocks");
                 drop(ReleaseGuard::new(&o.state, &o.rid, &params, o.body, &o.path));
             }
         });
     }
-}
-
-pub(crate) fn fail(e: ApiError, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
-    tracing::warn!(status = %e.status, error = %e.message, "request failed");
-    if let Some(r) = reporter {
-        r.failed(&e.message);
-    }
-    tracker.finish(e.outcome());
-    e.response()
 }
 
 /// Decodes on the local engine without a prefill leg (the engine computes the prompt).
@@ -256,14 +239,13 @@ pub(crate) async fn local(
     rid: &str,
     body: &Bytes,
     object: Option<&Object<'_>>,
-    tracker: Tracker,
-    reporter: Option<Reporter>,
+    fin: Finish,
     reason: Option<LocalReason>,
 ) -> Response<Body> {
     if let Some(r) = reason {
         state.metrics.local(r);
         if r == LocalReason::NoCandidate && state.cfg.fallback == Fallback::Fail {
-            return fail(ApiError::unavailable("no prefill engine is configured or alive"), tracker, reporter);
+            return fin.leg_failed(&LegError::NoCandidate);
         }
     }
     let rewritten = match object.filter(|_| !state.cfg.trust_client_kv_params).and_then(rewrite::local_body) {
@@ -281,6 +263,5 @@ pub(crate) async fn local(
         body: rewritten.unwrap_or_else(|| body.clone()),
         prefilled_at: None,
     };
-    let fin = Finish { tracker, release: None, reporter };
     decode::run(state, call, fin).instrument(tracing::info_span!("decode", local = true)).await
 }

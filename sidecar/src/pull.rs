@@ -14,12 +14,26 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::sync::OnceCell;
 
+use crate::errors::UpstreamError;
 use crate::json::{self, Object};
 use crate::metrics::inc;
 use crate::release::ReleaseGuard;
 use crate::state::State;
 use crate::upstream;
 use crate::xfer_link::{self, Handle, LinkError, XferLink};
+
+/// Why a call to the local engine's pd-sim admin API came to nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("{0}")]
+    Request(#[from] http::Error),
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error("{path} answered {status}: {body}")]
+    Status { path: String, status: http::StatusCode, body: String },
+    #[error("{path}: {source}")]
+    Json { path: String, source: serde_json::Error },
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
@@ -66,18 +80,19 @@ async fn engine_json<T: for<'de> Deserialize<'de>>(
     path: &str,
     body: Option<Vec<u8>>,
     timeout: Duration,
-) -> Result<T, String> {
+) -> Result<T, AdminError> {
     let target = state.engines.primary();
-    let req = upstream::json_request(method, &target.url(path), body).map_err(|e| e.to_string())?;
+    let req = upstream::json_request(method, &target.url(path), body)?;
     let started = Instant::now();
-    let resp = upstream::send(&state.client, target, req, timeout).await.map_err(|e| e.to_string())?;
+    let resp = upstream::send(&state.client, target, req, timeout).await?;
     let status = resp.status();
     let left = timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
-    let bytes = upstream::collect(target, resp.into_body(), 1 << 20, left).await.map_err(|e| e.to_string())?;
+    let bytes = upstream::collect(target, resp.into_body(), 1 << 20, left).await?;
     if !status.is_success() {
-        return Err(format!("{path} answered {status}: {}", String::from_utf8_lossy(&bytes)));
+        let body = String::from_utf8_lossy(&bytes).into_owned();
+        return Err(AdminError::Status { path: path.to_string(), status, body });
     }
-    serde_json::from_slice(&bytes).map_err(|e| format!("{path}: {e}"))
+    serde_json::from_slice(&bytes).map_err(|source| AdminError::Json { path: path.to_string(), source })
 }
 
 impl Puller {
@@ -86,7 +101,7 @@ impl Puller {
             .get_or_try_init(|| async {
                 let info: PoolInfo = engine_json(state, Method::GET, "/admin/pool", None, state.cfg.pull_timeout)
                     .await
-                    .map_err(PullError::Pool)?;
+                    .map_err(|e| PullError::Pool(e.to_string()))?;
                 let path = info
                     .shm_path
                     .ok_or_else(|| PullError::Pool("the engine has no shared-memory pool (--shm-path)".into()))?;
@@ -165,7 +180,7 @@ pub async fn run(
     let body = format!("{{\"num_blocks\":{}}}", remote_ids.len()).into_bytes();
     let r: Reservation = engine_json(state, Method::POST, "/admin/reserve", Some(body), state.cfg.pull_timeout)
         .await
-        .map_err(PullError::Reserve)?;
+        .map_err(|e| PullError::Reserve(e.to_string()))?;
     let reserved = format!("{{\"do_remote_prefill\":true,\"reservation_id\":{}}}", json::string(&r.reservation_id));
     if r.block_ids.len() != remote_ids.len() || r.block_ids.iter().any(|&b| b as usize >= pool.num_blocks) {
         consume(state, client, path, rid, &reserved);

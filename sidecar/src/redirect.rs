@@ -10,11 +10,12 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 
-use crate::coordinator::Reporter;
-use crate::decode::{self, Finish, Opened};
-use crate::errors::UpstreamError;
-use crate::metrics::{RedirectOutcome, Tracker};
-use crate::routing::{self, Plan, Redirect, Redirected};
+use crate::decode::{self, Opened};
+use crate::errors::{LegError, UpstreamError};
+use crate::finish::Finish;
+use crate::handoff::{Plan, Redirect, Redirected};
+use crate::metrics::RedirectOutcome;
+use crate::routing::redirect_mark;
 use crate::state::State;
 use crate::upstream::{self, LegHeaders, REDIRECT_HEADER, ROUTING_HEADER};
 
@@ -27,7 +28,7 @@ fn headers(client: &HeaderMap, request_id: &str, r: &Redirect) -> HeaderMap {
         Some(p) => (Redirected::Prefill, HeaderValue::from_str(&p.host_port.authority()).ok()),
         None => (Redirected::Local, None),
     };
-    out.insert(HeaderName::from_static(REDIRECT_HEADER), HeaderValue::from_static(mark.value()));
+    out.insert(HeaderName::from_static(REDIRECT_HEADER), HeaderValue::from_static(redirect_mark(mark)));
     if let Some(p) = prefill {
         out.insert(HeaderName::from_static(ROUTING_HEADER), p);
     }
@@ -55,12 +56,11 @@ pub async fn open(
             Err((RedirectOutcome::FallbackErrorStatus, format!("{what} answered {}", resp.status())))
         }
         Ok(resp) => decode::first_frame(resp, None, &what, started, limit).await.map_err(|e| {
-            let o = if e.status.as_u16() == 504 {
-                RedirectOutcome::FallbackTimeout
-            } else {
-                RedirectOutcome::FallbackUnreachable
+            let o = match e {
+                LegError::NoOutput { .. } => RedirectOutcome::FallbackTimeout,
+                _ => RedirectOutcome::FallbackUnreachable,
             };
-            (o, e.message)
+            (o, e.to_string())
         }),
         Err(e @ UpstreamError::Timeout { .. }) => Err((RedirectOutcome::FallbackTimeout, e.to_string())),
         Err(e) => Err((RedirectOutcome::FallbackUnreachable, e.to_string())),
@@ -73,15 +73,46 @@ pub async fn open(
         Err((o, why)) => {
             state.metrics.redirect(o);
             tracing::warn!(decode = %r.decode, %why, "redirect failed; serving the request here");
-            Err(routing::fallback(state, r.prefill.clone()))
+            Err(r.fallback.clone())
         }
     }
 }
 
 /// Relays the redirected answer; the other sidecar reports on the request, so this one does not.
-pub fn relay(state: &State, opened: Opened, tracker: Tracker, reporter: Option<Reporter>) -> Response<Body> {
-    if let Some(r) = reporter {
-        r.disown();
+pub fn relay(state: &State, opened: Opened, mut fin: Finish) -> Response<Body> {
+    fin.disown();
+    decode::relay(state, opened, fin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handoff::Plan;
+    use crate::metrics::LocalReason;
+    use crate::target::Target;
+
+    fn redirect(prefill: Option<&str>) -> Redirect {
+        Redirect {
+            sidecar: Target::parse("d:8000", "http", None).unwrap(),
+            decode: "d1".into(),
+            prefill: prefill.map(|p| Target::parse(p, "http", None).unwrap()),
+            fallback: Plan::Local(LocalReason::NoCandidate),
+        }
     }
-    decode::relay(state, opened, Finish { tracker, release: None, reporter: None })
+
+    #[test]
+    fn the_decision_travels_in_headers() {
+        let mut client = HeaderMap::new();
+        client.insert(ROUTING_HEADER, HeaderValue::from_static("10.6.6.6:1"));
+        client.insert(REDIRECT_HEADER, HeaderValue::from_static("local"));
+        client.insert("authorization", HeaderValue::from_static("Bearer t"));
+        let out = headers(&client, "r1", &redirect(Some("10.0.0.5:8100")));
+        assert_eq!(out[REDIRECT_HEADER], "prefill");
+        assert_eq!(out[ROUTING_HEADER], "10.0.0.5:8100");
+        assert_eq!(out["x-request-id"], "r1");
+        assert_eq!(out["authorization"], "Bearer t", "the client's authorization passes");
+        let out = headers(&client, "r1", &redirect(None));
+        assert_eq!(out[REDIRECT_HEADER], "local");
+        assert!(out.get(ROUTING_HEADER).is_none(), "the client's routing header never passes");
+    }
 }

@@ -9,17 +9,18 @@ use std::time::Instant;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue};
+use http::{header, HeaderMap, HeaderValue, StatusCode};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::config::ReleaseMethod;
+use crate::errors::UpstreamError;
 use crate::json::Object;
 use crate::metrics::inc;
 use crate::rewrite;
 use crate::state::State;
 use crate::upstream::{self, REQUEST_ID};
-use crate::xfer_link::{self, Handle};
+use crate::xfer_link::{self, Handle, LinkError};
 
 /// Frees the prefill's blocks when dropped armed (spawns the release; never blocks).
 #[derive(Debug)]
@@ -85,6 +86,23 @@ impl Drop for ReleaseGuard {
     }
 }
 
+/// Why held blocks could not be freed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    #[error("this sidecar has no xfer agent (--mode sim-pull)")]
+    NoAgent,
+    #[error(transparent)]
+    Notify(#[from] LinkError),
+    #[error("kv_transfer_params: {0}")]
+    Params(#[from] serde_json::Error),
+    #[error("release decode answered {0}")]
+    Status(StatusCode),
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error("no engine rank reachable for the release: {last}")]
+    NoRank { last: String },
+}
+
 /// Frees the blocks `params` name; returns the method that worked.
 pub async fn release(
     state: &Arc<State>,
@@ -92,7 +110,7 @@ pub async fn release(
     params: &str,
     client_body: Option<&[u8]>,
     path: Option<&str>,
-) -> Result<&'static str, String> {
+) -> Result<&'static str, ReleaseError> {
     release_with(state, state.cfg.release_method, request_id, params, client_body, path).await
 }
 
@@ -103,9 +121,9 @@ async fn release_with(
     params: &str,
     client_body: Option<&[u8]>,
     path: Option<&str>,
-) -> Result<&'static str, String> {
+) -> Result<&'static str, ReleaseError> {
     let via_xfer = match method {
-        ReleaseMethod::Xfer => true,
+        ReleaseMethod::SimXfer => true,
         ReleaseMethod::Decode => false,
         ReleaseMethod::Auto => state.xfer.is_some(),
     };
@@ -115,7 +133,7 @@ async fn release_with(
                 inc(&state.metrics.releases_ok);
                 return Ok("xfer");
             }
-            Err(e) if method == ReleaseMethod::Xfer => {
+            Err(e) if method == ReleaseMethod::SimXfer => {
                 inc(&state.metrics.releases_failed);
                 return Err(e);
             }
@@ -127,10 +145,10 @@ async fn release_with(
     outcome.map(|()| "decode")
 }
 
-async fn notify(state: &State, params: &str) -> Result<(), String> {
-    let link = state.xfer.clone().ok_or("this sidecar has no xfer agent (--mode pull)")?;
-    let handle = Handle::parse(params).map_err(|e| e.to_string())?;
-    xfer_link::blocking(state.cfg.release_timeout, move || link.notify_done(&handle)).await.map_err(|e| e.to_string())
+async fn notify(state: &State, params: &str) -> Result<(), ReleaseError> {
+    let link = state.xfer.clone().ok_or(ReleaseError::NoAgent)?;
+    let handle = Handle::parse(params)?;
+    Ok(xfer_link::blocking(state.cfg.release_timeout, move || link.notify_done(&handle)).await?)
 }
 
 async fn decode(
@@ -139,12 +157,12 @@ async fn decode(
     params: &str,
     client_body: Option<&[u8]>,
     path: Option<&str>,
-) -> Result<(), String> {
+) -> Result<(), ReleaseError> {
     let client = client_body.and_then(|b| Object::parse(b).ok());
     let (body, path) = match (&client, path) {
         (Some(o), Some(p)) => (rewrite::release_body(o, params), p),
         _ => {
-            let v: serde_json::Value = serde_json::from_str(params).map_err(|e| format!("kv_transfer_params: {e}"))?;
+            let v: serde_json::Value = serde_json::from_str(params)?;
             let tokens = rewrite::release_tokens(&v, state.cfg.block_size);
             (rewrite::synthetic_release_body(state.cfg.model.as_deref(), tokens, params), "/v1/completions")
         }
@@ -168,13 +186,13 @@ async fn decode(
                 let status = resp.status();
                 // Read (and drop) the answer so the connection goes back to the pool.
                 let _ = upstream::collect(&target, resp.into_body(), 16 << 20, state.cfg.release_timeout).await;
-                return if status.is_success() { Ok(()) } else { Err(format!("release decode answered {status}")) };
+                return if status.is_success() { Ok(()) } else { Err(ReleaseError::Status(status)) };
             }
             Err(e) if e.is_connect() => last = e.to_string(),
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
     }
-    Err(format!("no engine rank reachable for the release: {last}"))
+    Err(ReleaseError::NoRank { last })
 }
 
 /// `POST /pd/release` body (coordinator/API.md).

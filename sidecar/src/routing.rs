@@ -1,69 +1,31 @@
-//! Which prefill a request goes to, in order of authority: the `x-prefiller-host-port` header
-//! of an upstream router (only targets the allowlist or the coordinator's view accept), the
-//! coordinator's pairing, the coordinator's last view, the static list (round robin). Short
-//! prompts skip the prefill leg. When the coordinator pairs the request with another decode
-//! engine, the request is redirected to that engine's sidecar with the decision in headers.
+//! The routing edge: gathers what [`crate::handoff::plan`] decides from — the validated
+//! `x-prefiller-host-port` header (only targets the allowlist or the coordinator's view accept)
+//! and the redirect mark, the prompt-size estimate, the coordinator's pairing, its last view and
+//! the static list — and hands back the route. The decision itself is made in `handoff`.
 
 use http::HeaderMap;
 
 use crate::allowlist::validate_header;
-use crate::coordinator::{Pairing, RemoteDecode};
+use crate::coordinator::Coordinator;
+use crate::handoff::{self, Inputs, PairingAnswer, Redirected, Route};
 use crate::json::Object;
-use crate::metrics::{inc, LocalReason, RedirectOutcome};
+use crate::metrics::{inc, RedirectOutcome};
 use crate::rewrite::{self, Api};
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{REDIRECT_HEADER, ROUTING_HEADER};
 
-/// Where one request is served.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Route {
-    /// Here, on the local engine.
-    Here(Plan),
-    /// Handed to the sidecar of the decode engine the coordinator chose.
-    Redirect(Redirect),
+/// Reads the redirect mark ([`REDIRECT_HEADER`]): `local`, anything else reads as `prefill`.
+pub fn redirected(headers: &HeaderMap) -> Option<Redirected> {
+    let v = headers.get(REDIRECT_HEADER)?;
+    Some(if v.as_bytes() == b"local" { Redirected::Local } else { Redirected::Prefill })
 }
 
-/// How a request is served on the local engine.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Plan {
-    /// Decode locally without a prefill leg.
-    Local(LocalReason),
-    /// Prefill candidates in the order to try them.
-    Prefill(Vec<Target>),
-}
-
-/// Where a redirected request goes and what it carries.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Redirect {
-    /// The chosen decode engine's sidecar.
-    pub sidecar: Target,
-    /// The chosen decode engine's id.
-    pub decode: String,
-    /// The chosen prefill; `None`: the decode engine computes the prompt itself.
-    pub prefill: Option<Target>,
-}
-
-/// The decision a redirecting sidecar passed along ([`REDIRECT_HEADER`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Redirected {
-    /// Decode without a prefill leg.
-    Local,
-    /// Prefill on the engine named by [`ROUTING_HEADER`] (any other value reads as this too).
-    Prefill,
-}
-
-impl Redirected {
-    pub fn of(headers: &HeaderMap) -> Option<Redirected> {
-        let v = headers.get(REDIRECT_HEADER)?;
-        Some(if v.as_bytes() == b"local" { Redirected::Local } else { Redirected::Prefill })
-    }
-
-    pub fn value(self) -> &'static str {
-        match self {
-            Redirected::Local => "local",
-            Redirected::Prefill => "prefill",
-        }
+/// The mark's header value.
+pub fn redirect_mark(r: Redirected) -> &'static str {
+    match r {
+        Redirected::Local => "local",
+        Redirected::Prefill => "prefill",
     }
 }
 
@@ -97,80 +59,106 @@ pub fn header_targets(state: &State, headers: &HeaderMap) -> Vec<Target> {
     }
 }
 
-/// Appends `more` to `list` without duplicates (by base URL) or engines known dead.
-fn extend_unique(state: &State, list: &mut Vec<Target>, more: impl IntoIterator<Item = Target>) {
-    for t in more {
-        if !state.dead.is_dead(&t) && !list.iter().any(|l| l.base == t.base) {
-            list.push(t);
-        }
-    }
-}
-
-pub async fn plan(state: &State, headers: &HeaderMap, body: &Object<'_>, api: Api, request_id: &str) -> Route {
+/// Gathers the inputs of [`handoff::plan`] — asking the coordinator to pair when the core
+/// wants it — and returns its route.
+pub async fn route(state: &State, headers: &HeaderMap, body: &Object<'_>, api: Api, request_id: &str) -> Route {
     let threshold = state.cfg.local_prefill_below_tokens;
-    let redirected = Redirected::of(headers);
+    let redirected = redirected(headers);
     if redirected.is_some() {
         state.metrics.redirect(RedirectOutcome::Received);
         tracing::Span::current().record("redirect", "received");
     }
-    let header = header_targets(state, headers);
-    // A redirected request was paired by the sidecar that sent it: never pair it twice.
-    let coordinator = state.coordinator.as_ref().filter(|_| header.is_empty() && redirected.is_none());
+    let coordinator = state.coordinator.as_deref();
     let prompt = if threshold > 0 || coordinator.is_some() { rewrite::prompt(body, api) } else { None };
-    if threshold > 0 {
-        if let Some(p) = &prompt {
-            if p.estimated_tokens(state.cfg.chars_per_token) < threshold {
-                return Route::Here(Plan::Local(LocalReason::Threshold));
-            }
-        }
-    }
-    if redirected == Some(Redirected::Local) {
-        return Route::Here(Plan::Local(LocalReason::Coordinator));
-    }
-    let mut candidates = Vec::with_capacity(state.prefills.len() + header.len() + 1);
-    extend_unique(state, &mut candidates, header);
-    if let Some(c) = coordinator {
+    let mut inputs = Inputs {
+        redirected,
+        header: header_targets(state, headers),
+        prompt_tokens: prompt.as_ref().map(|p| p.estimated_tokens(state.cfg.chars_per_token)),
+        local_below_tokens: threshold,
+        pairing: PairingAnswer::NotAsked,
+        view: coordinator.map(Coordinator::view).unwrap_or_default(),
+        statics: state.static_prefills(),
+        dead: state.dead.snapshot(),
+    };
+    if let Some(c) = coordinator.filter(|_| handoff::wants_pairing(&inputs)) {
         let model: Option<String> = body.parsed("model");
-        match c.pair(state, request_id, model.as_deref(), prompt.as_ref()).await {
-            Some(Pairing { prefill, remote_decode: Some(RemoteDecode { id, sidecar: Some(sidecar) }) }) => {
-                return Route::Redirect(Redirect { sidecar, decode: id, prefill });
-            }
-            Some(Pairing { prefill, remote_decode: Some(RemoteDecode { id, sidecar: None }) }) => {
-                state.metrics.redirect(RedirectOutcome::NoSidecarUrl);
-                tracing::debug!(decode = %id, "the chosen decode has no sidecar_url; decoding here");
-                return Route::Here(fallback(state, prefill));
-            }
-            Some(Pairing { prefill: None, remote_decode: None }) => {
-                return Route::Here(Plan::Local(LocalReason::Coordinator))
-            }
-            Some(Pairing { prefill: Some(t), remote_decode: None }) => extend_unique(state, &mut candidates, [t]),
-            None => extend_unique(state, &mut candidates, c.view()),
+        inputs.pairing = match c.pair(state, request_id, model.as_deref(), prompt.as_ref()).await {
+            Some(pairing) => PairingAnswer::Decided(pairing),
+            None => PairingAnswer::Unavailable,
+        };
+    }
+    let route = handoff::plan(&inputs);
+    if let Route::NoSidecar { decode, .. } = &route {
+        state.metrics.redirect(RedirectOutcome::NoSidecarUrl);
+        tracing::debug!(%decode, "the chosen decode has no sidecar_url; decoding here");
+    }
+    route
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use http::HeaderValue;
+
+    use super::*;
+    use crate::handoff::Plan;
+    use crate::metrics::LocalReason;
+
+    fn state(flags: &[&str]) -> std::sync::Arc<State> {
+        let args = ["pd-sidecar", "--engine", "127.0.0.1:1"].iter().chain(flags);
+        crate::build_state(crate::config::Config::try_parse_from(args).unwrap()).unwrap()
+    }
+
+    fn with(name: &'static str, value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(name, HeaderValue::from_str(value).unwrap());
+        h
+    }
+
+    #[test]
+    fn the_redirect_mark() {
+        assert_eq!(redirected(&HeaderMap::new()), None);
+        for (value, mark) in
+            [("local", Redirected::Local), ("prefill", Redirected::Prefill), ("x", Redirected::Prefill)]
+        {
+            assert_eq!(redirected(&with(REDIRECT_HEADER, value)), Some(mark), "{value}");
         }
-    } else if let (Some(c), Some(_)) = (&state.coordinator, redirected) {
-        // Redirected, but the named prefill was not accepted: the coordinator's view.
-        extend_unique(state, &mut candidates, c.view());
+        for mark in [Redirected::Local, Redirected::Prefill] {
+            assert_eq!(redirected(&with(REDIRECT_HEADER, redirect_mark(mark))), Some(mark));
+        }
     }
-    extend_unique(state, &mut candidates, state.static_prefills());
-    Route::Here(candidates_plan(candidates))
-}
 
-fn candidates_plan(candidates: Vec<Target>) -> Plan {
-    if candidates.is_empty() {
-        Plan::Local(LocalReason::NoCandidate)
-    } else {
-        Plan::Prefill(candidates)
+    #[test]
+    fn routing_header_targets() {
+        let s = state(&["--prefill", "10.0.0.1:8100#bootstrap=9000", "--allow", "10.9.0.0/16"]);
+        let listed = header_targets(&s, &with(ROUTING_HEADER, "10.0.0.1:8100"));
+        assert_eq!((listed[0].base.as_str(), listed[0].bootstrap_port), ("http://10.0.0.1:8100", Some(9000)));
+        let allowed = header_targets(&s, &with(ROUTING_HEADER, "10.9.1.2:7000, 10.0.0.1:8100"));
+        let bases: Vec<_> = allowed.iter().map(|t| t.base.as_str()).collect();
+        assert_eq!(bases, ["http://10.9.1.2:7000", "http://10.0.0.1:8100"]);
+        assert!(header_targets(&s, &HeaderMap::new()).is_empty());
+        // One refused target refuses the header, counted.
+        assert!(header_targets(&s, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
+        assert_eq!(s.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let ignoring = state(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
+        assert!(header_targets(&ignoring, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty());
     }
-}
 
-/// Serving here a request paired with another decode engine: its prefill when it had one, then
-/// the coordinator's view and the static list. Never the whole prompt on this engine because
-/// the other engine had it cached (`local_prefill` there says nothing about this cache).
-pub fn fallback(state: &State, prefill: Option<Target>) -> Plan {
-    let mut candidates = Vec::with_capacity(state.prefills.len() + 1);
-    extend_unique(state, &mut candidates, prefill);
-    if let Some(c) = &state.coordinator {
-        extend_unique(state, &mut candidates, c.view());
+    #[tokio::test]
+    async fn the_edge_hands_the_core_its_inputs() {
+        let s = state(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
+        let body = Object::parse(br#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "max_tokens": 1}"#).unwrap();
+        let Route::Here(Plan::Prefill(c)) = route(&s, &HeaderMap::new(), &body, Api::Completions, "r").await else {
+            panic!("expected the static prefill")
+        };
+        assert_eq!(c[0].base, "http://10.0.0.1:8100");
+        let short = Object::parse(br#"{"prompt": [1, 2, 3], "max_tokens": 1}"#).unwrap();
+        let short_route = route(&s, &HeaderMap::new(), &short, Api::Completions, "r").await;
+        assert_eq!(short_route, Route::Here(Plan::Local(LocalReason::Threshold)));
+        let received = with(REDIRECT_HEADER, "local");
+        let body =
+            Object::parse(br#"{"prompt": "a much longer prompt than ten tokens, surely", "max_tokens": 1}"#).unwrap();
+        let marked = route(&s, &received, &body, Api::Completions, "r").await;
+        assert_eq!(marked, Route::Here(Plan::Local(LocalReason::Coordinator)));
     }
-    extend_unique(state, &mut candidates, state.static_prefills());
-    candidates_plan(candidates)
 }

@@ -48,7 +48,7 @@ impl State {
                 v
             })
         };
-        let puller = (cfg.mode == Mode::Pull).then(Puller::default);
+        let puller = (cfg.mode == Mode::SimPull).then(Puller::default);
         State {
             auth: bearer(&cfg.auth_token),
             upstream_auth: bearer(&cfg.upstream_token),
@@ -169,6 +169,16 @@ impl DeadSet {
         }
     }
 
+    /// The keys (ids, base URLs) dead now; empty (no allocation) in the common case.
+    pub fn snapshot(&self) -> Vec<String> {
+        let entries = self.entries.read();
+        if entries.is_empty() {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        entries.iter().filter(|(_, until)| **until > now).map(|(k, _)| k.clone()).collect()
+    }
+
     pub fn clear(&self, key: &str) {
         self.entries.write().remove(key);
     }
@@ -227,5 +237,6 @@ mod tests {
         p.id = Some("prefill-0".into());
         d.mark("prefill-0");
         assert!(d.is_dead(&p));
+        assert_eq!(d.snapshot(), ["prefill-0"]);
     }
 }

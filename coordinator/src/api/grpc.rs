@@ -142,7 +142,7 @@ impl From<EngineView> for proto::EngineView {
             spec: Some(v.spec.into()),
             alive: v.alive,
             generation: v.generation,
-            origin: v.origin.into(),
+            origin: v.origin.as_str().into(),
             load: v.load.map(Into::into),
             indexed_blocks: v.indexed_blocks,
         }

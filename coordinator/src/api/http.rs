@@ -11,7 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 
-use crate::api::{ApiError, EngineSpecJson, HeartbeatBody, PairRequestJson, ReportJson};
+use crate::api::{ApiError, EngineSpecJson, Heartbeat, PairRequestJson, ReportJson};
 use crate::daemon::Coordinator;
 
 /// Largest request body accepted (a long prompt's token ids fit).
@@ -58,8 +58,7 @@ async fn register(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, Ap
 }
 
 async fn heartbeat(State(c): Shared, Path(id): Path<String>, body: Bytes) -> Result<impl IntoResponse, ApiError> {
-    let body: HeartbeatBody =
-        if body.iter().all(u8::is_ascii_whitespace) { HeartbeatBody::default() } else { parse(&body)? };
+    let body: Heartbeat = if body.iter().all(u8::is_ascii_whitespace) { Heartbeat::default() } else { parse(&body)? };
     Ok(Json(c.heartbeat(&id, body.load).await?))
 }
 

@@ -4,25 +4,19 @@
 pub mod grpc;
 pub mod http;
 
-use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
-
 use crate::membership::{EngineSpec, Role};
 
-/// Longest id, model name or URL accepted, bytes.
-const MAX_NAME: usize = 512;
-/// Largest block size accepted.
-const MAX_BLOCK_SIZE: u32 = 1 << 20;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RoleJson {
-    Prefill,
-    Decode,
-    Both,
-}
+// The wire types are `pd-api`'s, shared with the sidecar. `*Json` names set those that have a
+// core counterpart here (`membership::EngineSpec`, `pairing::Load`, `cluster::PairRequest`, …)
+// apart from it.
+pub use pd_api::{
+    Endpoint, EngineView, Heartbeat, IndexStats, ModelStats, Notices, Origin, PairReason, Registration, ReleaseNotice,
+    ReportEvent,
+};
+pub use pd_api::{
+    EngineSpec as EngineSpecJson, Load as LoadJson, NodeDown as NodeDownJson, PairDecision as PairDecisionJson,
+    PairRequest as PairRequestJson, Report as ReportJson, Role as RoleJson,
+};
 
 impl From<RoleJson> for Role {
     fn from(role: RoleJson) -> Role {
@@ -44,76 +38,11 @@ impl From<Role> for RoleJson {
     }
 }
 
-/// An engine's declaration (registration body, cluster-file entry).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EngineSpecJson {
-    pub id: String,
-    pub role: RoleJson,
-    pub node: String,
-    pub model: String,
-    pub engine_url: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sidecar_url: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kv_events: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub replay: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub xfer_side_channel: Option<String>,
-    pub block_size: u32,
-    #[serde(default, alias = "capacity", skip_serializing_if = "Option::is_none")]
-    pub capacity_blocks: Option<u64>,
-}
-
-fn check_url(what: &str, url: &str, schemes: &[&str]) -> Result<(), String> {
-    if url.len() > MAX_NAME {
-        return Err(format!("{what} is too long"));
-    }
-    if !schemes
-        .iter()
-        .any(|s| url.strip_prefix(s).is_some_and(|rest| rest.strip_prefix("://").is_some_and(|r| !r.is_empty())))
-    {
-        return Err(format!("{what} must be a {} URL", schemes.join("/")));
-    }
-    Ok(())
-}
-
-impl EngineSpecJson {
-    pub fn validate(&self) -> Result<(), String> {
-        for (what, value) in [("id", &self.id), ("model", &self.model)] {
-            if value.is_empty() || value.len() > MAX_NAME {
-                return Err(format!("'{what}' must be 1..{MAX_NAME} bytes"));
-            }
-        }
-        if self.node.len() > MAX_NAME {
-            return Err("'node' is too long".into());
-        }
-        if self.id.chars().any(|c| c == '/' || c.is_control() || c.is_whitespace()) {
-            return Err("'id' must not contain '/', whitespace or control characters".into());
-        }
-        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
-            return Err(format!("'block_size' must be within 1..={MAX_BLOCK_SIZE}"));
-        }
-        check_url("'engine_url'", &self.engine_url, &["http", "https"])?;
-        if let Some(url) = &self.sidecar_url {
-            check_url("'sidecar_url'", url, &["http", "https"])?;
-        }
-        for (what, endpoint) in [("'kv_events'", &self.kv_events), ("'replay'", &self.replay)] {
-            if let Some(endpoint) = endpoint {
-                check_url(what, endpoint, &["tcp", "ipc", "inproc"])?;
-            }
-        }
-        if self.xfer_side_channel.as_ref().is_some_and(|s| s.len() > MAX_NAME) {
-            return Err("'xfer_side_channel' is too long".into());
-        }
-        Ok(())
-    }
-
-    /// The core's form. An event endpoint bound on a wildcard (`tcp://*:5557`, as engines
-    /// are configured) is reached at the engine URL's host.
-    pub fn to_spec(&self) -> EngineSpec {
-        let host = url_host(&self.engine_url);
+/// The core's form of a declaration. An event endpoint bound on a wildcard (`tcp://*:5557`, as
+/// engines are configured) is reached at the engine URL's host.
+impl From<&EngineSpecJson> for EngineSpec {
+    fn from(spec: &EngineSpecJson) -> EngineSpec {
+        let host = url_host(&spec.engine_url);
         let reachable = |endpoint: &Option<String>| {
             endpoint.as_ref().map(|e| match (&host, e.strip_prefix("tcp://*:")) {
                 (Some(host), Some(port)) => format!("tcp://{host}:{port}"),
@@ -121,21 +50,23 @@ impl EngineSpecJson {
             })
         };
         EngineSpec {
-            id: self.id.clone(),
-            role: self.role.into(),
-            node: self.node.clone(),
-            model: self.model.clone(),
-            engine_url: self.engine_url.trim_end_matches('/').to_string(),
-            sidecar_url: self.sidecar_url.as_ref().map(|u| u.trim_end_matches('/').to_string()),
-            kv_events: reachable(&self.kv_events),
-            replay: reachable(&self.replay),
-            xfer_side_channel: self.xfer_side_channel.clone(),
-            block_size: self.block_size,
-            capacity_blocks: self.capacity_blocks,
+            id: spec.id.clone(),
+            role: spec.role.into(),
+            node: spec.node.clone(),
+            model: spec.model.clone(),
+            engine_url: spec.engine_url.trim_end_matches('/').to_string(),
+            sidecar_url: spec.sidecar_url.as_ref().map(|u| u.trim_end_matches('/').to_string()),
+            kv_events: reachable(&spec.kv_events),
+            replay: reachable(&spec.replay),
+            xfer_side_channel: spec.xfer_side_channel.clone(),
+            block_size: spec.block_size,
+            capacity_blocks: spec.capacity_blocks,
         }
     }
+}
 
-    pub fn from_spec(spec: &EngineSpec) -> EngineSpecJson {
+impl From<&EngineSpec> for EngineSpecJson {
+    fn from(spec: &EngineSpec) -> EngineSpecJson {
         EngineSpecJson {
             id: spec.id.clone(),
             role: spec.role.into(),
@@ -163,154 +94,6 @@ fn url_host(url: &str) -> Option<String> {
         authority.split(':').next()?
     };
     (!host.is_empty()).then(|| host.to_string())
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Registration {
-    pub engine: String,
-    pub lease_ms: u64,
-    pub heartbeat_ms: u64,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LoadJson {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub running: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub waiting: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kv_usage: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub active_decode_blocks: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub queued_prefill_blocks: Option<u64>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HeartbeatBody {
-    #[serde(default)]
-    pub load: Option<LoadJson>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ReleaseNotice {
-    pub request_id: String,
-    pub prefill: String,
-    pub kv_transfer_params: Box<RawValue>,
-}
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Notices {
-    pub dead_engines: Vec<String>,
-    pub release: Vec<ReleaseNotice>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct EngineView {
-    #[serde(flatten)]
-    pub spec: EngineSpecJson,
-    pub alive: bool,
-    /// Times the engine was (re)registered with a new declaration or after dying.
-    pub generation: u64,
-    /// "static" (cluster file) or "registered" (API).
-    pub origin: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub load: Option<LoadJson>,
-    /// Blocks the index holds for this engine.
-    pub indexed_blocks: u64,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PairRequestJson {
-    pub request_id: String,
-    pub model: String,
-    #[serde(default)]
-    pub token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    pub prompt: Option<String>,
-    #[serde(default)]
-    pub prompt_tokens: Option<u64>,
-    #[serde(default)]
-    pub local_engine: Option<String>,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Endpoint {
-    pub id: String,
-    pub engine_url: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sidecar_url: Option<String>,
-    pub node: String,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PairReason {
-    Disaggregated,
-    LocalPrefill,
-}
-
-impl PairReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PairReason::Disaggregated => "disaggregated",
-            PairReason::LocalPrefill => "local_prefill",
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PairDecisionJson {
-    pub request_id: String,
-    pub decode: Endpoint,
-    pub prefill: Option<Endpoint>,
-    pub decode_overlap_blocks: u64,
-    pub prefill_overlap_blocks: u64,
-    pub reason: PairReason,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReportEvent {
-    PrefillDone,
-    DecodeStarted,
-    Finished,
-    Failed,
-}
-
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReportJson {
-    pub request_id: String,
-    pub event: ReportEvent,
-    #[serde(default)]
-    pub engine: Option<String>,
-    #[serde(default)]
-    pub kv_transfer_params: Option<Box<RawValue>>,
-    #[serde(default)]
-    pub error: Option<String>,
-}
-
-/// The answer to `POST /v1/nodes/{node}/down`: the engines that left pairing because of it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct NodeDownJson {
-    pub node: String,
-    pub engines: Vec<String>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct ModelStats {
-    pub blocks: u64,
-    pub entries: u64,
-    pub engines: BTreeMap<String, u64>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct IndexStats {
-    pub models: BTreeMap<String, ModelStats>,
 }
 
 /// What went wrong, with the HTTP status it maps to (gRPC maps the same kinds).
@@ -366,7 +149,7 @@ mod tests {
     fn specs_parse_strictly_and_wildcard_endpoints_get_the_engine_host() {
         let spec: EngineSpecJson = serde_json::from_str(&spec_json("")).unwrap();
         spec.validate().unwrap();
-        let core = spec.to_spec();
+        let core = EngineSpec::from(&spec);
         assert_eq!(core.kv_events.as_deref(), Some("tcp://10.1.2.3:5557"));
         assert_eq!(core.engine_url, "http://10.1.2.3:8000");
         assert!(serde_json::from_str::<EngineSpecJson>(&spec_json(r#", "colour": 1"#)).is_err());

@@ -7,6 +7,7 @@ mod load;
 mod ops;
 mod release;
 pub mod state;
+mod store;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +16,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 
 use crate::config::{ClusterFile, Config, StoreUrl};
+use crate::membership::EngineSpec;
 use crate::prompt::PromptHasher;
 use crate::store::etcd::EtcdStore;
 
@@ -48,7 +50,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         let now = Instant::now();
         let mut inner = coordinator.inner.lock();
         for spec in &cluster.engines {
-            coordinator.apply_register(&mut inner, spec.to_spec(), Origin::Static, None, now);
+            coordinator.apply_register(&mut inner, EngineSpec::from(spec), Origin::Static, None, now);
         }
     }
     tracing::info!(
@@ -76,7 +78,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(Arc::clone(&coordinator).health_loop()));
     }
     if let Some(store) = &coordinator.store {
-        tasks.push(tokio::spawn(store.clone().watch(Arc::clone(&coordinator))));
+        let (tx, rx) = tokio::sync::mpsc::channel(store::EVENTS);
+        tasks.push(tokio::spawn(store.clone().watch(tx)));
+        tasks.push(tokio::spawn(Arc::clone(&coordinator).apply_store_events(rx)));
     }
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -10,6 +10,7 @@ use crate::api::{
     PairReason, PairRequestJson, Registration, ReportEvent, ReportJson,
 };
 use crate::cluster::{PairError, PairRequest, Preference};
+use crate::membership::EngineSpec;
 use crate::metrics::{inc, DeathCause, Gauges};
 use crate::prompt::Precision;
 
@@ -24,8 +25,8 @@ const MAX_HASHED_BLOCKS: usize = 16_384;
 
 impl Coordinator {
     pub async fn register(self: &Arc<Self>, spec: EngineSpecJson) -> Result<Registration, ApiError> {
-        spec.validate().map_err(ApiError::BadRequest)?;
-        let spec = spec.to_spec();
+        spec.validate().map_err(|e| ApiError::BadRequest(e.to_string()))?;
+        let spec = EngineSpec::from(&spec);
         let lease_id = match &self.store {
             Some(store) => match store.register(&spec).await {
                 Ok(lease) => Some(lease),
@@ -214,10 +215,10 @@ impl Coordinator {
         };
         engines(&inner.cluster)
             .map(|(i, e)| EngineView {
-                spec: EngineSpecJson::from_spec(&e.spec),
+                spec: EngineSpecJson::from(&e.spec),
                 alive: e.is_alive(),
                 generation: e.generation,
-                origin: inner.meta[i].origin.as_str(),
+                origin: inner.meta[i].origin,
                 load: inner.meta[i].load,
                 indexed_blocks: indexed(i, &e.spec.model),
             })

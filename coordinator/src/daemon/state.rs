@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use serde_json::value::RawValue;
 
 use super::load::RequestSizes;
+pub use crate::api::Origin;
 use crate::api::{Endpoint, LoadJson, ReleaseNotice};
 use crate::cluster::Cluster;
 use crate::config::Config;
@@ -23,23 +24,6 @@ use crate::store::etcd::EtcdStore;
 
 /// Deaths and pending releases older than this are forgotten.
 const NOTICE_MAX_AGE: Duration = Duration::from_secs(600);
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Origin {
-    /// Declared in the cluster file.
-    Static,
-    /// Registered over the API (here or, with etcd, through another coordinator).
-    Registered,
-}
-
-impl Origin {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Origin::Static => "static",
-            Origin::Registered => "registered",
-        }
-    }
-}
 
 /// An engine's KV-event ingester thread.
 #[derive(Debug)]

@@ -5,16 +5,14 @@
 //! engine fail its health checks) is an engine that left, everywhere. Each coordinator still
 //! ingests KV events and polls health itself.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
-use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
 
+use super::{StoreEvent, Stored};
 use crate::api::EngineSpecJson;
-use crate::daemon::{Coordinator, Origin};
 use crate::membership::EngineSpec;
-use crate::metrics::{inc, DeathCause};
 
 /// Bound on one etcd call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -29,13 +27,6 @@ pub enum StoreError {
     Timeout,
     #[error("etcd watch ended: {0}")]
     WatchEnded(String),
-}
-
-/// The value of an engine's key.
-#[derive(Debug, Serialize, Deserialize)]
-struct Stored {
-    spec: EngineSpecJson,
-    lease: i64,
 }
 
 #[derive(Clone)]
@@ -80,7 +71,7 @@ impl EtcdStore {
     }
 
     async fn put(&self, spec: &EngineSpec, lease: i64) -> Result<(), StoreError> {
-        let value = serde_json::to_vec(&Stored { spec: EngineSpecJson::from_spec(spec), lease }).expect("serializable");
+        let value = serde_json::to_vec(&Stored { spec: EngineSpecJson::from(spec), lease }).expect("serializable");
         let mut client = self.client.clone();
         bounded(client.put(self.key(&spec.id), value, Some(PutOptions::new().with_lease(lease)))).await?;
         Ok(())
@@ -122,24 +113,31 @@ impl EtcdStore {
         Ok(())
     }
 
-    /// Mirrors the engines in etcd into `coordinator` for as long as the process runs.
-    pub async fn watch(self, coordinator: Arc<Coordinator>) {
+    /// Tells `events` what changes in etcd, for as long as the receiver listens: a snapshot after
+    /// every (re)connection, then each put and delete. It never writes into the daemon itself.
+    pub async fn watch(self, events: mpsc::Sender<StoreEvent>) {
         loop {
-            if let Err(err) = self.watch_once(&coordinator).await {
-                inc(&coordinator.metrics.store_errors);
-                tracing::warn!(%err, "etcd watch interrupted; resynchronising");
+            let err = match self.watch_once(&events).await {
+                Ok(()) => return, // the daemon stopped listening
+                Err(err) => err,
+            };
+            if events.send(StoreEvent::Interrupted(err)).await.is_err() {
+                return;
             }
             tokio::time::sleep(RETRY).await;
         }
     }
 
-    async fn watch_once(&self, coordinator: &Arc<Coordinator>) -> Result<(), StoreError> {
+    /// `Ok` once the receiver is gone; otherwise the error that ended the watch.
+    async fn watch_once(&self, events: &mpsc::Sender<StoreEvent>) -> Result<(), StoreError> {
         let mut client = self.client.clone();
         let prefix = self.engines_prefix();
         let snapshot = bounded(client.get(prefix.clone(), Some(GetOptions::new().with_prefix()))).await?;
         let revision = snapshot.header().map_or(0, |h| h.revision());
         let present: Vec<Stored> = snapshot.kvs().iter().filter_map(|kv| parse(kv.value())).collect();
-        coordinator.store_sync(present);
+        if events.send(StoreEvent::Synced(present)).await.is_err() {
+            return Ok(());
+        }
         let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
         let mut stream = bounded(client.watch(prefix.clone(), Some(options))).await?;
         while let Some(response) = stream.message().await? {
@@ -148,17 +146,16 @@ impl EtcdStore {
             }
             for event in response.events() {
                 let Some(kv) = event.kv() else { continue };
-                match event.event_type() {
-                    EventType::Put => {
-                        if let Some(stored) = parse(kv.value()) {
-                            coordinator.store_put(stored);
-                        }
-                    }
+                let change = match event.event_type() {
+                    EventType::Put => parse(kv.value()).map(StoreEvent::Put),
                     EventType::Delete => {
                         let key = String::from_utf8_lossy(kv.key());
-                        if let Some(id) = key.strip_prefix(&prefix) {
-                            coordinator.store_delete(id);
-                        }
+                        key.strip_prefix(&prefix).map(|id| StoreEvent::Deleted(id.to_string()))
+                    }
+                };
+                if let Some(change) = change {
+                    if events.send(change).await.is_err() {
+                        return Ok(());
                     }
                 }
             }
@@ -173,55 +170,6 @@ fn parse(value: &[u8]) -> Option<Stored> {
         Ok(_) | Err(_) => {
             tracing::warn!("etcd: ignoring an engine key that does not hold a valid declaration");
             None
-        }
-    }
-}
-
-impl Coordinator {
-    fn store_put(self: &Arc<Self>, stored: Stored) {
-        let mut inner = self.inner.lock();
-        self.apply_register(&mut inner, stored.spec.to_spec(), Origin::Registered, Some(stored.lease), Instant::now());
-    }
-
-    fn store_delete(self: &Arc<Self>, id: &str) {
-        let jobs = {
-            let mut inner = self.inner.lock();
-            let Some(engine) = inner.cluster.membership.id_of(id) else { return };
-            let alive = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive());
-            if !alive || inner.meta[engine].origin == Origin::Static {
-                return;
-            }
-            inner.meta[engine].lease_id = None;
-            self.on_died(&mut inner, engine, DeathCause::Store, Instant::now())
-        };
-        self.spawn_releases(jobs);
-    }
-
-    /// After (re)connecting: every key present is registered; engines known through etcd
-    /// whose key is gone have left.
-    fn store_sync(self: &Arc<Self>, present: Vec<Stored>) {
-        let ids: std::collections::HashSet<String> = present.iter().map(|s| s.spec.id.clone()).collect();
-        let gone: Vec<String> = {
-            let inner = self.inner.lock();
-            inner
-                .cluster
-                .membership
-                .iter()
-                .filter(|(i, e)| {
-                    let meta = &inner.meta[*i];
-                    e.is_alive()
-                        && meta.origin == Origin::Registered
-                        && meta.lease_id.is_some()
-                        && !ids.contains(&e.spec.id)
-                })
-                .map(|(_, e)| e.spec.id.clone())
-                .collect()
-        };
-        for stored in present {
-            self.store_put(stored);
-        }
-        for id in gone {
-            self.store_delete(&id);
         }
     }
 }

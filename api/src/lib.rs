@@ -1,0 +1,317 @@
+//! `pd-api`: the coordinator's wire contract (coordinator/API.md) as one set of types. The
+//! coordinator's HTTP edge reads and writes them, its gRPC edge maps them to the proto messages,
+//! and the sidecar sends and reads the same types: there is no second declaration to drift.
+//!
+//! Requests the coordinator reads reject unknown fields; answers it writes are read leniently
+//! where the sidecar has to tolerate an older coordinator (missing fields take defaults).
+//! `kv_transfer_params` travel as raw JSON text, verbatim (key order, number precision).
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+/// Longest id, model name or URL accepted, bytes.
+pub const MAX_NAME: usize = 512;
+/// Largest block size accepted.
+pub const MAX_BLOCK_SIZE: u32 = 1 << 20;
+
+/// What an engine does in a disaggregated pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+impl Role {
+    /// Whether the engine can serve prefill legs.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+}
+
+/// An engine's declaration (registration body, cluster-file entry).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSpec {
+    pub id: String,
+    pub role: Role,
+    pub node: String,
+    pub model: String,
+    pub engine_url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecar_url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xfer_side_channel: Option<String>,
+    pub block_size: u32,
+    #[serde(default, alias = "capacity", skip_serializing_if = "Option::is_none")]
+    pub capacity_blocks: Option<u64>,
+}
+
+/// Why a declaration is refused (the coordinator answers it as a 400).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidSpec {
+    #[error("'{field}' must be 1..{MAX_NAME} bytes")]
+    Name { field: &'static str },
+    #[error("'{field}' is too long")]
+    TooLong { field: &'static str },
+    #[error("'id' must not contain '/', whitespace or control characters")]
+    IdCharacters,
+    #[error("'block_size' must be within 1..={MAX_BLOCK_SIZE}")]
+    BlockSize,
+    #[error("'{field}' must be a {schemes} URL")]
+    Url { field: &'static str, schemes: &'static str },
+}
+
+/// URL schemes accepted for a field, and how an error names them.
+struct Schemes(&'static [&'static str], &'static str);
+
+const HTTP: Schemes = Schemes(&["http", "https"], "http/https");
+const EVENTS: Schemes = Schemes(&["tcp", "ipc", "inproc"], "tcp/ipc/inproc");
+
+fn check_url(field: &'static str, url: &str, Schemes(schemes, names): Schemes) -> Result<(), InvalidSpec> {
+    if url.len() > MAX_NAME {
+        return Err(InvalidSpec::TooLong { field });
+    }
+    let has_scheme =
+        |s: &&str| url.strip_prefix(s).and_then(|rest| rest.strip_prefix("://")).is_some_and(|r| !r.is_empty());
+    if !schemes.iter().any(has_scheme) {
+        return Err(InvalidSpec::Url { field, schemes: names });
+    }
+    Ok(())
+}
+
+impl EngineSpec {
+    /// Checks the limits of API.md (names, URL schemes, block size).
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
+        for (field, value) in [("id", &self.id), ("model", &self.model)] {
+            if value.is_empty() || value.len() > MAX_NAME {
+                return Err(InvalidSpec::Name { field });
+            }
+        }
+        if self.node.len() > MAX_NAME {
+            return Err(InvalidSpec::TooLong { field: "node" });
+        }
+        if self.id.chars().any(|c| c == '/' || c.is_control() || c.is_whitespace()) {
+            return Err(InvalidSpec::IdCharacters);
+        }
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(InvalidSpec::BlockSize);
+        }
+        check_url("engine_url", &self.engine_url, HTTP)?;
+        if let Some(url) = &self.sidecar_url {
+            check_url("sidecar_url", url, HTTP)?;
+        }
+        for (field, endpoint) in [("kv_events", &self.kv_events), ("replay", &self.replay)] {
+            if let Some(endpoint) = endpoint {
+                check_url(field, endpoint, EVENTS)?;
+            }
+        }
+        if self.xfer_side_channel.as_ref().is_some_and(|s| s.len() > MAX_NAME) {
+            return Err(InvalidSpec::TooLong { field: "xfer_side_channel" });
+        }
+        Ok(())
+    }
+}
+
+/// The answer to a registration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Registration {
+    /// The id the engine has at the coordinator.
+    pub engine: String,
+    #[serde(default)]
+    pub lease_ms: u64,
+    /// How often to heartbeat; 0 when the coordinator did not say.
+    #[serde(default)]
+    pub heartbeat_ms: u64,
+}
+
+/// An engine's load as its sidecar reports it with each heartbeat.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Load {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_usage: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_decode_blocks: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_prefill_blocks: Option<u64>,
+}
+
+/// A heartbeat's body.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<Load>,
+}
+
+/// Blocks a prefill holds for a decode that will not come: the prefill's sidecar frees them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReleaseNotice {
+    pub request_id: String,
+    /// The prefill engine's id.
+    pub prefill: String,
+    /// As the `prefill_done` report carried them (`null` when it carried none).
+    pub kv_transfer_params: Box<RawValue>,
+}
+
+/// The answer to a heartbeat.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Notices {
+    /// Engines that died since this engine's previous heartbeat, each named once.
+    #[serde(default)]
+    pub dead_engines: Vec<String>,
+    #[serde(default)]
+    pub release: Vec<ReleaseNotice>,
+}
+
+/// Where the coordinator learnt of an engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// Declared in the cluster file.
+    Static,
+    /// Registered over the API (there or, with etcd, through another coordinator).
+    Registered,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Static => "static",
+            Origin::Registered => "registered",
+        }
+    }
+}
+
+/// One engine of `GET /v1/engines`: its declaration as the coordinator uses it (wildcard event
+/// hosts filled in) and what the coordinator knows of it. `alive` is the one liveness fact.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EngineView {
+    #[serde(flatten)]
+    pub spec: EngineSpec,
+    pub alive: bool,
+    /// Times the engine was (re)registered with a new declaration or after dying.
+    pub generation: u64,
+    pub origin: Origin,
+    /// The last heartbeat's load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<Load>,
+    /// Blocks the index holds for this engine.
+    pub indexed_blocks: u64,
+}
+
+/// `POST /v1/pair`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairRequest {
+    pub request_id: String,
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    /// The caller's own engine, preferred as decode unless it is dead or much worse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_engine: Option<String>,
+}
+
+/// An engine named in a pairing decision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub id: String,
+    pub engine_url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecar_url: Option<String>,
+    pub node: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PairReason {
+    Disaggregated,
+    /// The decode computes the prompt itself (its uncached part is short).
+    LocalPrefill,
+}
+
+impl PairReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PairReason::Disaggregated => "disaggregated",
+            PairReason::LocalPrefill => "local_prefill",
+        }
+    }
+}
+
+/// The answer to `POST /v1/pair`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PairDecision {
+    pub request_id: String,
+    pub decode: Endpoint,
+    pub prefill: Option<Endpoint>,
+    pub decode_overlap_blocks: u64,
+    pub prefill_overlap_blocks: u64,
+    pub reason: PairReason,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportEvent {
+    PrefillDone,
+    DecodeStarted,
+    Finished,
+    Failed,
+}
+
+/// `POST /v1/report`: how a request went.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    pub request_id: String,
+    pub event: ReportEvent,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    /// `prefill_done`: the prefill's params, so blocks held for a decode that dies can be freed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<Box<RawValue>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The answer to `POST /v1/nodes/{node}/down`: the engines that left pairing because of it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeDown {
+    pub node: String,
+    pub engines: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelStats {
+    pub blocks: u64,
+    pub entries: u64,
+    pub engines: BTreeMap<String, u64>,
+}
+
+/// The answer to `GET /v1/index/stats`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct IndexStats {
+    pub models: BTreeMap<String, ModelStats>,
+}
+
+#[cfg(test)]
+mod tests;
