@@ -53,6 +53,8 @@ pub struct Coordinator {
     spec: EngineSpec,
     pairing: bool,
     bootstrap_port: u16,
+    prefill_scheme: String,
+    chars_per_token: f64,
     /// The id the coordinator confirmed at registration.
     engine: RwLock<Option<String>>,
     heartbeat: Mutex<Duration>,
@@ -100,6 +102,8 @@ impl Coordinator {
             spec,
             pairing: !cfg.no_pairing,
             bootstrap_port: cfg.bootstrap_port,
+            prefill_scheme: cfg.prefill_scheme.clone(),
+            chars_per_token: cfg.chars_per_token,
             engine: RwLock::new(None),
             heartbeat: Mutex::new(Duration::from_secs(1)),
             down_until: Mutex::new(None),
@@ -167,7 +171,8 @@ impl Coordinator {
     /// answer (the caller falls back to the view or the static list).
     pub async fn pair(
         &self,
-        state: &State,
+        client: &HttpClient,
+        metrics: &Metrics,
         request_id: &str,
         model: Option<&str>,
         prompt: Option<&Prompt>,
@@ -186,31 +191,31 @@ impl Coordinator {
             model: model.unwrap_or(&self.spec.model).to_string(),
             token_ids: token_ids.map(<[u32]>::to_vec),
             prompt: text.map(String::from),
-            prompt_tokens: prompt.map(|p| p.estimated_tokens(state.cfg.chars_per_token)),
+            prompt_tokens: prompt.map(|p| p.estimated_tokens(self.chars_per_token)),
             local_engine: Some(engine.clone()),
         };
         let body = serde_json::to_vec(&req).ok()?;
-        match self.call(&state.client, Method::POST, "/v1/pair", Some(body)).await {
+        match self.call(client, Method::POST, "/v1/pair", Some(body)).await {
             Ok((s, body)) if s.is_success() => {
                 self.mark_up();
                 let d: PairDecision = match serde_json::from_slice(&body) {
                     Ok(d) => d,
                     Err(e) => {
-                        self.mark_down(&state.metrics, &format!("unreadable pairing: {e}"));
+                        self.mark_down(metrics, &format!("unreadable pairing: {e}"));
                         return None;
                     }
                 };
-                inc(&state.metrics.pairings);
-                Some(decision(d, &state.cfg.prefill_scheme, self.bootstrap_port, &engine))
+                inc(&metrics.pairings);
+                Some(decision(d, &self.prefill_scheme, self.bootstrap_port, &engine))
             }
             // 503: no live decode for the model; the coordinator works, we just decide alone.
             Ok((s, _)) if s == StatusCode::SERVICE_UNAVAILABLE => None,
             Ok((s, _)) => {
-                self.mark_down(&state.metrics, &format!("pairing answered {s}"));
+                self.mark_down(metrics, &format!("pairing answered {s}"));
                 None
             }
             Err(e) => {
-                self.mark_down(&state.metrics, &e.to_string());
+                self.mark_down(metrics, &e.to_string());
                 None
             }
         }
@@ -243,14 +248,14 @@ impl Coordinator {
         Ok(())
     }
 
-    async fn refresh_view(&self, client: &HttpClient, scheme: &str) -> Result<(), LinkError> {
+    async fn refresh_view(&self, client: &HttpClient) -> Result<(), LinkError> {
         let (status, body) = self.call(client, Method::GET, "/v1/engines", None).await?;
         if !status.is_success() {
             return Err(LinkError::status("the engine list", status, &body));
         }
         let views: Vec<EngineView> =
             serde_json::from_slice(&body).map_err(|source| LinkError::Unreadable { what: "engine list", source })?;
-        *self.view.write() = prefill_view(views, &self.engine_id(), scheme, self.bootstrap_port);
+        *self.view.write() = prefill_view(views, &self.engine_id(), &self.prefill_scheme, self.bootstrap_port);
         Ok(())
     }
 }
@@ -284,10 +289,9 @@ fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16, own: &str) -> Pa
 
 /// The link's background work: register, heartbeat with load, act on notices, refresh the
 /// view, and send queued reports. Ends when [`Coordinator::stop`] is called.
-pub async fn run(state: Arc<State>) {
-    let Some(c) = state.coordinator.clone() else { return };
+pub async fn run(c: Arc<Coordinator>, state: Arc<State>) {
     if let Some(rx) = c.report_rx.lock().take() {
-        tokio::spawn(send_reports(Arc::clone(&state), rx));
+        tokio::spawn(send_reports(Arc::clone(&c), state.client.clone(), Arc::clone(&state.metrics), rx));
     }
     let mut registered = false;
     let mut beats: u64 = 0;
@@ -311,7 +315,7 @@ pub async fn run(state: Arc<State>) {
                 Err(e) => c.mark_down(&state.metrics, &e.to_string()),
             }
             if beats.is_multiple_of(5) {
-                if let Err(e) = c.refresh_view(&state.client, &state.cfg.prefill_scheme).await {
+                if let Err(e) = c.refresh_view(&state.client).await {
                     tracing::debug!(%e, "cannot refresh the engine view");
                 }
             }
@@ -326,11 +330,10 @@ pub async fn run(state: Arc<State>) {
 }
 
 /// Leaves the coordinator gracefully (bounded).
-pub async fn leave(state: &State) {
-    let Some(c) = &state.coordinator else { return };
+pub async fn leave(c: &Coordinator, client: &HttpClient) {
     c.stop();
     let Some(id) = c.engine.read().clone() else { return };
-    let _ = c.call(&state.client, Method::DELETE, &format!("/v1/engines/{id}"), None).await;
+    let _ = c.call(client, Method::DELETE, &format!("/v1/engines/{id}"), None).await;
 }
 
 async fn heartbeat(c: &Coordinator, state: &State, load: Load) -> Result<Option<Notices>, LinkError> {
@@ -388,26 +391,25 @@ async fn engine_load(state: &State) -> Load {
     load::combine(&loads)
 }
 
-async fn send_reports(state: Arc<State>, mut rx: mpsc::Receiver<Report>) {
-    let Some(c) = state.coordinator.clone() else { return };
+async fn send_reports(c: Arc<Coordinator>, client: HttpClient, metrics: Arc<Metrics>, mut rx: mpsc::Receiver<Report>) {
     let limit = Arc::new(tokio::sync::Semaphore::new(16));
     while let Some(report) = rx.recv().await {
         if c.is_down() {
-            inc(&state.metrics.reports_dropped);
+            inc(&metrics.reports_dropped);
             continue;
         }
         let Ok(permit) = Arc::clone(&limit).acquire_owned().await else { return };
-        let (state, c) = (Arc::clone(&state), Arc::clone(&c));
+        let (client, metrics, c) = (client.clone(), Arc::clone(&metrics), Arc::clone(&c));
         tokio::spawn(async move {
             let _permit = permit;
             let Ok(body) = serde_json::to_vec(&report) else { return };
-            match c.call(&state.client, Method::POST, "/v1/report", Some(body)).await {
+            match c.call(&client, Method::POST, "/v1/report", Some(body)).await {
                 Ok((s, _)) if s.is_success() => {}
                 Ok((s, b)) => {
-                    inc(&state.metrics.reports_dropped);
+                    inc(&metrics.reports_dropped);
                     tracing::debug!(status = %s, body = %String::from_utf8_lossy(&b), "report refused");
                 }
-                Err(e) => c.mark_down(&state.metrics, &e.to_string()),
+                Err(e) => c.mark_down(&metrics, &e.to_string()),
             }
         });
     }
@@ -424,14 +426,8 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    pub fn new(state: &State, request_id: &str) -> Option<Reporter> {
-        let c = state.coordinator.as_ref()?;
-        Some(Reporter {
-            c: Arc::clone(c),
-            metrics: Arc::clone(&state.metrics),
-            request_id: request_id.to_string(),
-            done: false,
-        })
+    pub fn new(c: &Arc<Coordinator>, metrics: &Arc<Metrics>, request_id: &str) -> Reporter {
+        Reporter { c: Arc::clone(c), metrics: Arc::clone(metrics), request_id: request_id.to_string(), done: false }
     }
 
     fn send(&self, event: ReportEvent, engine: Option<String>, params: Option<&str>, error: Option<&str>) {

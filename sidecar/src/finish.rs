@@ -7,7 +7,9 @@
 use axum::body::Body;
 use http::Response;
 
-use crate::coordinator::Reporter;
+use std::sync::Arc;
+
+use crate::coordinator::{Coordinator, Reporter};
 use crate::errors::{ApiError, LegError};
 use crate::metrics::{Outcome, Tracker};
 use crate::release::ReleaseGuard;
@@ -21,8 +23,9 @@ pub struct Finish {
 }
 
 impl Finish {
-    pub fn new(state: &State, request_id: &str) -> Finish {
-        Finish { tracker: Tracker::new(&state.metrics), reporter: Reporter::new(state, request_id), release: None }
+    pub fn new(state: &State, coordinator: Option<&Arc<Coordinator>>, request_id: &str) -> Finish {
+        let reporter = coordinator.map(|c| Reporter::new(c, &state.metrics, request_id));
+        Finish { tracker: Tracker::new(&state.metrics), reporter, release: None }
     }
 
     /// The prefill holds the KV under `params` (the coordinator can free it if this decode dies).
@@ -105,23 +108,24 @@ mod tests {
 
     use super::*;
 
-    fn state() -> std::sync::Arc<State> {
-        crate::build_state(crate::config::Config::try_parse_from(["pd-sidecar", "--engine", "127.0.0.1:1"]).unwrap())
+    fn state() -> Arc<State> {
+        crate::build(crate::config::Config::try_parse_from(["pd-sidecar", "--engine", "127.0.0.1:1"]).unwrap())
             .unwrap()
+            .state
     }
 
     #[test]
     fn every_end_is_recorded_once() {
         let state = state();
         let m = &state.metrics;
-        Finish::new(&state, "a").end(Outcome::Ok, None);
-        let failed = Finish::new(&state, "b").fail(&ApiError::gateway_timeout("late"));
+        Finish::new(&state, None, "a").end(Outcome::Ok, None);
+        let failed = Finish::new(&state, None, "b").fail(&ApiError::gateway_timeout("late"));
         assert_eq!(failed.status(), StatusCode::GATEWAY_TIMEOUT);
         let mut four = Response::new(Body::empty());
         *four.status_mut() = StatusCode::BAD_REQUEST;
-        assert_eq!(Finish::new(&state, "c").client_error(four).status(), StatusCode::BAD_REQUEST);
-        Finish::new(&state, "d").cancel("client disconnected");
-        let dropped = Finish::new(&state, "e");
+        assert_eq!(Finish::new(&state, None, "c").client_error(four).status(), StatusCode::BAD_REQUEST);
+        Finish::new(&state, None, "d").cancel("client disconnected");
+        let dropped = Finish::new(&state, None, "e");
         assert_eq!(m.in_flight.load(Relaxed), 1);
         drop(dropped);
         assert_eq!(m.in_flight.load(Relaxed), 0);

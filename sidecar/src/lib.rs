@@ -59,8 +59,18 @@ pub struct Running {
     pub state: Arc<State>,
 }
 
-/// Builds the shared state from a configuration.
-pub fn build_state(cfg: Config) -> anyhow::Result<Arc<State>> {
+/// The request context and the handles beside it, each passed only to the parts that use it.
+#[derive(Debug, Clone)]
+pub struct App {
+    pub state: Arc<State>,
+    /// The coordinator link (`--coordinator`).
+    pub coordinator: Option<Arc<coordinator::Coordinator>>,
+    /// The sidecar's own KV reads (`--mode sim-pull`).
+    pub puller: Option<Arc<pull::Puller>>,
+}
+
+/// Builds the request context and the handles from a configuration.
+pub fn build(cfg: Config) -> anyhow::Result<App> {
     let resolved = cfg.resolve()?;
     let tls = tls::client_config(cfg.upstream_ca.as_deref()).context("upstream TLS")?;
     let client = upstream::client(cfg.connect_timeout, tls);
@@ -74,9 +84,8 @@ pub fn build_state(cfg: Config) -> anyhow::Result<Arc<State>> {
         Some(_) => Some(Arc::new(coordinator::Coordinator::new(&cfg, &resolved.engines[0])?)),
         None => None,
     };
-    let mut state = State::new(cfg, resolved, client, xfer);
-    state.coordinator = coordinator;
-    Ok(Arc::new(state))
+    let puller = (cfg.mode == Mode::SimPull).then(|| Arc::new(pull::Puller::default()));
+    Ok(App { state: Arc::new(State::new(cfg, resolved, client, xfer)), coordinator, puller })
 }
 
 /// Binds the listener and serves until `shutdown` resolves; `on_bound` learns the address
@@ -94,7 +103,8 @@ pub async fn run(
         tokio::net::TcpListener::bind(&cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let drain = cfg.drain_timeout;
-    let state = build_state(cfg)?;
+    let app = build(cfg)?;
+    let state = Arc::clone(&app.state);
     tracing::info!(
         %addr,
         mode = ?state.cfg.mode,
@@ -105,9 +115,14 @@ pub async fn run(
         "pd-sidecar listening"
     );
     on_bound(&Running { addr, state: Arc::clone(&state) });
-    let link = tokio::spawn(coordinator::run(Arc::clone(&state)));
-    server::serve(listener, server::router(Arc::clone(&state)), tls, shutdown, drain).await;
-    coordinator::leave(&state).await;
-    link.abort();
+    let link = app.coordinator.clone().map(|c| tokio::spawn(coordinator::run(c, Arc::clone(&state))));
+    let coordinator = app.coordinator.clone();
+    server::serve(listener, server::router(app), tls, shutdown, drain).await;
+    if let Some(c) = coordinator {
+        coordinator::leave(&c, &state.client).await;
+    }
+    if let Some(link) = link {
+        link.abort();
+    }
     Ok(())
 }

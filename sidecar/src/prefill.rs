@@ -88,7 +88,7 @@ mod tests {
     #[test]
     fn params_are_read_verbatim_or_classified() {
         let args = ["pd-sidecar", "--engine", "127.0.0.1:1"];
-        let state = crate::build_state(crate::config::Config::try_parse_from(args).unwrap()).unwrap();
+        let state = crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap().state;
         let target = Target::parse("p:1", "http", None).unwrap();
         let read = |body: &str| read_params(&state, &target, body.as_bytes());
         let Prefilled::Params { params, .. } =

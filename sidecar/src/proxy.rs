@@ -12,6 +12,7 @@ use http::{HeaderMap, Response};
 use tracing::Instrument;
 
 use crate::config::{Fallback, Mode};
+use crate::coordinator::Coordinator;
 use crate::decode::{self, DecodeCall};
 use crate::errors::LegError;
 use crate::finish::Finish;
@@ -20,6 +21,7 @@ use crate::json::Object;
 use crate::legs::Legged;
 use crate::metrics::{inc, LocalReason};
 use crate::prefill::{self, Prefilled};
+use crate::pull::Puller;
 use crate::redirect;
 use crate::release::ReleaseGuard;
 use crate::rewrite::{self, Api};
@@ -27,6 +29,7 @@ use crate::routing;
 use crate::state::State;
 use crate::target::Target;
 use crate::upstream::REQUEST_ID;
+use crate::App;
 
 /// The client's `X-Request-Id` when it is usable, else a fresh one.
 pub fn request_id(state: &State, headers: &HeaderMap) -> String {
@@ -38,15 +41,16 @@ pub fn request_id(state: &State, headers: &HeaderMap) -> String {
         .unwrap_or_else(|| state.ids.request_id())
 }
 
-pub async fn generation(state: Arc<State>, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
+pub async fn generation(app: App, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    let App { state, coordinator, puller } = app;
     let rid = request_id(&state, &headers);
     let span = tracing::info_span!("request", request_id = %rid, api = api.name(), redirect = tracing::field::Empty);
     async {
-        let fin = Finish::new(&state, &rid);
+        let fin = Finish::new(&state, coordinator.as_ref(), &rid);
         if state.cfg.mode == Mode::Sglang {
-            return crate::sglang::run(&state, api, &path, &headers, &rid, body, fin).await;
+            return crate::sglang::run(&state, coordinator.as_ref(), api, &path, &headers, &rid, body, fin).await;
         }
-        vllm(&state, api, &path, &headers, &rid, body, fin).await
+        vllm(&state, coordinator.as_ref(), puller.as_ref(), api, &path, &headers, &rid, body, fin).await
     }
     .instrument(span)
     .await
@@ -71,8 +75,10 @@ pub(crate) struct Disaggregation<'a> {
 }
 
 /// Parses the body, routes the request, and serves it when no prefill leg is needed here.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn route<'a>(
     state: &Arc<State>,
+    coordinator: Option<&Arc<Coordinator>>,
     api: Api,
     path: &str,
     headers: &HeaderMap,
@@ -83,7 +89,7 @@ pub(crate) async fn route<'a>(
     let Ok(object) = Object::parse(body) else {
         return Routed::Served(local(state, path, headers, rid, body, None, fin, None).await);
     };
-    let plan = match routing::route(state, headers, &object, api, rid).await {
+    let plan = match routing::route(state, coordinator.map(|c| &**c), headers, &object, api, rid).await {
         Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
         Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, body).await {
             Ok(opened) => return Routed::Served(redirect::relay(state, opened, fin)),
@@ -98,8 +104,11 @@ pub(crate) async fn route<'a>(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn vllm(
     state: &Arc<State>,
+    coordinator: Option<&Arc<Coordinator>>,
+    puller: Option<&Arc<Puller>>,
     api: Api,
     path: &str,
     headers: &HeaderMap,
@@ -107,10 +116,11 @@ async fn vllm(
     body: Bytes,
     fin: Finish,
 ) -> Response<Body> {
-    let Disaggregation { object, candidates, mut fin } = match route(state, api, path, headers, rid, &body, fin).await {
-        Routed::Disaggregate(d) => d,
-        Routed::Served(response) => return response,
-    };
+    let Disaggregation { object, candidates, mut fin } =
+        match route(state, coordinator, api, path, headers, rid, &body, fin).await {
+            Routed::Disaggregate(d) => d,
+            Routed::Served(response) => return response,
+        };
     let prefilled = prefill_detached(state, candidates, path, headers, rid, &object, &body).await;
     let prefilled_at = Instant::now();
     // Ok: the prefill's params; Err: the reason to compute the prompt here after all.
@@ -146,9 +156,9 @@ async fn vllm(
     fin.prefill_done(target.id.as_deref(), &params);
     fin.hold(ReleaseGuard::new(state, rid, &params, body.clone(), path));
     let mut decode_params = params;
-    if state.cfg.mode == Mode::SimPull {
+    if let Some(puller) = puller {
         let span = tracing::info_span!("pull");
-        match crate::pull::run(state, &object, path, rid, &decode_params).instrument(span).await {
+        match crate::pull::run(state, puller, &object, path, rid, &decode_params).instrument(span).await {
             Ok(reservation) => {
                 // The prefill was told we are done; now the reservation is what is held.
                 fin.hold(ReleaseGuard::new(state, rid, &reservation, body.clone(), path).decode_only());

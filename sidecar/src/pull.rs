@@ -19,7 +19,8 @@ use crate::json::{self, Object};
 use crate::metrics::inc;
 use crate::release::ReleaseGuard;
 use crate::state::State;
-use crate::upstream;
+use crate::target::Target;
+use crate::upstream::{self, HttpClient};
 use crate::xfer_link::{self, Handle, LinkError, XferLink};
 
 /// Why a call to the local engine's pd-sim admin API came to nothing.
@@ -75,16 +76,16 @@ pub struct Puller {
 }
 
 async fn engine_json<T: for<'de> Deserialize<'de>>(
-    state: &State,
+    client: &HttpClient,
+    target: &Target,
     method: Method,
     path: &str,
     body: Option<Vec<u8>>,
     timeout: Duration,
 ) -> Result<T, AdminError> {
-    let target = state.engines.primary();
     let req = upstream::json_request(method, &target.url(path), body)?;
     let started = Instant::now();
-    let resp = upstream::send(&state.client, target, req, timeout).await?;
+    let resp = upstream::send(client, target, req, timeout).await?;
     let status = resp.status();
     let left = timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
     let bytes = upstream::collect(target, resp.into_body(), 1 << 20, left).await?;
@@ -96,10 +97,17 @@ async fn engine_json<T: for<'de> Deserialize<'de>>(
 }
 
 impl Puller {
-    async fn pool(&self, state: &State, link: &Arc<XferLink>) -> Result<Arc<LocalPool>, PullError> {
+    /// The local engine's pool (`engine` is its first rank), mapped and registered once.
+    async fn pool(
+        &self,
+        client: &HttpClient,
+        engine: &Target,
+        timeout: Duration,
+        link: &Arc<XferLink>,
+    ) -> Result<Arc<LocalPool>, PullError> {
         self.pool
             .get_or_try_init(|| async {
-                let info: PoolInfo = engine_json(state, Method::GET, "/admin/pool", None, state.cfg.pull_timeout)
+                let info: PoolInfo = engine_json(client, engine, Method::GET, "/admin/pool", None, timeout)
                     .await
                     .map_err(|e| PullError::Pool(e.to_string()))?;
                 let path = info
@@ -161,24 +169,25 @@ impl Puller {
 /// `kv_transfer_params` of the decode call.
 pub async fn run(
     state: &Arc<State>,
+    puller: &Arc<Puller>,
     client: &Object<'_>,
     path: &str,
     rid: &str,
     params: &str,
 ) -> Result<String, PullError> {
-    let puller = state.puller.as_ref().ok_or_else(|| PullError::Pool("not in pull mode".into()))?;
     let link = state.xfer.clone().ok_or_else(|| PullError::Pool("no xfer agent".into()))?;
     let handle = Handle::parse(params)?;
     let remote_ids = handle.block_ids()?;
     if remote_ids.is_empty() {
         return Err(PullError::Link(LinkError::Params("no remote blocks".into())));
     }
-    let pool = puller.pool(state, &link).await?;
+    let (engine, timeout) = (state.engines.primary(), state.cfg.pull_timeout);
+    let pool = puller.pool(&state.client, engine, timeout, &link).await?;
     if remote_ids.len() > pool.num_blocks {
         return Err(PullError::Reserve(format!("{} blocks exceed the pool", remote_ids.len())));
     }
     let body = format!("{{\"num_blocks\":{}}}", remote_ids.len()).into_bytes();
-    let r: Reservation = engine_json(state, Method::POST, "/admin/reserve", Some(body), state.cfg.pull_timeout)
+    let r: Reservation = engine_json(&state.client, engine, Method::POST, "/admin/reserve", Some(body), timeout)
         .await
         .map_err(|e| PullError::Reserve(e.to_string()))?;
     let reserved = format!("{{\"do_remote_prefill\":true,\"reservation_id\":{}}}", json::string(&r.reservation_id));
@@ -187,12 +196,10 @@ pub async fn run(
         return Err(PullError::Reserve("the engine reserved unexpected blocks".into()));
     }
     let started = Instant::now();
-    let timeout = state.cfg.pull_timeout;
-    let (state2, link2, pool2, handle2) = (Arc::clone(state), Arc::clone(&link), Arc::clone(&pool), handle.clone());
+    let (puller2, link2, pool2, handle2) = (Arc::clone(puller), Arc::clone(&link), Arc::clone(&pool), handle.clone());
     let local_idx: Vec<usize> = r.block_ids.iter().map(|&b| b as usize).collect();
     let outcome = xfer_link::blocking(timeout + Duration::from_secs(1), move || {
-        let puller = state2.puller.as_ref().expect("pull mode");
-        read(puller, &link2, &pool2, &handle2, &local_idx, &remote_ids, timeout)
+        read(&puller2, &link2, &pool2, &handle2, &local_idx, &remote_ids, timeout)
     })
     .await;
     match outcome {

@@ -32,13 +32,12 @@ pub fn redirect_mark(r: Redirected) -> &'static str {
 /// The header's targets when present and valid; an invalid header is counted and ignored. A
 /// target is valid when the allowlist accepts it or the coordinator's last view lists it as a
 /// prefill engine (the pairing decisions a redirecting sidecar passes along name those).
-pub fn header_targets(state: &State, headers: &HeaderMap) -> Vec<Target> {
+pub fn header_targets(state: &State, coordinator: Option<&Coordinator>, headers: &HeaderMap) -> Vec<Target> {
     if state.cfg.ignore_routing_header {
         return Vec::new();
     }
     let Some(value) = headers.get(ROUTING_HEADER) else { return Vec::new() };
     let text = value.to_str().unwrap_or_default();
-    let coordinator = state.coordinator.as_deref();
     let vouched = |hp: &_| coordinator.and_then(|c| c.view_target(hp));
     match validate_header(text, |hp| state.resolved.allowlist.allows(hp) || vouched(hp).is_some()) {
         Ok(targets) => targets
@@ -61,18 +60,24 @@ pub fn header_targets(state: &State, headers: &HeaderMap) -> Vec<Target> {
 
 /// Gathers the inputs of [`handoff::plan`] — asking the coordinator to pair when the core
 /// wants it — and returns its route.
-pub async fn route(state: &State, headers: &HeaderMap, body: &Object<'_>, api: Api, request_id: &str) -> Route {
+pub async fn route(
+    state: &State,
+    coordinator: Option<&Coordinator>,
+    headers: &HeaderMap,
+    body: &Object<'_>,
+    api: Api,
+    request_id: &str,
+) -> Route {
     let threshold = state.cfg.local_prefill_below_tokens;
     let redirected = redirected(headers);
     if redirected.is_some() {
         state.metrics.redirect(RedirectOutcome::Received);
         tracing::Span::current().record("redirect", "received");
     }
-    let coordinator = state.coordinator.as_deref();
     let prompt = if threshold > 0 || coordinator.is_some() { rewrite::prompt(body, api) } else { None };
     let mut inputs = Inputs {
         redirected,
-        header: header_targets(state, headers),
+        header: header_targets(state, coordinator, headers),
         prompt_tokens: prompt.as_ref().map(|p| p.estimated_tokens(state.cfg.chars_per_token)),
         local_below_tokens: threshold,
         pairing: PairingAnswer::NotAsked,
@@ -82,10 +87,11 @@ pub async fn route(state: &State, headers: &HeaderMap, body: &Object<'_>, api: A
     };
     if let Some(c) = coordinator.filter(|_| handoff::wants_pairing(&inputs)) {
         let model: Option<String> = body.parsed("model");
-        inputs.pairing = match c.pair(state, request_id, model.as_deref(), prompt.as_ref()).await {
-            Some(pairing) => PairingAnswer::Decided(pairing),
-            None => PairingAnswer::Unavailable,
-        };
+        inputs.pairing =
+            match c.pair(&state.client, &state.metrics, request_id, model.as_deref(), prompt.as_ref()).await {
+                Some(pairing) => PairingAnswer::Decided(pairing),
+                None => PairingAnswer::Unavailable,
+            };
     }
     let route = handoff::plan(&inputs);
     if let Route::NoSidecar { decode, .. } = &route {
@@ -106,7 +112,7 @@ mod tests {
 
     fn state(flags: &[&str]) -> std::sync::Arc<State> {
         let args = ["pd-sidecar", "--engine", "127.0.0.1:1"].iter().chain(flags);
-        crate::build_state(crate::config::Config::try_parse_from(args).unwrap()).unwrap()
+        crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap().state
     }
 
     fn with(name: &'static str, value: &str) -> HeaderMap {
@@ -131,34 +137,35 @@ mod tests {
     #[test]
     fn routing_header_targets() {
         let s = state(&["--prefill", "10.0.0.1:8100#bootstrap=9000", "--allow", "10.9.0.0/16"]);
-        let listed = header_targets(&s, &with(ROUTING_HEADER, "10.0.0.1:8100"));
+        let listed = header_targets(&s, None, &with(ROUTING_HEADER, "10.0.0.1:8100"));
         assert_eq!((listed[0].base.as_str(), listed[0].bootstrap_port), ("http://10.0.0.1:8100", Some(9000)));
-        let allowed = header_targets(&s, &with(ROUTING_HEADER, "10.9.1.2:7000, 10.0.0.1:8100"));
+        let allowed = header_targets(&s, None, &with(ROUTING_HEADER, "10.9.1.2:7000, 10.0.0.1:8100"));
         let bases: Vec<_> = allowed.iter().map(|t| t.base.as_str()).collect();
         assert_eq!(bases, ["http://10.9.1.2:7000", "http://10.0.0.1:8100"]);
-        assert!(header_targets(&s, &HeaderMap::new()).is_empty());
+        assert!(header_targets(&s, None, &HeaderMap::new()).is_empty());
         // One refused target refuses the header, counted.
-        assert!(header_targets(&s, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
+        assert!(header_targets(&s, None, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
         assert_eq!(s.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
         let ignoring = state(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
-        assert!(header_targets(&ignoring, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty());
+        assert!(header_targets(&ignoring, None, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty());
     }
 
     #[tokio::test]
     async fn the_edge_hands_the_core_its_inputs() {
         let s = state(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
         let body = Object::parse(br#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "max_tokens": 1}"#).unwrap();
-        let Route::Here(Plan::Prefill(c)) = route(&s, &HeaderMap::new(), &body, Api::Completions, "r").await else {
+        let Route::Here(Plan::Prefill(c)) = route(&s, None, &HeaderMap::new(), &body, Api::Completions, "r").await
+        else {
             panic!("expected the static prefill")
         };
         assert_eq!(c[0].base, "http://10.0.0.1:8100");
         let short = Object::parse(br#"{"prompt": [1, 2, 3], "max_tokens": 1}"#).unwrap();
-        let short_route = route(&s, &HeaderMap::new(), &short, Api::Completions, "r").await;
+        let short_route = route(&s, None, &HeaderMap::new(), &short, Api::Completions, "r").await;
         assert_eq!(short_route, Route::Here(Plan::Local(LocalReason::Threshold)));
         let received = with(REDIRECT_HEADER, "local");
         let body =
             Object::parse(br#"{"prompt": "a much longer prompt than ten tokens, surely", "max_tokens": 1}"#).unwrap();
-        let marked = route(&s, &received, &body, Api::Completions, "r").await;
+        let marked = route(&s, None, &received, &body, Api::Completions, "r").await;
         assert_eq!(marked, Route::Here(Plan::Local(LocalReason::Coordinator)));
     }
 }

@@ -26,10 +26,19 @@ use crate::release::{self, ReleaseRequest};
 use crate::rewrite::Api;
 use crate::state::State;
 use crate::upstream::{self, LegHeaders};
+use crate::App;
 
 type Shared = Arc<State>;
 
-pub fn router(state: Shared) -> Router {
+/// Handlers that need only the request context take it out of the app.
+impl axum::extract::FromRef<App> for Shared {
+    fn from_ref(app: &App) -> Shared {
+        Arc::clone(&app.state)
+    }
+}
+
+pub fn router(app: App) -> Router {
+    let state = Arc::clone(&app.state);
     let mut r = Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
@@ -44,7 +53,7 @@ pub fn router(state: Shared) -> Router {
     r.fallback(passthrough)
         .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
-        .with_state(state)
+        .with_state(app)
 }
 
 /// Equal-length comparison whose time does not depend on where the inputs differ.
@@ -75,16 +84,16 @@ fn path_and_query(uri: &Uri) -> String {
     uri.path_and_query().map_or_else(|| uri.path().to_string(), |p| p.as_str().to_string())
 }
 
-async fn completions(AxState(state): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    proxy::generation(state, Api::Completions, path_and_query(&uri), headers, body).await
+async fn completions(AxState(app): AxState<App>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    proxy::generation(app, Api::Completions, path_and_query(&uri), headers, body).await
 }
 
-async fn chat(AxState(state): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    proxy::generation(state, Api::Chat, path_and_query(&uri), headers, body).await
+async fn chat(AxState(app): AxState<App>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    proxy::generation(app, Api::Chat, path_and_query(&uri), headers, body).await
 }
 
-async fn generate(AxState(state): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    proxy::generation(state, Api::Generate, path_and_query(&uri), headers, body).await
+async fn generate(AxState(app): AxState<App>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    proxy::generation(app, Api::Generate, path_and_query(&uri), headers, body).await
 }
 
 async fn metrics(AxState(state): AxState<Shared>) -> Response<Body> {

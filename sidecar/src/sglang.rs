@@ -12,6 +12,7 @@ use http::{header, HeaderMap, Response};
 use http_body_util::BodyExt;
 use tokio::task::JoinHandle;
 
+use crate::coordinator::Coordinator;
 use crate::decode::{self, DecodeCall, Opened};
 use crate::errors::LegError;
 use crate::finish::Finish;
@@ -62,8 +63,10 @@ impl Drop for AbortOnDrop {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     state: &Arc<State>,
+    coordinator: Option<&Arc<Coordinator>>,
     api: Api,
     path: &str,
     headers: &HeaderMap,
@@ -72,7 +75,7 @@ pub async fn run(
     fin: Finish,
 ) -> Response<Body> {
     let Disaggregation { object, candidates, fin } =
-        match crate::proxy::route(state, api, path, headers, rid, &body, fin).await {
+        match crate::proxy::route(state, coordinator, api, path, headers, rid, &body, fin).await {
             Routed::Disaggregate(d) => d,
             Routed::Served(response) => return response,
         };

@@ -1,6 +1,7 @@
 //! What every request handler shares: configuration, the HTTP client, the local engine's ranks,
-//! the static prefill list, engines known dead, metrics, and the optional coordinator link and
-//! xfer agent.
+//! the static prefill list, engines known dead, metrics, and the optional xfer agent. The
+//! coordinator link and the puller are handles of their own (`crate::App`), passed to the parts
+//! that use them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -10,11 +11,9 @@ use std::time::{Duration, Instant};
 use http::HeaderValue;
 use parking_lot::RwLock;
 
-use crate::config::{Config, Mode, Resolved};
-use crate::coordinator::Coordinator;
+use crate::config::{Config, Resolved};
 use crate::ids::Ids;
 use crate::metrics::Metrics;
-use crate::pull::Puller;
 use crate::target::Target;
 use crate::upstream::HttpClient;
 use crate::xfer_link::XferLink;
@@ -34,10 +33,8 @@ pub struct State {
     pub auth: Option<HeaderValue>,
     /// Authorization sent upstream instead of the client's.
     pub upstream_auth: Option<HeaderValue>,
-    pub coordinator: Option<Arc<Coordinator>>,
     /// The sidecar's own xfer agent (pull mode; xfer releases).
     pub xfer: Option<Arc<XferLink>>,
-    pub puller: Option<Puller>,
 }
 
 impl State {
@@ -48,7 +45,6 @@ impl State {
                 v
             })
         };
-        let puller = (cfg.mode == Mode::SimPull).then(Puller::default);
         State {
             auth: bearer(&cfg.auth_token),
             upstream_auth: bearer(&cfg.upstream_token),
@@ -60,9 +56,7 @@ impl State {
             metrics: Arc::new(Metrics::default()),
             ids: Ids::default(),
             dead: DeadSet::default(),
-            coordinator: None,
             xfer,
-            puller,
             cfg,
         }
     }
