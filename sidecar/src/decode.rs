@@ -323,3 +323,23 @@ pub fn passthrough(status: StatusCode, headers: &HeaderMap, incoming: Incoming) 
     *r.headers_mut() = upstream::response_headers(headers);
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_counts_as() {
+        for (status, outcome) in [
+            (200, Outcome::Ok),
+            (204, Outcome::Ok),
+            (400, Outcome::ClientError),
+            (429, Outcome::ClientError),
+            (500, Outcome::EngineError),
+            (503, Outcome::EngineError),
+            (302, Outcome::EngineError),
+        ] {
+            assert_eq!(outcome_of(StatusCode::from_u16(status).unwrap()), outcome, "{status}");
+        }
+    }
+}

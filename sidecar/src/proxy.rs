@@ -275,3 +275,33 @@ pub(crate) async fn local(
     };
     decode::run(state, call, fin).instrument(tracing::info_span!("decode", local = true)).await
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn the_clients_request_id_when_usable() {
+        let args = ["pd-sidecar", "--engine", "127.0.0.1:1"];
+        let state = crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap().state;
+        let long = "x".repeat(257);
+        for (sent, kept) in [
+            ("abc-1", true),
+            ("", false),
+            ("a b", false),
+            ("\u{e9}", false),
+            (long.as_str(), false),
+            (&long[1..], true),
+        ] {
+            let mut h = HeaderMap::new();
+            if let Ok(v) = http::HeaderValue::from_str(sent) {
+                h.insert(REQUEST_ID, v);
+            }
+            let id = request_id(&state, &h);
+            assert_eq!(id == sent, kept, "{sent:?}");
+            assert!(!id.is_empty());
+        }
+    }
+}

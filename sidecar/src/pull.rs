@@ -190,8 +190,8 @@ pub async fn run(
     let r: Reservation = engine_json(&state.client, engine, Method::POST, "/admin/reserve", Some(body), timeout)
         .await
         .map_err(|e| PullError::Reserve(e.to_string()))?;
-    let reserved = format!("{{\"do_remote_prefill\":true,\"reservation_id\":{}}}", json::string(&r.reservation_id));
-    if r.block_ids.len() != remote_ids.len() || r.block_ids.iter().any(|&b| b as usize >= pool.num_blocks) {
+    let reserved = reservation_params(&r.reservation_id);
+    if !reservation_fits(&r.block_ids, remote_ids.len(), pool.num_blocks) {
         consume(state, client, path, rid, &reserved);
         return Err(PullError::Reserve("the engine reserved unexpected blocks".into()));
     }
@@ -217,6 +217,17 @@ pub async fn run(
             Err(e.into())
         }
     }
+}
+
+/// The decode call's `kv_transfer_params` naming a reservation.
+fn reservation_params(id: &str) -> String {
+    format!("{{\"do_remote_prefill\":true,\"reservation_id\":{}}}", json::string(id))
+}
+
+/// Whether the engine reserved one block per wanted block, each inside its pool (an engine
+/// answer is not trusted to index the pool).
+fn reservation_fits(reserved: &[u64], wanted: usize, num_blocks: usize) -> bool {
+    reserved.len() == wanted && reserved.iter().all(|&b| usize::try_from(b).is_ok_and(|b| b < num_blocks))
 }
 
 /// READs the remote blocks into the reserved ones, notifying the prefill when done (blocking).
@@ -261,4 +272,33 @@ fn read(
 fn consume(state: &Arc<State>, client: &Object<'_>, path: &str, rid: &str, reserved: &str) {
     let body = bytes::Bytes::from(client.rewrite(&[]));
     drop(ReleaseGuard::new(state, rid, reserved, body, path).decode_only());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_are_checked() {
+        for (reserved, wanted, blocks, fits) in [
+            (&[0u64, 3][..], 2, 4, true),
+            (&[3], 1, 4, true),
+            (&[4], 1, 4, false),
+            (&[0, 1], 3, 4, false),
+            (&[0, 1, 2], 2, 4, false),
+            (&[u64::MAX], 1, 4, false),
+            (&[], 0, 0, true),
+        ] {
+            assert_eq!(reservation_fits(reserved, wanted, blocks), fits, "{reserved:?} for {wanted} of {blocks}");
+        }
+    }
+
+    #[test]
+    fn reservation_params_are_json() {
+        for id in ["r-1", "a\"b\\c", ""] {
+            let v: serde_json::Value = serde_json::from_str(&reservation_params(id)).unwrap();
+            assert_eq!(v["reservation_id"], id);
+            assert_eq!(v["do_remote_prefill"], true);
+        }
+    }
 }

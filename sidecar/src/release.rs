@@ -122,12 +122,7 @@ async fn release_with(
     client_body: Option<&[u8]>,
     path: Option<&str>,
 ) -> Result<&'static str, ReleaseError> {
-    let via_xfer = match method {
-        ReleaseMethod::SimXfer => true,
-        ReleaseMethod::Decode => false,
-        ReleaseMethod::Auto => state.xfer.is_some(),
-    };
-    if via_xfer {
+    if via_xfer(method, state.xfer.is_some()) {
         match notify(state, params).await {
             Ok(()) => {
                 inc(&state.metrics.releases_ok);
@@ -143,6 +138,15 @@ async fn release_with(
     let outcome = decode(state, request_id, params, client_body, path).await;
     inc(if outcome.is_ok() { &state.metrics.releases_ok } else { &state.metrics.releases_failed });
     outcome.map(|()| "decode")
+}
+
+/// Whether to try the done notification first (`auto` needs the sidecar's own xfer agent).
+fn via_xfer(method: ReleaseMethod, has_agent: bool) -> bool {
+    match method {
+        ReleaseMethod::SimXfer => true,
+        ReleaseMethod::Decode => false,
+        ReleaseMethod::Auto => has_agent,
+    }
 }
 
 async fn notify(state: &State, params: &str) -> Result<(), ReleaseError> {
@@ -201,4 +205,40 @@ async fn decode(
 pub struct ReleaseRequest {
     pub request_id: String,
     pub kv_transfer_params: Box<RawValue>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_method_tried_first() {
+        use ReleaseMethod::{Auto, Decode, SimXfer};
+        for (method, agent, xfer) in [
+            (SimXfer, true, true),
+            (SimXfer, false, true),
+            (Decode, true, false),
+            (Decode, false, false),
+            (Auto, true, true),
+            (Auto, false, false),
+        ] {
+            assert_eq!(via_xfer(method, agent), xfer, "{method:?} with agent {agent}");
+        }
+    }
+
+    #[test]
+    fn release_requests_are_read_strictly() {
+        let ok: ReleaseRequest = serde_json::from_str(r#"{"request_id":"r","kv_transfer_params":{"a":1.50}}"#).unwrap();
+        assert_eq!((ok.request_id.as_str(), ok.kv_transfer_params.get()), ("r", r#"{"a":1.50}"#));
+        for bad in [
+            r#"{"request_id":"r"}"#,
+            r#"{"kv_transfer_params":{}}"#,
+            r#"{"request_id":"r","kv_transfer_params":{},"extra":1}"#,
+            r#"{"request_id":1,"kv_transfer_params":{}}"#,
+            "",
+            "[]",
+        ] {
+            assert!(serde_json::from_str::<ReleaseRequest>(bad).is_err(), "{bad}");
+        }
+    }
 }
