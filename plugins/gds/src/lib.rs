@@ -27,11 +27,10 @@
 mod cufile;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
-use xfer_core::own::{resolve_own, RegionIdKey};
+use xfer_core::own::{resolve_own, side_type, Instance, RegionIdKey};
 use xfer_core::split::pair_runs;
 use xfer_core::{
     Backend, BackendContext, BackendError, BackendFactory, Capabilities, FileIoError, LocalMem, LocalRegion, MemType,
@@ -61,7 +60,7 @@ struct Entry {
 
 struct Shared {
     agent_name: String,
-    instance: Vec<u8>,
+    instance: Instance,
     max_request: u64,
     registered: RwLock<HashMap<u64, Entry>>,
     notifs: NotifSink,
@@ -79,8 +78,6 @@ impl std::fmt::Debug for GdsBackend {
     }
 }
 
-static INSTANCES: AtomicU64 = AtomicU64::new(0);
-
 impl GdsBackend {
     pub fn new(ctx: BackendContext) -> Result<GdsBackend, BackendError> {
         let mut params = ctx.params;
@@ -93,8 +90,7 @@ impl GdsBackend {
             });
         }
         let driver = Driver::open()?;
-        let mut instance = std::process::id().to_le_bytes().to_vec();
-        instance.extend(INSTANCES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        let instance = Instance::fresh();
         let shared = Shared {
             agent_name: ctx.agent_name,
             instance,
@@ -122,7 +118,7 @@ impl Backend for GdsBackend {
     }
 
     fn conn_info(&self) -> Vec<u8> {
-        self.shared.instance.clone()
+        self.shared.instance.conn_info()
     }
 
     fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
@@ -142,12 +138,7 @@ impl Backend for GdsBackend {
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
-        if peer != self.shared.agent_name || conn_info != self.shared.instance {
-            return Err(BackendError::Unsupported(format!(
-                "gds moves data within its own agent {:?} only, not to {peer:?}",
-                self.shared.agent_name
-            )));
-        }
+        self.shared.instance.admit("gds", &self.shared.agent_name, peer, conn_info)?;
         Ok(Arc::new(Loopback { shared: Arc::clone(&self.shared) }))
     }
 
@@ -194,15 +185,9 @@ impl RemoteAgent for Loopback {
     fn disconnect(&self) {}
 }
 
-/// The one memory type of a side, or the refusal of a mixed or unmovable one.
-fn side_type(side: &[LocalMem]) -> Option<MemType> {
-    let first = side.first()?.mem_type();
-    side.iter().all(|piece| piece.mem_type() == first).then_some(first)
-}
-
 /// Orients, checks and moves one request; see the crate docs.
 fn run(shared: &Shared, op: Op, local: Vec<LocalMem>, remote: Vec<LocalMem>) -> Result<(), BackendError> {
-    let local_is_file = match (side_type(&local), side_type(&remote)) {
+    let local_is_file = match (side_type(&local, "gds")?, side_type(&remote, "gds")?) {
         (Some(MemType::Vram), Some(MemType::File)) => false,
         (Some(MemType::File), Some(MemType::Vram)) => true,
         _ => return Err(BackendError::Unsupported("gds moves VRAM↔FILE, one type per side".into())),

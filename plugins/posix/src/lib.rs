@@ -67,7 +67,7 @@ mod sys;
 mod uring;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -76,7 +76,7 @@ use xfer_core::{
     NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, TransferJob,
 };
 
-use xfer_core::own::{resolve_own, RegionIdKey};
+use xfer_core::own::{resolve_own, side_type, Instance, RegionIdKey};
 use xfer_core::split::pair_runs;
 use xfer_core::staging::{self, FileWire, Flow, Staging};
 
@@ -149,7 +149,7 @@ struct Registered {
 struct Shared {
     agent_name: String,
     /// Tells this backend instance's own metadata from another process's agent of the same name.
-    instance: Vec<u8>,
+    instance: Instance,
     config: Config,
     registered: RwLock<HashMap<u64, Registered>>,
     pool: Pool,
@@ -171,8 +171,6 @@ impl std::fmt::Debug for PosixBackend {
             .finish_non_exhaustive()
     }
 }
-
-static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
 impl PosixBackend {
     pub fn new(ctx: BackendContext) -> Result<PosixBackend, BackendError> {
@@ -196,8 +194,7 @@ impl PosixBackend {
                 ),
             });
         }
-        let mut instance = std::process::id().to_le_bytes().to_vec();
-        instance.extend(INSTANCES.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        let instance = Instance::fresh();
         let workers = match requested {
             EngineChoice::Threads => Workers::Threads(config.threads),
             EngineChoice::Uring => Workers::Uring(uring::rings(config.threads, config.iodepth).map_err(|err| {
@@ -249,7 +246,7 @@ impl Backend for PosixBackend {
     }
 
     fn conn_info(&self) -> Vec<u8> {
-        self.shared.instance.clone()
+        self.shared.instance.conn_info()
     }
 
     fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
@@ -279,12 +276,7 @@ impl Backend for PosixBackend {
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
-        if peer != self.shared.agent_name || conn_info != self.shared.instance {
-            return Err(BackendError::Unsupported(format!(
-                "posix moves data within its own agent {:?} only, not to {peer:?}",
-                self.shared.agent_name
-            )));
-        }
+        self.shared.instance.admit("posix", &self.shared.agent_name, peer, conn_info)?;
         Ok(Arc::new(Loopback { shared: Arc::clone(&self.shared) }))
     }
 
@@ -376,7 +368,7 @@ impl Loopback {
 
 /// Checks and runs one GPU memory ↔ FILE request; see [`Loopback::stage_gpu`].
 fn stage_gpu(shared: &Shared, op: Op, local: Vec<LocalMem>, remote: Vec<LocalMem>) -> Result<(), BackendError> {
-    let local_is_file = match (side_type(&local)?, side_type(&remote)?) {
+    let local_is_file = match (side_type(&local, "posix")?, side_type(&remote, "posix")?) {
         (Some(MemType::Vram), Some(MemType::File)) => false,
         (Some(MemType::File), Some(MemType::Vram)) => true,
         (l, r) => {
@@ -432,7 +424,7 @@ impl Loopback {
     /// (which side is the file), pairs the byte streams and checks every run.
     fn plan(&self, op: Op, local: Vec<LocalMem>, remote: &[RemoteSeg]) -> Result<Plan, BackendError> {
         let remote = self.resolve(remote)?;
-        let local_is_file = match (side_type(&local)?, side_type(&remote)?) {
+        let local_is_file = match (side_type(&local, "posix")?, side_type(&remote, "posix")?) {
             (Some(MemType::Dram), Some(MemType::File)) | (None, Some(MemType::File)) => false,
             (Some(MemType::File), Some(MemType::Dram)) | (Some(MemType::File), None) => true,
             (Some(MemType::Dram), None) | (None, Some(MemType::Dram)) | (None, None) => false,
@@ -527,13 +519,3 @@ impl Loopback {
 /// Runs one worker takes at once at most: enough to amortise the queue hop over tiny
 /// descriptors, few enough that 4096 of them still spread over every worker.
 const MAX_RUNS_PER_TASK: usize = 256;
-
-/// The one memory type of a side's pieces (`None` when empty), or a refusal when mixed.
-fn side_type(side: &[LocalMem]) -> Result<Option<MemType>, BackendError> {
-    let mut types = side.iter().map(LocalMem::mem_type);
-    let Some(first) = types.next() else { return Ok(None) };
-    if let Some(other) = types.find(|t| *t != first) {
-        return Err(BackendError::Unsupported(format!("posix cannot mix {first} and {other} on one side")));
-    }
-    Ok(Some(first))
-}

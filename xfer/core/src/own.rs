@@ -64,3 +64,42 @@ pub fn resolve_own(
     }
     Ok(out)
 }
+
+/// What tells one own-agent backend instance from another process's agent of the same name:
+/// published as its connection info, and checked when a "peer" is connected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance(Vec<u8>);
+
+impl Instance {
+    /// A fresh id: this process's pid and a per-process counter.
+    pub fn fresh() -> Instance {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let mut id = std::process::id().to_le_bytes().to_vec();
+        id.extend(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed).to_le_bytes());
+        Instance(id)
+    }
+
+    pub fn conn_info(&self) -> Vec<u8> {
+        self.0.clone()
+    }
+
+    /// Accepts only the agent itself, as published by this very instance.
+    pub fn admit(&self, backend: &str, agent: &str, peer: &str, conn_info: &[u8]) -> Result<(), BackendError> {
+        if peer != agent || conn_info != self.0.as_slice() {
+            return Err(BackendError::Unsupported(format!(
+                "{backend} moves data within its own agent {agent:?} only, not to {peer:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The one memory type of a request's side (`None` when empty); mixing types is refused.
+pub fn side_type(side: &[LocalMem], backend: &str) -> Result<Option<crate::mem::MemType>, BackendError> {
+    let mut types = side.iter().map(LocalMem::mem_type);
+    let Some(first) = types.next() else { return Ok(None) };
+    if let Some(other) = types.find(|t| *t != first) {
+        return Err(BackendError::Unsupported(format!("{backend} cannot mix {first} and {other} on one side")));
+    }
+    Ok(Some(first))
+}
