@@ -16,9 +16,10 @@
 # 4. The bars: TCP VRAM→remote DRAM ≥ 0.8 × DRAM→DRAM; the staging pipeline ≥ 0.7 × cuMemcpy
 #    device→host. Printed as ratios; the script fails when a bar is missed.
 #
-# 5. UCX with native CUDA memory (VRAM↔VRAM, no staging) when the UCX xfer links has CUDA
-#    (`ucx_info -d` lists cuda_copy/cuda_ipc; the PyPI package libucx-cu12 ships such a UCX), and
-#    the binaries were built with `--features ucx`.
+# 5. With binaries built with `--features ucx` (XFER_UCX=1): UCX with native CUDA memory
+#    (VRAM↔VRAM, no staging) when the UCX xfer links has CUDA (`ucx_info -d` lists
+#    cuda_copy/cuda_ipc; the PyPI package libucx-cu12 ships such a UCX), else UCX's staging of
+#    VRAM→remote DRAM through CUDA lanes, as TCP's.
 #
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,8 +71,12 @@ printf '| path | GB/s |\n|---|---|\n| DRAM→DRAM | %s |\n| VRAM→DRAM | %s |\n
   "$dram" "$vram_dram" "$vram_vram" "$file_vram" "$vram_file"
 if command -v ucx_info >/dev/null && ucx_info -d | grep -q cuda_copy && [[ -n "${XFER_UCX:-}" ]]; then
   echo "UCX VRAM→VRAM (native CUDA): $(bench ucx-vram ucx --local-mem vram --remote-mem vram) GB/s"
+elif [[ -n "${XFER_UCX:-}" ]]; then
+  ucx_dram=$(bench ucx-dram ucx --local-mem dram --remote-mem dram)
+  ucx_vram=$(bench ucx-vram-dram ucx --local-mem vram --remote-mem dram)
+  echo "UCX without CUDA: DRAM→DRAM $ucx_dram GB/s, VRAM→DRAM (staged) $ucx_vram GB/s"
 else
-  echo "UCX with CUDA memory: not covered here (needs a CUDA-enabled UCX and XFER_UCX=1 for a --features ucx build)"
+  echo "UCX: not covered here (XFER_UCX=1 builds xferbench with --features ucx)"
 fi
 
 python3 - "$baseline" "$dram" "$vram_dram" <<'EOF'

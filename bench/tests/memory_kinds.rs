@@ -125,3 +125,14 @@ fn gpu_memory_runs_or_fails_with_the_reason() {
         }
     }
 }
+
+/// UCX stages a local file like TCP does (its build here has no CUDA, and never takes files).
+#[cfg(feature = "ucx")]
+#[test]
+fn file_over_ucx_staged_with_check() {
+    let line = format!("--backend ucx --params tls=tcp,net_devices=lo --local-mem file --remote-mem dram {SMALL}");
+    let (rows, stdout) = run("ucx-file", &line);
+    let read_write = [("read", "DRAM→FILE"), ("read", "DRAM→FILE"), ("write", "FILE→DRAM"), ("write", "FILE→DRAM")];
+    assert_eq!(rows, pairs(&read_write));
+    assert!(stdout.contains("FILE→DRAM"), "{stdout}");
+}

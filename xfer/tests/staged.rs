@@ -1,7 +1,8 @@
-//! GPU memory and files over TCP, staged, between two processes: this test binary runs itself
-//! again as the target (`XFER_STAGED_TARGET=dir`). Both sides stand host memory in for GPU
+//! GPU memory and files over TCP and UCX, staged, between two processes: this test binary runs
+//! itself again as the target (`XFER_STAGED_TARGET=dir`). Both sides stand host memory in for GPU
 //! memory (`HostAsDevice`), so the staging pipeline, the initiator's and the target's, runs on
-//! machines without GPUs; the bytes are checked in the files and buffers themselves.
+//! machines without GPUs; the bytes are checked in the files and buffers themselves. Over UCX
+//! (whose build here has no CUDA) only the initiator stages: the target's memory is DRAM.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -17,6 +18,11 @@ use xfer::{
 const WAIT: Duration = Duration::from_secs(20);
 const SIZE: usize = 8 << 20;
 const TARGET_ENV: &str = "XFER_STAGED_TARGET";
+/// Set for a target that also serves UCX (`tls=tcp` over loopback).
+#[cfg(feature = "ucx")]
+const UCX_ENV: &str = "XFER_STAGED_UCX";
+#[cfg(feature = "ucx")]
+const UCX_PARAMS: &str = "tls=tcp,net_devices=lo,staging_bytes=65536,timeout_ms=10000";
 
 /// Small chunks and slots, so one request spans chunks, streams and many staging rounds.
 fn tcp_params() -> BackendParams {
@@ -54,10 +60,18 @@ fn stand_in_vram(agent: &Agent, len: usize) -> (Arc<HostBuffer>, Registration) {
     (buf, registration)
 }
 
-/// The target process: a writable FILE, a read-only FILE and stand-in VRAM, served until stdin
-/// says `quit`; `dump` writes the VRAM bytes to `vram.bin` for the test to check.
+/// The target process: a writable FILE, a read-only FILE, stand-in VRAM and DRAM, served until
+/// stdin says `quit`; `dump` writes the VRAM and DRAM bytes to `vram.bin` and `dram.bin`, and the
+/// notifications received to `notifs.txt`, for the test to check.
 fn target_main(dir: &Path) {
     let agent = stand_in_agent("staged-target");
+    #[cfg(feature = "ucx")]
+    if std::env::var_os(UCX_ENV).is_some() {
+        agent.add_backend("ucx", BackendParams::parse(UCX_PARAMS).unwrap()).unwrap();
+    }
+    let dram = Arc::new(HostBuffer::new(SIZE));
+    dram.write_at(0, &pattern(SIZE, 5));
+    let _dram_reg = agent.register_buffer(&dram).unwrap();
     let file = file_with(&dir.join("target.bin"), &pattern(SIZE, 1), true);
     let _file_reg = agent.register_file(&file, 0, SIZE as u64).unwrap();
     let read_only = file_with(&dir.join("read-only.bin"), &pattern(4096, 2), false);
@@ -74,6 +88,14 @@ fn target_main(dir: &Path) {
         match line.unwrap().trim() {
             "dump" => {
                 std::fs::write(dir.join("vram.bin"), vram.to_vec()).unwrap();
+                std::fs::write(dir.join("dram.bin"), dram.to_vec()).unwrap();
+                let notifs: Vec<String> = agent
+                    .get_notifs()
+                    .into_values()
+                    .flatten()
+                    .map(|n| String::from_utf8_lossy(&n).into_owned())
+                    .collect();
+                std::fs::write(dir.join("notifs.txt"), notifs.join("\n")).unwrap();
                 println!("OK");
             }
             _ => break,
@@ -91,9 +113,14 @@ struct Target {
 
 impl Target {
     fn spawn(dir: &Path) -> Target {
+        Target::spawn_with(dir, &[])
+    }
+
+    fn spawn_with(dir: &Path, env: &[(&str, &str)]) -> Target {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "staged_target_process", "--nocapture", "--test-threads", "1"])
             .env(TARGET_ENV, dir)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -110,7 +137,9 @@ impl Target {
         Target { child, stdin, lines, side_channel }
     }
 
-    fn dump_vram(&mut self, dir: &Path) -> Vec<u8> {
+    /// Has the target write out its memory and the notifications it received since the last dump;
+    /// returns `name` (`vram.bin`, `dram.bin`, `notifs.txt`).
+    fn dump(&mut self, dir: &Path, name: &str) -> Vec<u8> {
         writeln!(self.stdin, "dump").unwrap();
         loop {
             let line = self.lines.next().expect("target exited").unwrap();
@@ -118,7 +147,11 @@ impl Target {
                 break;
             }
         }
-        std::fs::read(dir.join("vram.bin")).unwrap()
+        std::fs::read(dir.join(name)).unwrap()
+    }
+
+    fn dump_vram(&mut self, dir: &Path) -> Vec<u8> {
+        self.dump(dir, "vram.bin")
     }
 }
 
@@ -250,6 +283,109 @@ fn gpu_memory_and_files_cross_tcp_staged_on_both_sides() {
         .unwrap();
     assert_eq!(dram.to_vec()[..4096], pattern(4096, 4)[..], "its first block reads");
 
+    drop(target);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// UCX without CUDA stages the initiator's files and (stand-in) GPU memory like TCP does, each
+/// slot a get or a put of its own; the target's DRAM is reached one-sidedly as usual.
+#[cfg(feature = "ucx")]
+#[test]
+fn files_and_gpu_memory_cross_ucx_staged_from_the_initiator() {
+    let dir = std::env::temp_dir().join(format!("xfer-staged-ucx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut target = Target::spawn_with(&dir, &[(UCX_ENV, "1")]);
+    // SAFETY: every VRAM region this agent registers is a HostBuffer the test keeps alive.
+    let staging = Arc::new(unsafe { HostAsDevice::new() });
+    let agent = Agent::with_staging("staged-init", BackendRegistry::default(), staging).unwrap();
+    agent.add_backend("ucx", BackendParams::parse(UCX_PARAMS).unwrap()).unwrap();
+    // The target's FILE and VRAM regions carry UCX keys that say they are not reachable.
+    assert_eq!(agent.fetch_remote_metadata(&target.side_channel).unwrap(), "staged-target");
+    let regions = agent.remote_regions("staged-target").unwrap();
+    let remote_dram = regions.iter().find(|(t, d)| *t == MemType::Dram && d.len == SIZE as u64).unwrap().1;
+    let (remote_file, _, _) = remote_regions(&agent);
+
+    let local_file = file_with(&dir.join("local.bin"), &pattern(SIZE, 50), true);
+    let file_reg = agent.register_file(&local_file, 0, SIZE as u64).unwrap();
+    let local_file_desc = file_reg.descs()[0];
+    let (vram, vram_reg) = stand_in_vram(&agent, SIZE);
+    let local_vram_desc = vram_reg.descs()[0];
+    let dram = Arc::new(HostBuffer::new(SIZE));
+    let _dram_reg = agent.register_buffer(&dram).unwrap();
+    let run = |op: Op, local: (MemType, &[Desc]), remote: &[Desc], notif: Option<&str>| {
+        let options = notif.map(RequestOptions::notify).unwrap_or_default();
+        let request =
+            agent.create_request_between(op, local, "staged-target", (MemType::Dram, remote), options).unwrap();
+        assert_eq!(request.backend(), "ucx");
+        request.post().unwrap();
+        request.wait(WAIT)
+    };
+
+    // FILE → remote DRAM, the whole file, then a notification.
+    run(Op::Write, (MemType::File, &[local_file_desc]), &[remote_dram], Some("file-done")).unwrap();
+    assert_eq!(target.dump(&dir, "dram.bin"), pattern(SIZE, 50), "FILE → remote DRAM");
+    // The same dump wrote the notifications (the target hands each out once).
+    assert_eq!(std::fs::read(dir.join("notifs.txt")).unwrap(), b"file-done", "the notification after the data");
+
+    // Remote DRAM → FILE at an odd offset and length.
+    let len = 3 * 65536 + 4099;
+    run(Op::Read, (MemType::File, &[sub(local_file_desc, 4093, len)]), &[sub(remote_dram, 4096, len)], None).unwrap();
+    let on_disk = std::fs::read(dir.join("local.bin")).unwrap();
+    let mut want = pattern(SIZE, 50);
+    want[4093..4093 + len as usize].copy_from_slice(&pattern(SIZE, 50)[4096..4096 + len as usize]);
+    assert_eq!(on_disk, want, "remote DRAM → FILE");
+
+    // Scattered (stand-in) VRAM pieces, reversed, into one remote DRAM range.
+    vram.write_at(0, &pattern(SIZE, 60));
+    let piece = 4096 + 13;
+    let locals: Vec<Desc> = (0..257).rev().map(|i| sub(local_vram_desc, i * piece, piece)).collect();
+    run(Op::Write, (MemType::Vram, &locals), &[sub(remote_dram, 0, 257 * piece)], None).unwrap();
+    let vram_bytes = pattern(SIZE, 60);
+    let want: Vec<u8> =
+        (0..257u64).rev().flat_map(|i| vram_bytes[(i * piece) as usize..((i + 1) * piece) as usize].to_vec()).collect();
+    assert_eq!(target.dump(&dir, "dram.bin")[..want.len()], want[..], "scattered VRAM → remote DRAM");
+
+    // Remote DRAM → VRAM, whole.
+    let remote_bytes = target.dump(&dir, "dram.bin");
+    run(Op::Read, (MemType::Vram, &[local_vram_desc]), &[remote_dram], None).unwrap();
+    assert_eq!(vram.to_vec(), remote_bytes, "remote DRAM → VRAM");
+
+    // The target's FILE is not reachable through UCX: no path, and named explicitly a clear error.
+    let err = agent
+        .create_request_between(
+            Op::Write,
+            (MemType::Dram, &[dram.sub_desc(0, 4096)]),
+            "staged-target",
+            (MemType::File, &[sub(remote_file, 0, 4096)]),
+            RequestOptions::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(err, XferError::NoBackend(_)), "{err}");
+    let err = agent
+        .create_request_between(
+            Op::Write,
+            (MemType::Dram, &[dram.sub_desc(0, 4096)]),
+            "staged-target",
+            (MemType::File, &[sub(remote_file, 0, 4096)]),
+            RequestOptions::default().backend("ucx"),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("ucx does not move DRAM→FILE"), "{err}");
+
+    // A READ into a read-only local file is refused before any byte moves; the link still works.
+    let read_only = file_with(&dir.join("read-only-local.bin"), &pattern(4096, 80), false);
+    let read_only_reg = agent.register_file(&read_only, 0, 4096).unwrap();
+    let err = run(Op::Read, (MemType::File, &read_only_reg.descs()), &[sub(remote_dram, 0, 4096)], None).unwrap_err();
+    assert!(err.to_string().contains("not open for writing"), "{err}");
+    run(Op::Write, (MemType::File, &[sub(local_file_desc, 0, 4096)]), &[sub(remote_dram, 0, 4096)], None).unwrap();
+    assert_eq!(target.dump(&dir, "dram.bin")[..4096], on_disk[..4096], "the link keeps working");
+
+    // A dead target fails a staged request within the backend's timeout, and nothing hangs.
+    target.child.kill().unwrap();
+    target.child.wait().unwrap();
+    let started = std::time::Instant::now();
+    let err = run(Op::Write, (MemType::File, &[local_file_desc]), &[remote_dram], Some("never")).unwrap_err();
+    assert!(started.elapsed() < WAIT, "{err} after {:?}", started.elapsed());
     drop(target);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -59,7 +59,7 @@ use conn::SocketTuning;
 use keys::KeyTable;
 use pool::{PeerPool, PoolConfig};
 use server::{Server, ServerShared};
-use staged::StagingConfig;
+use xfer_core::staging::StagingConfig;
 
 /// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
 const STAGED: [MemType; 3] = [MemType::Dram, MemType::Vram, MemType::File];
@@ -111,16 +111,8 @@ impl TcpBackend {
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
         let socket_buffer: usize = params.take_parsed("socket_buffer", 4 << 20)?;
-        let staging_slots: usize = params.take_parsed("staging_slots", 2)?;
-        let staging_bytes: usize = params.take_parsed("staging_bytes", 1 << 20)?;
+        let staging_config = StagingConfig::take(&mut params)?;
         params.finish("tcp")?;
-        if !(1..=16).contains(&staging_slots) {
-            return Err(invalid("staging_slots", "must be 1..=16"));
-        }
-        if !(4096..=(256 << 20)).contains(&staging_bytes) || !staging_bytes.is_multiple_of(4096) {
-            return Err(invalid("staging_bytes", "must be a multiple of 4096 in 4096..=268435456"));
-        }
-        let staging_config = StagingConfig { slots: staging_slots, slot_bytes: staging_bytes };
         if !(1..=64).contains(&streams) {
             return Err(invalid("streams", "must be 1..=64"));
         }

@@ -23,7 +23,9 @@ use crate::conn::{Conn, ConnError, SocketTuning};
 use crate::frame::{self, Kind, WireDesc};
 use crate::keys::TcpRemoteKey;
 use crate::memio;
-use crate::staged::{Lanes, StagingConfig};
+use xfer_core::staging::StagingConfig;
+
+use crate::staged::Lanes;
 
 /// Tunables of the initiator.
 #[derive(Clone, Copy, Debug)]

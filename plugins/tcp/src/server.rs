@@ -15,7 +15,9 @@ use crate::fence::{Fence, Fences};
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::keys::KeyTable;
 use crate::memio;
-use crate::staged::{Lanes, StagingConfig};
+use xfer_core::staging::StagingConfig;
+
+use crate::staged::Lanes;
 
 /// What every connection thread shares.
 pub struct ServerShared {

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use xfer_core::staging::StagingConfig;
 use xfer_core::{BackendError, BackendParams};
 
 use crate::keys::TcpSegments;
@@ -58,6 +59,8 @@ pub struct Settings {
     /// stall) is visible per piece.
     pub max_op_bytes: u64,
     pub error_mode: ErrorMode,
+    /// Slots of the lanes that stage files (and GPU memory without CUDA).
+    pub staging: StagingConfig,
 }
 
 fn invalid(name: &str, reason: impl Into<String>) -> BackendError {
@@ -94,6 +97,7 @@ impl Settings {
             Some("none") => ErrorMode::None,
             Some(other) => return Err(invalid("error_mode", format!("{other:?}: expected peer, none or auto"))),
         };
+        let staging = StagingConfig::take(&mut params)?;
         params.finish("ucx")?;
         if timeout.is_zero() {
             return Err(invalid("timeout_ms", "must be positive"));
@@ -104,7 +108,7 @@ impl Settings {
         if tcp_seg_size != 0 && !(8192..=MAX_TCP_SEG_SIZE).contains(&tcp_seg_size) {
             return Err(invalid("tcp_seg_size", format!("must be 0 or 8192..={MAX_TCP_SEG_SIZE}")));
         }
-        Ok(Settings { ucx, tcp_seg_size, tcp_seg_size_given, timeout, spin, max_op_bytes, error_mode })
+        Ok(Settings { ucx, tcp_seg_size, tcp_seg_size_given, timeout, spin, max_op_bytes, error_mode, staging })
     }
 
     /// The UCX options to apply over the environment's configuration, in order: the TCP

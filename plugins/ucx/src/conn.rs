@@ -164,8 +164,9 @@ impl Conn {
     /// Posts every operation of a job, then (for a WRITE) its flush.
     pub fn start(&mut self, job: TransferJob, env: &mut Env<'_>) {
         let TransferJob { op, local, remote, notif, done } = job;
-        // Host memory, and GPU memory when UCX has CUDA (it detects device pointers itself);
-        // files, or GPU memory without CUDA, would be misread as host addresses: refused.
+        // Host memory, and GPU memory when UCX has CUDA (it detects device pointers itself).
+        // Files, and GPU memory without CUDA, go to the stager instead; here they would be
+        // misread as host addresses, so they are refused.
         let movable = |piece: &LocalMem| match piece {
             LocalMem::Host(_) => true,
             LocalMem::Device(_) => env.cuda,
@@ -246,6 +247,13 @@ impl Conn {
             let Some(key) = seg.key.downcast_ref::<UcxRemoteKey>() else {
                 return Err(BackendError::InvalidMetadata("remote key is not a ucx key".into()));
             };
+            if key.is_local_only() {
+                return Err(BackendError::Unsupported(format!(
+                    "{}'s region (ucx key {}) is a file, or GPU memory its UCX has no CUDA for: UCX \
+                     cannot reach it from here (it moves only from the peer's own side)",
+                    self.peer.name, key.key_id
+                )));
+            }
             if !key.covers(seg.addr, seg.len) {
                 let message = format!("remote {:#x}+{} is outside its region", seg.addr, seg.len);
                 return Err(BackendError::Refused { code: RefusalCode::OutOfBounds, message });

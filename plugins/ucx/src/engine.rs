@@ -541,6 +541,15 @@ impl Engine {
         Ok(UcxRemoteKey { key_id, base: desc.addr, len: desc.len, packed }.encode())
     }
 
+    /// The key of a region this UCX cannot expose (see `UcxRemoteKey::is_local_only`): nothing
+    /// is mapped; its jobs are staged.
+    pub fn register_local_only(&mut self, region: &LocalRegion) -> Vec<u8> {
+        let desc = region.desc();
+        let key_id = self.next_key;
+        self.next_key += 1;
+        UcxRemoteKey { key_id, base: desc.addr, len: desc.len, packed: Vec::new() }.encode()
+    }
+
     pub fn deregister(&mut self, region_id: u64) {
         self.regions.remove(&region_id);
     }

@@ -119,7 +119,8 @@ pub fn decode_conn_info(info: &[u8]) -> Result<ConnInfo, BackendError> {
     Ok(ConnInfo { address: address.to_vec(), process: ProcessId { host, pid }, segments: TcpSegments { tx, rx } })
 }
 
-/// A peer's registration as published: our key id, its range, and UCX's packed rkey.
+/// A peer's registration as published: our key id, its range, and UCX's packed rkey (empty
+/// for memory UCX cannot expose, see [`UcxRemoteKey::is_local_only`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UcxRemoteKey {
     pub key_id: u64,
@@ -143,7 +144,7 @@ impl UcxRemoteKey {
     }
 
     pub fn decode(bytes: &[u8]) -> Result<UcxRemoteKey, BackendError> {
-        if bytes.len() <= KEY_HEADER || bytes[..4] != KEY_MAGIC {
+        if bytes.len() < KEY_HEADER || bytes[..4] != KEY_MAGIC {
             return Err(bad("remote key: bad magic or truncated"));
         }
         if bytes.len() - KEY_HEADER > MAX_BLOB {
@@ -162,6 +163,12 @@ impl UcxRemoteKey {
             return Err(bad("remote key: range wraps around"));
         }
         Ok(key)
+    }
+
+    /// A key for memory this side's UCX cannot expose (a file; GPU memory without CUDA): it
+    /// moves only from this side, staged, and peers cannot reach it through UCX.
+    pub fn is_local_only(&self) -> bool {
+        self.packed.is_empty()
     }
 
     /// Whether `addr .. addr + len` lies inside the registration.
@@ -227,6 +234,9 @@ mod tests {
         }
         assert!(key.covers(0x1000, 4096) && key.covers(0x1fff, 1) && key.covers(0x1800, 0));
         assert!(!key.covers(0xfff, 2) && !key.covers(0x1fff, 2) && !key.covers(u64::MAX, 2));
+        let local_only = UcxRemoteKey { packed: Vec::new(), ..key.clone() };
+        let decoded = UcxRemoteKey::decode(&local_only.encode()).unwrap();
+        assert!(decoded.is_local_only() && !key.is_local_only());
         let wraps = UcxRemoteKey { base: u64::MAX, len: 2, ..key };
         assert!(UcxRemoteKey::decode(&wraps.encode()).is_err());
     }

@@ -29,6 +29,8 @@
 //! | `spin_us` | 2000 | a waiting thread, and the progress thread, poll this long after the last event before they sleep (waking a sleeping thread costs more than a copy of 1 MiB) |
 //! | `max_op_bytes` | 67108864 | longer descriptors are moved as several operations (progress, and so the timeout, is seen per operation) |
 //! | `error_mode` | `auto` | `peer`: UCX reports dead peers (needs tcp, rc, ud, dc...); `none`: only `timeout_ms` does; `auto`: peer where the transports allow (UCX 1.13's posix shared memory does not) |
+//! | `staging_slots` | 2 | host slots per staging lane (files; GPU memory when UCX has no CUDA) |
+//! | `staging_bytes` | 1048576 | bytes per staging slot (a multiple of 4096) |
 //!
 //! How the bytes move depends on the transports. Over InfiniBand/RoCE, `ucp_put_nbx` and
 //! `ucp_get_nbx` are one-sided RDMA. Over TCP and over shared memory (`posix`, `sysv`), UCX
@@ -98,9 +100,13 @@
 //!   end by `timeout_ms`. The likely cause: a slot of this worker's receive FIFO that the dead
 //!   peer had claimed but never published; UCX reads the FIFO in order, so everything behind
 //!   it waits for good. Only a new worker (a new backend) recovers.
-//! - VRAM registers only when UCX reports CUDA support; a peer's VRAM is then a destination
-//!   or source for local DRAM. Local VRAM reaches backends as `LocalMem::Device`, which this
-//!   backend does not pass to UCX yet (it refuses it with `MemoryNotMoved`).
+//! - GPU memory goes to UCX as it is only when UCX reports CUDA support (`ucp_context_query`);
+//!   without it, local VRAM is staged through CUDA lanes (pinned host slots, one stream) and
+//!   local files through file lanes, as over TCP (module `staged`): each slot crosses as a get or a
+//!   put and flush of its own, while the next slot's copy runs. Staged jobs of one backend run
+//!   one at a time, on one stager thread. Such memory is not reachable by peers: its key in the
+//!   metadata says so (an empty packed key), and a request that names it is refused with the
+//!   reason. Peers' memory must be what their UCX exposes: DRAM, or VRAM with CUDA.
 
 mod config;
 mod conn;
@@ -108,6 +114,7 @@ mod engine;
 mod keys;
 mod msg;
 mod peer;
+mod staged;
 mod ucp;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -125,6 +132,7 @@ pub use keys::UcxRemoteKey;
 use conn::PeerInfo;
 use engine::Shared;
 use peer::UcxPeer;
+use staged::Stager;
 
 /// Registers the UCX backend under the name `ucx`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -153,6 +161,8 @@ pub struct UcxBackend {
     /// This side's TCP segments, as published (peers must fit them).
     segments: keys::TcpSegments,
     cuda: bool,
+    staging: Arc<dyn xfer_core::Staging>,
+    stager: Arc<Stager>,
     next_peer: AtomicU64,
     stopped: AtomicBool,
     /// This process as peers on this host recognise it.
@@ -171,12 +181,19 @@ impl std::fmt::Debug for UcxBackend {
 
 impl UcxBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, params, notifs, .. } = ctx;
+        let BackendContext { agent_name, params, notifs, staging } = ctx;
         let settings = Settings::parse(params)?;
         let process = keys::ProcessId::current();
         let segments = settings.tcp_segments(|name| std::env::var(name).ok());
         let started = engine::start(agent_name.clone(), settings.clone(), notifs)?;
         tracing::debug!(agent = %agent_name, ucx = ?ucp::version(), cuda = started.cuda, "ucx backend started");
+        let stager = Arc::new(Stager::new(
+            Arc::clone(&started.shared),
+            Arc::clone(&staging),
+            settings.staging,
+            settings.timeout,
+            settings.max_op_bytes,
+        ));
         Ok(UcxBackend {
             agent_name,
             settings,
@@ -184,6 +201,8 @@ impl UcxBackend {
             conn_info: keys::encode_conn_info(&started.address, process, segments),
             segments,
             cuda: started.cuda,
+            staging,
+            stager,
             next_peer: AtomicU64::new(1),
             stopped: AtomicBool::new(false),
             process,
@@ -215,7 +234,9 @@ impl Backend for UcxBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        let mut paths = vec![(MemType::Dram, MemType::Dram)];
+        // Local files, and local GPU memory without CUDA, are staged through host slots; the
+        // peer's memory must be what its UCX exposes (DRAM, or VRAM with CUDA).
+        let mut paths = vec![(MemType::Dram, MemType::Dram), (MemType::File, MemType::Dram)];
         if self.cuda {
             // UCX with CUDA takes device pointers on either side (it detects the memory type,
             // and our registrations tell it too).
@@ -223,7 +244,10 @@ impl Backend for UcxBackend {
                 (MemType::Dram, MemType::Vram),
                 (MemType::Vram, MemType::Dram),
                 (MemType::Vram, MemType::Vram),
+                (MemType::File, MemType::Vram),
             ]);
+        } else {
+            paths.push((MemType::Vram, MemType::Dram));
         }
         Capabilities { paths, remote: true, local: true, notifications: true }
     }
@@ -233,12 +257,14 @@ impl Backend for UcxBackend {
     }
 
     fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
-        if region.mem_type() == MemType::Vram && !self.cuda {
-            return Err(BackendError::Unsupported(
-                "VRAM through ucx: this UCX build has no CUDA support (ucx_info -v shows its configure line)".into(),
-            ));
+        match region.mem_type() {
+            MemType::Vram if !self.cuda => {
+                self.staging.device_ready(region.desc().dev_id)?;
+                self.engine.with(|engine| engine.register_local_only(region))
+            }
+            MemType::File => self.engine.with(|engine| engine.register_local_only(region)),
+            _ => self.engine.with(|engine| engine.register(region))?,
         }
-        self.engine.with(|engine| engine.register(region))?
     }
 
     fn deregister(&self, region: &LocalRegion) {
@@ -263,6 +289,8 @@ impl Backend for UcxBackend {
             info: Arc::new(info),
             engine: Arc::clone(&self.engine),
             notify_bound: self.settings.timeout + Duration::from_secs(1),
+            cuda: self.cuda,
+            stager: Arc::clone(&self.stager),
         }))
     }
 
@@ -275,6 +303,7 @@ impl Backend for UcxBackend {
 
     fn shutdown(&self) {
         if !self.stopped.swap(true, Ordering::AcqRel) {
+            self.stager.shutdown();
             self.engine.shutdown();
         }
     }

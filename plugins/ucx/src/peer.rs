@@ -1,5 +1,5 @@
 //! `RemoteAgent` for one peer: posts and notifies on the caller's thread, under the engine's
-//! lock.
+//! lock; jobs with memory UCX cannot take go to the stager (`staged`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,12 +10,16 @@ use xfer_core::{BackendError, RemoteAgent, RemoteKey, TransferJob};
 use crate::conn::PeerInfo;
 use crate::engine::Shared;
 use crate::keys::UcxRemoteKey;
+use crate::staged::{self, Stager};
 
 pub struct UcxPeer {
     pub(crate) info: Arc<PeerInfo>,
     pub(crate) engine: Arc<Shared>,
     /// Bound on a standalone notification: the backend's timeout plus slack.
     pub(crate) notify_bound: Duration,
+    /// UCX takes device pointers (else GPU memory is staged, as files always are).
+    pub(crate) cuda: bool,
+    pub(crate) stager: Arc<Stager>,
 }
 
 impl std::fmt::Debug for UcxPeer {
@@ -35,38 +39,17 @@ impl RemoteAgent for UcxPeer {
         if self.info.is_closed() {
             return job.done.complete(Err(self.info.disconnected("disconnected by the agent")));
         }
-        job.done.set_progress(self.engine.hook());
-        let info = &self.info;
-        let mut job = Some(job);
-        let posted = self.engine.with(|engine| {
-            if let Some(job) = job.take() {
-                engine.post(info, job);
-            }
-        });
-        match posted {
-            // In flight (not completed at once): make sure someone progresses it, should the
-            // caller not wait.
-            Ok(()) if self.engine.is_busy() => self.engine.posted(),
-            Ok(()) => {}
-            Err(err) => {
-                if let Some(job) = job {
-                    job.done.complete(Err(err));
-                }
-            }
+        if staged::needs_staging(&job.local, self.cuda) {
+            return self.stager.post(Arc::clone(&self.info), job);
         }
+        post(&self.engine, &self.info, job);
     }
 
     fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
         if self.info.is_closed() {
             return Err(self.info.disconnected("disconnected by the agent"));
         }
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        let info = &self.info;
-        self.engine.with(|engine| engine.notify(info, message, reply))?;
-        self.engine.posted();
-        let deadline = Instant::now() + self.notify_bound;
-        self.engine.drive_until(|| !answer.is_empty(), deadline);
-        answer.recv_deadline(deadline).map_err(|_| BackendError::TimedOut(self.notify_bound))?
+        notify(&self.engine, &self.info, message, self.notify_bound)
     }
 
     fn disconnect(&self) {
@@ -75,6 +58,38 @@ impl RemoteAgent for UcxPeer {
             let _ = self.engine.with(|engine| engine.disconnect(info));
         }
     }
+}
+
+/// Posts a job of memory UCX takes as it is, on the caller's thread.
+pub fn post(engine: &Arc<Shared>, info: &Arc<PeerInfo>, job: TransferJob) {
+    job.done.set_progress(engine.hook());
+    let mut job = Some(job);
+    let posted = engine.with(|engine| {
+        if let Some(job) = job.take() {
+            engine.post(info, job);
+        }
+    });
+    match posted {
+        // In flight (not completed at once): make sure someone progresses it, should the
+        // caller not wait.
+        Ok(()) if engine.is_busy() => engine.posted(),
+        Ok(()) => {}
+        Err(err) => {
+            if let Some(job) = job {
+                job.done.complete(Err(err));
+            }
+        }
+    }
+}
+
+/// Sends a notification and waits, at most `bound`, for the peer's acknowledgement.
+pub fn notify(engine: &Shared, info: &Arc<PeerInfo>, message: &[u8], bound: Duration) -> Result<(), BackendError> {
+    let (reply, answer) = crossbeam_channel::bounded(1);
+    engine.with(|engine| engine.notify(info, message, reply))?;
+    engine.posted();
+    let deadline = Instant::now() + bound;
+    engine.drive_until(|| !answer.is_empty(), deadline);
+    answer.recv_deadline(deadline).map_err(|_| BackendError::TimedOut(bound))?
 }
 
 impl Drop for UcxPeer {

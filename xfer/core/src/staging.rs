@@ -19,6 +19,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::backend::BackendParams;
 use crate::error::{BackendError, DeviceError, FileIoError};
 use crate::file_io;
 use crate::mem::{LocalMem, MemSlice};
@@ -254,6 +255,71 @@ fn discard(wire: &mut dyn Wire, lane: &mut dyn CopyLane, mut len: usize) -> Resu
         len -= run;
     }
     Ok(())
+}
+
+/// A backend's staging parameters: `staging_slots` host slots per lane (2 or more overlap the
+/// copy with the wire) of `staging_bytes` each (a multiple of 4096, so O_DIRECT files fit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingConfig {
+    pub slots: usize,
+    pub slot_bytes: usize,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig { slots: 2, slot_bytes: 1 << 20 }
+    }
+}
+
+impl StagingConfig {
+    /// Takes `staging_slots` and `staging_bytes` from a backend's parameters, checked.
+    pub fn take(params: &mut BackendParams) -> Result<StagingConfig, BackendError> {
+        let defaults = StagingConfig::default();
+        let slots: usize = params.take_parsed("staging_slots", defaults.slots)?;
+        let slot_bytes: usize = params.take_parsed("staging_bytes", defaults.slot_bytes)?;
+        let invalid =
+            |name: &str, reason: &str| BackendError::InvalidParam { name: name.into(), reason: reason.into() };
+        if !(1..=16).contains(&slots) {
+            return Err(invalid("staging_slots", "must be 1..=16"));
+        }
+        if !(4096..=(256 << 20)).contains(&slot_bytes) || !slot_bytes.is_multiple_of(4096) {
+            return Err(invalid("staging_bytes", "must be a multiple of 4096 in 4096..=268435456"));
+        }
+        Ok(StagingConfig { slots, slot_bytes })
+    }
+}
+
+/// The lane of one worker or connection, created on first need and kept while the device stays
+/// the same (a file-only transfer reuses whatever lane is there).
+#[derive(Debug, Default)]
+pub struct LaneCache {
+    lane: Option<(Option<u64>, Box<dyn CopyLane>)>,
+}
+
+impl LaneCache {
+    /// A lane for `pieces` (the device of their GPU memory, if any).
+    pub fn get(
+        &mut self,
+        staging: &dyn Staging,
+        config: StagingConfig,
+        pieces: &[LocalMem],
+    ) -> Result<&mut dyn CopyLane, BackendError> {
+        let device = pieces.iter().find_map(LocalMem::device);
+        let fits = matches!(&self.lane, Some((have, _)) if *have == device || device.is_none());
+        if !fits {
+            self.lane = None;
+            self.lane = Some((device, staging.lane(device, config.slots, config.slot_bytes)?));
+        }
+        Ok(self.lane.as_mut().map(|(_, lane)| lane.as_mut()).expect("set above"))
+    }
+
+    /// Gives up the lane without freeing its slots: for when a copy engine or a peer may still
+    /// touch them (an operation that did not finish in time), so their memory must stay valid.
+    pub fn abandon(&mut self) {
+        if let Some((_, lane)) = self.lane.take() {
+            std::mem::forget(lane);
+        }
+    }
 }
 
 /// Makes copy lanes for a backend: the agent hands one to every backend it creates
@@ -926,5 +992,42 @@ mod tests {
         let mut lane = staging.lane(None, 2, 64).unwrap();
         assert_eq!((lane.slots(), lane.slot_bytes()), (2, 64));
         assert!(lane.host(2).is_err(), "a slot outside the lane is an error, not a panic");
+    }
+
+    #[test]
+    fn staging_params_parse_with_defaults_and_bounds() {
+        let take = |text: &str| StagingConfig::take(&mut BackendParams::parse(text).unwrap());
+        assert_eq!(take("").unwrap(), StagingConfig { slots: 2, slot_bytes: 1 << 20 });
+        assert_eq!(take("staging_slots=4,staging_bytes=65536").unwrap(), StagingConfig { slots: 4, slot_bytes: 65536 });
+        for (text, name) in [
+            ("staging_slots=0", "staging_slots"),
+            ("staging_slots=17", "staging_slots"),
+            ("staging_bytes=4095", "staging_bytes"),
+            ("staging_bytes=6000", "staging_bytes"),
+            ("staging_bytes=536870912", "staging_bytes"),
+        ] {
+            let err = take(text).unwrap_err();
+            assert!(matches!(&err, BackendError::InvalidParam { name: n, .. } if n == name), "{text}: {err}");
+        }
+        assert!(take("staging_slots=two").is_err());
+    }
+
+    #[test]
+    fn a_lane_cache_keeps_its_lane_for_files_and_the_same_device() {
+        let staging = HostStaging::new("no GPU in this test");
+        let (path, file) = temp_file("lane-cache", &[0u8; 4096], true);
+        let region = file_region(&file, 4096, 1);
+        let pin = region.pin().unwrap();
+        let pieces = [pin.local_at(0, 4096).unwrap()];
+        let mut cache = LaneCache::default();
+        let config = StagingConfig { slots: 3, slot_bytes: 8192 };
+        let first = cache.get(&staging, config, &pieces).unwrap() as *const dyn CopyLane as *const u8;
+        let again = cache.get(&staging, config, &pieces).unwrap();
+        assert_eq!((again.slots(), again.slot_bytes()), (3, 8192));
+        assert_eq!(again as *const dyn CopyLane as *const u8, first, "the same lane serves files again");
+        cache.abandon();
+        assert!(cache.get(&staging, config, &pieces).is_ok(), "a new lane after one is abandoned");
+        drop((pieces, pin));
+        std::fs::remove_file(path).unwrap();
     }
 }

@@ -42,11 +42,11 @@ LOCAL_AGENT_NAMES = ("NIXL_INIT_AGENT", "")
 # NIXL's backend names and the xfer backend each stands for.
 BACKEND_NAMES = {"POSIX": "posix", "TCP": "tcp", "UCX": "ucx", "GDS": "gds"}
 # The segment types each moves (TCP and POSIX stage GPU memory through host slots; UCX moves
-# VRAM too when its build has CUDA, which is only known once created).
+# VRAM natively when its build has CUDA and stages it otherwise, as it stages local files).
 BACKEND_MEM_TYPES = {
     "POSIX": ["DRAM_SEG", "FILE_SEG", "VRAM_SEG"],
     "TCP": ["DRAM_SEG", "FILE_SEG", "VRAM_SEG"],
-    "UCX": ["DRAM_SEG"],
+    "UCX": ["DRAM_SEG", "FILE_SEG", "VRAM_SEG"],
     "GDS": ["FILE_SEG", "VRAM_SEG"],
 }
 # NIXL's per-backend thread-count parameters; xfer's backends size their own threads.
