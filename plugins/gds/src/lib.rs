@@ -12,14 +12,19 @@
 //! Registration: a VRAM region is `cuFileBufRegister`ed (in its device's primary context), a
 //! FILE region's descriptor `cuFileHandleRegister`ed; both are undone on deregistration. A
 //! request pairs the GPU and file byte streams, cuts runs at `max_request_bytes`, and issues
-//! them in order with `cuFileRead`/`cuFileWrite` on the request's own thread; a read that meets
-//! the end of the file is `ShortFile`. The batch API is not used yet.
+//! them through cuFile's batch API (`cuFileBatchIOSetUp`/`Submit`/`GetStatus`): up to
+//! `batch_limit` runs of one device per batch, waited for at most `timeout_ms`. A request of one
+//! run, and every request once cuFile has refused to set up or take a batch (compat mode without
+//! batch support, no nvidia-fs), goes run by run with `cuFileRead`/`cuFileWrite` instead. All of
+//! it runs on the request's own thread. An entry that moved fewer bytes than asked finishes run
+//! by run, so a read that meets the end of the file is `ShortFile`.
 //!
 //! The library is loaded at run time: builds need no CUDA. cudarc panics when a library it calls
 //! is missing, so presence is checked before the first call.
 //!
 //! Parameters: `max_request_bytes` (default 16777216, NIXL's GDS default): the largest single
-//! cuFile call.
+//! cuFile read or write; `batch_limit` (default 128, cuFile's default `io_batchsize`): the most
+//! runs in one batch (1: no batches); `timeout_ms` (default 30000): the wait for one batch.
 
 // Unsafe only in `cufile` (the FFI calls and the handles they return).
 #![deny(unsafe_code)]
@@ -27,17 +32,19 @@
 mod cufile;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::RwLock;
 use xfer_core::own::{resolve_own, side_type, Instance, RegionIdKey};
 use xfer_core::split::pair_runs;
 use xfer_core::{
-    Backend, BackendContext, BackendError, BackendFactory, Capabilities, FileIoError, LocalMem, LocalRegion, MemType,
-    NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob,
+    Backend, BackendContext, BackendError, BackendFactory, Capabilities, DeviceError, FileIoError, LocalMem,
+    LocalRegion, MemType, NotifSink, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob,
 };
 
-use cufile::{Driver, Registered};
+use cufile::{BatchError, BatchEvent, Driver, Registered};
 
 /// Creates [`GdsBackend`]s (`gds`).
 #[derive(Debug)]
@@ -62,6 +69,10 @@ struct Shared {
     agent_name: String,
     instance: Instance,
     max_request: u64,
+    batch_limit: usize,
+    batch_timeout: Duration,
+    /// Cleared once cuFile refused a batch: later requests go run by run.
+    batches_work: AtomicBool,
     registered: RwLock<HashMap<u64, Entry>>,
     notifs: NotifSink,
     driver: Arc<Driver>,
@@ -82,12 +93,19 @@ impl GdsBackend {
     pub fn new(ctx: BackendContext) -> Result<GdsBackend, BackendError> {
         let mut params = ctx.params;
         let max_request: u64 = params.take_parsed("max_request_bytes", 16u64 << 20)?;
+        let batch_limit: usize = params.take_parsed("batch_limit", 128)?;
+        let batch_timeout = params.take_millis("timeout_ms", Duration::from_secs(30))?;
         params.finish("gds")?;
+        let invalid =
+            |name: &str, reason: &str| BackendError::InvalidParam { name: name.into(), reason: reason.into() };
         if max_request == 0 {
-            return Err(BackendError::InvalidParam {
-                name: "max_request_bytes".into(),
-                reason: "must be positive".into(),
-            });
+            return Err(invalid("max_request_bytes", "must be positive"));
+        }
+        if !(1..=1024).contains(&batch_limit) {
+            return Err(invalid("batch_limit", "must be 1..=1024"));
+        }
+        if batch_timeout.is_zero() {
+            return Err(invalid("timeout_ms", "must be positive"));
         }
         let driver = Driver::open()?;
         let instance = Instance::fresh();
@@ -95,6 +113,9 @@ impl GdsBackend {
             agent_name: ctx.agent_name,
             instance,
             max_request,
+            batch_limit,
+            batch_timeout,
+            batches_work: AtomicBool::new(true),
             registered: RwLock::new(HashMap::new()),
             notifs: ctx.notifs,
             driver,
@@ -210,6 +231,7 @@ fn run(shared: &Shared, op: Op, local: Vec<LocalMem>, remote: Vec<LocalMem>) -> 
             }
         })
     };
+    let mut runs = Vec::new();
     for run in pair_runs(&gpu_lens, &file_lens, shared.max_request) {
         let (LocalMem::Device(device), LocalMem::File(file)) = (&gpu[run.mem], &files[run.file]) else {
             return Err(BackendError::Protocol("gds: sides changed type after orientation".into()));
@@ -223,7 +245,102 @@ fn run(shared: &Shared, op: Op, local: Vec<LocalMem>, remote: Vec<LocalMem>) -> 
             return Err(FileIoError::BadOffset { fd: file.fd(), offset: file_offset, len: run.len }.into());
         }
         let io = cufile::Io { device: device.device(), base, device_offset, file_offset, len: run.len };
-        shared.driver.transfer(file_handle, io, to_file, file.fd())?;
+        runs.push((file_handle, io, file.fd()));
+    }
+    let devices: Vec<u64> = runs.iter().map(|(_, io, _)| io.device).collect();
+    for group in batch_groups(&devices, shared.batch_limit) {
+        let group = &runs[group];
+        if group.len() > 1 && shared.batches_work.load(Ordering::Relaxed) {
+            match shared.driver.batch(group, to_file, shared.batch_timeout) {
+                Ok(events) => {
+                    for (&(file, io, fd), event) in group.iter().zip(events) {
+                        match settle(event, io.len) {
+                            Settled::Done => {}
+                            // The rest, run by run: at the end of the file that is `ShortFile`.
+                            Settled::Rest(moved) => shared.driver.transfer(file, io.advanced(moved), to_file, fd)?,
+                            Settled::Failed { status } => {
+                                let message = format!("batch entry ended with cuFile status {status}");
+                                return Err(DeviceError::Driver { call: "cuFileBatchIOGetStatus", message }.into());
+                            }
+                        }
+                    }
+                    continue;
+                }
+                Err(BatchError::Failed(err)) => return Err(err),
+                Err(BatchError::Unavailable(err)) => {
+                    tracing::info!(%err, "gds: cuFile takes no batches here; runs go one by one");
+                    shared.batches_work.store(false, Ordering::Relaxed);
+                }
+            }
+        }
+        for &(file, io, fd) in group {
+            shared.driver.transfer(file, io, to_file, fd)?;
+        }
     }
     Ok(())
+}
+
+/// Cuts runs (given by device) into batches of consecutive runs on one device, at most `limit`
+/// each.
+fn batch_groups(devices: &[u64], limit: usize) -> Vec<std::ops::Range<usize>> {
+    let limit = limit.max(1);
+    let mut groups = Vec::new();
+    let mut start = 0;
+    for at in 1..=devices.len() {
+        if at == devices.len() || at - start == limit || devices[at] != devices[start] {
+            groups.push(start..at);
+            start = at;
+        }
+    }
+    groups
+}
+
+/// What a finished batch entry leaves to do.
+#[derive(Debug, PartialEq, Eq)]
+enum Settled {
+    Done,
+    /// Moved only this many bytes; the rest is still to move.
+    Rest(u64),
+    Failed {
+        status: u32,
+    },
+}
+
+fn settle(event: BatchEvent, len: u64) -> Settled {
+    match event {
+        BatchEvent { status: cufile::COMPLETE, ret } if ret >= len => Settled::Done,
+        BatchEvent { status: cufile::COMPLETE, ret } => Settled::Rest(ret),
+        BatchEvent { status, .. } => Settled::Failed { status },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_batch_by_device_and_limit() {
+        assert_eq!(batch_groups(&[], 128), Vec::<std::ops::Range<usize>>::new());
+        assert_eq!(batch_groups(&[0], 128), vec![0..1]);
+        assert_eq!(batch_groups(&[0; 5], 2), vec![0..2, 2..4, 4..5]);
+        assert_eq!(batch_groups(&[0, 0, 1, 1, 1, 0], 128), vec![0..2, 2..5, 5..6]);
+        assert_eq!(batch_groups(&[0, 0, 0], 1), vec![0..1, 1..2, 2..3], "1: no batches");
+        assert_eq!(batch_groups(&[3; 4], 0), vec![0..1, 1..2, 2..3, 3..4], "0 is taken as 1");
+    }
+
+    #[test]
+    fn batch_entries_settle_as_table() {
+        let event = |status, ret| BatchEvent { status, ret };
+        let table = [
+            (event(cufile::COMPLETE, 4096), 4096, Settled::Done),
+            (event(cufile::COMPLETE, 1000), 4096, Settled::Rest(1000)),
+            (event(cufile::COMPLETE, 0), 4096, Settled::Rest(0)),
+            (event(64, 0), 4096, Settled::Failed { status: 64 }),
+            (event(8, 4096), 4096, Settled::Failed { status: 8 }),
+            (event(12345, 4096), 4096, Settled::Failed { status: 12345 }),
+        ];
+        for (event, len, want) in table {
+            assert_eq!(settle(event, len), want, "{event:?} of {len}");
+        }
+    }
 }

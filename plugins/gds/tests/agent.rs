@@ -13,9 +13,80 @@ const WAIT: Duration = Duration::from_secs(30);
 /// The agent with `gds` attached, or why it cannot be (printed straight to stderr, past the
 /// harness's capture, so a skip is seen).
 fn gds_agent(name: &str) -> Result<Agent, XferError> {
+    gds_agent_with(name, BackendParams::new())
+}
+
+fn gds_agent_with(name: &str, params: BackendParams) -> Result<Agent, XferError> {
     let agent = Agent::new(name).unwrap();
-    agent.add_backend("gds", BackendParams::new())?;
+    agent.add_backend("gds", params)?;
     Ok(agent)
+}
+
+#[test]
+fn bad_parameters_are_refused_before_cufile_is_touched() {
+    for (key, value) in [("batch_limit", "0"), ("batch_limit", "2000"), ("timeout_ms", "0"), ("max_request_bytes", "0")]
+    {
+        let err = gds_agent_with("gds-params", BackendParams::new().with(key, value)).unwrap_err();
+        let XferError::Backend { source, .. } = &err else { panic!("{err}") };
+        assert!(matches!(&**source, BackendError::InvalidParam { name, .. } if name == key), "{key}={value}: {err}");
+    }
+}
+
+/// Many descriptors: 64 scattered GPU blocks to and from reversed file blocks, through cuFile's
+/// batch API (`batch_limit` 16: four batches) and run by run (`batch_limit` 1), bytes checked.
+#[test]
+fn scattered_blocks_through_cufile_batches_and_run_by_run() {
+    for limit in ["16", "1"] {
+        let name = format!("gds-batch-{limit}");
+        let agent = match gds_agent_with(&name, BackendParams::new().with("batch_limit", limit)) {
+            Ok(agent) => agent,
+            Err(err) => {
+                let _ = writeln!(std::io::stderr(), "SKIPPED scattered_blocks_through_cufile_batches: {err}");
+                return;
+            }
+        };
+        let (block, blocks) = (64 * 1024 + 512, 64u64);
+        let len = (block * blocks) as usize;
+        let gpu = DeviceBuffer::new(0, len).unwrap();
+        let gpu_desc = Desc::new(gpu.ptr(), len as u64, gpu.device());
+        // SAFETY: the device buffer outlives the registration (both live to the end of the loop).
+        let _gpu_reg = unsafe { agent.register_memory(MemType::Vram, &[gpu_desc]) }.unwrap();
+        let path = std::env::temp_dir().join(format!("xfer-gds-batch-{limit}-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; len]).unwrap();
+        let file = Arc::new(std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap());
+        let file_reg = agent.register_file(&file, 0, len as u64).unwrap();
+        let file_desc = file_reg.descs()[0];
+        let gpu_blocks: Vec<Desc> = (0..blocks).map(|i| Desc::new(gpu.ptr() + i * block, block, 0)).collect();
+        let file_blocks: Vec<Desc> =
+            (0..blocks).rev().map(|i| Desc::new(file_desc.addr + i * block, block, file_desc.dev_id)).collect();
+        let run = |op: Op| {
+            let request = agent
+                .create_request_between(
+                    op,
+                    (MemType::Vram, &gpu_blocks),
+                    &name,
+                    (MemType::File, &file_blocks),
+                    RequestOptions::default(),
+                )
+                .unwrap();
+            request.post().unwrap();
+            request.wait(WAIT).unwrap();
+        };
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+        gpu.write(0, &data).unwrap();
+        run(Op::Write);
+        let on_disk = std::fs::read(&path).unwrap();
+        for i in 0..blocks as usize {
+            let (from, to) = (i * block as usize, (blocks as usize - 1 - i) * block as usize);
+            assert_eq!(on_disk[to..to + block as usize], data[from..from + block as usize], "block {i}, limit {limit}");
+        }
+        gpu.write(0, &vec![0u8; len]).unwrap();
+        run(Op::Read);
+        let mut back = vec![0u8; len];
+        gpu.read(0, &mut back).unwrap();
+        assert_eq!(back, data, "FILE → VRAM, limit {limit}");
+        std::fs::remove_file(&path).unwrap();
+    }
 }
 
 #[test]
