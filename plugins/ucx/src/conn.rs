@@ -161,8 +161,10 @@ impl Conn {
         }
     }
 
-    /// Posts every operation of a job, then (for a WRITE) its flush.
-    pub fn start(&mut self, job: TransferJob, env: &mut Env<'_>) {
+    /// Posts every operation of a job, then, for a WRITE that is to be `visible` at the target
+    /// on completion, its flush. Without it a WRITE completes once its puts are done with the
+    /// local memory (the stager's slot puts, flushed once after the last).
+    pub fn start(&mut self, job: TransferJob, visible: bool, env: &mut Env<'_>) {
         let TransferJob { op, local, remote, notif, done } = job;
         // Host memory, and GPU memory when UCX has CUDA (it detects device pointers itself).
         // Files, and GPU memory without CUDA, go to the stager instead; here they would be
@@ -213,7 +215,7 @@ impl Conn {
         }
         // A get is complete once its data has landed here; puts complete locally before the
         // target sees them, so a WRITE waits for a flush.
-        let flush = (op == Op::Write).then(|| self.ep.flush());
+        let flush = (op == Op::Write && visible).then(|| self.ep.flush());
         self.jobs.push_back(Job { ops, flush, error, notif, done: Some(done), give_up_at: None });
     }
 

@@ -581,8 +581,8 @@ impl Engine {
     }
 
     /// Posts a transfer's operations (and, when they complete at once, as they do over shared
-    /// memory, completes it).
-    pub fn post(&mut self, peer: &Arc<PeerInfo>, job: TransferJob) {
+    /// memory, completes it); `visible` as in [`Conn::start`].
+    pub fn post(&mut self, peer: &Arc<PeerInfo>, job: TransferJob, visible: bool) {
         self.posted = true;
         if job.done.is_cancelled() {
             return self.finished.push((job.done, Err(BackendError::Cancelled)));
@@ -590,7 +590,7 @@ impl Engine {
         let mut env = env!(self);
         match conn_for(&mut self.conns, &mut self.by_ep, &self.worker, &mut self.settings.error_mode, peer) {
             Ok(conn) => {
-                conn.start(job, &mut env);
+                conn.start(job, visible, &mut env);
                 conn.poll(&mut env);
             }
             Err(err) => env.finished.push((job.done, Err(err))),

@@ -102,11 +102,12 @@
 //!   it waits for good. Only a new worker (a new backend) recovers.
 //! - GPU memory goes to UCX as it is only when UCX reports CUDA support (`ucp_context_query`);
 //!   without it, local VRAM is staged through CUDA lanes (pinned host slots, one stream) and
-//!   local files through file lanes, as over TCP (module `staged`): each slot crosses as a get or a
-//!   put and flush of its own, while the next slot's copy runs. Staged jobs of one backend run
-//!   one at a time, on one stager thread. Such memory is not reachable by peers: its key in the
-//!   metadata says so (an empty packed key), and a request that names it is refused with the
-//!   reason. Peers' memory must be what their UCX exposes: DRAM, or VRAM with CUDA.
+//!   local files through file lanes, as over TCP (module `staged`): each slot crosses as a get
+//!   or a put of its own (one flush after a WRITE's last) while the next slot's copy runs.
+//!   Staged jobs of one backend run one at a time, on one stager thread. Such memory is not
+//!   reachable by peers: its key in the metadata says so (an empty packed key), and a request
+//!   that names it is refused with the reason. Peers' memory must be what their UCX exposes:
+//!   DRAM, or VRAM with CUDA.
 
 mod config;
 mod conn;

@@ -42,7 +42,7 @@ impl RemoteAgent for UcxPeer {
         if staged::needs_staging(&job.local, self.cuda) {
             return self.stager.post(Arc::clone(&self.info), job);
         }
-        post(&self.engine, &self.info, job);
+        post(&self.engine, &self.info, job, true);
     }
 
     fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
@@ -60,13 +60,14 @@ impl RemoteAgent for UcxPeer {
     }
 }
 
-/// Posts a job of memory UCX takes as it is, on the caller's thread.
-pub fn post(engine: &Arc<Shared>, info: &Arc<PeerInfo>, job: TransferJob) {
+/// Posts a job of memory UCX takes as it is, on the caller's thread; a WRITE completes once
+/// its data is `visible` at the target, or else once its puts let go of the local memory.
+pub fn post(engine: &Arc<Shared>, info: &Arc<PeerInfo>, job: TransferJob, visible: bool) {
     job.done.set_progress(engine.hook());
     let mut job = Some(job);
     let posted = engine.with(|engine| {
         if let Some(job) = job.take() {
-            engine.post(info, job);
+            engine.post(info, job, visible);
         }
     });
     match posted {

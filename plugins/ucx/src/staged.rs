@@ -1,9 +1,10 @@
 //! Memory UCX cannot take as it is (files; GPU memory when this UCX has no CUDA) moves as TCP's
 //! does: through a copy lane's host slots (`xfer_core::staging`), so that the copy of one slot
 //! overlaps the UCX operation on the one before. One stager thread per backend runs the staged
-//! requests in order; each slot's bytes go as a sub-request of its own (a get, or a put and its
-//! flush) posted to the engine like any other and waited for, so timeouts, dead peers and
-//! cancellation behave as for host memory. A notification follows the last byte.
+//! requests in order; each slot's bytes go as a sub-request of its own (a get, or a put) posted
+//! to the engine like any other and waited for, so timeouts, dead peers and cancellation behave
+//! as for host memory. A put's completion frees its slot; one flush after the last makes a
+//! WRITE visible at the target, and the notification follows it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -156,7 +157,11 @@ impl Worker {
         }
         staging::check_files(flow, local)?;
         let lane = lanes.get(&*self.staging, self.config, local)?;
-        staging::run(flow, local, lane, wire)
+        staging::run(flow, local, lane, wire)?;
+        match flow {
+            Flow::ToWire => wire.flush(),
+            Flow::FromWire => Ok(()),
+        }
     }
 }
 
@@ -198,9 +203,28 @@ impl SubRequests<'_> {
         if (self.cancelled)() {
             return Err(BackendError::Cancelled);
         }
+        if self.info.is_closed() {
+            return Err(self.info.disconnected("disconnected by the agent"));
+        }
         let remote = self.take_remote(local.len())?;
+        self.post_and_wait(vec![local], remote, false, bound)
+    }
+
+    /// Makes every put so far visible at the target (one flush; the slots' puts had none).
+    fn flush(&mut self) -> Result<(), BackendError> {
+        self.post_and_wait(Vec::new(), Vec::new(), true, self.bound)
+    }
+
+    fn post_and_wait(
+        &mut self,
+        local: Vec<LocalMem>,
+        remote: Vec<RemoteSeg>,
+        visible: bool,
+        bound: Duration,
+    ) -> Result<(), BackendError> {
         let (completion, done) = Completion::new();
-        peer::post(self.engine, self.info, TransferJob { op: self.op, local: vec![local], remote, notif: None, done });
+        let job = TransferJob { op: self.op, local, remote, notif: None, done };
+        peer::post(self.engine, self.info, job, visible);
         let status = completion.wait(bound);
         // The completion (dropped here) held the other reference to a failure.
         drop(completion);
