@@ -16,15 +16,13 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 use xfer_core::file_io;
 use xfer_core::split::{even_sizes, split_by_sizes, Segment};
-use xfer_core::staging::{check_files, needs_staging, Flow, Staging};
+use xfer_core::staging::{check_files, needs_staging, Flow, Staging, StagingConfig};
 use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
 
 use crate::conn::{Conn, ConnError, SocketTuning};
 use crate::frame::{self, Kind, WireDesc};
 use crate::keys::TcpRemoteKey;
 use crate::memio;
-use xfer_core::staging::StagingConfig;
-
 use crate::staged::Lanes;
 
 /// Tunables of the initiator.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use xfer_core::staging::{check_files, needs_staging, Flow, Staging};
+use xfer_core::staging::{check_files, needs_staging, Flow, Staging, StagingConfig};
 use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
 
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
@@ -15,8 +15,6 @@ use crate::fence::{Fence, Fences};
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::keys::KeyTable;
 use crate::memio;
-use xfer_core::staging::StagingConfig;
-
 use crate::staged::Lanes;
 
 /// What every connection thread shares.
