@@ -44,6 +44,15 @@ pub struct Header {
     pub seed: u64,
 }
 
+/// A header or reply that is not one of ours.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("unknown command {0}")]
+    UnknownCommand(u64),
+    #[error("bad reply ({status}, {detail})")]
+    BadReply { status: u64, detail: u64 },
+}
+
 pub const HEADER_LEN: usize = 128;
 pub const REPLY_LEN: usize = 16;
 pub const RANGE_LEN: usize = 16;
@@ -57,9 +66,9 @@ impl Header {
         words([self.cmd as u64, self.len, self.seed])
     }
 
-    pub fn decode(bytes: &[u8; HEADER_LEN]) -> Result<Header, String> {
+    pub fn decode(bytes: &[u8; HEADER_LEN]) -> Result<Header, WireError> {
         let [cmd, len, seed] = unwords(bytes);
-        let cmd = Cmd::from_code(cmd).ok_or_else(|| format!("unknown command {cmd}"))?;
+        let cmd = Cmd::from_code(cmd).ok_or(WireError::UnknownCommand(cmd))?;
         Ok(Header { cmd, len, seed })
     }
 }
@@ -96,7 +105,7 @@ impl Reply {
         words(pair)
     }
 
-    pub fn decode(bytes: &[u8; REPLY_LEN]) -> Result<Reply, String> {
+    pub fn decode(bytes: &[u8; REPLY_LEN]) -> Result<Reply, WireError> {
         match unwords(bytes) {
             [0, _] => Ok(Reply::Ok),
             [1, offset] => Ok(Reply::Mismatch(offset)),
@@ -104,7 +113,7 @@ impl Reply {
             [2, 2] => Ok(Reply::Refused(Refusal::NoRegion)),
             [2, 3] => Ok(Reply::Refused(Refusal::OutOfRange)),
             [2, 4] => Ok(Reply::Refused(Refusal::RegionIo)),
-            [status, detail] => Err(format!("bad reply ({status}, {detail})")),
+            [status, detail] => Err(WireError::BadReply { status, detail }),
         }
     }
 }

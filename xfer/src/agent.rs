@@ -22,7 +22,7 @@ use crate::notifs::NotifQueues;
 use crate::prepared::{pick, PreparedLocal, PreparedRemote};
 use crate::registry::BackendRegistry;
 use crate::request::{RequestOptions, XferRequest};
-use crate::side_channel::{self, SideOp};
+use crate::side_channel::{self, SideChannelError, SideOp};
 use crate::tables::{LocalEntry, LocalTable, Peer, PeerLink, PeerRegion, Slot};
 
 /// A backend attached to the agent.
@@ -286,7 +286,7 @@ impl Agent {
     pub fn start_side_channel(&self, addr: &str) -> Result<SocketAddr, XferError> {
         let handler: Arc<dyn side_channel::Handler> = Arc::new(SideChannelHandler(Arc::downgrade(&self.inner)));
         let server = side_channel::Server::start(addr, handler)
-            .map_err(|e| XferError::SideChannel { addr: addr.to_string(), reason: e.to_string() })?;
+            .map_err(|e| XferError::SideChannel { addr: addr.to_string(), source: e.into() })?;
         let bound = server.addr();
         *self.inner.side_channel.lock() = Some(server);
         Ok(bound)
@@ -295,7 +295,7 @@ impl Agent {
     /// Fetches and loads a peer's metadata from its side channel; returns the peer's name.
     pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, XferError> {
         let blob = side_channel::call(addr, SideOp::Get, &[], side_channel::IO_TIMEOUT)
-            .map_err(|reason| XferError::SideChannel { addr: addr.to_string(), reason })?;
+            .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })?;
         self.load_remote_metadata(&blob)
     }
 
@@ -303,14 +303,14 @@ impl Agent {
     pub fn send_local_metadata(&self, addr: &str) -> Result<(), XferError> {
         side_channel::call(addr, SideOp::Put, &self.local_metadata(), side_channel::IO_TIMEOUT)
             .map(drop)
-            .map_err(|reason| XferError::SideChannel { addr: addr.to_string(), reason })
+            .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })
     }
 
     /// Tells a peer's side channel to forget this agent.
     pub fn invalidate_local_metadata(&self, addr: &str) -> Result<(), XferError> {
         side_channel::call(addr, SideOp::Invalidate, self.inner.name.as_bytes(), side_channel::IO_TIMEOUT)
             .map(drop)
-            .map_err(|reason| XferError::SideChannel { addr: addr.to_string(), reason })
+            .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })
     }
 
     /// Resolves local descriptors once for repeated use by index.
@@ -749,14 +749,14 @@ impl side_channel::Handler for SideChannelHandler {
         self.0.upgrade().map(|agent| agent.metadata().encode()).unwrap_or_default()
     }
 
-    fn put(&self, blob: &[u8]) -> Result<String, String> {
-        let agent = self.0.upgrade().ok_or("agent is gone")?;
-        agent.load_remote(blob).map_err(|e| e.to_string())
+    fn put(&self, blob: &[u8]) -> Result<String, SideChannelError> {
+        let agent = self.0.upgrade().ok_or(SideChannelError::AgentGone)?;
+        agent.load_remote(blob).map_err(|e| SideChannelError::Agent(Box::new(e)))
     }
 
-    fn invalidate(&self, name: &str) -> Result<(), String> {
-        let agent = self.0.upgrade().ok_or("agent is gone")?;
-        agent.invalidate(name).map_err(|e| e.to_string())
+    fn invalidate(&self, name: &str) -> Result<(), SideChannelError> {
+        let agent = self.0.upgrade().ok_or(SideChannelError::AgentGone)?;
+        agent.invalidate(name).map_err(|e| SideChannelError::Agent(Box::new(e)))
     }
 }
 

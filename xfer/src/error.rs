@@ -55,8 +55,12 @@ pub enum XferError {
     Deregistered,
     #[error("metadata: {0}")]
     Metadata(#[from] MetadataError),
-    #[error("side channel {addr}: {reason}")]
-    SideChannel { addr: String, reason: String },
+    #[error("side channel {addr}: {source}")]
+    SideChannel {
+        addr: String,
+        #[source]
+        source: crate::side_channel::SideChannelError,
+    },
     #[error("backend {backend}: {source}")]
     Backend {
         backend: String,

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::error::XferError;
 use crate::metadata::MAX_BLOB_LEN;
 
 const MAGIC: [u8; 4] = *b"XFSC";
@@ -47,15 +48,45 @@ impl SideOp {
     }
 }
 
+/// Why a side-channel request failed, on either end.
+#[derive(Debug, thiserror::Error)]
+pub enum SideChannelError {
+    #[error("not an xfer side-channel request")]
+    NotARequest,
+    #[error("unknown op {0}")]
+    UnknownOp(u8),
+    #[error("{what} of {len} bytes is too large (at most {MAX_BLOB_LEN})")]
+    TooLarge { what: &'static str, len: usize },
+    #[error("agent name is not UTF-8")]
+    NameNotUtf8,
+    #[error("cannot resolve: {0}")]
+    Resolve(#[source] io::Error),
+    #[error("address resolves to nothing")]
+    NoAddress,
+    #[error("connect: {0}")]
+    Connect(#[source] io::Error),
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    /// The peer answered with an error; its text as sent.
+    #[error("peer refused: {0}")]
+    Refused(String),
+    #[error("the agent is shutting down")]
+    AgentGone,
+    /// The serving agent could not do what was asked (a blob that does not load, an unknown
+    /// agent to invalidate).
+    #[error("{0}")]
+    Agent(Box<XferError>),
+}
+
 /// Parses a request header (9 bytes) into the op and body length.
-pub fn decode_request_header(header: &[u8; 9]) -> Result<(SideOp, usize), String> {
+pub fn decode_request_header(header: &[u8; 9]) -> Result<(SideOp, usize), SideChannelError> {
     if header[..4] != MAGIC {
-        return Err("not an xfer side-channel request".into());
+        return Err(SideChannelError::NotARequest);
     }
-    let op = SideOp::from_code(header[4]).ok_or_else(|| format!("unknown op {}", header[4]))?;
+    let op = SideOp::from_code(header[4]).ok_or(SideChannelError::UnknownOp(header[4]))?;
     let len = u32::from_le_bytes([header[5], header[6], header[7], header[8]]) as usize;
     if len > MAX_BLOB_LEN {
-        return Err(format!("body of {len} bytes is too large"));
+        return Err(SideChannelError::TooLarge { what: "body", len });
     }
     Ok((op, len))
 }
@@ -69,10 +100,10 @@ fn encode_request(op: SideOp, body: &[u8]) -> Vec<u8> {
     out
 }
 
-fn write_response(stream: &mut TcpStream, result: Result<Vec<u8>, String>) -> io::Result<()> {
+fn write_response(stream: &mut TcpStream, result: Result<Vec<u8>, SideChannelError>) -> io::Result<()> {
     let (status, body) = match result {
         Ok(body) => (0u8, body),
-        Err(text) => (1u8, text.into_bytes()),
+        Err(err) => (1u8, err.to_string().into_bytes()),
     };
     let mut out = Vec::with_capacity(5 + body.len());
     out.push(status);
@@ -84,8 +115,9 @@ fn write_response(stream: &mut TcpStream, result: Result<Vec<u8>, String>) -> io
 /// What the server asks of its agent.
 pub(crate) trait Handler: Send + Sync + 'static {
     fn get(&self) -> Vec<u8>;
-    fn put(&self, blob: &[u8]) -> Result<String, String>;
-    fn invalidate(&self, name: &str) -> Result<(), String>;
+    /// Loads a peer's metadata; returns the peer's name.
+    fn put(&self, blob: &[u8]) -> Result<String, SideChannelError>;
+    fn invalidate(&self, name: &str) -> Result<(), SideChannelError>;
 }
 
 /// A running side-channel server; stops when dropped.
@@ -156,7 +188,7 @@ fn serve_one(mut stream: TcpStream, handler: &dyn Handler) -> io::Result<()> {
     stream.read_exact(&mut header)?;
     let (op, len) = match decode_request_header(&header) {
         Ok(parsed) => parsed,
-        Err(reason) => return write_response(&mut stream, Err(reason)),
+        Err(err) => return write_response(&mut stream, Err(err)),
     };
     let mut body = vec![0u8; len];
     stream.read_exact(&mut body)?;
@@ -165,7 +197,7 @@ fn serve_one(mut stream: TcpStream, handler: &dyn Handler) -> io::Result<()> {
         SideOp::Put => handler.put(&body).map(String::into_bytes),
         SideOp::Invalidate => match std::str::from_utf8(&body) {
             Ok(name) => handler.invalidate(name).map(|()| Vec::new()),
-            Err(_) => Err("agent name is not UTF-8".into()),
+            Err(_) => Err(SideChannelError::NameNotUtf8),
         },
     };
     write_response(&mut stream, result)?;
@@ -174,28 +206,24 @@ fn serve_one(mut stream: TcpStream, handler: &dyn Handler) -> io::Result<()> {
 
 /// Sends one request to a side channel and returns the response body. Every step is bounded
 /// by `timeout`.
-pub fn call(addr: &str, op: SideOp, body: &[u8], timeout: Duration) -> Result<Vec<u8>, String> {
-    let target = addr
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve: {e}"))?
-        .next()
-        .ok_or_else(|| "address resolves to nothing".to_string())?;
-    let mut stream = TcpStream::connect_timeout(&target, timeout).map_err(|e| format!("connect: {e}"))?;
-    let io = |e: io::Error| format!("i/o: {e}");
-    stream.set_read_timeout(Some(timeout)).map_err(io)?;
-    stream.set_write_timeout(Some(timeout)).map_err(io)?;
-    stream.write_all(&encode_request(op, body)).map_err(io)?;
+pub fn call(addr: &str, op: SideOp, body: &[u8], timeout: Duration) -> Result<Vec<u8>, SideChannelError> {
+    let target =
+        addr.to_socket_addrs().map_err(SideChannelError::Resolve)?.next().ok_or(SideChannelError::NoAddress)?;
+    let mut stream = TcpStream::connect_timeout(&target, timeout).map_err(SideChannelError::Connect)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(&encode_request(op, body))?;
     let mut header = [0u8; 5];
-    stream.read_exact(&mut header).map_err(io)?;
+    stream.read_exact(&mut header)?;
     let len = u32::from_le_bytes([header[1], header[2], header[3], header[4]]) as usize;
     if len > MAX_BLOB_LEN {
-        return Err(format!("response of {len} bytes is too large"));
+        return Err(SideChannelError::TooLarge { what: "response", len });
     }
     let mut response = vec![0u8; len];
-    stream.read_exact(&mut response).map_err(io)?;
+    stream.read_exact(&mut response)?;
     match header[0] {
         0 => Ok(response),
-        _ => Err(format!("peer refused: {}", String::from_utf8_lossy(&response))),
+        _ => Err(SideChannelError::Refused(String::from_utf8_lossy(&response).into_owned())),
     }
 }
 
@@ -207,13 +235,14 @@ mod tests {
     fn request_headers_round_trip_and_reject_garbage() {
         let encoded = encode_request(SideOp::Put, b"abc");
         let header: [u8; 9] = encoded[..9].try_into().unwrap();
-        assert_eq!(decode_request_header(&header), Ok((SideOp::Put, 3)));
-        assert!(decode_request_header(b"GET / HTT").is_err());
+        assert_eq!(decode_request_header(&header).unwrap(), (SideOp::Put, 3));
+        assert!(matches!(decode_request_header(b"GET / HTT"), Err(SideChannelError::NotARequest)));
         let mut bad_op = header;
         bad_op[4] = 77;
-        assert!(decode_request_header(&bad_op).is_err());
+        assert!(matches!(decode_request_header(&bad_op), Err(SideChannelError::UnknownOp(77))));
         let mut huge = header;
         huge[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(decode_request_header(&huge).is_err());
+        let err = decode_request_header(&huge).unwrap_err();
+        assert!(matches!(err, SideChannelError::TooLarge { what: "body", .. }), "{err}");
     }
 }

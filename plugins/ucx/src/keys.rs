@@ -63,16 +63,25 @@ pub struct TcpSegments {
     pub rx: u32,
 }
 
+/// Two sides' UCX TCP segments that do not fit each other (a TX segment larger than the other
+/// side's RX segment; UCX does not check it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "UCX TCP segments do not fit: ours tx {} rx {}, the peer's tx {} rx {} (a TX segment larger than \
+     the other side's RX segment; give both the same tcp_seg_size)",
+    ours.tx, ours.rx, theirs.tx, theirs.rx
+)]
+pub struct SegmentsMisfit {
+    pub ours: TcpSegments,
+    pub theirs: TcpSegments,
+}
+
 /// Whether two sides' TCP segments fit each other (each side's TX segment within the other's
 /// RX segment); unknown sizes are taken to fit.
-pub fn segments_fit(ours: TcpSegments, theirs: TcpSegments) -> Result<(), String> {
+pub fn segments_fit(ours: TcpSegments, theirs: TcpSegments) -> Result<(), SegmentsMisfit> {
     let too_big = |tx: u32, rx: u32| tx != 0 && rx != 0 && tx > rx;
     if too_big(ours.tx, theirs.rx) || too_big(theirs.tx, ours.rx) {
-        return Err(format!(
-            "UCX TCP segments do not fit: ours tx {} rx {}, the peer's tx {} rx {} (a TX segment \
-             larger than the other side's RX segment; give both the same tcp_seg_size)",
-            ours.tx, ours.rx, theirs.tx, theirs.rx
-        ));
+        return Err(SegmentsMisfit { ours, theirs });
     }
     Ok(())
 }
@@ -211,7 +220,7 @@ mod tests {
         assert!(segments_fit(seg(262_144, 262_144), seg(262_144, 262_144)).is_ok());
         // UCX's defaults on the other side (8 KiB TX, 64 KiB RX): our 256 KiB TX does not fit.
         let err = segments_fit(seg(262_144, 262_144), seg(8192, 65_536)).unwrap_err();
-        assert!(err.contains("tcp_seg_size"), "{err}");
+        assert!(err.to_string().contains("tcp_seg_size"), "{err}");
         assert!(segments_fit(seg(8192, 65_536), seg(262_144, 262_144)).is_err(), "symmetric");
         assert!(segments_fit(seg(8192, 65_536), seg(65_536, 65_536)).is_ok());
         // Unknown sizes (0) are taken to fit.
