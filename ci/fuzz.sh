@@ -14,6 +14,9 @@ export CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$PWD/target}"
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
+# The workspace's lock file pins every crate the two share (fuzz/Cargo.lock is not committed);
+# cargo adds only the fuzzing crates to it.
+cp ../Cargo.lock Cargo.lock
 # An explicit target keeps RUSTFLAGS off build scripts and proc macros (as cargo-fuzz does).
 host=$(rustc -vV | sed -n 's/^host: //p')
 cargo build --release --bins --target "$host"
