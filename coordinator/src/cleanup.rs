@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 
 /// Deaths and owed releases older than this are forgotten.
 pub const NOTICE_MAX_AGE: Duration = Duration::from_secs(600);
-/// Params outlive their handoff by this much (a late report still finds them).
+/// Params outlive their handoff's deadline by this much, so its expiry still releases with them.
 const PARAMS_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
@@ -26,7 +26,9 @@ pub struct Cleanup {
     death_seq: u64,
     /// Deaths up to this sequence were told to the engine's sidecar, by engine number.
     told: Vec<u64>,
+    /// By request: the params its prefill reported, and when.
     params: HashMap<String, (Box<RawValue>, Instant)>,
+    /// By prefill id: releases for its next heartbeat answer, and since when.
     owed: HashMap<String, Vec<(ReleaseNotice, Instant)>>,
 }
 
