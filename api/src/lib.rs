@@ -19,7 +19,7 @@ pub const MAX_NAME: usize = 512;
 pub const MAX_BLOCK_SIZE: u32 = 1 << 20;
 
 /// What an engine does in a disaggregated pair.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Prefill,
@@ -31,6 +31,11 @@ impl Role {
     /// Whether the engine can serve prefill legs.
     pub fn prefills(self) -> bool {
         matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// Whether the engine can serve decode legs.
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
     }
 }
 

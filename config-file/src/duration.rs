@@ -51,6 +51,16 @@ pub fn parse_duration_or_bare(text: &str, bare: BareUnit) -> Result<Duration, Du
     seconds(value * scale, s)
 }
 
+/// A flag whose old spelling was bare seconds (`--timeout-secs 30`), for clap's `value_parser`.
+pub fn duration_or_secs(text: &str) -> Result<Duration, DurationError> {
+    parse_duration_or_bare(text, BareUnit::Seconds)
+}
+
+/// A flag whose old spelling was bare milliseconds (`--delay-ms 50`), for clap's `value_parser`.
+pub fn duration_or_millis(text: &str) -> Result<Duration, DurationError> {
+    parse_duration_or_bare(text, BareUnit::Millis)
+}
+
 /// The warning for an old, unitless duration (`unit` is what it means): on stderr, because
 /// flags are read before logging starts.
 pub fn warn_unitless(text: &str, unit: &str) {

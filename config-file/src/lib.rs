@@ -9,7 +9,10 @@ use std::path::Path;
 
 mod duration;
 
-pub use duration::{parse_duration, parse_duration_or_bare, warn_unitless, BareUnit, DurationError};
+pub use duration::{
+    duration_or_millis, duration_or_secs, parse_duration, parse_duration_or_bare, warn_unitless, BareUnit,
+    DurationError,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FileError {

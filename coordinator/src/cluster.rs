@@ -1,12 +1,16 @@
 //! The coordinator's whole state without I/O: engines, their KV index per model, the handoffs
-//! in flight, and the pairing decision that ties them together.
+//! in flight, the pairing decision that ties them together, and what deaths leave behind
+//! (releases, notices). Changes return [`Action`]s: the I/O the daemon carries out.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use pd_api::{Notices, ReleaseNotice};
 use pd_protocols::kv_events::EventBatch;
+use serde_json::value::RawValue;
 
-use crate::handoff::{Action, Handoffs};
+use crate::cleanup::Cleanup;
+use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
 use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, Weights};
@@ -69,6 +73,20 @@ pub enum PairError {
     NoDecode(String),
 }
 
+/// What the daemon must do after a change.
+#[derive(Debug)]
+pub enum Action {
+    /// `engine` left pairing on the cluster's own account (its lease ran out): stop what the
+    /// daemon runs for it (event ingestion) and count the death.
+    Died { engine: usize },
+    /// Free the blocks a prefill holds: POST `notice` to `{sidecar_url}/pd/release`. When that
+    /// fails, or there is no sidecar, hand it back through [`Cluster::release_failed`].
+    Release { notice: ReleaseNotice, sidecar_url: Option<String> },
+    /// The prefill `dead` died under `request`; the decode's sidecar learns of it from its
+    /// heartbeat notices, so there is nothing to send.
+    PrefillDied { request: String, dead: String },
+}
+
 #[derive(Debug)]
 pub struct Cluster {
     settings: Settings,
@@ -79,6 +97,7 @@ pub struct Cluster {
     reported: Vec<Option<Load>>,
     /// Buffers every decision reuses (pairing allocates nothing in the steady state).
     scratch: Scratch,
+    cleanup: Cleanup,
 }
 
 #[derive(Debug, Default)]
@@ -101,6 +120,7 @@ impl Cluster {
             indexes: HashMap::new(),
             reported: Vec::new(),
             scratch: Scratch::default(),
+            cleanup: Cleanup::default(),
             settings,
         }
     }
@@ -110,12 +130,15 @@ impl Cluster {
     pub fn register(&mut self, spec: EngineSpec, now: Instant) -> Registered {
         let model = spec.model.clone();
         let registered = self.membership.register(spec, now);
-        if let Registered::Renewed { engine, changed: true, .. } | Registered::Renewed { engine, was_dead: true, .. } =
-            registered
-        {
-            for index in self.indexes.values_mut() {
-                index.remove_engine(engine);
+        match registered {
+            Registered::New(engine) => self.cleanup.fresh(engine),
+            Registered::Renewed { engine, changed: true, .. } | Registered::Renewed { engine, was_dead: true, .. } => {
+                for index in self.indexes.values_mut() {
+                    index.remove_engine(engine);
+                }
+                self.cleanup.fresh(engine);
             }
+            Registered::Renewed { .. } => {}
         }
         self.indexes.entry(model).or_default();
         registered
@@ -275,14 +298,40 @@ impl Cluster {
         self.indexes.iter().map(|(model, index)| (model.as_str(), index))
     }
 
-    /// An engine is gone: out of pairing and the index at once; returns what to clean up.
+    /// An engine is gone: out of pairing and the index at once; every other sidecar is told in
+    /// its next heartbeat answer. Returns what to clean up.
     pub fn engine_died(&mut self, engine: usize, now: Instant) -> Vec<Action> {
+        let Some(id) = self.membership.get(engine).map(|e| e.spec.id.clone()) else { return Vec::new() };
         self.membership.mark_dead(engine, now);
         self.reset_index(engine);
         if let Some(load) = self.reported.get_mut(engine) {
             *load = None;
         }
-        self.handoffs.engine_died(engine)
+        self.cleanup.died(&id, now);
+        let cleanup = self.handoffs.engine_died(engine);
+        self.resolve(cleanup)
+    }
+
+    /// Turns the handoffs' cleanup into actions: a release carries the params the prefill
+    /// reported, and goes to its sidecar.
+    fn resolve(&mut self, cleanup: Vec<handoff::Action>) -> Vec<Action> {
+        let name = |engine: usize| self.membership.get(engine).map(|e| &e.spec);
+        let mut actions = Vec::with_capacity(cleanup.len());
+        for step in cleanup {
+            match step {
+                handoff::Action::Release { request, prefill } => {
+                    let Some(spec) = name(prefill) else { continue };
+                    let sidecar_url = spec.sidecar_url.clone();
+                    let notice = self.cleanup.release(request, &spec.id);
+                    actions.push(Action::Release { notice, sidecar_url });
+                }
+                handoff::Action::Notify { request, dead, .. } => {
+                    let dead = name(dead).map_or_else(|| "?".to_string(), |s| s.id.clone());
+                    actions.push(Action::PrefillDied { request, dead });
+                }
+            }
+        }
+        actions
     }
 
     /// Removes a dead engine for good (it stayed dead too long): its id is unknown from now on,
@@ -297,20 +346,67 @@ impl Cluster {
             *load = None;
         }
         self.handoffs.forget_engine(engine);
+        self.cleanup.forget(&forgotten.spec.id);
         Some(forgotten)
     }
 
-    /// Periodic upkeep: expired leases, phantom handoffs, stale approximate entries.
-    pub fn tick(&mut self, now: Instant) -> Vec<Action> {
+    /// Leases that ran out: each engine's [`Action::Died`], then its cleanup.
+    pub fn expire(&mut self, now: Instant) -> Vec<Action> {
         let mut actions = Vec::new();
         for engine in self.membership.expire(now) {
+            actions.push(Action::Died { engine });
             actions.extend(self.engine_died(engine, now));
         }
-        actions.extend(self.handoffs.expire(now));
+        actions
+    }
+
+    /// Periodic upkeep: expired leases, phantom handoffs (their held blocks are released),
+    /// stale approximate entries, old notices and params.
+    pub fn tick(&mut self, now: Instant) -> Vec<Action> {
+        let mut actions = self.expire(now);
+        let phantoms = self.handoffs.expire(now);
+        actions.extend(self.resolve(phantoms));
         for index in self.indexes.values_mut() {
             index.expire(now);
         }
+        self.cleanup.age(self.settings.handoff_max_age, now);
         actions
+    }
+
+    /// The prefill computed `request`; `params` are what its decode pulls with, kept to
+    /// release the blocks should the decode never come.
+    pub fn prefill_done(&mut self, request: &str, params: Option<Box<RawValue>>, now: Instant) {
+        self.handoffs.prefill_done(request);
+        if let Some(params) = params {
+            self.cleanup.hold(request.to_string(), params, now);
+        }
+    }
+
+    pub fn decode_started(&mut self, request: &str) {
+        self.handoffs.decode_started(request);
+    }
+
+    /// The request ended (any outcome): nothing is held for it any more.
+    pub fn finished(&mut self, request: &str) {
+        self.handoffs.finished(request);
+        self.cleanup.drop_params(request);
+    }
+
+    /// An [`Action::Release`] that could not be delivered: the prefill's next heartbeat carries it.
+    pub fn release_failed(&mut self, notice: ReleaseNotice, now: Instant) {
+        self.cleanup.owe(notice, now);
+    }
+
+    /// What a heartbeat answers `engine`: deaths its sidecar has not heard of (each once, never
+    /// its own), and the releases owed to it.
+    pub fn notices(&mut self, engine: usize) -> Notices {
+        let Some(id) = self.membership.get(engine).map(|e| e.spec.id.clone()) else { return Notices::default() };
+        Notices { dead_engines: self.cleanup.untold_deaths(engine, &id), release: self.cleanup.take_owed(&id) }
+    }
+
+    /// Releases waiting for a heartbeat.
+    pub fn owed_releases(&self) -> usize {
+        self.cleanup.owed_len()
     }
 }
 
@@ -400,7 +496,8 @@ mod tests {
         let d = c.pair(req("r1", &hashes), now, [0.0; 2]).unwrap();
         c.handoffs.prefill_done("r1");
         let actions = c.engine_died(d.decode, now);
-        assert_eq!(actions, vec![Action::Release { request: "r1".into(), prefill: 0 }]);
+        let [Action::Release { notice, .. }] = &actions[..] else { panic!("{actions:?}") };
+        assert_eq!((notice.request_id.as_str(), notice.prefill.as_str()), ("r1", "p0"));
         let again = c.pair(req("r2", &hashes), now, [0.0; 2]).unwrap();
         assert_ne!(again.decode, d.decode);
         // Leases: with no heartbeats every engine dies after the lease.

@@ -1,12 +1,15 @@
 //! The coordinator's sans-I/O core: membership and leases, the KV-block prefix index fed by
-//! engines' events, the pairing cost model, and P→D handoff bookkeeping. Time is passed in (`now`), so every rule is testable without sockets.
+//! engines' events, the pairing cost model, P→D handoff bookkeeping, and what deaths leave behind
+//! (`cleanup`: releases, notices). Time is passed in (`now`), so every rule is testable without sockets.
 //!
 //! The daemon around it (`daemon`: static membership, health polling, event ingestion,
-//! failure cleanup; `api`: HTTP/JSON and gRPC; `store`: memory or etcd) is built on these pieces.
+//! carrying out the core's actions; `api`: HTTP/JSON and gRPC; `store`: the `Store` trait and etcd)
+//! is built on these pieces.
 
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod cleanup;
 pub mod cluster;
 pub mod config;
 pub mod daemon;

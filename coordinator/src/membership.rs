@@ -5,23 +5,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// What an engine does in the P/D split.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Role {
-    Prefill,
-    Decode,
-    Both,
-}
-
-impl Role {
-    pub fn prefills(self) -> bool {
-        matches!(self, Role::Prefill | Role::Both)
-    }
-
-    pub fn decodes(self) -> bool {
-        matches!(self, Role::Decode | Role::Both)
-    }
-}
+/// The wire contract's role: one definition for the core, the API and the sidecar.
+pub use pd_api::Role;
 
 /// An engine's declaration (from the cluster file or a sidecar's registration).
 #[derive(Clone, Debug, PartialEq)]

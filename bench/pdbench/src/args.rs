@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
+use pd_config_file::{duration_or_millis, duration_or_secs};
 use pdbench::client::Timeouts;
 use pdbench::cluster::SimOptions;
 use pdbench::daemons::DaemonOptions;
@@ -13,6 +14,14 @@ use pdbench::procs;
 use pdbench::runner::{Arrival, RunConfig};
 use pdbench::stats::Slo;
 use pdbench::workload::{Api, Dist, Popularity, WorkloadSpec};
+
+/// Timeouts below this are taken as this (a zero timeout would fail every request).
+const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// A duration in (fractional) milliseconds, as the stats count them.
+fn millis(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -124,18 +133,18 @@ pub struct LoadArgs {
     /// Non-streaming requests (TTFT is then the whole request; no ITL).
     #[arg(long)]
     pub no_stream: bool,
-    /// Whole-request timeout, seconds.
-    #[arg(long, default_value_t = 60.0)]
-    pub timeout_secs: f64,
-    /// Longest silence inside a stream, seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub idle_timeout_secs: f64,
-    /// TTFT SLO for goodput, milliseconds.
-    #[arg(long)]
-    pub slo_ttft_ms: Option<f64>,
-    /// Mean inter-token latency SLO for goodput, milliseconds.
-    #[arg(long)]
-    pub slo_itl_ms: Option<f64>,
+    /// Whole-request timeout.
+    #[arg(long = "timeout-secs", value_parser = duration_or_secs, default_value = "60s")]
+    pub timeout: Duration,
+    /// Longest silence inside a stream.
+    #[arg(long = "idle-timeout-secs", value_parser = duration_or_secs, default_value = "30s")]
+    pub idle_timeout: Duration,
+    /// TTFT SLO for goodput ("500ms"; a bare number is milliseconds).
+    #[arg(long = "slo-ttft-ms", value_parser = duration_or_millis)]
+    pub slo_ttft: Option<Duration>,
+    /// Mean inter-token latency SLO for goodput ("50ms"; a bare number is milliseconds).
+    #[arg(long = "slo-itl-ms", value_parser = duration_or_millis)]
+    pub slo_itl: Option<Duration>,
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -151,11 +160,8 @@ impl LoadArgs {
             arrival: self.arrival,
             concurrency: self.concurrency.max(1),
             stream: !self.no_stream,
-            timeouts: Timeouts {
-                request: Duration::from_secs_f64(self.timeout_secs.max(0.001)),
-                idle: Duration::from_secs_f64(self.idle_timeout_secs.max(0.001)),
-            },
-            slo: Slo { ttft_ms: self.slo_ttft_ms, itl_ms: self.slo_itl_ms },
+            timeouts: Timeouts { request: self.timeout.max(MIN_TIMEOUT), idle: self.idle_timeout.max(MIN_TIMEOUT) },
+            slo: Slo { ttft_ms: self.slo_ttft.map(millis), itl_ms: self.slo_itl.map(millis) },
             progress: !self.no_progress,
             no_keepalive: self.no_keepalive,
         }
@@ -217,9 +223,9 @@ pub struct SimArgs {
     /// Directory for the children's logs (default: a fresh one under the temp dir).
     #[arg(long)]
     pub log_dir: Option<PathBuf>,
-    /// Seconds each child gets to answer /health.
-    #[arg(long, default_value_t = 30)]
-    pub startup_timeout_secs: u64,
+    /// How long each child gets to answer /health.
+    #[arg(long = "startup-timeout-secs", value_parser = duration_or_secs, default_value = "30s")]
+    pub startup_timeout: Duration,
 }
 
 impl SimArgs {
@@ -237,7 +243,7 @@ impl SimArgs {
             decode_us_per_token: self.decode_us_per_token.unwrap_or(decode_default),
             kv_events,
             shm_dir,
-            startup_timeout: Duration::from_secs(self.startup_timeout_secs),
+            startup_timeout: self.startup_timeout,
         }
     }
 
@@ -281,13 +287,13 @@ impl DaemonArgs {
         usable_daemon(&c) && usable_daemon(&s)
     }
 
-    pub fn options(&self, model: Option<&str>, startup_timeout_secs: u64) -> DaemonOptions {
+    pub fn options(&self, model: Option<&str>, startup_timeout: Duration) -> DaemonOptions {
         let (coordinator_bin, sidecar_bin) = self.bins();
         DaemonOptions {
             coordinator_bin,
             sidecar_bin,
             model: model.unwrap_or("sim-model").to_string(),
-            startup_timeout: Duration::from_secs(startup_timeout_secs),
+            startup_timeout,
             coordinator_args: self.coordinator_arg.clone(),
             sidecar_args: self.sidecar_arg.clone(),
             sidecar_mode: "vllm".into(),
@@ -541,5 +547,34 @@ mod tests {
         assert_eq!(w.prefix_popularity, Popularity::Cyclic);
         assert_eq!(legacy.cache_share, None);
         assert!(!legacy.shared_tokenizer && legacy.daemons.coordinator_arg.is_empty());
+    }
+
+    fn load(args: &[&str]) -> Result<LoadArgs, clap::Error> {
+        let cli = parse_cli(["pdbench", "run", "--url", "http://x"].iter().chain(args))?;
+        match cli.cmd {
+            Cmd::Run(r) => Ok(r.load),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn durations_take_units_and_the_old_bare_numbers() {
+        let l = load(&["--timeout-secs", "1.5s", "--idle-timeout-secs", "2m", "--slo-ttft-ms", "0.5s"]).unwrap();
+        assert_eq!((l.timeout, l.idle_timeout), (Duration::from_millis(1500), Duration::from_secs(120)));
+        assert_eq!(l.config().slo.ttft_ms, Some(500.0));
+        // Bare numbers keep their old unit (with a warning) for one release.
+        let l = load(&["--timeout-secs", "0.5", "--slo-ttft-ms", "250", "--slo-itl-ms", "12.5"]).unwrap();
+        assert_eq!(l.timeout, Duration::from_millis(500));
+        assert_eq!((l.config().slo.ttft_ms, l.config().slo.itl_ms), (Some(250.0), Some(12.5)));
+        let defaults = load(&[]).unwrap();
+        assert_eq!(
+            (defaults.timeout, defaults.idle_timeout, defaults.slo_ttft),
+            (Duration::from_secs(60), Duration::from_secs(30), None)
+        );
+        assert_eq!(load(&["--timeout-secs", "0s"]).unwrap().config().timeouts.request, MIN_TIMEOUT);
+        assert!(load(&["--timeout-secs", "soon"]).is_err());
+        let c = compare(&["--startup-timeout-secs", "45"]);
+        assert_eq!(c.sim.startup_timeout, Duration::from_secs(45));
+        assert_eq!(compare(&["--startup-timeout-secs", "1m"]).sim.startup_timeout, Duration::from_secs(60));
     }
 }

@@ -75,7 +75,7 @@ pub async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
         engines
     };
     let daemons = if with_daemons {
-        let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+        let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout);
         if c.pull {
             opts.sidecar_mode = "pull".into();
         }

@@ -74,7 +74,7 @@ async fn prepare_setup(
                     Engine { role: role.into(), ..e.clone() }
                 })
                 .collect();
-            let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout_secs);
+            let mut opts = c.daemons.options(c.workload.model.as_deref(), c.sim.startup_timeout);
             if let Some(t) = tokenizer {
                 opts.coordinator_args.push(format!("--tokenizer={}", t.display()));
             }
@@ -111,7 +111,7 @@ async fn prepare_setup(
             let mut group = Group::default();
             let proc_ = group.push(procs::Proc::spawn(&format!("{}-0", setup_name(kind)), cmd, log_dir)?);
             let url = format!("http://127.0.0.1:{port}");
-            proc_.wait_healthy(http, &format!("{url}/health"), Duration::from_secs(c.sim.startup_timeout_secs)).await?;
+            proc_.wait_healthy(http, &format!("{url}/health"), c.sim.startup_timeout).await?;
             Prepared { target: Target::round_robin(vec![url]), daemons: None, _extra: group }
         }
     })

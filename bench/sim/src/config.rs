@@ -2,8 +2,10 @@
 //! file whose keys are the long flag names (`block-size = 16`); flags win over the file.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use pd_config_file::{duration_or_millis, duration_or_secs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum FailurePolicy {
@@ -73,16 +75,16 @@ pub struct Config {
     /// Requests running at once; more wait in a queue.
     #[arg(long, default_value_t = 256)]
     pub max_running: usize,
-    /// Longest a request waits in the queue (or for free blocks) before a 503, seconds.
-    #[arg(long, default_value_t = 60.0)]
-    pub queue_timeout_secs: f64,
+    /// Longest a request waits in the queue (or for free blocks) before a 503.
+    #[arg(long = "queue-timeout-secs", value_parser = duration_or_secs, default_value = "60s")]
+    pub queue_timeout: Duration,
 
     /// Fraction of requests answered with HTTP 500 (failure injection; also at runtime).
     #[arg(long, default_value_t = 0.0)]
     pub error_rate: f64,
-    /// Delay added to every request, milliseconds (failure injection).
-    #[arg(long, default_value_t = 0)]
-    pub delay_ms: u64,
+    /// Delay added to every request (failure injection).
+    #[arg(long = "delay-ms", value_parser = duration_or_millis, default_value = "0ms")]
+    pub delay: Duration,
 
     /// This engine's id (the xfer agent name, `remote_engine_id`); a random UUID by default.
     #[arg(long)]
@@ -96,18 +98,18 @@ pub struct Config {
     /// xfer TCP data port. 0 = any.
     #[arg(long, default_value_t = 0)]
     pub xfer_data_port: u16,
-    /// How long a prefill holds blocks for a decode that has not pulled them, seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub kv_lease_secs: f64,
-    /// How far a heartbeat from the decode pushes the lease out, seconds.
-    #[arg(long, default_value_t = 20.0)]
-    pub heartbeat_extension_secs: f64,
-    /// How often a decode waiting to pull sends heartbeats, seconds (0: never).
-    #[arg(long, default_value_t = 5.0)]
-    pub heartbeat_interval_secs: f64,
-    /// Longest one pull (metadata fetch + READ) may take, seconds.
-    #[arg(long, default_value_t = 10.0)]
-    pub pull_timeout_secs: f64,
+    /// How long a prefill holds blocks for a decode that has not pulled them.
+    #[arg(long = "kv-lease-secs", value_parser = duration_or_secs, default_value = "30s")]
+    pub kv_lease: Duration,
+    /// How far a heartbeat from the decode pushes the lease out.
+    #[arg(long = "heartbeat-extension-secs", value_parser = duration_or_secs, default_value = "20s")]
+    pub heartbeat_extension: Duration,
+    /// How often a decode waiting to pull sends heartbeats (0s: never).
+    #[arg(long = "heartbeat-interval-secs", value_parser = duration_or_secs, default_value = "5s")]
+    pub heartbeat_interval: Duration,
+    /// Longest one pull (metadata fetch + READ) may take.
+    #[arg(long = "pull-timeout-secs", value_parser = duration_or_secs, default_value = "10s")]
+    pub pull_timeout: Duration,
     /// What a decode does when it cannot pull or verify the blocks.
     #[arg(long, value_enum, default_value_t = FailurePolicy::Recompute)]
     pub kv_load_failure_policy: FailurePolicy,
@@ -123,9 +125,9 @@ pub struct Config {
     /// bootstrap_port is null.
     #[arg(long, default_value_t = 8998)]
     pub bootstrap_port: u16,
-    /// How long a decode waits for its prefill's room, and a prefill for its decode, seconds.
-    #[arg(long, default_value_t = 300.0)]
-    pub bootstrap_timeout_secs: f64,
+    /// How long a decode waits for its prefill's room, and a prefill for its decode.
+    #[arg(long = "bootstrap-timeout-secs", value_parser = duration_or_secs, default_value = "300s")]
+    pub bootstrap_timeout: Duration,
 
     /// ZMQ endpoint of the KV-event publisher (e.g. tcp://*:5557); no events without it.
     #[arg(long)]
@@ -203,17 +205,9 @@ impl Config {
         if self.max_running == 0 {
             return bad("max-running must be positive");
         }
-        let secs = [
-            self.prefill_us_per_token,
-            self.decode_us_per_token,
-            self.queue_timeout_secs,
-            self.kv_lease_secs,
-            self.heartbeat_extension_secs,
-            self.heartbeat_interval_secs,
-            self.pull_timeout_secs,
-            self.bootstrap_timeout_secs,
-        ];
-        if secs.iter().any(|s| !s.is_finite() || *s < 0.0 || *s > 1e9) {
+        // Durations are bounded by their parser; the per-token rates are plain numbers.
+        let rates = [self.prefill_us_per_token, self.decode_us_per_token];
+        if rates.iter().any(|s| !s.is_finite() || *s < 0.0 || *s > 1e9) {
             return bad("times must be finite, non-negative and below 1e9");
         }
         Ok(())
@@ -240,5 +234,38 @@ mod tests {
             Err(ConfigError::Invalid(_))
         ));
         assert!(matches!(Config::from_args(args(&["--error-rate", "2"])), Err(ConfigError::Invalid(_))));
+    }
+
+    #[test]
+    fn durations_take_units_and_the_old_bare_numbers() {
+        let c =
+            Config::from_args(args(&["--kv-lease-secs", "1.5s", "--delay-ms", "250ms", "--pull-timeout-secs", "2m"]))
+                .unwrap();
+        assert_eq!(
+            (c.kv_lease, c.delay, c.pull_timeout),
+            (Duration::from_millis(1500), Duration::from_millis(250), Duration::from_secs(120))
+        );
+        // Bare numbers keep their old unit (with a warning) for one release.
+        let c =
+            Config::from_args(args(&["--kv-lease-secs", "0.5", "--delay-ms", "300", "--bootstrap-timeout-secs", "2"]))
+                .unwrap();
+        assert_eq!(
+            (c.kv_lease, c.delay, c.bootstrap_timeout),
+            (Duration::from_millis(500), Duration::from_millis(300), Duration::from_secs(2))
+        );
+        let defaults = Config::from_args(args(&[])).unwrap();
+        assert_eq!(
+            (defaults.queue_timeout, defaults.heartbeat_interval, defaults.delay),
+            (Duration::from_secs(60), Duration::from_secs(5), Duration::ZERO)
+        );
+        for bad in [["--kv-lease-secs", "soon"], ["--delay-ms", "-1"], ["--pull-timeout-secs", "1e12"]] {
+            assert!(matches!(Config::from_args(args(&bad)), Err(ConfigError::Args(_))), "{bad:?}");
+        }
+        // A TOML file writes them the same way.
+        let path = std::env::temp_dir().join(format!("pd-sim-durations-{}.toml", std::process::id()));
+        std::fs::write(&path, "kv-lease-secs = \"45s\"\nheartbeat_interval_secs = 2\n").unwrap();
+        let c = Config::from_args(args(&["--config", path.to_str().unwrap()])).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!((c.kv_lease, c.heartbeat_interval), (Duration::from_secs(45), Duration::from_secs(2)));
     }
 }

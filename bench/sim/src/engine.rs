@@ -113,17 +113,16 @@ impl Engine {
         let descs: Vec<xfer::Desc> = (0..n as u32).map(|i| memory.block_desc(i)).collect();
         let local_blocks = agent.prep_local(MemType::Dram, &descs)?;
         let xfer_port = agent.start_side_channel(&format!("{}:{}", cfg.host_ip, cfg.xfer_port))?.port();
-        let secs = Duration::from_secs_f64;
         Ok(Arc::new(Engine {
             none_hash: none_hash(cfg.pythonhashseed.as_deref()),
             state: Mutex::new(State {
                 pool: BlockPool::new(n),
-                leases: LeaseTable::new(secs(cfg.kv_lease_secs), secs(cfg.heartbeat_extension_secs)),
+                leases: LeaseTable::new(cfg.kv_lease, cfg.heartbeat_extension),
                 rooms: RoomTable::default(),
             }),
             memory,
             metrics: Metrics::default(),
-            faults: Faults::new(cfg.error_rate, cfg.delay_ms),
+            faults: Faults::new(cfg.error_rate, u64::try_from(cfg.delay.as_millis()).unwrap_or(u64::MAX)),
             slots: Arc::new(Semaphore::new(cfg.max_running)),
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),

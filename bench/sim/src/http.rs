@@ -170,7 +170,7 @@ async fn reserve(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
     }
     match engine.reserve_for_sidecar(req.num_blocks) {
         Ok((id, blocks)) => Json(json!({"reservation_id": id, "block_ids": blocks,
-                                        "lease_secs": engine.cfg.kv_lease_secs}))
+                                        "lease_secs": engine.cfg.kv_lease.as_secs_f64()}))
         .into_response(),
         Err(full) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, full.to_string()).into_response(),
     }

@@ -33,7 +33,7 @@ pub async fn peer_pool(engine: &Arc<Engine>, engine_id: &str, addr: &str) -> Res
     if let Some(p) = engine.peers.lock().get(engine_id) {
         return Ok(Arc::clone(p));
     }
-    let timeout = Duration::from_secs_f64(engine.cfg.pull_timeout_secs);
+    let timeout = engine.cfg.pull_timeout;
     let agent = engine.agent.clone();
     let target = addr.to_string();
     let fetched =
@@ -110,7 +110,7 @@ async fn read(
         engine.agent.send_notif(remote.peer(), notif.as_bytes())?;
         return Ok(0);
     }
-    let timeout = Duration::from_secs_f64(engine.cfg.pull_timeout_secs);
+    let timeout = engine.cfg.pull_timeout;
     let request = engine.agent.make_request(
         Op::Read,
         &engine.local_blocks,

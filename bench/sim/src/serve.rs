@@ -226,7 +226,7 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
         }
         _ => None,
     };
-    let deadline = arrived + Duration::from_secs_f64(engine.cfg.queue_timeout_secs);
+    let deadline = arrived + engine.cfg.queue_timeout;
     let permit = admit(engine, heartbeat, deadline).await?;
     engine.running.fetch_add(1, Relaxed);
     let prompt = engine.prompt(tokens);
@@ -332,7 +332,7 @@ async fn admit(
     let _waiting = Waiting(engine);
     let acquire = Arc::clone(&engine.slots).acquire_owned();
     tokio::pin!(acquire);
-    let interval = Duration::from_secs_f64(engine.cfg.heartbeat_interval_secs);
+    let interval = engine.cfg.heartbeat_interval;
     let beats = heartbeat.filter(|_| !interval.is_zero());
     let mut next_beat = Instant::now() + interval;
     let timeout = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timed out waiting in the queue");

@@ -53,7 +53,7 @@ pub async fn hold_until_pulled(
 ) -> Result<(), ApiError> {
     let blocks = std::mem::take(&mut held.blocks);
     let pulled = engine.state.lock().rooms.hold(room, blocks, num_tokens);
-    let timeout = Duration::from_secs_f64(engine.cfg.bootstrap_timeout_secs);
+    let timeout = engine.cfg.bootstrap_timeout;
     match tokio::time::timeout(timeout, pulled.notified()).await {
         Ok(()) => Ok(()),
         Err(_) => {
@@ -89,7 +89,7 @@ pub async fn pull_room(
 ) -> Result<(), PullError> {
     let port = b.port.unwrap_or(engine.cfg.bootstrap_port);
     let url = format!("http://{}:{port}/bootstrap/room/{}", b.host, b.room);
-    let deadline = Instant::now() + Duration::from_secs_f64(engine.cfg.bootstrap_timeout_secs);
+    let deadline = Instant::now() + engine.cfg.bootstrap_timeout;
     let info = loop {
         let last = match client().get(&url).send().await {
             Ok(r) if r.status() == StatusCode::OK => match r.json::<RoomInfo>().await {

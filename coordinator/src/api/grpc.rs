@@ -8,9 +8,10 @@ use tonic::{Request, Response, Status};
 
 use crate::api::{
     ApiError, Endpoint, EngineSpecJson, EngineView, LoadJson, PairDecisionJson, PairRequestJson, ReportEvent,
-    ReportJson, RoleJson,
+    ReportJson,
 };
 use crate::daemon::Coordinator;
+use crate::membership::Role;
 
 /// The generated messages, client and server.
 #[allow(missing_debug_implementations, clippy::all)]
@@ -49,9 +50,9 @@ impl TryFrom<proto::EngineSpec> for EngineSpecJson {
 
     fn try_from(spec: proto::EngineSpec) -> Result<EngineSpecJson, Status> {
         let role = match proto::Role::try_from(spec.role) {
-            Ok(proto::Role::Prefill) => RoleJson::Prefill,
-            Ok(proto::Role::Decode) => RoleJson::Decode,
-            Ok(proto::Role::Both) => RoleJson::Both,
+            Ok(proto::Role::Prefill) => Role::Prefill,
+            Ok(proto::Role::Decode) => Role::Decode,
+            Ok(proto::Role::Both) => Role::Both,
             Ok(proto::Role::Unspecified) | Err(_) => return Err(bad("'role' must be PREFILL, DECODE or BOTH")),
         };
         Ok(EngineSpecJson {
@@ -73,9 +74,9 @@ impl TryFrom<proto::EngineSpec> for EngineSpecJson {
 impl From<EngineSpecJson> for proto::EngineSpec {
     fn from(spec: EngineSpecJson) -> proto::EngineSpec {
         let role = match spec.role {
-            RoleJson::Prefill => proto::Role::Prefill,
-            RoleJson::Decode => proto::Role::Decode,
-            RoleJson::Both => proto::Role::Both,
+            Role::Prefill => proto::Role::Prefill,
+            Role::Decode => proto::Role::Decode,
+            Role::Both => proto::Role::Both,
         };
         proto::EngineSpec {
             id: spec.id,

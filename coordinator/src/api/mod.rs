@@ -4,7 +4,7 @@
 pub mod grpc;
 pub mod http;
 
-use crate::membership::{EngineSpec, Role};
+use crate::membership::EngineSpec;
 
 // The wire types are `pd-api`'s, shared with the sidecar. `*Json` names set those that have a
 // core counterpart here (`membership::EngineSpec`, `pairing::Load`, `cluster::PairRequest`, …)
@@ -15,28 +15,8 @@ pub use pd_api::{
 };
 pub use pd_api::{
     EngineSpec as EngineSpecJson, Load as LoadJson, NodeDown as NodeDownJson, PairDecision as PairDecisionJson,
-    PairRequest as PairRequestJson, Report as ReportJson, Role as RoleJson,
+    PairRequest as PairRequestJson, Report as ReportJson,
 };
-
-impl From<RoleJson> for Role {
-    fn from(role: RoleJson) -> Role {
-        match role {
-            RoleJson::Prefill => Role::Prefill,
-            RoleJson::Decode => Role::Decode,
-            RoleJson::Both => Role::Both,
-        }
-    }
-}
-
-impl From<Role> for RoleJson {
-    fn from(role: Role) -> RoleJson {
-        match role {
-            Role::Prefill => RoleJson::Prefill,
-            Role::Decode => RoleJson::Decode,
-            Role::Both => RoleJson::Both,
-        }
-    }
-}
 
 /// The core's form of a declaration. An event endpoint bound on a wildcard (`tcp://*:5557`, as
 /// engines are configured) is reached at the engine URL's host.
@@ -51,7 +31,7 @@ impl From<&EngineSpecJson> for EngineSpec {
         };
         EngineSpec {
             id: spec.id.clone(),
-            role: spec.role.into(),
+            role: spec.role,
             node: spec.node.clone(),
             model: spec.model.clone(),
             engine_url: spec.engine_url.trim_end_matches('/').to_string(),
@@ -69,7 +49,7 @@ impl From<&EngineSpec> for EngineSpecJson {
     fn from(spec: &EngineSpec) -> EngineSpecJson {
         EngineSpecJson {
             id: spec.id.clone(),
-            role: spec.role.into(),
+            role: spec.role,
             node: spec.node.clone(),
             model: spec.model.clone(),
             engine_url: spec.engine_url.clone(),

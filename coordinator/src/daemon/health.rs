@@ -57,11 +57,11 @@ impl Coordinator {
         });
         let results = join_all(checks).await;
         let mut revoke = Vec::new();
-        let jobs = {
+        let actions = {
             let mut inner = self.inner.lock();
             let inner = &mut *inner;
             let now = Instant::now();
-            let mut jobs = Vec::new();
+            let mut actions = Vec::new();
             for (target, healthy) in targets.iter().zip(results) {
                 let Some(entry) = inner.cluster.membership.get(target.engine) else { continue };
                 if entry.incarnation != target.incarnation {
@@ -92,12 +92,12 @@ impl Coordinator {
                     if let Some(lease) = meta.lease_id.take() {
                         revoke.push((id, lease));
                     }
-                    jobs.extend(self.on_died(inner, target.engine, DeathCause::Health, now));
+                    actions.extend(self.on_died(inner, target.engine, DeathCause::Health, now));
                 }
             }
-            jobs
+            actions
         };
-        self.spawn_releases(jobs);
+        self.carry_out(actions);
         // Other coordinators learn of the death through etcd.
         if let Some(store) = &self.store {
             for (id, lease) in revoke {

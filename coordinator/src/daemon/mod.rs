@@ -19,6 +19,7 @@ use crate::config::{ClusterFile, Config, StoreUrl};
 use crate::membership::EngineSpec;
 use crate::prompt::PromptHasher;
 use crate::store::etcd::EtcdStore;
+use crate::store::Store;
 
 pub use state::{Coordinator, Origin};
 
@@ -33,7 +34,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let cluster = config.cluster.as_deref().map(ClusterFile::load).transpose()?.unwrap_or_default();
     let store = match config.store_url()? {
         StoreUrl::Memory => None,
-        StoreUrl::Etcd(endpoints) => Some(EtcdStore::connect(&endpoints, &config.etcd_prefix, config.lease()).await?),
+        StoreUrl::Etcd(endpoints) => {
+            let etcd = EtcdStore::connect(&endpoints, &config.etcd_prefix, config.lease()).await?;
+            Some(Arc::new(etcd) as Arc<dyn Store>)
+        }
     };
     let http_listener =
         TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -77,11 +81,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     if coordinator.config.health_interval_ms > 0 {
         tasks.push(tokio::spawn(Arc::clone(&coordinator).health_loop()));
     }
-    if let Some(store) = &coordinator.store {
-        let (tx, rx) = tokio::sync::mpsc::channel(store::EVENTS);
-        tasks.push(tokio::spawn(store.clone().watch(tx)));
-        tasks.push(tokio::spawn(Arc::clone(&coordinator).apply_store_events(rx)));
-    }
+    tasks.extend(coordinator.follow_store());
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

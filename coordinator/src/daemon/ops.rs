@@ -1,7 +1,7 @@
 //! The API operations both edges (HTTP, gRPC) call: register, heartbeat, deregister, list,
 //! pair, report, index stats, metrics.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use crate::metrics::{inc, DeathCause, Gauges};
 use crate::prompt::Precision;
 
 use super::load::{reported_load, EngineFacts};
-use super::state::{endpoint, engines, Coordinator, HeldParams, Origin};
+use super::state::{endpoint, engines, Coordinator, Origin};
 
 /// Longest request id accepted, bytes.
 const MAX_REQUEST_ID: usize = 512;
@@ -86,7 +86,7 @@ impl Coordinator {
                 match store.heartbeat(&spec, lease).await {
                     Ok(true) => {}
                     Ok(false) => {
-                        let jobs = {
+                        let actions = {
                             let mut inner = self.inner.lock();
                             let alive = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive());
                             if alive && inner.meta[engine].lease_id == Some(lease) {
@@ -95,7 +95,7 @@ impl Coordinator {
                                 Vec::new()
                             }
                         };
-                        self.spawn_releases(jobs);
+                        self.carry_out(actions);
                         return Err(unknown());
                     }
                     Err(err) => {
@@ -120,21 +120,11 @@ impl Coordinator {
             }
             inner.meta[engine].load = Some(load);
         }
-        let seen = inner.meta[engine].notice_seq;
-        let mut dead = Vec::new();
-        let mut once = HashSet::new();
-        for death in inner.deaths.iter().filter(|d| d.seq > seen && d.id != id) {
-            if once.insert(death.id.as_str()) {
-                dead.push(death.id.clone());
-            }
-        }
-        inner.meta[engine].notice_seq = inner.death_seq;
-        let release = inner.pending.remove(id).unwrap_or_default().into_iter().map(|(n, _)| n).collect();
-        Ok(Notices { dead_engines: dead, release })
+        Ok(inner.cluster.notices(engine))
     }
 
     pub async fn deregister(self: &Arc<Self>, id: &str) -> Result<(), ApiError> {
-        let (jobs, lease) = {
+        let (actions, lease) = {
             let mut inner = self.inner.lock();
             let inner = &mut *inner;
             let engine = inner
@@ -143,12 +133,12 @@ impl Coordinator {
                 .id_of(id)
                 .ok_or_else(|| ApiError::NotFound(format!("unknown engine {id:?}")))?;
             let alive = inner.cluster.membership.get(engine).is_some_and(|e| e.is_alive());
-            let jobs =
+            let actions =
                 if alive { self.on_died(inner, engine, DeathCause::Deregistered, Instant::now()) } else { Vec::new() };
             inner.meta[engine].left = true;
-            (jobs, inner.meta[engine].lease_id.take())
+            (actions, inner.meta[engine].lease_id.take())
         };
-        self.spawn_releases(jobs);
+        self.carry_out(actions);
         if let Some(store) = &self.store {
             if let Err(err) = store.deregister(id, lease).await {
                 inc(&self.metrics.store_errors);
@@ -167,7 +157,7 @@ impl Coordinator {
         if node.is_empty() || node.len() > 256 {
             return Err(ApiError::BadRequest("node names are 1..256 bytes".into()));
         }
-        let (left, jobs, revoke) = {
+        let (left, actions, revoke) = {
             let mut inner = self.inner.lock();
             let inner = &mut *inner;
             let on_node = inner.cluster.membership.on_node(node);
@@ -175,7 +165,7 @@ impl Coordinator {
                 return Err(ApiError::NotFound(format!("no engine is known on node {node:?}")));
             }
             let now = Instant::now();
-            let (mut left, mut jobs, mut revoke) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut left, mut actions, mut revoke) = (Vec::new(), Vec::new(), Vec::new());
             for engine in on_node {
                 let Some(entry) = inner.cluster.membership.get(engine) else { continue };
                 if !entry.is_alive() {
@@ -185,13 +175,13 @@ impl Coordinator {
                 if let Some(lease) = inner.meta[engine].lease_id.take() {
                     revoke.push((id.clone(), lease));
                 }
-                jobs.extend(self.on_died(inner, engine, DeathCause::Node, now));
+                actions.extend(self.on_died(inner, engine, DeathCause::Node, now));
                 left.push(id);
             }
-            (left, jobs, revoke)
+            (left, actions, revoke)
         };
         tracing::warn!(node, engines = ?left, "node reported down");
-        self.spawn_releases(jobs);
+        self.carry_out(actions);
         if let Some(store) = &self.store {
             for (id, lease) in revoke {
                 if let Err(err) = store.deregister(&id, Some(lease)).await {
@@ -331,19 +321,13 @@ impl Coordinator {
         let mut inner = self.inner.lock();
         let id = report.request_id;
         match report.event {
-            ReportEvent::PrefillDone => {
-                inner.cluster.handoffs.prefill_done(&id);
-                if let Some(params) = report.kv_transfer_params {
-                    inner.params.insert(id, HeldParams { params, at: Instant::now() });
-                }
-            }
-            ReportEvent::DecodeStarted => inner.cluster.handoffs.decode_started(&id),
+            ReportEvent::PrefillDone => inner.cluster.prefill_done(&id, report.kv_transfer_params, Instant::now()),
+            ReportEvent::DecodeStarted => inner.cluster.decode_started(&id),
             ReportEvent::Finished | ReportEvent::Failed => {
                 if let Some(error) = report.error {
                     tracing::debug!(request = %id, %error, "request failed");
                 }
-                inner.cluster.handoffs.finished(&id);
-                inner.params.remove(&id);
+                inner.cluster.finished(&id);
             }
         }
         Ok(())
@@ -376,7 +360,7 @@ impl Coordinator {
                 }
             }
             gauges.handoffs_in_flight = inner.cluster.handoffs.len() as u64;
-            gauges.pending_releases = inner.pending.values().map(|l| l.len() as u64).sum();
+            gauges.pending_releases = inner.cluster.owed_releases() as u64;
             for (model, index) in inner.cluster.indexes() {
                 let entries = engines(&inner.cluster).map(|(i, _)| index.engine_blocks(i) as u64).sum();
                 gauges.index.push((model.to_string(), index.len() as u64, entries));

@@ -8,7 +8,8 @@ use serde_json::value::RawValue;
 
 use crate::metrics::ReleaseOutcome;
 
-use super::state::{Coordinator, ReleaseJob};
+use super::state::Coordinator;
+use crate::api::ReleaseNotice;
 
 #[derive(Serialize)]
 struct Body<'a> {
@@ -17,8 +18,7 @@ struct Body<'a> {
 }
 
 impl Coordinator {
-    pub(crate) async fn release(&self, job: ReleaseJob) {
-        let ReleaseJob { notice, sidecar_url } = job;
+    pub(crate) async fn release(&self, notice: ReleaseNotice, sidecar_url: Option<String>) {
         let Some(sidecar) = sidecar_url else {
             self.metrics.release(ReleaseOutcome::NoSidecar);
             self.queue_release(notice);

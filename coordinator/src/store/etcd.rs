@@ -10,7 +10,7 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use tokio::sync::mpsc;
 
-use super::{StoreEvent, Stored};
+use super::{Call, Store, StoreError, StoreEvent, Stored, Watch};
 use crate::api::EngineSpecJson;
 use crate::membership::EngineSpec;
 
@@ -18,16 +18,6 @@ use crate::membership::EngineSpec;
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Wait before re-establishing a failed watch.
 const RETRY: Duration = Duration::from_secs(1);
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
-    #[error("etcd call timed out")]
-    Timeout,
-    #[error("etcd watch ended: {0}")]
-    WatchEnded(String),
-}
 
 #[derive(Clone)]
 pub struct EtcdStore {
@@ -77,17 +67,14 @@ impl EtcdStore {
         Ok(())
     }
 
-    /// Stores a registration under a fresh lease; returns the lease.
-    pub async fn register(&self, spec: &EngineSpec) -> Result<i64, StoreError> {
+    async fn register_spec(&self, spec: &EngineSpec) -> Result<i64, StoreError> {
         let mut client = self.client.clone();
         let lease = bounded(client.lease_grant(self.ttl_secs, None)).await?.id();
         self.put(spec, lease).await?;
         Ok(lease)
     }
 
-    /// Keeps the lease alive and rewrites the key (so other coordinators see the beat).
-    /// `Ok(false)` when the lease is gone: the engine must register again.
-    pub async fn heartbeat(&self, spec: &EngineSpec, lease: i64) -> Result<bool, StoreError> {
+    async fn keep_alive(&self, spec: &EngineSpec, lease: i64) -> Result<bool, StoreError> {
         let mut client = self.client.clone();
         let ttl = bounded(async {
             let (mut keeper, mut stream) = client.lease_keep_alive(lease).await?;
@@ -102,8 +89,7 @@ impl EtcdStore {
         Ok(true)
     }
 
-    /// Removes an engine's key (and its lease).
-    pub async fn deregister(&self, id: &str, lease: Option<i64>) -> Result<(), StoreError> {
+    async fn delete(&self, id: &str, lease: Option<i64>) -> Result<(), StoreError> {
         let mut client = self.client.clone();
         bounded(client.delete(self.key(id), None)).await?;
         if let Some(lease) = lease {
@@ -113,9 +99,7 @@ impl EtcdStore {
         Ok(())
     }
 
-    /// Tells `events` what changes in etcd, for as long as the receiver listens: a snapshot after
-    /// every (re)connection, then each put and delete. It never writes into the daemon itself.
-    pub async fn watch(self, events: mpsc::Sender<StoreEvent>) {
+    async fn watch_forever(self, events: mpsc::Sender<StoreEvent>) {
         loop {
             let err = match self.watch_once(&events).await {
                 Ok(()) => return, // the daemon stopped listening
@@ -161,6 +145,24 @@ impl EtcdStore {
             }
         }
         Err(StoreError::WatchEnded("stream closed".into()))
+    }
+}
+
+impl Store for EtcdStore {
+    fn register<'a>(&'a self, spec: &'a EngineSpec) -> Call<'a, i64> {
+        Box::pin(self.register_spec(spec))
+    }
+
+    fn heartbeat<'a>(&'a self, spec: &'a EngineSpec, lease: i64) -> Call<'a, bool> {
+        Box::pin(self.keep_alive(spec, lease))
+    }
+
+    fn deregister<'a>(&'a self, id: &'a str, lease: Option<i64>) -> Call<'a, ()> {
+        Box::pin(self.delete(id, lease))
+    }
+
+    fn watch(&self, events: mpsc::Sender<StoreEvent>) -> Watch {
+        Box::pin(self.clone().watch_forever(events))
     }
 }
 
