@@ -239,3 +239,93 @@ fn combined(status: StatusCode, mut headers: HeaderMap, prefill: &[u8], decode: 
     r
 }
 
+#[cfg(test)]
+mod tests {
+    use serde_json::Value;
+
+    use super::*;
+
+    #[test]
+    fn logprobs_are_merged_only_when_asked_and_not_streamed() {
+        for (body, merges) in [
+            (r#"{"return_logprob": true}"#, true),
+            (r#"{"return_logprob": true, "stream": false}"#, true),
+            (r#"{"return_logprob": true, "stream": true}"#, false),
+            (r#"{"return_logprob": false}"#, false),
+            (r#"{"return_logprob": "yes"}"#, false),
+            (r#"{"stream": false}"#, false),
+        ] {
+            assert_eq!(merges_logprobs(&Object::parse(body.as_bytes()).unwrap()), merges, "{body}");
+        }
+    }
+
+    #[test]
+    fn each_attempt_gets_the_targets_bootstrap_and_fresh_rooms() {
+        let ids = Ids::with_seed(7, 1000);
+        let own = Target::parse("10.0.0.1:8100#bootstrap=9000", "http", None).unwrap();
+        let plain = Target::parse("10.0.0.2:8100", "http", None).unwrap();
+        let single = Object::parse(br#"{"text": "a", "bootstrap_room": 1}"#).unwrap();
+        let batch = Object::parse(br#"{"text": ["a", "b"]}"#).unwrap();
+        let mut rooms = Vec::new();
+        for (object, target, items, host, port) in [
+            (&single, &own, 1, "10.0.0.1", 9000),
+            (&single, &plain, 1, "10.0.0.2", 8998),
+            (&batch, &plain, 2, "10.0.0.2", 8998),
+        ] {
+            let (body, first) = leg_body(object, target, 8998, &ids, items);
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            let one = |field: &str| if items == 1 { v[field].clone() } else { v[field][items - 1].clone() };
+            assert_eq!((one("bootstrap_host"), one("bootstrap_port")), (host.into(), port.into()), "{v}");
+            let room = if items == 1 { &v["bootstrap_room"] } else { &v["bootstrap_room"][0] };
+            assert_eq!(room.as_i64(), Some(first), "{v}");
+            rooms.push(first);
+        }
+        rooms.sort_unstable();
+        rooms.dedup();
+        assert_eq!(rooms.len(), 3, "no two attempts share a room");
+    }
+
+    #[test]
+    fn a_failed_prefill_retries_or_ends_the_leg() {
+        let retry = prefill_failed(Attempted::Retry(AttemptFailure::Unreachable("down".into())));
+        assert!(matches!(retry, Err(AttemptFailure::Unreachable(_))));
+        let mut four = Response::new(Body::empty());
+        *four.status_mut() = StatusCode::BAD_REQUEST;
+        assert!(matches!(prefill_failed(Attempted::ClientError(four)), Ok(Ended::ClientError(r)) if r.status() == 400));
+        let failed = prefill_failed(Attempted::Failed(LegError::NoCandidate));
+        assert!(matches!(failed, Ok(Ended::Failed(LegError::NoCandidate))));
+    }
+
+    #[test]
+    fn what_follows_the_decode() {
+        use AfterDecode::{Merge, Relay};
+        for (merge, status, then) in [
+            (true, StatusCode::OK, Merge),
+            (true, StatusCode::INTERNAL_SERVER_ERROR, Relay { detach_prefill: false }),
+            (false, StatusCode::OK, Relay { detach_prefill: true }),
+            (false, StatusCode::SERVICE_UNAVAILABLE, Relay { detach_prefill: false }),
+            (false, StatusCode::BAD_REQUEST, Relay { detach_prefill: false }),
+        ] {
+            assert_eq!(after_decode(merge, status), then, "{merge} {status}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_combined_answer() {
+        let pre = br#"{"meta_info": {"input_token_logprobs": [[-0.5, 1, null]]}}"#;
+        let dec = br#"{"text": "y", "meta_info": {"input_token_logprobs": [[-2.0, 3, null]]}}"#;
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, http::HeaderValue::from(dec.len()));
+        headers.insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        for (prefill, merged) in [(&pre[..], true), (&b""[..], false), (&b"not json"[..], false)] {
+            let r = combined(StatusCode::OK, headers.clone(), prefill, dec);
+            assert_eq!(r.status(), StatusCode::OK);
+            assert!(r.headers().get(header::CONTENT_LENGTH).is_none(), "the merged body has another length");
+            assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+            let body = r.into_body().collect().await.unwrap().to_bytes();
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            let logprobs = v["meta_info"]["input_token_logprobs"].as_array().unwrap().len();
+            assert_eq!((v["text"].as_str(), logprobs), (Some("y"), if merged { 2 } else { 1 }), "{v}");
+        }
+    }
+}
