@@ -152,10 +152,6 @@ impl DeadSet {
         entries.iter().filter(|(_, until)| **until > now).map(|(k, _)| k.clone()).collect()
     }
 
-    pub fn clear(&self, key: &str) {
-        self.entries.write().remove(key);
-    }
-
     pub fn is_dead(&self, t: &Target) -> bool {
         let entries = self.entries.read();
         if entries.is_empty() {
@@ -164,14 +160,6 @@ impl DeadSet {
         let now = Instant::now();
         let live = |k: &str| entries.get(k).is_some_and(|until| *until > now);
         live(&t.base) || t.id.as_deref().is_some_and(live)
-    }
-
-    pub fn len(&self) -> usize {
-        self.entries.read().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.read().is_empty()
     }
 }
 
@@ -222,7 +210,7 @@ mod tests {
         assert!(!d.is_dead(&p));
         d.mark("http://p:1");
         assert!(d.is_dead(&p));
-        d.clear("http://p:1");
+        let d = DeadSet::default();
         p.id = Some("prefill-0".into());
         d.mark("prefill-0");
         assert!(d.is_dead(&p));
