@@ -18,12 +18,14 @@ use tokio::sync::mpsc;
 
 use crate::allowlist::HostPort;
 use crate::config::Config;
+use crate::context::Context;
+use crate::engines::{DeadSet, EnginePool};
 use crate::errors::UpstreamError;
 use crate::handoff::{Pairing, RemoteDecode};
 use crate::load;
 use crate::metrics::{inc, Metrics};
+use crate::release::Releaser;
 use crate::rewrite::Prompt;
-use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{self, HttpClient};
 
@@ -288,34 +290,41 @@ fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16, own: &str) -> Pa
 }
 
 /// The link's background work: register, heartbeat with load, act on notices, refresh the
-/// view, and send queued reports. Ends when [`Coordinator::stop`] is called.
-pub async fn run(c: Arc<Coordinator>, state: Arc<State>) {
+/// view, and send queued reports. Ends when [`Coordinator::stop`] is called. The link reads the
+/// local engine's load, marks engines dead and frees what a notice says no decode will take.
+pub async fn run(
+    c: Arc<Coordinator>,
+    ctx: Arc<Context>,
+    engines: Arc<EnginePool>,
+    dead: Arc<DeadSet>,
+    releaser: Arc<Releaser>,
+) {
     if let Some(rx) = c.report_rx.lock().take() {
-        tokio::spawn(send_reports(Arc::clone(&c), state.client.clone(), Arc::clone(&state.metrics), rx));
+        tokio::spawn(send_reports(Arc::clone(&c), ctx.client.clone(), Arc::clone(&ctx.metrics), rx));
     }
     let mut registered = false;
     let mut beats: u64 = 0;
     while !c.stopping.load(Relaxed) {
         let interval = *c.heartbeat.lock();
         if !registered {
-            match c.register(&state.client).await {
+            match c.register(&ctx.client).await {
                 Ok(()) => {
                     registered = true;
                     c.mark_up();
                     beats = 0;
                 }
-                Err(e) => c.mark_down(&state.metrics, &e.to_string()),
+                Err(e) => c.mark_down(&ctx.metrics, &e.to_string()),
             }
         }
         if registered {
-            let load = engine_load(&state).await;
-            match heartbeat(&c, &state, load).await {
-                Ok(Some(notices)) => handle_notices(&state, &c, notices),
+            let load = engine_load(&ctx, &engines).await;
+            match heartbeat(&c, &ctx.client, load).await {
+                Ok(Some(notices)) => handle_notices(&c, &ctx.metrics, &dead, &releaser, notices),
                 Ok(None) => registered = false, // 404: re-register at once
-                Err(e) => c.mark_down(&state.metrics, &e.to_string()),
+                Err(e) => c.mark_down(&ctx.metrics, &e.to_string()),
             }
             if beats.is_multiple_of(5) {
-                if let Err(e) = c.refresh_view(&state.client).await {
+                if let Err(e) = c.refresh_view(&ctx.client).await {
                     tracing::debug!(%e, "cannot refresh the engine view");
                 }
             }
@@ -336,11 +345,10 @@ pub async fn leave(c: &Coordinator, client: &HttpClient) {
     let _ = c.call(client, Method::DELETE, &format!("/v1/engines/{id}"), None).await;
 }
 
-async fn heartbeat(c: &Coordinator, state: &State, load: Load) -> Result<Option<Notices>, LinkError> {
+async fn heartbeat(c: &Coordinator, client: &HttpClient, load: Load) -> Result<Option<Notices>, LinkError> {
     let id = c.engine_id();
     let body = serde_json::to_vec(&Heartbeat { load: Some(load) }).expect("a heartbeat serialises");
-    let (status, body) =
-        c.call(&state.client, Method::POST, &format!("/v1/engines/{id}/heartbeat"), Some(body)).await?;
+    let (status, body) = c.call(client, Method::POST, &format!("/v1/engines/{id}/heartbeat"), Some(body)).await?;
     if status == StatusCode::NOT_FOUND {
         return Ok(None);
     }
@@ -354,19 +362,19 @@ async fn heartbeat(c: &Coordinator, state: &State, load: Load) -> Result<Option<
     serde_json::from_slice(&body).map(Some).map_err(|source| LinkError::Unreadable { what: "notices", source })
 }
 
-fn handle_notices(state: &Arc<State>, c: &Coordinator, notices: Notices) {
+fn handle_notices(c: &Coordinator, metrics: &Metrics, dead: &DeadSet, releaser: &Arc<Releaser>, notices: Notices) {
     for id in &notices.dead_engines {
-        inc(&state.metrics.notices_dead_engines);
+        inc(&metrics.notices_dead_engines);
         tracing::warn!(engine = %id, "coordinator reports engine dead");
-        state.dead.mark(id);
+        dead.mark(id);
         if let Some(t) = c.view.read().iter().find(|t| t.id.as_deref() == Some(id)) {
-            state.dead.mark(&t.base);
+            dead.mark(&t.base);
         }
     }
     for r in notices.release {
-        let state = Arc::clone(state);
+        let releaser = Arc::clone(releaser);
         tokio::spawn(async move {
-            let outcome = crate::release::release(&state, &r.request_id, r.kv_transfer_params.get(), None, None).await;
+            let outcome = releaser.release(&r.request_id, r.kv_transfer_params.get(), None, None).await;
             if let Err(e) = outcome {
                 tracing::warn!(request_id = %r.request_id, prefill = ?r.prefill, %e, "release from a notice failed");
             }
@@ -375,12 +383,12 @@ fn handle_notices(state: &Arc<State>, c: &Coordinator, notices: Notices) {
 }
 
 /// The engine's load over all ranks (bounded by the coordinator timeout).
-async fn engine_load(state: &State) -> Load {
-    let mut loads = Vec::with_capacity(state.engines.len());
-    for t in state.engines.all() {
+async fn engine_load(ctx: &Context, engines: &EnginePool) -> Load {
+    let mut loads = Vec::with_capacity(engines.len());
+    for t in engines.all() {
         let Ok(req) = upstream::json_request(Method::GET, &t.url("/metrics"), None) else { continue };
-        let timeout = state.cfg.coordinator_timeout.max(Duration::from_millis(500));
-        let Ok(resp) = upstream::send(&state.client, t, req, timeout).await else { continue };
+        let timeout = ctx.cfg.coordinator_timeout.max(Duration::from_millis(500));
+        let Ok(resp) = upstream::send(&ctx.client, t, req, timeout).await else { continue };
         if !resp.status().is_success() {
             continue;
         }

@@ -6,7 +6,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{self, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -15,10 +15,11 @@ use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
+use crate::context::Context;
+use crate::engines::{EnginePool, RankGuard};
 use crate::errors::{ApiError, LegError, UpstreamError};
 use crate::finish::Finish;
 use crate::metrics::{inc, Metrics, Outcome, Phase};
-use crate::state::State;
 use crate::upstream::{self, LegHeaders};
 
 /// One decode call.
@@ -39,7 +40,7 @@ pub struct DecodeCall<'a> {
 #[derive(Debug)]
 pub struct Opened {
     /// The engine rank, busy until the body is relayed (none for a redirected request).
-    pub rank: Option<crate::state::RankGuard>,
+    pub rank: Option<RankGuard>,
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub incoming: Incoming,
@@ -49,33 +50,33 @@ pub struct Opened {
 
 /// Sends the decode call (another rank when one cannot be reached) and waits, within the
 /// first-byte timeout, for the head and the first body frame.
-pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, LegError> {
+pub async fn open(ctx: &Context, engines: &EnginePool, call: &DecodeCall<'_>) -> Result<Opened, LegError> {
     let started = Instant::now();
-    let first_byte = state.cfg.decode_first_byte_timeout;
+    let first_byte = ctx.cfg.decode_first_byte_timeout;
     let headers = upstream::leg_headers(
         call.headers,
         LegHeaders {
             request_id: call.request_id,
-            authorization: state.upstream_auth.as_ref(),
+            authorization: ctx.auth.upstream.as_ref(),
             rewritten: call.rewritten,
             identity: false,
         },
         &[],
     );
-    let mut tried = Vec::with_capacity(state.engines.len());
+    let mut tried = Vec::with_capacity(engines.len());
     let (resp, rank) = loop {
-        let Some(rank) = state.engines.pick(&tried) else {
+        let Some(rank) = engines.pick(&tried) else {
             return Err(LegError::DecodeUnavailable(String::new()));
         };
-        let target = state.engines.rank(rank.index).clone();
+        let target = engines.rank(rank.index).clone();
         let req = upstream::post(&target, call.path, headers.clone(), call.body.clone());
         let left = first_byte.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
-        match upstream::send(&state.client, &target, req, left).await {
+        match upstream::send(&ctx.client, &target, req, left).await {
             Ok(r) => break (r, rank),
             Err(e @ UpstreamError::Connect { .. }) => {
                 tried.push(rank.index);
-                if tried.len() < state.engines.len() {
-                    inc(&state.metrics.decode_rank_failovers);
+                if tried.len() < engines.len() {
+                    inc(&ctx.metrics.decode_rank_failovers);
                     tracing::warn!(engine = %target.base, %e, "decode rank unreachable; trying another");
                     continue;
                 }
@@ -89,10 +90,10 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, LegErr
         }
     };
     if let Some(at) = call.prefilled_at {
-        state.metrics.phase(Phase::KvHandoff).since(at);
+        ctx.metrics.phase(Phase::KvHandoff).since(at);
     }
     let opened = first_frame(resp, Some(rank), "the decode engine", started, first_byte).await?;
-    state.metrics.phase(Phase::DecodeFirstByte).since(started);
+    ctx.metrics.phase(Phase::DecodeFirstByte).since(started);
     Ok(opened)
 }
 
@@ -100,7 +101,7 @@ pub async fn open(state: &State, call: &DecodeCall<'_>) -> Result<Opened, LegErr
 /// 502 when the body breaks off); `what` names the peer in those errors.
 pub async fn first_frame(
     resp: Response<Incoming>,
-    rank: Option<crate::state::RankGuard>,
+    rank: Option<RankGuard>,
     what: &str,
     started: Instant,
     limit: Duration,
@@ -134,18 +135,18 @@ pub fn outcome_of(status: StatusCode) -> Outcome {
 
 /// Relays an opened decode response to the client; `fin` settles when the body ends or the
 /// client leaves.
-pub fn relay(state: &State, opened: Opened, fin: Finish) -> Response<Body> {
+pub fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body> {
     let relay = Relay {
         _rank: opened.rank,
         first: opened.first,
         inner: opened.incoming,
-        idle: state.cfg.stream_idle_timeout,
+        idle: ctx.cfg.stream_idle_timeout,
         last_activity: Instant::now(),
-        timer: Box::pin(tokio::time::sleep(state.cfg.stream_idle_timeout)),
+        timer: Box::pin(tokio::time::sleep(ctx.cfg.stream_idle_timeout)),
         sse: opened.sse,
         outcome: outcome_of(opened.status),
         fin: Some(fin),
-        metrics: Arc::clone(&state.metrics),
+        metrics: Arc::clone(&ctx.metrics),
         ended: false,
     };
     let mut r = Response::new(Body::new(relay));
@@ -155,8 +156,8 @@ pub fn relay(state: &State, opened: Opened, fin: Finish) -> Response<Body> {
 }
 
 /// The whole decode leg of a vLLM-style request.
-pub async fn run(state: &Arc<State>, call: DecodeCall<'_>, mut fin: Finish) -> Response<Body> {
-    let opened = match open(state, &call).await {
+pub async fn run(ctx: &Context, engines: &EnginePool, call: DecodeCall<'_>, mut fin: Finish) -> Response<Body> {
+    let opened = match open(ctx, engines, &call).await {
         Ok(o) => o,
         Err(e) => return fin.leg_failed(&e),
     };
@@ -167,7 +168,7 @@ pub async fn run(state: &Arc<State>, call: DecodeCall<'_>, mut fin: Finish) -> R
         tracing::warn!(status = %opened.status, "decode engine answered an error");
         fin.release_now();
     }
-    relay(state, opened, fin)
+    relay(ctx, opened, fin)
 }
 
 /// The next frame carrying data (trailers pass as frames too), or `None` at the end.
@@ -190,7 +191,7 @@ async fn next_data_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hy
 /// `idle` ends it (with an SSE error event when streaming); its end or its drop (the client
 /// left) settles the request's outcome and reports.
 struct Relay {
-    _rank: Option<crate::state::RankGuard>,
+    _rank: Option<RankGuard>,
     first: Option<Frame<Bytes>>,
     inner: Incoming,
     idle: Duration,
@@ -224,7 +225,10 @@ impl HttpBody for Relay {
     type Data = Bytes;
     type Error = Box<dyn std::error::Error + Send + Sync>;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut task::Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
         if let Some(f) = this.first.take() {
             this.last_activity = Instant::now();

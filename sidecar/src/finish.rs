@@ -11,9 +11,8 @@ use std::sync::Arc;
 
 use crate::coordinator::{Coordinator, Reporter};
 use crate::errors::{ApiError, LegError};
-use crate::metrics::{Outcome, Tracker};
+use crate::metrics::{Metrics, Outcome, Tracker};
 use crate::release::ReleaseGuard;
-use crate::state::State;
 
 #[derive(Debug)]
 pub struct Finish {
@@ -23,9 +22,9 @@ pub struct Finish {
 }
 
 impl Finish {
-    pub fn new(state: &State, coordinator: Option<&Arc<Coordinator>>, request_id: &str) -> Finish {
-        let reporter = coordinator.map(|c| Reporter::new(c, &state.metrics, request_id));
-        Finish { tracker: Tracker::new(&state.metrics), reporter, release: None }
+    pub fn new(metrics: &Arc<Metrics>, coordinator: Option<&Arc<Coordinator>>, request_id: &str) -> Finish {
+        let reporter = coordinator.map(|c| Reporter::new(c, metrics, request_id));
+        Finish { tracker: Tracker::new(metrics), reporter, release: None }
     }
 
     /// The prefill holds the KV under `params` (the coordinator can free it if this decode dies).
@@ -103,29 +102,21 @@ impl Finish {
 mod tests {
     use std::sync::atomic::Ordering::Relaxed;
 
-    use clap::Parser;
     use http::StatusCode;
 
     use super::*;
 
-    fn state() -> Arc<State> {
-        crate::build(crate::config::Config::try_parse_from(["pd-sidecar", "--engine", "127.0.0.1:1"]).unwrap())
-            .unwrap()
-            .state
-    }
-
     #[test]
     fn every_end_is_recorded_once() {
-        let state = state();
-        let m = &state.metrics;
-        Finish::new(&state, None, "a").end(Outcome::Ok, None);
-        let failed = Finish::new(&state, None, "b").fail(&ApiError::gateway_timeout("late"));
+        let m = &Arc::new(Metrics::default());
+        Finish::new(m, None, "a").end(Outcome::Ok, None);
+        let failed = Finish::new(m, None, "b").fail(&ApiError::gateway_timeout("late"));
         assert_eq!(failed.status(), StatusCode::GATEWAY_TIMEOUT);
         let mut four = Response::new(Body::empty());
         *four.status_mut() = StatusCode::BAD_REQUEST;
-        assert_eq!(Finish::new(&state, None, "c").client_error(four).status(), StatusCode::BAD_REQUEST);
-        Finish::new(&state, None, "d").cancel("client disconnected");
-        let dropped = Finish::new(&state, None, "e");
+        assert_eq!(Finish::new(m, None, "c").client_error(four).status(), StatusCode::BAD_REQUEST);
+        Finish::new(m, None, "d").cancel("client disconnected");
+        let dropped = Finish::new(m, None, "e");
         assert_eq!(m.in_flight.load(Relaxed), 1);
         drop(dropped);
         assert_eq!(m.in_flight.load(Relaxed), 0);

@@ -11,16 +11,19 @@
 //! Layout: [`config`] (flags, env, TOML), [`allowlist`] and [`target`] (who may be called),
 //! [`json`] and [`rewrite`] (pure body rewriting), [`handoff`] (the pure core: where a request
 //! is served, the failover policy), [`routing`] (gathers the core's inputs), [`legs`] (the
-//! prefill-leg executor both modes share), [`prefill`] and [`decode`] (the legs), [`sglang`],
-//! [`pull`], [`release`], [`coordinator`], [`metrics`], [`errors`] (where errors become HTTP),
-//! [`server`] (HTTP surface and accept loop).
+//! prefill-leg executor both modes share), [`prefill`] and [`decode`] (the legs), [`proxy`] and
+//! [`sglang`] (the two flows), [`pull`], [`release`], [`coordinator`], [`metrics`], [`errors`]
+//! (where errors become HTTP), [`context`] (the request context), [`engines`] (the engine
+//! handles), [`server`] (HTTP surface and accept loop).
 
 #![forbid(unsafe_code)]
 
 pub mod allowlist;
 pub mod config;
+pub mod context;
 pub mod coordinator;
 pub mod decode;
+pub mod engines;
 pub mod errors;
 pub mod finish;
 pub mod handoff;
@@ -38,7 +41,6 @@ pub mod rewrite;
 pub mod routing;
 pub mod server;
 pub mod sglang;
-pub mod state;
 pub mod target;
 pub mod tls;
 pub mod upstream;
@@ -47,22 +49,38 @@ pub mod xfer_link;
 use std::future::Future;
 use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::Context as _;
 
 use crate::config::{Config, Mode, ReleaseMethod};
-use crate::state::State;
+use crate::context::Context;
+use crate::engines::{DeadSet, EnginePool, Prefills};
+use crate::ids::Ids;
+use crate::legs::Legs;
+use crate::metrics::Metrics;
+use crate::release::Releaser;
 
-/// A running sidecar's address and shared state (tests read its metrics).
+/// A running sidecar's address and metrics (tests read them).
 #[derive(Debug)]
 pub struct Running {
     pub addr: std::net::SocketAddr,
-    pub state: Arc<State>,
+    pub metrics: Arc<Metrics>,
 }
 
-/// The request context and the handles beside it, each passed only to the parts that use it.
-#[derive(Debug, Clone)]
+/// The request context and the handles beside it. The flows ([`proxy`], [`sglang`]) take the
+/// whole app; every part below them gets only the handles it uses.
+#[derive(Debug)]
 pub struct App {
-    pub state: Arc<State>,
+    pub ctx: Arc<Context>,
+    /// The local engine's ranks.
+    pub engines: Arc<EnginePool>,
+    /// The static prefill list, the allowlist and the engines known dead (routing).
+    pub prefills: Arc<Prefills>,
+    /// The prefill-leg executor.
+    pub legs: Arc<Legs>,
+    /// Request ids and bootstrap rooms.
+    pub ids: Arc<Ids>,
+    /// Frees blocks a prefill holds for a decode that will not come.
+    pub releaser: Arc<Releaser>,
     /// The coordinator link (`--coordinator`).
     pub coordinator: Option<Arc<coordinator::Coordinator>>,
     /// The sidecar's own KV reads (`--mode sim-pull`).
@@ -84,8 +102,25 @@ pub fn build(cfg: Config) -> anyhow::Result<App> {
         Some(_) => Some(Arc::new(coordinator::Coordinator::new(&cfg, &resolved.engines[0])?)),
         None => None,
     };
-    let puller = (cfg.mode == Mode::SimPull).then(|| Arc::new(pull::Puller::default()));
-    Ok(App { state: Arc::new(State::new(cfg, resolved, client, xfer)), coordinator, puller })
+    let pull_mode = cfg.mode == Mode::SimPull;
+    let ctx = Arc::new(Context::new(cfg, client));
+    let engines = Arc::new(EnginePool::new(resolved.engines));
+    let dead = Arc::new(DeadSet::default());
+    let ids = Arc::new(Ids::default());
+    let releaser = Arc::new(Releaser::new(&ctx, &engines, xfer.clone()));
+    let puller = xfer
+        .filter(|_| pull_mode)
+        .map(|link| Arc::new(pull::Puller::new(link, engines.primary().clone(), Arc::clone(&releaser))));
+    Ok(App {
+        legs: Arc::new(Legs::new(&ctx, &dead, &ids)),
+        prefills: Arc::new(Prefills::new(resolved.prefills, resolved.allowlist, dead)),
+        ctx,
+        engines,
+        ids,
+        releaser,
+        coordinator,
+        puller,
+    })
 }
 
 /// Binds the listener and serves until `shutdown` resolves; `on_bound` learns the address
@@ -103,23 +138,31 @@ pub async fn run(
         tokio::net::TcpListener::bind(&cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let drain = cfg.drain_timeout;
-    let app = build(cfg)?;
-    let state = Arc::clone(&app.state);
+    let app = Arc::new(build(cfg)?);
     tracing::info!(
         %addr,
-        mode = ?state.cfg.mode,
-        engines = state.engines.len(),
-        prefills = state.prefills.len(),
-        coordinator = state.cfg.coordinator.as_deref().unwrap_or("-"),
+        mode = ?app.ctx.cfg.mode,
+        engines = app.engines.len(),
+        prefills = app.prefills.len(),
+        coordinator = app.ctx.cfg.coordinator.as_deref().unwrap_or("-"),
         tls = tls.is_some(),
         "pd-sidecar listening"
     );
-    on_bound(&Running { addr, state: Arc::clone(&state) });
-    let link = app.coordinator.clone().map(|c| tokio::spawn(coordinator::run(c, Arc::clone(&state))));
-    let coordinator = app.coordinator.clone();
+    on_bound(&Running { addr, metrics: Arc::clone(&app.ctx.metrics) });
+    let link = app.coordinator.clone().map(|c| {
+        let dead = Arc::clone(&app.prefills.dead);
+        tokio::spawn(coordinator::run(
+            c,
+            Arc::clone(&app.ctx),
+            Arc::clone(&app.engines),
+            dead,
+            Arc::clone(&app.releaser),
+        ))
+    });
+    let (coordinator, ctx) = (app.coordinator.clone(), Arc::clone(&app.ctx));
     server::serve(listener, server::router(app), tls, shutdown, drain).await;
     if let Some(c) = coordinator {
-        coordinator::leave(&c, &state.client).await;
+        coordinator::leave(&c, &ctx.client).await;
     }
     if let Some(link) = link {
         link.abort();

@@ -7,9 +7,8 @@ use http::{HeaderMap, Response};
 
 use crate::errors::LegError;
 use crate::json::Object;
-use crate::legs::{self, Attempted, Legged};
-use crate::metrics::Attempt;
-use crate::state::State;
+use crate::legs::{Attempted, Legged, Legs};
+use crate::metrics::{Attempt, Metrics};
 use crate::target::Target;
 use crate::upstream::{self, LegHeaders};
 
@@ -30,7 +29,7 @@ pub enum Prefilled {
 }
 
 pub async fn run(
-    state: &State,
+    legs: &Legs,
     candidates: &[Target],
     path: &str,
     client_headers: &HeaderMap,
@@ -39,14 +38,14 @@ pub async fn run(
 ) -> Legged<Prefilled> {
     let headers = upstream::leg_headers(
         client_headers,
-        LegHeaders { request_id, authorization: state.upstream_auth.as_ref(), rewritten: true, identity: true },
+        LegHeaders { request_id, authorization: legs.ctx.auth.upstream.as_ref(), rewritten: true, identity: true },
         &[],
     );
-    legs::run(state, candidates, |target| {
+    legs.run(candidates, |target| {
         let (headers, body) = (headers.clone(), body.clone());
         async move {
-            match legs::attempt(state, target, path, headers, body, MAX_PREFILL_BODY).await {
-                Attempted::Answer(bytes) => Ok(read_params(state, target, &bytes)),
+            match legs.attempt(target, path, headers, body, MAX_PREFILL_BODY).await {
+                Attempted::Answer(bytes) => Ok(read_params(&legs.ctx.metrics, target, &bytes)),
                 Attempted::Retry(failure) => Err(failure),
                 Attempted::ClientError(r) => Ok(Prefilled::ClientError(r)),
                 Attempted::Failed(e) => Ok(Prefilled::Failed(e)),
@@ -57,9 +56,9 @@ pub async fn run(
 }
 
 /// The `kv_transfer_params` of a 2xx answer, verbatim.
-fn read_params(state: &State, target: &Target, bytes: &[u8]) -> Prefilled {
+fn read_params(metrics: &Metrics, target: &Target, bytes: &[u8]) -> Prefilled {
     let bad_body = |reason: String| {
-        state.metrics.attempt(Attempt::BadBody);
+        metrics.attempt(Attempt::BadBody);
         Prefilled::Failed(LegError::PrefillBadBody { prefill: target.name().to_string(), reason })
     };
     let object = match Object::parse(bytes) {
@@ -68,12 +67,12 @@ fn read_params(state: &State, target: &Target, bytes: &[u8]) -> Prefilled {
     };
     match object.get("kv_transfer_params").map(|raw| raw.get()) {
         Some(raw) if raw.trim_start().starts_with('{') => {
-            state.metrics.attempt(Attempt::Ok);
+            metrics.attempt(Attempt::Ok);
             Prefilled::Params { params: raw.to_string(), target: target.clone() }
         }
         Some(raw) if raw != "null" => bad_body("kv_transfer_params is not an object".into()),
         _ => {
-            state.metrics.attempt(Attempt::NullParams);
+            metrics.attempt(Attempt::NullParams);
             Prefilled::NullParams { target: target.clone() }
         }
     }
@@ -81,16 +80,13 @@ fn read_params(state: &State, target: &Target, bytes: &[u8]) -> Prefilled {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
 
     #[test]
     fn params_are_read_verbatim_or_classified() {
-        let args = ["pd-sidecar", "--engine", "127.0.0.1:1"];
-        let state = crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap().state;
+        let metrics = Metrics::default();
         let target = Target::parse("p:1", "http", None).unwrap();
-        let read = |body: &str| read_params(&state, &target, body.as_bytes());
+        let read = |body: &str| read_params(&metrics, &target, body.as_bytes());
         let Prefilled::Params { params, .. } =
             read(r#"{"id": "x", "kv_transfer_params": {"b": 1.00000000000000000001, "a": 2}}"#)
         else {
@@ -102,7 +98,7 @@ mod tests {
         for bad in [r#"{"kv_transfer_params": "x"}"#, "not json", "[1]"] {
             assert!(matches!(read(bad), Prefilled::Failed(LegError::PrefillBadBody { .. })), "{bad}");
         }
-        let counted = [Attempt::Ok, Attempt::NullParams, Attempt::BadBody].map(|a| state.metrics.attempts(a));
+        let counted = [Attempt::Ok, Attempt::NullParams, Attempt::BadBody].map(|a| metrics.attempts(a));
         assert_eq!(counted, [1, 2, 3]);
     }
 }

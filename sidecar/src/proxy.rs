@@ -1,7 +1,7 @@
-//! One generation request from arrival to response, in the decode-first shape: plan the
-//! prefill, run the prefill leg (vLLM), optionally pull the blocks ourselves (pull mode), run
-//! the decode leg on the local engine and relay its body; failures follow the configured
-//! policy. SGLang requests go to [`crate::sglang`].
+//! The vLLM flow, in the decode-first shape: route the request, run the prefill leg, optionally
+//! pull the blocks ourselves (pull mode), run the decode leg on the local engine and relay its
+//! body; failures follow the configured policy. Routing a request and the local decode are
+//! shared with the SGLang flow ([`crate::sglang`]); [`crate::server`] picks the flow.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,49 +11,32 @@ use bytes::Bytes;
 use http::{HeaderMap, Response};
 use tracing::Instrument;
 
-use crate::config::{Fallback, Mode};
-use crate::coordinator::Coordinator;
+use crate::config::Fallback;
 use crate::decode::{self, DecodeCall};
 use crate::errors::LegError;
 use crate::finish::Finish;
 use crate::handoff::{Plan, Route};
+use crate::ids::Ids;
 use crate::json::Object;
 use crate::legs::Legged;
 use crate::metrics::{inc, LocalReason};
 use crate::prefill::{self, Prefilled};
-use crate::pull::Puller;
 use crate::redirect;
-use crate::release::ReleaseGuard;
+use crate::release::{ReleaseGuard, Releaser};
 use crate::rewrite::{self, Api};
 use crate::routing;
-use crate::state::State;
 use crate::target::Target;
 use crate::upstream::REQUEST_ID;
 use crate::App;
 
 /// The client's `X-Request-Id` when it is usable, else a fresh one.
-pub fn request_id(state: &State, headers: &HeaderMap) -> String {
+pub fn request_id(ids: &Ids, headers: &HeaderMap) -> String {
     headers
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 256 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map(String::from)
-        .unwrap_or_else(|| state.ids.request_id())
-}
-
-pub async fn generation(app: App, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    let App { state, coordinator, puller } = app;
-    let rid = request_id(&state, &headers);
-    let span = tracing::info_span!("request", request_id = %rid, api = api.name(), redirect = tracing::field::Empty);
-    async {
-        let fin = Finish::new(&state, coordinator.as_ref(), &rid);
-        if state.cfg.mode == Mode::Sglang {
-            return crate::sglang::run(&state, coordinator.as_ref(), api, &path, &headers, &rid, body, fin).await;
-        }
-        vllm(&state, coordinator.as_ref(), puller.as_ref(), api, &path, &headers, &rid, body, fin).await
-    }
-    .instrument(span)
-    .await
+        .unwrap_or_else(|| ids.request_id())
 }
 
 /// What routing did with a request (both flows).
@@ -75,10 +58,8 @@ pub(crate) struct Disaggregation<'a> {
 }
 
 /// Parses the body, routes the request, and serves it when no prefill leg is needed here.
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn route<'a>(
-    state: &Arc<State>,
-    coordinator: Option<&Arc<Coordinator>>,
+    app: &App,
     api: Api,
     path: &str,
     headers: &HeaderMap,
@@ -87,28 +68,26 @@ pub(crate) async fn route<'a>(
     fin: Finish,
 ) -> Routed<'a> {
     let Ok(object) = Object::parse(body) else {
-        return Routed::Served(local(state, path, headers, rid, body, None, fin, None).await);
+        return Routed::Served(local(app, path, headers, rid, body, None, fin, None).await);
     };
-    let plan = match routing::route(state, coordinator.map(|c| &**c), headers, &object, api, rid).await {
+    let coordinator = app.coordinator.as_deref();
+    let plan = match routing::route(&app.ctx, &app.prefills, coordinator, headers, &object, api, rid).await {
         Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
-        Route::Redirect(r) => match redirect::open(state, &r, path, headers, rid, body).await {
-            Ok(opened) => return Routed::Served(redirect::relay(state, opened, fin)),
+        Route::Redirect(r) => match redirect::open(&app.ctx, &r, path, headers, rid, body).await {
+            Ok(opened) => return Routed::Served(redirect::relay(&app.ctx, opened, fin)),
             Err(fallback) => fallback,
         },
     };
     match plan {
         Plan::Local(reason) => {
-            Routed::Served(local(state, path, headers, rid, body, Some(&object), fin, Some(reason)).await)
+            Routed::Served(local(app, path, headers, rid, body, Some(&object), fin, Some(reason)).await)
         }
         Plan::Prefill(candidates) => Routed::Disaggregate(Disaggregation { object, candidates, fin }),
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn vllm(
-    state: &Arc<State>,
-    coordinator: Option<&Arc<Coordinator>>,
-    puller: Option<&Arc<Puller>>,
+pub(crate) async fn vllm(
+    app: &App,
     api: Api,
     path: &str,
     headers: &HeaderMap,
@@ -116,12 +95,12 @@ async fn vllm(
     body: Bytes,
     fin: Finish,
 ) -> Response<Body> {
-    let Disaggregation { object, candidates, mut fin } =
-        match route(state, coordinator, api, path, headers, rid, &body, fin).await {
-            Routed::Disaggregate(d) => d,
-            Routed::Served(response) => return response,
-        };
-    let prefilled = prefill_detached(state, candidates, path, headers, rid, &object, &body).await;
+    let Disaggregation { object, candidates, mut fin } = match route(app, api, path, headers, rid, &body, fin).await {
+        Routed::Disaggregate(d) => d,
+        Routed::Served(response) => return response,
+    };
+    let cfg = &app.ctx.cfg;
+    let prefilled = prefill_detached(app, candidates, path, headers, rid, &object, &body).await;
     let prefilled_at = Instant::now();
     // Ok: the prefill's params; Err: the reason to compute the prompt here after all.
     let handed_off = match prefilled {
@@ -129,14 +108,14 @@ async fn vllm(
         Legged::Done(Prefilled::ClientError(resp)) => return fin.client_error(resp),
         Legged::Done(Prefilled::NullParams { target }) => {
             tracing::warn!(prefill = %target.name(), "prefill returned kv_transfer_params: null");
-            if state.cfg.null_params != Fallback::Local {
+            if cfg.null_params != Fallback::Local {
                 return fin.leg_failed(&LegError::NullParams { prefill: target.name().to_string() });
             }
             Err(LocalReason::NullParams)
         }
         // Another 5xx follows --fallback; a body that is not JSON never does.
         Legged::Done(Prefilled::Failed(e)) => {
-            if state.cfg.fallback != Fallback::Local || !matches!(e, LegError::PrefillStatus { .. }) {
+            if cfg.fallback != Fallback::Local || !matches!(e, LegError::PrefillStatus { .. }) {
                 return fin.leg_failed(&e);
             }
             tracing::warn!(error = %e, "no prefill; computing the prompt locally");
@@ -150,18 +129,18 @@ async fn vllm(
     };
     let (params, target) = match handed_off {
         Ok(handed_off) => handed_off,
-        Err(reason) => return local(state, path, headers, rid, &body, Some(&object), fin, Some(reason)).await,
+        Err(reason) => return local(app, path, headers, rid, &body, Some(&object), fin, Some(reason)).await,
     };
-    inc(&state.metrics.disaggregated);
+    inc(&app.ctx.metrics.disaggregated);
     fin.prefill_done(target.id.as_deref(), &params);
-    fin.hold(ReleaseGuard::new(state, rid, &params, body.clone(), path));
+    fin.hold(ReleaseGuard::new(&app.releaser, rid, &params, body.clone(), path));
     let mut decode_params = params;
-    if let Some(puller) = puller {
+    if let Some(puller) = &app.puller {
         let span = tracing::info_span!("pull");
-        match crate::pull::run(state, puller, &object, path, rid, &decode_params).instrument(span).await {
+        match crate::pull::run(&app.ctx, puller, &object, path, rid, &decode_params).instrument(span).await {
             Ok(reservation) => {
                 // The prefill was told we are done; now the reservation is what is held.
-                fin.hold(ReleaseGuard::new(state, rid, &reservation, body.clone(), path).decode_only());
+                fin.hold(ReleaseGuard::new(&app.releaser, rid, &reservation, body.clone(), path).decode_only());
                 decode_params = reservation;
             }
             Err(e) => tracing::warn!(%e, "sidecar pull failed; the engine pulls itself"),
@@ -176,7 +155,7 @@ async fn vllm(
         rewritten: true,
         prefilled_at: Some(prefilled_at),
     };
-    decode::run(state, call, fin).instrument(tracing::info_span!("decode")).await
+    decode::run(&app.ctx, &app.engines, call, fin).instrument(tracing::info_span!("decode")).await
 }
 
 /// Runs the prefill leg so that a client leaving mid-prefill does not strand the blocks the
@@ -184,7 +163,7 @@ async fn vllm(
 /// its own (bounded by the prefill timeout) which, finding nobody waiting, releases what it got.
 /// The common path spawns nothing.
 async fn prefill_detached(
-    state: &Arc<State>,
+    app: &App,
     candidates: Vec<Target>,
     path: &str,
     headers: &HeaderMap,
@@ -193,10 +172,11 @@ async fn prefill_detached(
     body: &Bytes,
 ) -> Legged<Prefilled> {
     let prefill_body = Bytes::from(rewrite::prefill_body(object));
-    let orphan = Orphan { state: Arc::clone(state), rid: rid.to_string(), path: path.to_string(), body: body.clone() };
-    let (task_state, path, headers, rid) = (Arc::clone(state), path.to_string(), headers.clone(), rid.to_string());
+    let releaser = Arc::clone(&app.releaser);
+    let orphan = Orphan { releaser, rid: rid.to_string(), path: path.to_string(), body: body.clone() };
+    let (legs, path, headers, rid) = (Arc::clone(&app.legs), path.to_string(), headers.clone(), rid.to_string());
     let span = tracing::info_span!("prefill", candidates = candidates.len());
-    let leg = async move { prefill::run(&task_state, &candidates, &path, &headers, &rid, prefill_body).await };
+    let leg = async move { prefill::run(&legs, &candidates, &path, &headers, &rid, prefill_body).await };
     Orphanable { leg: Some(Box::pin(leg.instrument(span))), orphan: Some(orphan) }.await
 }
 
@@ -204,7 +184,7 @@ type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Legged<Prefilled>>
 
 /// What an abandoned prefill needs to release its blocks.
 struct Orphan {
-    state: Arc<State>,
+    releaser: Arc<Releaser>,
     rid: String,
     path: String,
     body: Bytes,
@@ -234,7 +214,7 @@ impl Drop for Orphanable {
         rt.spawn(async move {
             if let Legged::Done(Prefilled::Params { params, .. }) = leg.await {
                 tracing::info!(request_id = %o.rid, "client left during the prefill; releasing its blocks");
-                drop(ReleaseGuard::new(&o.state, &o.rid, &params, o.body, &o.path));
+                drop(ReleaseGuard::new(&o.releaser, &o.rid, &params, o.body, &o.path));
             }
         });
     }
@@ -243,7 +223,7 @@ impl Drop for Orphanable {
 /// Decodes on the local engine without a prefill leg (the engine computes the prompt).
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn local(
-    state: &Arc<State>,
+    app: &App,
     path: &str,
     headers: &HeaderMap,
     rid: &str,
@@ -252,15 +232,16 @@ pub(crate) async fn local(
     fin: Finish,
     reason: Option<LocalReason>,
 ) -> Response<Body> {
+    let ctx = &app.ctx;
     if let Some(r) = reason {
-        state.metrics.local(r);
-        if r == LocalReason::NoCandidate && state.cfg.fallback == Fallback::Fail {
+        ctx.metrics.local(r);
+        if r == LocalReason::NoCandidate && ctx.cfg.fallback == Fallback::Fail {
             return fin.leg_failed(&LegError::NoCandidate);
         }
     }
-    let rewritten = match object.filter(|_| !state.cfg.trust_client_kv_params).and_then(rewrite::local_body) {
+    let rewritten = match object.filter(|_| !ctx.cfg.trust_client_kv_params).and_then(rewrite::local_body) {
         Some(b) => {
-            inc(&state.metrics.client_kv_params_dropped);
+            inc(&ctx.metrics.client_kv_params_dropped);
             Some(Bytes::from(b))
         }
         None => None,
@@ -273,19 +254,16 @@ pub(crate) async fn local(
         body: rewritten.unwrap_or_else(|| body.clone()),
         prefilled_at: None,
     };
-    decode::run(state, call, fin).instrument(tracing::info_span!("decode", local = true)).await
+    decode::run(ctx, &app.engines, call, fin).instrument(tracing::info_span!("decode", local = true)).await
 }
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
 
     #[test]
     fn the_clients_request_id_when_usable() {
-        let args = ["pd-sidecar", "--engine", "127.0.0.1:1"];
-        let state = crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap().state;
+        let ids = Ids::default();
         let long = "x".repeat(257);
         for (sent, kept) in [
             ("abc-1", true),
@@ -299,7 +277,7 @@ mod tests {
             if let Ok(v) = http::HeaderValue::from_str(sent) {
                 h.insert(REQUEST_ID, v);
             }
-            let id = request_id(&state, &h);
+            let id = request_id(&ids, &h);
             assert_eq!(id == sent, kept, "{sent:?}");
             assert!(!id.is_empty());
         }

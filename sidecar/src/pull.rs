@@ -14,11 +14,11 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::sync::OnceCell;
 
+use crate::context::Context;
 use crate::errors::UpstreamError;
 use crate::json::{self, Object};
 use crate::metrics::inc;
-use crate::release::ReleaseGuard;
-use crate::state::State;
+use crate::release::{ReleaseGuard, Releaser};
 use crate::target::Target;
 use crate::upstream::{self, HttpClient};
 use crate::xfer_link::{self, Handle, LinkError, XferLink};
@@ -68,8 +68,13 @@ struct LocalPool {
     num_blocks: usize,
 }
 
-#[derive(Debug, Default)]
+/// The puller's own handles: the sidecar's xfer agent, the local engine's first rank (its pool
+/// and reservations) and the releaser that gives back a reservation no decode will use.
+#[derive(Debug)]
 pub struct Puller {
+    link: Arc<XferLink>,
+    engine: Target,
+    releaser: Arc<Releaser>,
     pool: OnceCell<Arc<LocalPool>>,
     /// Prefill pools as prepared descriptor lists, by engine id.
     peers: Mutex<HashMap<String, Arc<xfer::PreparedRemote>>>,
@@ -97,14 +102,13 @@ async fn engine_json<T: for<'de> Deserialize<'de>>(
 }
 
 impl Puller {
-    /// The local engine's pool (`engine` is its first rank), mapped and registered once.
-    async fn pool(
-        &self,
-        client: &HttpClient,
-        engine: &Target,
-        timeout: Duration,
-        link: &Arc<XferLink>,
-    ) -> Result<Arc<LocalPool>, PullError> {
+    pub fn new(link: Arc<XferLink>, engine: Target, releaser: Arc<Releaser>) -> Puller {
+        Puller { link, engine, releaser, pool: OnceCell::new(), peers: Mutex::default() }
+    }
+
+    /// The local engine's pool, mapped and registered once.
+    async fn pool(&self, client: &HttpClient, timeout: Duration) -> Result<Arc<LocalPool>, PullError> {
+        let (engine, link) = (&self.engine, &self.link);
         self.pool
             .get_or_try_init(|| async {
                 let info: PoolInfo = engine_json(client, engine, Method::GET, "/admin/pool", None, timeout)
@@ -168,35 +172,35 @@ impl Puller {
 /// Pulls the blocks `params` name into a fresh reservation of the local engine; returns the
 /// `kv_transfer_params` of the decode call.
 pub async fn run(
-    state: &Arc<State>,
+    ctx: &Context,
     puller: &Arc<Puller>,
     client: &Object<'_>,
     path: &str,
     rid: &str,
     params: &str,
 ) -> Result<String, PullError> {
-    let link = state.xfer.clone().ok_or_else(|| PullError::Pool("no xfer agent".into()))?;
+    let link = &puller.link;
     let handle = Handle::parse(params)?;
     let remote_ids = handle.block_ids()?;
     if remote_ids.is_empty() {
         return Err(PullError::Link(LinkError::Params("no remote blocks".into())));
     }
-    let (engine, timeout) = (state.engines.primary(), state.cfg.pull_timeout);
-    let pool = puller.pool(&state.client, engine, timeout, &link).await?;
+    let (engine, timeout) = (&puller.engine, ctx.cfg.pull_timeout);
+    let pool = puller.pool(&ctx.client, timeout).await?;
     if remote_ids.len() > pool.num_blocks {
         return Err(PullError::Reserve(format!("{} blocks exceed the pool", remote_ids.len())));
     }
     let body = format!("{{\"num_blocks\":{}}}", remote_ids.len()).into_bytes();
-    let r: Reservation = engine_json(&state.client, engine, Method::POST, "/admin/reserve", Some(body), timeout)
+    let r: Reservation = engine_json(&ctx.client, engine, Method::POST, "/admin/reserve", Some(body), timeout)
         .await
         .map_err(|e| PullError::Reserve(e.to_string()))?;
     let reserved = reservation_params(&r.reservation_id);
     if !reservation_fits(&r.block_ids, remote_ids.len(), pool.num_blocks) {
-        consume(state, client, path, rid, &reserved);
+        consume(puller, client, path, rid, &reserved);
         return Err(PullError::Reserve("the engine reserved unexpected blocks".into()));
     }
     let started = Instant::now();
-    let (puller2, link2, pool2, handle2) = (Arc::clone(puller), Arc::clone(&link), Arc::clone(&pool), handle.clone());
+    let (puller2, link2, pool2, handle2) = (Arc::clone(puller), Arc::clone(link), Arc::clone(&pool), handle.clone());
     let local_idx: Vec<usize> = r.block_ids.iter().map(|&b| b as usize).collect();
     let outcome = xfer_link::blocking(timeout + Duration::from_secs(1), move || {
         read(&puller2, &link2, &pool2, &handle2, &local_idx, &remote_ids, timeout)
@@ -204,16 +208,16 @@ pub async fn run(
     .await;
     match outcome {
         Ok(bytes) => {
-            inc(&state.metrics.pulls_ok);
-            state.metrics.pull_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+            inc(&ctx.metrics.pulls_ok);
+            ctx.metrics.pull_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
             tracing::debug!(bytes, us = started.elapsed().as_micros() as u64, "pulled the prompt's blocks");
             Ok(reserved)
         }
         Err(e) => {
-            inc(&state.metrics.pulls_failed);
+            inc(&ctx.metrics.pulls_failed);
             link.forget(&handle.remote_engine_id);
             puller.peers.lock().remove(&handle.remote_engine_id);
-            consume(state, client, path, rid, &reserved);
+            consume(puller, client, path, rid, &reserved);
             Err(e.into())
         }
     }
@@ -269,9 +273,9 @@ fn read(
 
 /// Makes the local engine drop a reservation it will not get a decode for (a one-token decode
 /// naming it).
-fn consume(state: &Arc<State>, client: &Object<'_>, path: &str, rid: &str, reserved: &str) {
+fn consume(puller: &Puller, client: &Object<'_>, path: &str, rid: &str, reserved: &str) {
     let body = bytes::Bytes::from(client.rewrite(&[]));
-    drop(ReleaseGuard::new(state, rid, reserved, body, path).decode_only());
+    drop(ReleaseGuard::new(&puller.releaser, rid, reserved, body, path).decode_only());
 }
 
 #[cfg(test)]

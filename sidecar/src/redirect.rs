@@ -10,13 +10,13 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response};
 
+use crate::context::Context;
 use crate::decode::{self, Opened};
 use crate::errors::{LegError, UpstreamError};
 use crate::finish::Finish;
 use crate::handoff::{Plan, Redirect, Redirected};
 use crate::metrics::RedirectOutcome;
 use crate::routing::redirect_mark;
-use crate::state::State;
 use crate::upstream::{self, LegHeaders, REDIRECT_HEADER, ROUTING_HEADER};
 
 /// The headers of the redirected leg: the client's (routing headers it sent stripped), the
@@ -39,7 +39,7 @@ fn headers(client: &HeaderMap, request_id: &str, r: &Redirect) -> HeaderMap {
 /// the decode first-byte timeout — for its head and first body frame. `Err` carries the plan to
 /// serve the request here instead.
 pub async fn open(
-    state: &State,
+    ctx: &Context,
     r: &Redirect,
     path: &str,
     client_headers: &HeaderMap,
@@ -48,10 +48,10 @@ pub async fn open(
 ) -> Result<Opened, Plan> {
     tracing::Span::current().record("redirect", r.decode.as_str());
     let started = Instant::now();
-    let limit = state.cfg.prefill_timeout + state.cfg.decode_first_byte_timeout;
+    let limit = ctx.cfg.prefill_timeout + ctx.cfg.decode_first_byte_timeout;
     let req = upstream::post(&r.sidecar, path, headers(client_headers, request_id, r), body.clone());
     let what = format!("the decode sidecar {}", r.sidecar.base);
-    let outcome = match upstream::send(&state.client, &r.sidecar, req, limit).await {
+    let outcome = match upstream::send(&ctx.client, &r.sidecar, req, limit).await {
         Ok(resp) if resp.status().is_server_error() => {
             Err((RedirectOutcome::FallbackErrorStatus, format!("{what} answered {}", resp.status())))
         }
@@ -67,11 +67,11 @@ pub async fn open(
     };
     match outcome {
         Ok(opened) => {
-            state.metrics.redirect(RedirectOutcome::Ok);
+            ctx.metrics.redirect(RedirectOutcome::Ok);
             Ok(opened)
         }
         Err((o, why)) => {
-            state.metrics.redirect(o);
+            ctx.metrics.redirect(o);
             tracing::warn!(decode = %r.decode, %why, "redirect failed; serving the request here");
             Err(r.fallback.clone())
         }
@@ -79,9 +79,9 @@ pub async fn open(
 }
 
 /// Relays the redirected answer; the other sidecar reports on the request, so this one does not.
-pub fn relay(state: &State, opened: Opened, mut fin: Finish) -> Response<Body> {
+pub fn relay(ctx: &Context, opened: Opened, mut fin: Finish) -> Response<Body> {
     fin.disown();
-    decode::relay(state, opened, fin)
+    decode::relay(ctx, opened, fin)
 }
 
 #[cfg(test)]

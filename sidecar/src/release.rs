@@ -14,18 +14,28 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::config::ReleaseMethod;
+use crate::context::Context;
+use crate::engines::EnginePool;
 use crate::errors::UpstreamError;
 use crate::json::Object;
 use crate::metrics::inc;
 use crate::rewrite;
-use crate::state::State;
 use crate::upstream::{self, REQUEST_ID};
-use crate::xfer_link::{self, Handle, LinkError};
+use crate::xfer_link::{self, Handle, LinkError, XferLink};
+
+/// What a release needs: the context, the local engine's ranks (a release decode runs there)
+/// and the sidecar's xfer agent when it has one (the done notification).
+#[derive(Debug)]
+pub struct Releaser {
+    ctx: Arc<Context>,
+    engines: Arc<EnginePool>,
+    xfer: Option<Arc<XferLink>>,
+}
 
 /// Frees the prefill's blocks when dropped armed (spawns the release; never blocks).
 #[derive(Debug)]
 pub struct ReleaseGuard {
-    state: Arc<State>,
+    releaser: Arc<Releaser>,
     job: Option<Job>,
 }
 
@@ -39,15 +49,21 @@ struct Job {
 }
 
 impl ReleaseGuard {
-    pub fn new(state: &Arc<State>, request_id: &str, params: &str, client_body: Bytes, path: &str) -> ReleaseGuard {
+    pub fn new(
+        releaser: &Arc<Releaser>,
+        request_id: &str,
+        params: &str,
+        client_body: Bytes,
+        path: &str,
+    ) -> ReleaseGuard {
         ReleaseGuard {
-            state: Arc::clone(state),
+            releaser: Arc::clone(releaser),
             job: Some(Job {
                 request_id: request_id.to_string(),
                 params: params.to_string(),
                 body: client_body,
                 path: path.to_string(),
-                method: state.cfg.release_method,
+                method: releaser.ctx.cfg.release_method,
             }),
         }
     }
@@ -75,10 +91,10 @@ impl Drop for ReleaseGuard {
     fn drop(&mut self) {
         let Some(job) = self.job.take() else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        let state = Arc::clone(&self.state);
+        let releaser = Arc::clone(&self.releaser);
         rt.spawn(async move {
             let started = Instant::now();
-            match release_with(&state, job.method, &job.request_id, &job.params, Some(&job.body), Some(&job.path)).await {
+            match releaser.release_with(job.method, &job.request_id, &job.params, Some(&job.body), Some(&job.path)).await {
                 Ok(how) => tracing::info!(request_id = %job.request_id, method = how, ms = started.elapsed().as_millis() as u64, "released the prefill's blocks"),
                 Err(e) => tracing::warn!(request_id = %job.request_id, %e, "could not release the prefill's blocks; the engine's lease will"),
             }
@@ -103,41 +119,100 @@ pub enum ReleaseError {
     NoRank { last: String },
 }
 
-/// Frees the blocks `params` name; returns the method that worked.
-pub async fn release(
-    state: &Arc<State>,
-    request_id: &str,
-    params: &str,
-    client_body: Option<&[u8]>,
-    path: Option<&str>,
-) -> Result<&'static str, ReleaseError> {
-    release_with(state, state.cfg.release_method, request_id, params, client_body, path).await
-}
-
-async fn release_with(
-    state: &Arc<State>,
-    method: ReleaseMethod,
-    request_id: &str,
-    params: &str,
-    client_body: Option<&[u8]>,
-    path: Option<&str>,
-) -> Result<&'static str, ReleaseError> {
-    if via_xfer(method, state.xfer.is_some()) {
-        match notify(state, params).await {
-            Ok(()) => {
-                inc(&state.metrics.releases_ok);
-                return Ok("xfer");
-            }
-            Err(e) if method == ReleaseMethod::SimXfer => {
-                inc(&state.metrics.releases_failed);
-                return Err(e);
-            }
-            Err(e) => tracing::debug!(%e, "xfer release failed; trying a one-token decode"),
-        }
+impl Releaser {
+    pub fn new(ctx: &Arc<Context>, engines: &Arc<EnginePool>, xfer: Option<Arc<XferLink>>) -> Releaser {
+        Releaser { ctx: Arc::clone(ctx), engines: Arc::clone(engines), xfer }
     }
-    let outcome = decode(state, request_id, params, client_body, path).await;
-    inc(if outcome.is_ok() { &state.metrics.releases_ok } else { &state.metrics.releases_failed });
-    outcome.map(|()| "decode")
+
+    /// Frees the blocks `params` name; returns the method that worked.
+    pub async fn release(
+        &self,
+        request_id: &str,
+        params: &str,
+        client_body: Option<&[u8]>,
+        path: Option<&str>,
+    ) -> Result<&'static str, ReleaseError> {
+        self.release_with(self.ctx.cfg.release_method, request_id, params, client_body, path).await
+    }
+
+    async fn release_with(
+        &self,
+        method: ReleaseMethod,
+        request_id: &str,
+        params: &str,
+        client_body: Option<&[u8]>,
+        path: Option<&str>,
+    ) -> Result<&'static str, ReleaseError> {
+        let metrics = &self.ctx.metrics;
+        if via_xfer(method, self.xfer.is_some()) {
+            match self.notify(params).await {
+                Ok(()) => {
+                    inc(&metrics.releases_ok);
+                    return Ok("xfer");
+                }
+                Err(e) if method == ReleaseMethod::SimXfer => {
+                    inc(&metrics.releases_failed);
+                    return Err(e);
+                }
+                Err(e) => tracing::debug!(%e, "xfer release failed; trying a one-token decode"),
+            }
+        }
+        let outcome = self.decode(request_id, params, client_body, path).await;
+        inc(if outcome.is_ok() { &metrics.releases_ok } else { &metrics.releases_failed });
+        outcome.map(|()| "decode")
+    }
+
+    async fn notify(&self, params: &str) -> Result<(), ReleaseError> {
+        let cfg = &self.ctx.cfg;
+        let link = self.xfer.clone().ok_or(ReleaseError::NoAgent)?;
+        let handle = Handle::parse(params)?;
+        Ok(xfer_link::blocking(cfg.release_timeout, move || link.notify_done(&handle)).await?)
+    }
+
+    async fn decode(
+        &self,
+        request_id: &str,
+        params: &str,
+        client_body: Option<&[u8]>,
+        path: Option<&str>,
+    ) -> Result<(), ReleaseError> {
+        let cfg = &self.ctx.cfg;
+        let client = client_body.and_then(|b| Object::parse(b).ok());
+        let (body, path) = match (&client, path) {
+            (Some(o), Some(p)) => (rewrite::release_body(o, params), p),
+            _ => {
+                let v: serde_json::Value = serde_json::from_str(params)?;
+                let tokens = rewrite::release_tokens(&v, cfg.block_size);
+                (rewrite::synthetic_release_body(cfg.model.as_deref(), tokens, params), "/v1/completions")
+            }
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Ok(v) = HeaderValue::from_str(&format!("{request_id}-release")) {
+            headers.insert(REQUEST_ID, v);
+        }
+        if let Some(a) = &self.ctx.auth.upstream {
+            headers.insert(header::AUTHORIZATION, a.clone());
+        }
+        let mut last = String::new();
+        let mut tried = Vec::new();
+        while let Some(rank) = self.engines.pick(&tried) {
+            tried.push(rank.index);
+            let target = self.engines.rank(rank.index).clone();
+            let req = upstream::post(&target, path, headers.clone(), Body::from(body.clone()));
+            match upstream::send(&self.ctx.client, &target, req, cfg.release_timeout).await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    // Read (and drop) the answer so the connection goes back to the pool.
+                    let _ = upstream::collect(&target, resp.into_body(), 16 << 20, cfg.release_timeout).await;
+                    return if status.is_success() { Ok(()) } else { Err(ReleaseError::Status(status)) };
+                }
+                Err(e) if e.is_connect() => last = e.to_string(),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ReleaseError::NoRank { last })
+    }
 }
 
 /// Whether to try the done notification first (`auto` needs the sidecar's own xfer agent).
@@ -147,56 +222,6 @@ fn via_xfer(method: ReleaseMethod, has_agent: bool) -> bool {
         ReleaseMethod::Decode => false,
         ReleaseMethod::Auto => has_agent,
     }
-}
-
-async fn notify(state: &State, params: &str) -> Result<(), ReleaseError> {
-    let link = state.xfer.clone().ok_or(ReleaseError::NoAgent)?;
-    let handle = Handle::parse(params)?;
-    Ok(xfer_link::blocking(state.cfg.release_timeout, move || link.notify_done(&handle)).await?)
-}
-
-async fn decode(
-    state: &State,
-    request_id: &str,
-    params: &str,
-    client_body: Option<&[u8]>,
-    path: Option<&str>,
-) -> Result<(), ReleaseError> {
-    let client = client_body.and_then(|b| Object::parse(b).ok());
-    let (body, path) = match (&client, path) {
-        (Some(o), Some(p)) => (rewrite::release_body(o, params), p),
-        _ => {
-            let v: serde_json::Value = serde_json::from_str(params)?;
-            let tokens = rewrite::release_tokens(&v, state.cfg.block_size);
-            (rewrite::synthetic_release_body(state.cfg.model.as_deref(), tokens, params), "/v1/completions")
-        }
-    };
-    let mut headers = HeaderMap::new();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if let Ok(v) = HeaderValue::from_str(&format!("{request_id}-release")) {
-        headers.insert(REQUEST_ID, v);
-    }
-    if let Some(a) = &state.upstream_auth {
-        headers.insert(header::AUTHORIZATION, a.clone());
-    }
-    let mut last = String::new();
-    let mut tried = Vec::new();
-    while let Some(rank) = state.engines.pick(&tried) {
-        tried.push(rank.index);
-        let target = state.engines.rank(rank.index).clone();
-        let req = upstream::post(&target, path, headers.clone(), Body::from(body.clone()));
-        match upstream::send(&state.client, &target, req, state.cfg.release_timeout).await {
-            Ok(resp) => {
-                let status = resp.status();
-                // Read (and drop) the answer so the connection goes back to the pool.
-                let _ = upstream::collect(&target, resp.into_body(), 16 << 20, state.cfg.release_timeout).await;
-                return if status.is_success() { Ok(()) } else { Err(ReleaseError::Status(status)) };
-            }
-            Err(e) if e.is_connect() => last = e.to_string(),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(ReleaseError::NoRank { last })
 }
 
 /// `POST /pd/release` body (coordinator/API.md).

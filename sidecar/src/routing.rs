@@ -6,12 +6,13 @@
 use http::HeaderMap;
 
 use crate::allowlist::validate_header;
+use crate::context::Context;
 use crate::coordinator::Coordinator;
+use crate::engines::Prefills;
 use crate::handoff::{self, Inputs, PairingAnswer, Redirected, Route};
 use crate::json::Object;
 use crate::metrics::{inc, RedirectOutcome};
 use crate::rewrite::{self, Api};
-use crate::state::State;
 use crate::target::Target;
 use crate::upstream::{REDIRECT_HEADER, ROUTING_HEADER};
 
@@ -32,26 +33,32 @@ pub fn redirect_mark(r: Redirected) -> &'static str {
 /// The header's targets when present and valid; an invalid header is counted and ignored. A
 /// target is valid when the allowlist accepts it or the coordinator's last view lists it as a
 /// prefill engine (the pairing decisions a redirecting sidecar passes along name those).
-pub fn header_targets(state: &State, coordinator: Option<&Coordinator>, headers: &HeaderMap) -> Vec<Target> {
-    if state.cfg.ignore_routing_header {
+pub fn header_targets(
+    ctx: &Context,
+    prefills: &Prefills,
+    coordinator: Option<&Coordinator>,
+    headers: &HeaderMap,
+) -> Vec<Target> {
+    let cfg = &ctx.cfg;
+    if cfg.ignore_routing_header {
         return Vec::new();
     }
     let Some(value) = headers.get(ROUTING_HEADER) else { return Vec::new() };
     let text = value.to_str().unwrap_or_default();
     let vouched = |hp: &_| coordinator.and_then(|c| c.view_target(hp));
-    match validate_header(text, |hp| state.resolved.allowlist.allows(hp) || vouched(hp).is_some()) {
+    match validate_header(text, |hp| prefills.allowlist.allows(hp) || vouched(hp).is_some()) {
         Ok(targets) => targets
             .into_iter()
             .map(|hp| {
                 // A listed static entry keeps its scheme and bootstrap port; a view entry its id.
-                let listed = state.prefills.iter().find(|p| p.host_port == hp).cloned();
-                listed.or_else(|| vouched(&hp)).unwrap_or_else(|| {
-                    Target::from_host_port(hp, &state.cfg.prefill_scheme, Some(state.cfg.bootstrap_port))
-                })
+                let listed = prefills.listed(&hp);
+                listed
+                    .or_else(|| vouched(&hp))
+                    .unwrap_or_else(|| Target::from_host_port(hp, &cfg.prefill_scheme, Some(cfg.bootstrap_port)))
             })
             .collect(),
         Err(e) => {
-            inc(&state.metrics.routing_header_rejected);
+            inc(&ctx.metrics.routing_header_rejected);
             tracing::warn!(%e, "ignoring a routing header the allowlist refuses");
             Vec::new()
         }
@@ -61,41 +68,41 @@ pub fn header_targets(state: &State, coordinator: Option<&Coordinator>, headers:
 /// Gathers the inputs of [`handoff::plan`] — asking the coordinator to pair when the core
 /// wants it — and returns its route.
 pub async fn route(
-    state: &State,
+    ctx: &Context,
+    prefills: &Prefills,
     coordinator: Option<&Coordinator>,
     headers: &HeaderMap,
     body: &Object<'_>,
     api: Api,
     request_id: &str,
 ) -> Route {
-    let threshold = state.cfg.local_prefill_below_tokens;
+    let threshold = ctx.cfg.local_prefill_below_tokens;
     let redirected = redirected(headers);
     if redirected.is_some() {
-        state.metrics.redirect(RedirectOutcome::Received);
+        ctx.metrics.redirect(RedirectOutcome::Received);
         tracing::Span::current().record("redirect", "received");
     }
     let prompt = if threshold > 0 || coordinator.is_some() { rewrite::prompt(body, api) } else { None };
     let mut inputs = Inputs {
         redirected,
-        header: header_targets(state, coordinator, headers),
-        prompt_tokens: prompt.as_ref().map(|p| p.estimated_tokens(state.cfg.chars_per_token)),
+        header: header_targets(ctx, prefills, coordinator, headers),
+        prompt_tokens: prompt.as_ref().map(|p| p.estimated_tokens(ctx.cfg.chars_per_token)),
         local_below_tokens: threshold,
         pairing: PairingAnswer::NotAsked,
         view: coordinator.map(Coordinator::view).unwrap_or_default(),
-        statics: state.static_prefills(),
-        dead: state.dead.snapshot(),
+        statics: prefills.rotation(),
+        dead: prefills.dead.snapshot(),
     };
     if let Some(c) = coordinator.filter(|_| handoff::wants_pairing(&inputs)) {
         let model: Option<String> = body.parsed("model");
-        inputs.pairing =
-            match c.pair(&state.client, &state.metrics, request_id, model.as_deref(), prompt.as_ref()).await {
-                Some(pairing) => PairingAnswer::Decided(pairing),
-                None => PairingAnswer::Unavailable,
-            };
+        inputs.pairing = match c.pair(&ctx.client, &ctx.metrics, request_id, model.as_deref(), prompt.as_ref()).await {
+            Some(pairing) => PairingAnswer::Decided(pairing),
+            None => PairingAnswer::Unavailable,
+        };
     }
     let route = handoff::plan(&inputs);
     if let Route::NoSidecar { decode, .. } = &route {
-        state.metrics.redirect(RedirectOutcome::NoSidecarUrl);
+        ctx.metrics.redirect(RedirectOutcome::NoSidecarUrl);
         tracing::debug!(%decode, "the chosen decode has no sidecar_url; decoding here");
     }
     route
@@ -110,9 +117,9 @@ mod tests {
     use crate::handoff::Plan;
     use crate::metrics::LocalReason;
 
-    fn state(flags: &[&str]) -> std::sync::Arc<State> {
+    fn app(flags: &[&str]) -> crate::App {
         let args = ["pd-sidecar", "--engine", "127.0.0.1:1"].iter().chain(flags);
-        crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap().state
+        crate::build(crate::config::Config::try_parse_from(args).unwrap()).unwrap()
     }
 
     fn with(name: &'static str, value: &str) -> HeaderMap {
@@ -136,36 +143,39 @@ mod tests {
 
     #[test]
     fn routing_header_targets() {
-        let s = state(&["--prefill", "10.0.0.1:8100#bootstrap=9000", "--allow", "10.9.0.0/16"]);
-        let listed = header_targets(&s, None, &with(ROUTING_HEADER, "10.0.0.1:8100"));
+        let s = app(&["--prefill", "10.0.0.1:8100#bootstrap=9000", "--allow", "10.9.0.0/16"]);
+        let listed = header_targets(&s.ctx, &s.prefills, None, &with(ROUTING_HEADER, "10.0.0.1:8100"));
         assert_eq!((listed[0].base.as_str(), listed[0].bootstrap_port), ("http://10.0.0.1:8100", Some(9000)));
-        let allowed = header_targets(&s, None, &with(ROUTING_HEADER, "10.9.1.2:7000, 10.0.0.1:8100"));
+        let allowed = header_targets(&s.ctx, &s.prefills, None, &with(ROUTING_HEADER, "10.9.1.2:7000, 10.0.0.1:8100"));
         let bases: Vec<_> = allowed.iter().map(|t| t.base.as_str()).collect();
         assert_eq!(bases, ["http://10.9.1.2:7000", "http://10.0.0.1:8100"]);
-        assert!(header_targets(&s, None, &HeaderMap::new()).is_empty());
+        assert!(header_targets(&s.ctx, &s.prefills, None, &HeaderMap::new()).is_empty());
         // One refused target refuses the header, counted.
-        assert!(header_targets(&s, None, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
-        assert_eq!(s.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
-        let ignoring = state(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
-        assert!(header_targets(&ignoring, None, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty());
+        assert!(header_targets(&s.ctx, &s.prefills, None, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
+        assert_eq!(s.ctx.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let ignoring = app(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
+        assert!(
+            header_targets(&ignoring.ctx, &ignoring.prefills, None, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty()
+        );
     }
 
     #[tokio::test]
     async fn the_edge_hands_the_core_its_inputs() {
-        let s = state(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
+        let s = app(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
         let body = Object::parse(br#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "max_tokens": 1}"#).unwrap();
-        let Route::Here(Plan::Prefill(c)) = route(&s, None, &HeaderMap::new(), &body, Api::Completions, "r").await
+        let Route::Here(Plan::Prefill(c)) =
+            route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &body, Api::Completions, "r").await
         else {
             panic!("expected the static prefill")
         };
         assert_eq!(c[0].base, "http://10.0.0.1:8100");
         let short = Object::parse(br#"{"prompt": [1, 2, 3], "max_tokens": 1}"#).unwrap();
-        let short_route = route(&s, None, &HeaderMap::new(), &short, Api::Completions, "r").await;
+        let short_route = route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &short, Api::Completions, "r").await;
         assert_eq!(short_route, Route::Here(Plan::Local(LocalReason::Threshold)));
         let received = with(REDIRECT_HEADER, "local");
         let body =
             Object::parse(br#"{"prompt": "a much longer prompt than ten tokens, surely", "max_tokens": 1}"#).unwrap();
-        let marked = route(&s, None, &received, &body, Api::Completions, "r").await;
+        let marked = route(&s.ctx, &s.prefills, None, &received, &body, Api::Completions, "r").await;
         assert_eq!(marked, Route::Here(Plan::Local(LocalReason::Coordinator)));
     }
 }

@@ -1,5 +1,6 @@
-//! The HTTP surface: routes, the bearer-token check, pass-through to the engine, health,
-//! readiness, metrics, `/pd/release`; and the accept loop (plain or TLS) with graceful drain.
+//! The HTTP surface: routes, the bearer-token check, the flow a generation request takes (vLLM
+//! or SGLang, by `--mode`), pass-through to the engine, health, readiness, metrics,
+//! `/pd/release`; and the accept loop (plain or TLS) with graceful drain.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -17,28 +18,24 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
+use tracing::Instrument;
 
 use crate::config::Mode;
+use crate::context::Context;
 use crate::errors::ApiError;
+use crate::finish::Finish;
 use crate::metrics::{inc, Outcome};
 use crate::proxy;
-use crate::release::{self, ReleaseRequest};
+use crate::release::ReleaseRequest;
 use crate::rewrite::Api;
-use crate::state::State;
+use crate::sglang;
 use crate::upstream::{self, LegHeaders};
 use crate::App;
 
-type Shared = Arc<State>;
+type Shared = Arc<App>;
 
-/// Handlers that need only the request context take it out of the app.
-impl axum::extract::FromRef<App> for Shared {
-    fn from_ref(app: &App) -> Shared {
-        Arc::clone(&app.state)
-    }
-}
-
-pub fn router(app: App) -> Router {
-    let state = Arc::clone(&app.state);
+pub fn router(app: Shared) -> Router {
+    let ctx = Arc::clone(&app.ctx);
     let mut r = Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
@@ -47,12 +44,12 @@ pub fn router(app: App) -> Router {
         .route("/pd/release", post(pd_release))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat));
-    if state.cfg.mode == Mode::Sglang {
+    if ctx.cfg.mode == Mode::Sglang {
         r = r.route("/generate", post(generate));
     }
     r.fallback(passthrough)
-        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
-        .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .layer(DefaultBodyLimit::max(ctx.cfg.max_body_bytes))
+        .layer(middleware::from_fn_with_state(Arc::clone(&ctx), auth))
         .with_state(app)
 }
 
@@ -61,14 +58,14 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn auth(AxState(state): AxState<Shared>, req: Request, next: Next) -> Response<Body> {
-    if let Some(expected) = &state.auth {
+async fn auth(AxState(ctx): AxState<Arc<Context>>, req: Request, next: Next) -> Response<Body> {
+    if let Some(expected) = &ctx.auth.expected {
         let path = req.uri().path();
         let open = matches!(path, "/health" | "/ready" | "/metrics");
         let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes).unwrap_or_default();
         if !open && !same(given, expected.as_bytes()) {
             if Api::from_path(path).is_some() {
-                inc_outcome(&state, Outcome::Unauthorized);
+                crate::metrics::Tracker::new(&ctx.metrics).finish(Outcome::Unauthorized);
             }
             return ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid bearer token").response();
         }
@@ -76,40 +73,51 @@ async fn auth(AxState(state): AxState<Shared>, req: Request, next: Next) -> Resp
     next.run(req).await
 }
 
-fn inc_outcome(state: &State, o: Outcome) {
-    crate::metrics::Tracker::new(&state.metrics).finish(o);
-}
-
 fn path_and_query(uri: &Uri) -> String {
     uri.path_and_query().map_or_else(|| uri.path().to_string(), |p| p.as_str().to_string())
 }
 
-async fn completions(AxState(app): AxState<App>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    proxy::generation(app, Api::Completions, path_and_query(&uri), headers, body).await
+async fn completions(AxState(app): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    generation(app, Api::Completions, path_and_query(&uri), headers, body).await
 }
 
-async fn chat(AxState(app): AxState<App>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    proxy::generation(app, Api::Chat, path_and_query(&uri), headers, body).await
+async fn chat(AxState(app): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    generation(app, Api::Chat, path_and_query(&uri), headers, body).await
 }
 
-async fn generate(AxState(app): AxState<App>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    proxy::generation(app, Api::Generate, path_and_query(&uri), headers, body).await
+async fn generate(AxState(app): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    generation(app, Api::Generate, path_and_query(&uri), headers, body).await
 }
 
-async fn metrics(AxState(state): AxState<Shared>) -> Response<Body> {
-    let mut r = Response::new(Body::from(state.metrics.render()));
+/// A generation request: its id, its span and its [`Finish`], then the mode's flow.
+async fn generation(app: Shared, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
+    let rid = proxy::request_id(&app.ids, &headers);
+    let span = tracing::info_span!("request", request_id = %rid, api = api.name(), redirect = tracing::field::Empty);
+    async {
+        let fin = Finish::new(&app.ctx.metrics, app.coordinator.as_ref(), &rid);
+        if app.ctx.cfg.mode == Mode::Sglang {
+            return sglang::run(&app, api, &path, &headers, &rid, body, fin).await;
+        }
+        proxy::vllm(&app, api, &path, &headers, &rid, body, fin).await
+    }
+    .instrument(span)
+    .await
+}
+
+async fn metrics(AxState(app): AxState<Shared>) -> Response<Body> {
+    let mut r = Response::new(Body::from(app.ctx.metrics.render()));
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     r
 }
 
 /// Ready when every engine rank's `/health` answers 2xx.
-async fn ready(AxState(state): AxState<Shared>) -> Response<Body> {
-    let checks = state.engines.all().iter().map(|t| {
-        let state = Arc::clone(&state);
+async fn ready(AxState(app): AxState<Shared>) -> Response<Body> {
+    let checks = app.engines.all().iter().map(|t| {
+        let ctx = Arc::clone(&app.ctx);
         let t = t.clone();
         async move {
             let req = upstream::json_request(Method::GET, &t.url("/health"), None).ok()?;
-            let resp = upstream::send(&state.client, &t, req, Duration::from_secs(2)).await.ok()?;
+            let resp = upstream::send(&ctx.client, &t, req, Duration::from_secs(2)).await.ok()?;
             let ok = resp.status().is_success();
             let _ = upstream::collect(&t, resp.into_body(), 64 << 10, Duration::from_secs(1)).await;
             Some(ok)
@@ -117,7 +125,7 @@ async fn ready(AxState(state): AxState<Shared>) -> Response<Body> {
     });
     let results = futures_util::future::join_all(checks).await;
     let ready = results.iter().all(|r| *r == Some(true));
-    let engines: Vec<serde_json::Value> = state
+    let engines: Vec<serde_json::Value> = app
         .engines
         .all()
         .iter()
@@ -131,12 +139,12 @@ async fn ready(AxState(state): AxState<Shared>) -> Response<Body> {
     r
 }
 
-async fn engine_metrics(AxState(state): AxState<Shared>, headers: HeaderMap) -> Response<Body> {
-    forward(&state, Method::GET, "/metrics".into(), &headers, Body::empty()).await
+async fn engine_metrics(AxState(app): AxState<Shared>, headers: HeaderMap) -> Response<Body> {
+    forward(&app, Method::GET, "/metrics".into(), &headers, Body::empty()).await
 }
 
 /// `POST /pd/release {"request_id", "kv_transfer_params"}`: frees held blocks now.
-async fn pd_release(AxState(state): AxState<Shared>, body: Bytes) -> Response<Body> {
+async fn pd_release(AxState(app): AxState<Shared>, body: Bytes) -> Response<Body> {
     let req: ReleaseRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return ApiError::new(StatusCode::BAD_REQUEST, format!("invalid release request: {e}")).response(),
@@ -144,7 +152,7 @@ async fn pd_release(AxState(state): AxState<Shared>, body: Bytes) -> Response<Bo
     if !req.kv_transfer_params.get().trim_start().starts_with('{') {
         return ApiError::new(StatusCode::BAD_REQUEST, "kv_transfer_params must be an object").response();
     }
-    match release::release(&state, &req.request_id, req.kv_transfer_params.get(), None, None).await {
+    match app.releaser.release(&req.request_id, req.kv_transfer_params.get(), None, None).await {
         Ok(method) => {
             let mut r = Response::new(Body::from(format!("{{\"released\":true,\"method\":\"{method}\"}}")));
             r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -155,15 +163,15 @@ async fn pd_release(AxState(state): AxState<Shared>, body: Bytes) -> Response<Bo
 }
 
 /// Any other path goes to the engine's first rank untouched (routing headers stripped).
-async fn passthrough(AxState(state): AxState<Shared>, req: Request) -> Response<Body> {
+async fn passthrough(AxState(app): AxState<Shared>, req: Request) -> Response<Body> {
     let (parts, body) = req.into_parts();
-    inc(&state.metrics.passthrough);
-    forward(&state, parts.method, path_and_query(&parts.uri), &parts.headers, body).await
+    inc(&app.ctx.metrics.passthrough);
+    forward(&app, parts.method, path_and_query(&parts.uri), &parts.headers, body).await
 }
 
-async fn forward(state: &State, method: Method, path: String, headers: &HeaderMap, body: Body) -> Response<Body> {
-    let rid = proxy::request_id(state, headers);
-    let target = state.engines.primary();
+async fn forward(app: &App, method: Method, path: String, headers: &HeaderMap, body: Body) -> Response<Body> {
+    let (ctx, rid) = (&app.ctx, proxy::request_id(&app.ids, headers));
+    let target = app.engines.primary();
     let mut req = http::Request::new(body);
     *req.method_mut() = method;
     *req.uri_mut() = match target.url(&path).parse() {
@@ -172,10 +180,10 @@ async fn forward(state: &State, method: Method, path: String, headers: &HeaderMa
     };
     *req.headers_mut() = upstream::leg_headers(
         headers,
-        LegHeaders { request_id: &rid, authorization: state.upstream_auth.as_ref(), rewritten: false, identity: false },
+        LegHeaders { request_id: &rid, authorization: ctx.auth.upstream.as_ref(), rewritten: false, identity: false },
         &[],
     );
-    match upstream::send(&state.client, target, req, state.cfg.decode_first_byte_timeout).await {
+    match upstream::send(&ctx.client, target, req, ctx.cfg.decode_first_byte_timeout).await {
         Ok(resp) => {
             let (parts, incoming) = resp.into_parts();
             crate::decode::passthrough(parts.status, &parts.headers, incoming)

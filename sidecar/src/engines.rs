@@ -1,79 +1,58 @@
-//! What every request handler shares: configuration, the HTTP client, the local engine's ranks,
-//! the static prefill list, engines known dead, metrics, and the optional xfer agent. The
-//! coordinator link and the puller are handles of their own (`crate::App`), passed to the parts
-//! that use them.
+//! The engines a request can be sent to, each kind a handle of its own: the local engine's
+//! ranks ([`EnginePool`], for the decode, releases and pass-through), the prefill engines known
+//! without the coordinator ([`Prefills`], for routing) and the engines the coordinator reported
+//! dead ([`DeadSet`], shared by routing, the leg executor and the coordinator link).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use http::HeaderValue;
 use parking_lot::RwLock;
 
-use crate::config::{Config, Resolved};
-use crate::ids::Ids;
-use crate::metrics::Metrics;
+use crate::allowlist::{Allowlist, HostPort};
 use crate::target::Target;
-use crate::upstream::HttpClient;
-use crate::xfer_link::XferLink;
 
+/// The prefill engines known from the configuration: the static list (taken in rotation) and
+/// the allowlist a routing header's targets are checked against; engines reported dead are
+/// left out of the rotation.
 #[derive(Debug)]
-pub struct State {
-    pub cfg: Config,
-    pub engines: EnginePool,
-    pub prefills: Vec<Target>,
-    prefill_next: AtomicUsize,
-    pub resolved: Resolved,
-    pub client: HttpClient,
-    pub metrics: Arc<Metrics>,
-    pub ids: Ids,
-    pub dead: DeadSet,
-    /// `Bearer <token>` clients must send.
-    pub auth: Option<HeaderValue>,
-    /// Authorization sent upstream instead of the client's.
-    pub upstream_auth: Option<HeaderValue>,
-    /// The sidecar's own xfer agent (pull mode; xfer releases).
-    pub xfer: Option<Arc<XferLink>>,
+pub struct Prefills {
+    statics: Vec<Target>,
+    next: AtomicUsize,
+    pub allowlist: Allowlist,
+    pub dead: Arc<DeadSet>,
 }
 
-impl State {
-    pub fn new(cfg: Config, resolved: Resolved, client: HttpClient, xfer: Option<Arc<XferLink>>) -> State {
-        let bearer = |t: &Option<String>| {
-            t.as_ref().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()).map(|mut v| {
-                v.set_sensitive(true);
-                v
-            })
-        };
-        State {
-            auth: bearer(&cfg.auth_token),
-            upstream_auth: bearer(&cfg.upstream_token),
-            engines: EnginePool::new(resolved.engines.clone()),
-            prefills: resolved.prefills.clone(),
-            prefill_next: AtomicUsize::new(0),
-            resolved,
-            client,
-            metrics: Arc::new(Metrics::default()),
-            ids: Ids::default(),
-            dead: DeadSet::default(),
-            xfer,
-            cfg,
-        }
+impl Prefills {
+    pub fn new(statics: Vec<Target>, allowlist: Allowlist, dead: Arc<DeadSet>) -> Prefills {
+        Prefills { statics, next: AtomicUsize::new(0), allowlist, dead }
     }
 
-    /// The static prefill list starting at the next round-robin position, without engines
-    /// known dead.
-    pub fn static_prefills(&self) -> Vec<Target> {
-        let n = self.prefills.len();
+    /// The static list starting at the next round-robin position, without engines known dead.
+    pub fn rotation(&self) -> Vec<Target> {
+        let n = self.statics.len();
         if n == 0 {
             return Vec::new();
         }
-        let start = self.prefill_next.fetch_add(1, Relaxed) % n;
-        (0..n).map(|i| &self.prefills[(start + i) % n]).filter(|t| !self.dead.is_dead(t)).cloned().collect()
+        let start = self.next.fetch_add(1, Relaxed) % n;
+        (0..n).map(|i| &self.statics[(start + i) % n]).filter(|t| !self.dead.is_dead(t)).cloned().collect()
+    }
+
+    /// The static entry at `hp` (it keeps its scheme and bootstrap port).
+    pub fn listed(&self, hp: &HostPort) -> Option<Target> {
+        self.statics.iter().find(|p| p.host_port == *hp).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.statics.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.statics.is_empty()
     }
 }
 
-/// The local engine's data-parallel ranks; generation requests go to the least busy.
 #[derive(Debug)]
 pub struct EnginePool {
     ranks: Vec<Target>,
@@ -173,10 +152,6 @@ impl DeadSet {
         entries.iter().filter(|(_, until)| **until > now).map(|(k, _)| k.clone()).collect()
     }
 
-    pub fn clear(&self, key: &str) {
-        self.entries.write().remove(key);
-    }
-
     pub fn is_dead(&self, t: &Target) -> bool {
         let entries = self.entries.read();
         if entries.is_empty() {
@@ -185,14 +160,6 @@ impl DeadSet {
         let now = Instant::now();
         let live = |k: &str| entries.get(k).is_some_and(|until| *until > now);
         live(&t.base) || t.id.as_deref().is_some_and(live)
-    }
-
-    pub fn len(&self) -> usize {
-        self.entries.read().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.read().is_empty()
     }
 }
 
@@ -221,13 +188,29 @@ mod tests {
     }
 
     #[test]
+    fn the_static_list_rotates_without_the_dead() {
+        let dead = Arc::new(DeadSet::default());
+        let allowlist = Allowlist::parse::<&str>(&[]).unwrap();
+        let p = Prefills::new(vec![t("a:1"), t("b:1"), t("c:1")], allowlist, Arc::clone(&dead));
+        let bases = |v: Vec<Target>| v.into_iter().map(|t| t.base).collect::<Vec<_>>();
+        assert_eq!(bases(p.rotation()), ["http://a:1", "http://b:1", "http://c:1"]);
+        assert_eq!(bases(p.rotation()), ["http://b:1", "http://c:1", "http://a:1"]);
+        dead.mark("http://a:1");
+        assert_eq!(bases(p.rotation()), ["http://c:1", "http://b:1"]);
+        assert_eq!(p.listed(&"b:1".parse().unwrap()).map(|t| t.base), Some("http://b:1".into()));
+        assert!(p.listed(&"d:1".parse().unwrap()).is_none());
+        let none = Prefills::new(Vec::new(), Allowlist::parse::<&str>(&[]).unwrap(), dead);
+        assert!(none.rotation().is_empty() && none.is_empty());
+    }
+
+    #[test]
     fn dead_engines_are_skipped() {
         let d = DeadSet::default();
         let mut p = t("p:1");
         assert!(!d.is_dead(&p));
         d.mark("http://p:1");
         assert!(d.is_dead(&p));
-        d.clear("http://p:1");
+        let d = DeadSet::default();
         p.id = Some("prefill-0".into());
         d.mark("prefill-0");
         assert!(d.is_dead(&p));
