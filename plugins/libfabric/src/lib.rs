@@ -149,8 +149,12 @@ impl LibfabricBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
         let BackendContext { agent_name, params, notifs, staging: _ } = ctx;
         let settings = Settings::parse(params)?;
+        // The domain is matched here too: rxm does not filter on the hints' domain name.
         let info = fabric::Info::choose(settings.provider.as_deref(), settings.domain.as_deref(), |all| {
-            settings.pick(&all.iter().map(|a| a.provider.clone()).collect::<Vec<_>>())
+            let fits: Vec<usize> =
+                (0..all.len()).filter(|&i| settings.domain.as_ref().is_none_or(|d| all[i].domain == *d)).collect();
+            let names: Vec<String> = fits.iter().map(|&i| all[i].provider.clone()).collect();
+            settings.pick(&names).map(|at| fits[at])
         })
         .map_err(unavailable)?;
         let recv_len = settings.notif_chunk + msg::NOTIF_OVERHEAD + 2 * keys::MAX_FIELD;
@@ -409,5 +413,54 @@ impl RemoteAgent for FabricPeer {
 
     fn disconnect(&self) {
         self.closed.store(true, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xfer_core::{BackendParams, HostStaging};
+
+    fn backend(params: &str) -> Result<LibfabricBackend, BackendError> {
+        LibfabricBackend::new(BackendContext {
+            agent_name: "unit".into(),
+            params: BackendParams::parse(params)?,
+            notifs: Arc::new(|_: &str, _: Vec<u8>| {}),
+            staging: Arc::new(HostStaging::new("no GPU in unit tests")),
+        })
+    }
+
+    #[test]
+    fn lists_providers_and_picks_tcp_by_default_here() {
+        let all = providers(None).expect("fi_getinfo");
+        assert!(all.iter().any(|p| p.provider == "tcp;ofi_rxm"), "{all:?}");
+        let b = backend("").expect("default provider");
+        // Debian's libfabric offers nothing better than tcp;ofi_rxm on these machines.
+        assert!(config::PREFERENCE.contains(&b.provider().0), "{:?}", b.provider());
+        let b = backend("provider=tcp;ofi_rxm,domain=lo").expect("tcp on lo");
+        assert_eq!(b.provider(), ("tcp;ofi_rxm", "lo"));
+        let caps = b.capabilities();
+        assert!(caps.moves(MemType::Dram, MemType::Dram) && !caps.supports(MemType::Vram));
+        let info = keys::ConnInfo::decode(&b.conn_info()).expect("own conn info");
+        assert_eq!(info.provider, "tcp;ofi_rxm");
+        assert!(!info.address.is_empty());
+    }
+
+    #[test]
+    fn refuses_bad_parameters_and_missing_providers() {
+        assert!(matches!(backend("provider=no-such-provider"), Err(BackendError::Unsupported(_))));
+        assert!(matches!(backend("timeout_ms=soon"), Err(BackendError::InvalidParam { .. })));
+    }
+
+    #[test]
+    fn connect_refuses_garbage_and_other_providers() {
+        let b = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend");
+        assert!(matches!(b.connect("p", b"nonsense"), Err(BackendError::InvalidMetadata(_))));
+        let mut other = keys::ConnInfo::decode(&b.conn_info()).expect("decode");
+        other.provider = "efa".into();
+        assert!(matches!(b.connect("p", &other.encode()), Err(BackendError::Unsupported(_))));
+        let peer = b.connect("self", &b.conn_info()).expect("connect to own address");
+        assert!(peer.unpack_key(b"junk").is_err());
+        b.shutdown();
     }
 }
