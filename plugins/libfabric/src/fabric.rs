@@ -344,6 +344,8 @@ pub struct Endpoint {
     next_key: u64,
     /// The CQ as other threads may signal it; cleared before the CQ closes.
     waker: Waker,
+    /// Writes ask for FI_DELIVERY_COMPLETE until the provider refuses the flag.
+    delivery_complete: bool,
 }
 
 /// Wakes the thread blocked in [`Endpoint::wait`] (`fi_cq_signal`), from any thread.
@@ -399,6 +401,7 @@ impl Endpoint {
             regions: HashMap::new(),
             next_key: 1,
             waker: Waker::default(),
+            delivery_complete: true,
         };
         // SAFETY: `info` is a single live entry; each call writes the opened object into the
         // field named, which Drop closes (in reverse order) whatever step fails.
@@ -597,20 +600,29 @@ impl Endpoint {
             context: ctx,
             data: 0,
         };
-        // A write completes once the target has it (visible there), not once it left here.
-        let flags = match op {
-            Rma::Read => u64::from(sys::FI_COMPLETION),
-            Rma::Write => u64::from(sys::FI_COMPLETION) | u64::from(sys::FI_DELIVERY_COMPLETE),
-        };
-        // SAFETY: the message's arrays live for the call (providers copy them); the local
-        // memory (a pinned registered DRAM slice) and the context stay owned by `in_flight`
-        // until the CQ reports the operation or the endpoint closes.
-        let ret = unsafe {
-            match op {
-                Rma::Read => sys::xf_readmsg(self.ep, &msg, flags),
-                Rma::Write => sys::xf_writemsg(self.ep, &msg, flags),
+        // A write completes once the target has it (visible there), not once it left here;
+        // a provider without that flag completes writes as its default says (tcp: on its ack).
+        let post = |delivery: bool| {
+            let flags = match op {
+                Rma::Write if delivery => u64::from(sys::FI_COMPLETION) | u64::from(sys::FI_DELIVERY_COMPLETE),
+                _ => u64::from(sys::FI_COMPLETION),
+            };
+            // SAFETY: the message's arrays live for the call (providers copy them); the local
+            // memory (a pinned registered DRAM slice) and the context stay owned by
+            // `in_flight` until the CQ reports the operation or the endpoint closes.
+            unsafe {
+                match op {
+                    Rma::Read => sys::xf_readmsg(self.ep, &msg, flags),
+                    Rma::Write => sys::xf_writemsg(self.ep, &msg, flags),
+                }
             }
         };
+        let mut ret = post(self.delivery_complete);
+        if op == Rma::Write && self.delivery_complete && ret == -(sys::FI_EBADFLAGS as isize) {
+            tracing::info!(provider = %self.attrs.provider, "libfabric: no FI_DELIVERY_COMPLETE for writes");
+            self.delivery_complete = false;
+            ret = post(false);
+        }
         if ret == -(EAGAIN as isize) {
             return match self.in_flight.remove(&at).map(|f| f.kind) {
                 Some(Kind::Rma(slice)) => Ok(Err(slice)),
