@@ -8,19 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use xfer_core::{BackendError, Completer, LocalRegion, MemSlice, NotifSink, RefusalCode};
+use xfer_core::{BackendError, Completer, LocalRegion, NotifSink, RefusalCode};
 
 use crate::config::Settings;
 use crate::fabric::{CqError, Done, Endpoint, Rma, Waker};
 
-/// One RMA operation of a job.
-#[derive(Debug)]
-pub struct Piece {
-    pub local: MemSlice,
-    /// As the peer's provider addresses it (virtual address or offset).
-    pub remote: u64,
-    pub key: u64,
-}
+pub use crate::fabric::RmaPiece as Piece;
 
 /// A transfer as the engine runs it.
 #[derive(Debug)]
@@ -109,6 +102,7 @@ pub fn start(
     let (tx, rx) = crossbeam_channel::unbounded();
     let waker = ep.waker();
     let tx_cap = ep.attrs().tx_size.saturating_sub(8).max(1);
+    let max_iov = ep.attrs().max_iov;
     let engine = Engine {
         ep,
         rx,
@@ -117,6 +111,7 @@ pub fn start(
         agent_name,
         own_address,
         tx_cap,
+        max_iov,
         jobs: BTreeMap::new(),
         next_job: 1,
         rma_in_flight: 0,
@@ -166,6 +161,8 @@ struct Engine {
     agent_name: String,
     own_address: Vec<u8>,
     tx_cap: usize,
+    /// Pieces per vectored operation.
+    max_iov: usize,
     jobs: BTreeMap<u64, Active>,
     next_job: u64,
     rma_in_flight: usize,
@@ -300,18 +297,33 @@ impl Engine {
         'jobs: for id in ids {
             let Some(active) = self.jobs.get_mut(&id) else { continue };
             while active.in_flight < self.settings.max_in_flight && self.rma_in_flight < self.tx_cap {
-                let Some(piece) = active.job.pieces.pop_front() else { break };
-                let Piece { local, remote, key } = piece;
-                match self.ep.post_rma(active.job.op, local, active.job.peer, remote, key, id) {
+                // Consecutive pieces go as one vectored operation, within the provider's iovec
+                // limit and max_op_bytes.
+                let mut batch = Vec::new();
+                let mut bytes = 0;
+                while let Some(next) = active.job.pieces.front() {
+                    let len = next.local.len();
+                    if !batch.is_empty() && (batch.len() == self.max_iov || bytes + len > self.settings.max_op_bytes) {
+                        break;
+                    }
+                    bytes += len;
+                    batch.extend(active.job.pieces.pop_front());
+                }
+                if batch.is_empty() {
+                    break;
+                }
+                match self.ep.post_rma(active.job.op, batch, active.job.peer, id) {
                     Ok(Ok(())) => {
                         active.in_flight += 1;
                         self.rma_in_flight += 1;
                         active.last_progress = Instant::now().max(active.last_progress);
                         posted = true;
                     }
-                    Ok(Err(local)) => {
+                    Ok(Err(batch)) => {
                         // No room in the provider: progress first, then post again.
-                        active.job.pieces.push_front(Piece { local, remote, key });
+                        for piece in batch.into_iter().rev() {
+                            active.job.pieces.push_front(piece);
+                        }
                         break 'jobs;
                     }
                     Err(err) => {

@@ -63,6 +63,8 @@ pub struct Attrs {
     pub tx_size: usize,
     pub rx_size: usize,
     pub max_msg_size: u64,
+    /// Local and remote iovecs one RMA operation may carry (the smaller of the two limits).
+    pub max_iov: usize,
 }
 
 impl Attrs {
@@ -186,6 +188,7 @@ fn attrs_of(info: *const sys::fi_info) -> Attrs {
             tx_size: (*i.tx_attr).size,
             rx_size: (*i.rx_attr).size,
             max_msg_size: (*i.ep_attr).max_msg_size as u64,
+            max_iov: (*i.tx_attr).iov_limit.min((*i.tx_attr).rma_iov_limit).max(1),
         }
     }
 }
@@ -261,6 +264,15 @@ pub enum Rma {
     Write,
 }
 
+/// One local slice and the peer's range it meets.
+#[derive(Debug)]
+pub struct RmaPiece {
+    pub local: MemSlice,
+    /// As the peer's provider addresses it (virtual address or offset).
+    pub remote: u64,
+    pub key: u64,
+}
+
 /// A finished operation, as the CQ reports it.
 #[derive(Debug)]
 pub enum Done {
@@ -287,7 +299,7 @@ pub struct CqError {
 
 /// What an operation keeps alive until the CQ reports it (held, not read, for Rma and Send).
 enum Kind {
-    Rma(#[allow(dead_code)] MemSlice),
+    Rma(#[allow(dead_code)] Vec<RmaPiece>),
     Send(#[allow(dead_code)] MsgBuf),
     Recv(MsgBuf),
 }
@@ -560,43 +572,47 @@ impl Endpoint {
         check("fi_recv", ret)
     }
 
-    /// Posts one RMA operation between `local` and `len` bytes at the peer's `remote_addr`
-    /// (as its mr_mode addresses it) under `key`. `Ok(false)`: no room now (FI_EAGAIN); progress
-    /// and try again. The slice is kept until the operation completes.
+    /// Posts one RMA operation over `pieces` (at most [`Attrs::max_iov`] of them, each a local
+    /// slice and `len` bytes at the peer's `remote`, as its mr_mode addresses it, under `key`):
+    /// one `fi_readmsg`/`fi_writemsg` with as many local and remote iovecs. `Ok(Err(pieces))`:
+    /// no room now (FI_EAGAIN); progress and try again. The slices are kept until the
+    /// operation completes.
     pub fn post_rma(
         &mut self,
         op: Rma,
-        local: MemSlice,
+        pieces: Vec<RmaPiece>,
         peer: u64,
-        remote_addr: u64,
-        key: u64,
         token: u64,
-    ) -> Result<Result<(), MemSlice>, FabricError> {
-        let region = local.pin().region().id();
-        let desc = match self.regions.get(&region) {
-            Some(r) => r.mr.desc(),
-            None if self.attrs.mr_local() => {
-                return Err(FabricError {
-                    call: "fi_readmsg/fi_writemsg",
-                    code: libc::ENOKEY,
-                    message: format!("local region {region} is not registered with this backend"),
-                })
-            }
-            None => ptr::null_mut(),
-        };
-        let len = local.len();
-        let base = local.as_ptr();
-        let (ctx, at) = self.track(token, Kind::Rma(local));
-        let iov = libc::iovec { iov_base: base.cast_mut().cast(), iov_len: len };
-        let mut descs = [desc];
-        let rma = sys::fi_rma_iov { addr: remote_addr, len, key };
+    ) -> Result<Result<(), Vec<RmaPiece>>, FabricError> {
+        let mut iovs = Vec::with_capacity(pieces.len());
+        let mut descs = Vec::with_capacity(pieces.len());
+        let mut rmas = Vec::with_capacity(pieces.len());
+        for piece in &pieces {
+            let region = piece.local.pin().region().id();
+            let desc = match self.regions.get(&region) {
+                Some(r) => r.mr.desc(),
+                None if self.attrs.mr_local() => {
+                    return Err(FabricError {
+                        call: "fi_readmsg/fi_writemsg",
+                        code: libc::ENOKEY,
+                        message: format!("local region {region} is not registered with this backend"),
+                    })
+                }
+                None => ptr::null_mut(),
+            };
+            let len = piece.local.len();
+            iovs.push(libc::iovec { iov_base: piece.local.as_ptr().cast_mut().cast(), iov_len: len });
+            descs.push(desc);
+            rmas.push(sys::fi_rma_iov { addr: piece.remote, len, key: piece.key });
+        }
+        let (ctx, at) = self.track(token, Kind::Rma(pieces));
         let msg = sys::fi_msg_rma {
-            msg_iov: (&iov as *const libc::iovec).cast(),
+            msg_iov: iovs.as_ptr().cast(),
             desc: descs.as_mut_ptr(),
-            iov_count: 1,
+            iov_count: iovs.len(),
             addr: peer,
-            rma_iov: &rma,
-            rma_iov_count: 1,
+            rma_iov: rmas.as_ptr(),
+            rma_iov_count: rmas.len(),
             context: ctx,
             data: 0,
         };
@@ -608,7 +624,7 @@ impl Endpoint {
                 _ => u64::from(sys::FI_COMPLETION),
             };
             // SAFETY: the message's arrays live for the call (providers copy them); the local
-            // memory (a pinned registered DRAM slice) and the context stay owned by
+            // memory (pinned registered DRAM slices) and the context stay owned by
             // `in_flight` until the CQ reports the operation or the endpoint closes.
             unsafe {
                 match op {
@@ -625,8 +641,8 @@ impl Endpoint {
         }
         if ret == -(EAGAIN as isize) {
             return match self.in_flight.remove(&at).map(|f| f.kind) {
-                Some(Kind::Rma(slice)) => Ok(Err(slice)),
-                _ => Err(FabricError { call: "post_rma", code: libc::EINVAL, message: "lost its slice".into() }),
+                Some(Kind::Rma(pieces)) => Ok(Err(pieces)),
+                _ => Err(FabricError { call: "post_rma", code: libc::EINVAL, message: "lost its pieces".into() }),
             };
         }
         if ret < 0 {

@@ -5,7 +5,9 @@
 //! FI_MSG on the chosen provider, with its fabric, domain, address vector and completion queue
 //! ([`fabric`], the only module that calls libfabric). One engine thread ([`engine`]) drives
 //! it: callers hand it jobs and registrations over a channel and wake it with `fi_cq_signal`;
-//! it posts each job's `fi_readmsg`/`fi_writemsg` operations, at most `max_in_flight` per job
+//! it posts each job's `fi_readmsg`/`fi_writemsg` operations (consecutive descriptor pieces
+//! as one vectored operation, up to the provider's iovec limits and `max_op_bytes`; 4 iovecs
+//! with `tcp;ofi_rxm`), at most `max_in_flight` per job
 //! and no more than the provider's transmit queue holds, reads the CQ (errors from
 //! `fi_cq_readerr`), and, idle, blocks in `fi_cq_sread`, which keeps the provider's progress
 //! (and so its service of peers' RMA) going. The agent metadata carries the endpoint's address
@@ -34,7 +36,7 @@
 //! | `domain` | the provider's first | domain (NIC or interface), e.g. `lo`, `eth0`, `mlx5_0`, `rdmap0s6` |
 //! | `timeout_ms` | 5000 | a request with no completion for this long fails (TimedOut), as does a notification not acknowledged within it |
 //! | `max_in_flight` | 16 | operations one request keeps posted at once |
-//! | `max_op_bytes` | 4194304 | longer descriptor pieces go as several operations |
+//! | `max_op_bytes` | 4194304 | longer descriptor pieces go as several operations; shorter consecutive ones are joined into one vectored operation up to this many bytes |
 //! | `max_notif_bytes` | 16777216 | largest notification this side receives (published; a peer refuses to send longer) |
 //! | `notif_chunk` | 16384 | payload bytes per notification message; longer notifications go as several, reassembled by the receiver. published: a peer sends this side chunks of the size it asks for |
 //! | `recv_buffers` | 32 | receive buffers kept posted for notifications |
