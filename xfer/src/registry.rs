@@ -39,6 +39,8 @@ impl Default for BackendRegistry {
         registry.register(Arc::new(xfer_gds::GdsFactory));
         #[cfg(feature = "ucx")]
         registry.register(Arc::new(xfer_ucx::UcxFactory));
+        #[cfg(feature = "libfabric")]
+        registry.register(Arc::new(xfer_libfabric::LibfabricFactory));
         registry
     }
 }

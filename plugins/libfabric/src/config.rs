@@ -1,0 +1,107 @@
+//! The backend's parameters (see the crate docs for the table).
+
+use std::time::Duration;
+
+use xfer_core::{BackendError, BackendParams};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// `None`: the best available ([`PREFERENCE`]).
+    pub provider: Option<String>,
+    pub domain: Option<String>,
+    pub timeout: Duration,
+    pub max_in_flight: usize,
+    pub max_op_bytes: usize,
+    pub max_notif_bytes: usize,
+    /// Payload bytes per notification message (the receive buffers' size, less headers).
+    pub notif_chunk: usize,
+    pub recv_buffers: usize,
+    pub spin: Duration,
+}
+
+/// Providers the default picks from, best first. `shm` and `udp` are left out: they cannot
+/// reach other hosts (or lack RMA).
+pub const PREFERENCE: &[&str] =
+    &["efa", "cxi", "opx", "psm3", "psm2", "verbs;ofi_rxm", "verbs", "tcp;ofi_rxm", "tcp", "sockets"];
+
+impl Settings {
+    pub fn parse(mut params: BackendParams) -> Result<Settings, BackendError> {
+        let provider = params.take("provider").filter(|p| !p.is_empty() && p != "auto");
+        let domain = params.take("domain").filter(|d| !d.is_empty());
+        let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
+        let max_in_flight = params.take_parsed("max_in_flight", 16usize)?;
+        let max_op_bytes = params.take_parsed("max_op_bytes", 4usize << 20)?;
+        let max_notif_bytes = params.take_parsed("max_notif_bytes", 16usize << 20)?;
+        let notif_chunk = params.take_parsed("notif_chunk", 16usize << 10)?;
+        let recv_buffers = params.take_parsed("recv_buffers", 32usize)?;
+        let spin = Duration::from_micros(params.take_parsed("spin_us", 200u64)?);
+        params.finish("libfabric")?;
+        let positive = |name: &str, v: usize| {
+            if v == 0 {
+                Err(BackendError::InvalidParam { name: name.into(), reason: "must be at least 1".into() })
+            } else {
+                Ok(())
+            }
+        };
+        positive("max_in_flight", max_in_flight)?;
+        positive("max_op_bytes", max_op_bytes)?;
+        positive("recv_buffers", recv_buffers)?;
+        positive("notif_chunk", notif_chunk)?;
+        positive("timeout_ms", timeout.as_millis() as usize)?;
+        if max_notif_bytes > 1 << 30 {
+            return Err(BackendError::InvalidParam { name: "max_notif_bytes".into(), reason: "at most 1 GiB".into() });
+        }
+        if notif_chunk > 1 << 20 {
+            return Err(BackendError::InvalidParam { name: "notif_chunk".into(), reason: "at most 1 MiB".into() });
+        }
+        // A provider name with a comma cannot come through `k=v,k=v`; `+` stands for it there.
+        let provider = provider.map(|p| p.replace('+', ","));
+        Ok(Settings {
+            provider,
+            domain,
+            timeout,
+            max_in_flight,
+            max_op_bytes,
+            max_notif_bytes,
+            notif_chunk,
+            recv_buffers,
+            spin,
+        })
+    }
+
+    /// Index of the best candidate provider (first of its kind in libfabric's order).
+    pub fn pick(&self, providers: &[String]) -> Option<usize> {
+        if self.provider.is_some() {
+            return (!providers.is_empty()).then_some(0);
+        }
+        PREFERENCE.iter().find_map(|want| providers.iter().position(|p| p == want))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_overrides_and_typos() {
+        let s = Settings::parse(BackendParams::new()).unwrap();
+        assert_eq!((s.provider.as_deref(), s.timeout, s.max_in_flight), (None, Duration::from_secs(5), 16));
+        let s =
+            Settings::parse(BackendParams::parse("provider=tcp;ofi_rxm,domain=lo,timeout_ms=250").unwrap()).unwrap();
+        assert_eq!(s.provider.as_deref(), Some("tcp;ofi_rxm"));
+        assert_eq!(s.domain.as_deref(), Some("lo"));
+        assert_eq!(s.timeout, Duration::from_millis(250));
+        assert!(Settings::parse(BackendParams::new().with("timout_ms", "5")).is_err());
+        assert!(Settings::parse(BackendParams::new().with("max_in_flight", "0")).is_err());
+        assert!(Settings::parse(BackendParams::new().with("notif_chunk", "99999999")).is_err());
+    }
+
+    #[test]
+    fn default_provider_is_the_best_listed() {
+        let s = Settings::parse(BackendParams::new()).unwrap();
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(s.pick(&names(&["shm", "tcp;ofi_rxm", "sockets", "tcp;ofi_rxm"])), Some(1));
+        assert_eq!(s.pick(&names(&["sockets", "efa"])), Some(1));
+        assert_eq!(s.pick(&names(&["shm", "udp;ofi_rxd"])), None);
+    }
+}

@@ -1,0 +1,545 @@
+//! The engine thread: it alone drives the endpoint. Callers hand it commands over a channel
+//! (and wake it with `fi_cq_signal`); it posts each job's operations within the window, reads
+//! completions, sends and acknowledges notifications, and fails what made no progress for the
+//! timeout. Progress and completions thus never depend on a caller waiting.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use xfer_core::{BackendError, Completer, LocalRegion, NotifSink, RefusalCode};
+
+use crate::config::Settings;
+use crate::fabric::{CqError, Done, Endpoint, Rma, Waker};
+
+pub use crate::fabric::RmaPiece as Piece;
+
+/// A transfer as the engine runs it.
+#[derive(Debug)]
+pub struct Job {
+    pub peer: u64,
+    pub peer_name: String,
+    pub op: Rma,
+    pub pieces: VecDeque<Piece>,
+    pub notif: Option<Vec<u8>>,
+    /// The peer's notification chunk.
+    pub chunk: usize,
+    pub done: Completer,
+}
+
+pub enum Cmd {
+    Register(Arc<LocalRegion>, Sender<Result<u64, BackendError>>),
+    Deregister(u64, Sender<()>),
+    Connect(Vec<u8>, Sender<Result<u64, BackendError>>),
+    Post(Job),
+    Notify { peer: u64, peer_name: String, chunk: usize, message: Vec<u8>, reply: Sender<Result<(), BackendError>> },
+    Stop,
+}
+
+/// The callers' side of the engine.
+#[derive(Debug)]
+pub struct Handle {
+    tx: Sender<Cmd>,
+    waker: Waker,
+    thread: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Handle {
+    /// Hands a command to the engine; `false` once it has stopped.
+    pub fn send(&self, cmd: Cmd) -> bool {
+        let sent = self.tx.send(cmd).is_ok();
+        self.waker.wake();
+        sent
+    }
+
+    /// Hands a job to the engine; gives it back once the engine has stopped.
+    pub fn try_post(&self, job: Job) -> Result<(), crossbeam_channel::SendError<Cmd>> {
+        let sent = self.tx.send(Cmd::Post(job));
+        self.waker.wake();
+        sent
+    }
+
+    /// Sends a command with a reply channel and waits at most `bound` for the answer.
+    pub fn call<T>(
+        &self,
+        bound: Duration,
+        make: impl FnOnce(Sender<Result<T, BackendError>>) -> Cmd,
+    ) -> Result<T, BackendError> {
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        if !self.send(make(reply)) {
+            return Err(stopped());
+        }
+        match answer.recv_timeout(bound) {
+            Ok(result) => result,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(BackendError::TimedOut(bound)),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(stopped()),
+        }
+    }
+
+    pub fn stop(&self) {
+        self.send(Cmd::Stop);
+        if let Some(thread) = self.thread.lock().take() {
+            if thread.join().is_err() {
+                tracing::error!("libfabric engine thread panicked");
+            }
+        }
+    }
+}
+
+fn stopped() -> BackendError {
+    BackendError::Unsupported("the libfabric backend has shut down".into())
+}
+
+/// Starts the engine thread over an open endpoint.
+pub fn start(
+    ep: Endpoint,
+    agent_name: String,
+    own_address: Vec<u8>,
+    settings: Settings,
+    notifs: NotifSink,
+) -> Result<Handle, BackendError> {
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let waker = ep.waker();
+    let tx_cap = ep.attrs().tx_size.saturating_sub(8).max(1);
+    let max_iov = ep.attrs().max_iov;
+    let engine = Engine {
+        ep,
+        rx,
+        settings,
+        notifs,
+        agent_name,
+        own_address,
+        tx_cap,
+        max_iov,
+        jobs: BTreeMap::new(),
+        next_job: 1,
+        rma_in_flight: 0,
+        waiters: HashMap::new(),
+        next_seq: 1,
+        senders: HashMap::new(),
+        partial: HashMap::new(),
+        outbox: VecDeque::new(),
+    };
+    let thread = std::thread::Builder::new().name("xfer-libfabric".into()).spawn(move || engine.run())?;
+    Ok(Handle { tx, waker, thread: parking_lot::Mutex::new(Some(thread)) })
+}
+
+struct Active {
+    job: Job,
+    in_flight: usize,
+    last_progress: Instant,
+    /// The notification's sequence number once sent.
+    notif_seq: Option<u64>,
+}
+
+struct Partial {
+    chunks: Vec<Option<Vec<u8>>>,
+    left: usize,
+    bytes: usize,
+    since: Instant,
+}
+
+/// A notification whose chunks stopped arriving (its sender died) is dropped after this.
+const PARTIAL_BOUND: Duration = Duration::from_secs(60);
+
+enum Waiter {
+    Job(u64),
+    Caller(Sender<Result<(), BackendError>>, String),
+}
+
+struct Pending {
+    waiter: Waiter,
+    deadline: Instant,
+}
+
+struct Engine {
+    ep: Endpoint,
+    rx: Receiver<Cmd>,
+    settings: Settings,
+    notifs: NotifSink,
+    agent_name: String,
+    own_address: Vec<u8>,
+    tx_cap: usize,
+    /// Pieces per vectored operation.
+    max_iov: usize,
+    jobs: BTreeMap<u64, Active>,
+    next_job: u64,
+    rma_in_flight: usize,
+    /// Notifications waiting for the peer's acknowledgement, by sequence number.
+    waiters: HashMap<u64, Pending>,
+    next_seq: u64,
+    /// Notifying peers' addresses, as inserted for the acknowledgements.
+    senders: HashMap<Vec<u8>, u64>,
+    /// Notifications of several chunks still arriving, by (sender's address, seq).
+    partial: HashMap<(Vec<u8>, u64), Partial>,
+    /// Messages the provider had no room for: (peer, bytes, token).
+    outbox: VecDeque<(u64, Vec<u8>, u64)>,
+}
+
+/// Sequence number 0 marks sends nobody waits for (acknowledgements).
+const NO_WAITER: u64 = 0;
+
+impl Engine {
+    fn run(mut self) {
+        let mut done = Vec::new();
+        let mut last_busy = Instant::now();
+        let mut last_sweep = Instant::now();
+        'run: loop {
+            let mut busy = false;
+            loop {
+                match self.rx.try_recv() {
+                    Ok(Cmd::Stop) | Err(crossbeam_channel::TryRecvError::Disconnected) => break 'run,
+                    Ok(cmd) => {
+                        busy = true;
+                        self.command(cmd);
+                    }
+                    Err(crossbeam_channel::TryRecvError::Empty) => break,
+                }
+            }
+            busy |= self.flush_outbox();
+            busy |= self.post_ready();
+            let now = Instant::now();
+            let idle = !busy && now.duration_since(last_busy) > self.settings.spin;
+            let polled = if idle {
+                let wait_ms = if self.jobs.is_empty() && self.waiters.is_empty() { 20 } else { 1 };
+                self.ep.wait(16, wait_ms, &mut done)
+            } else {
+                self.ep.poll(16, &mut done)
+            };
+            match polled {
+                Ok(n) => busy |= n > 0,
+                Err(err) => {
+                    tracing::error!(%err, "libfabric completion queue");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            for d in done.drain(..) {
+                self.completed(d);
+            }
+            let now = Instant::now();
+            if busy {
+                last_busy = now;
+            }
+            if now.duration_since(last_sweep) >= Duration::from_millis(1) {
+                last_sweep = now;
+                self.sweep(now);
+            }
+        }
+        self.shut_down();
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Register(region, reply) => {
+                let result = self.ep.register(&region).map_err(|e| BackendError::Protocol(e.to_string()));
+                let _ = reply.send(result);
+            }
+            Cmd::Deregister(region, reply) => {
+                if !self.ep.deregister(region) {
+                    tracing::debug!(region, "libfabric deregistration of an unknown region");
+                }
+                let _ = reply.send(());
+            }
+            Cmd::Connect(address, reply) => {
+                let result = self.ep.insert(&address).map_err(|e| BackendError::Protocol(e.to_string()));
+                let _ = reply.send(result);
+            }
+            Cmd::Post(job) => {
+                let id = self.next_job;
+                self.next_job += 1;
+                self.jobs.insert(id, Active { job, in_flight: 0, last_progress: Instant::now(), notif_seq: None });
+                self.maybe_finish(id);
+            }
+            Cmd::Notify { peer, peer_name, chunk, message, reply } => {
+                let seq = self.send_notif(peer, &message, chunk);
+                let deadline = Instant::now() + self.settings.timeout;
+                self.waiters.insert(seq, Pending { waiter: Waiter::Caller(reply, peer_name), deadline });
+            }
+            Cmd::Stop => {}
+        }
+    }
+
+    /// Queues a notification; returns its sequence number.
+    fn send_notif(&mut self, peer: u64, payload: &[u8], chunk: usize) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        for message in crate::msg::notif(seq, &self.own_address, &self.agent_name, payload, chunk) {
+            self.outbox.push_back((peer, message, seq));
+        }
+        self.flush_outbox();
+        seq
+    }
+
+    fn flush_outbox(&mut self) -> bool {
+        let mut sent_any = false;
+        while let Some((peer, message, token)) = self.outbox.pop_front() {
+            match self.ep.send(peer, &message, token) {
+                Ok(true) => sent_any = true,
+                Ok(false) => {
+                    self.outbox.push_front((peer, message, token));
+                    break;
+                }
+                Err(err) => {
+                    let reason = err.to_string();
+                    self.fail_waiter(token, |peer| BackendError::PeerDisconnected { peer, reason });
+                }
+            }
+        }
+        sent_any
+    }
+
+    /// Posts operations of every job within the windows; whether anything was posted.
+    fn post_ready(&mut self) -> bool {
+        let mut posted = false;
+        let mut failed = Vec::new();
+        let ids: Vec<u64> = self.jobs.iter().filter(|(_, a)| !a.job.pieces.is_empty()).map(|(&id, _)| id).collect();
+        'jobs: for id in ids {
+            let Some(active) = self.jobs.get_mut(&id) else { continue };
+            while active.in_flight < self.settings.max_in_flight && self.rma_in_flight < self.tx_cap {
+                // Consecutive pieces go as one vectored operation, within the provider's iovec
+                // limit and max_op_bytes.
+                let mut batch = Vec::new();
+                let mut bytes = 0;
+                while let Some(next) = active.job.pieces.front() {
+                    let len = next.local.len();
+                    if !batch.is_empty() && (batch.len() == self.max_iov || bytes + len > self.settings.max_op_bytes) {
+                        break;
+                    }
+                    bytes += len;
+                    batch.extend(active.job.pieces.pop_front());
+                }
+                if batch.is_empty() {
+                    break;
+                }
+                match self.ep.post_rma(active.job.op, batch, active.job.peer, id) {
+                    Ok(Ok(())) => {
+                        active.in_flight += 1;
+                        self.rma_in_flight += 1;
+                        active.last_progress = Instant::now().max(active.last_progress);
+                        posted = true;
+                    }
+                    Ok(Err(batch)) => {
+                        // No room in the provider: progress first, then post again.
+                        for piece in batch.into_iter().rev() {
+                            active.job.pieces.push_front(piece);
+                        }
+                        break 'jobs;
+                    }
+                    Err(err) => {
+                        failed.push((id, BackendError::Protocol(err.to_string())));
+                        break;
+                    }
+                }
+            }
+        }
+        for (id, err) in failed {
+            self.fail_job(id, err);
+        }
+        posted
+    }
+
+    fn completed(&mut self, done: Done) {
+        match done {
+            Done::Rma { token, result } => {
+                self.rma_in_flight = self.rma_in_flight.saturating_sub(1);
+                let Some(active) = self.jobs.get_mut(&token) else { return };
+                active.in_flight -= 1;
+                active.last_progress = Instant::now();
+                match result {
+                    Ok(()) => self.maybe_finish(token),
+                    Err(err) => {
+                        let err = classify(&active.job.peer_name, err);
+                        self.fail_job(token, err);
+                    }
+                }
+            }
+            Done::Sent { token, result } => {
+                if let Err(err) = result {
+                    self.fail_waiter(token, |peer| classify(&peer, err));
+                }
+            }
+            Done::Received { result } => match result {
+                Ok(bytes) => self.received(&bytes),
+                Err(err) if err.code == libc::ECANCELED => {}
+                Err(err) => tracing::warn!(code = err.code, message = %err.message, "libfabric receive failed"),
+            },
+        }
+    }
+
+    fn received(&mut self, bytes: &[u8]) {
+        match crate::msg::parse(bytes) {
+            Ok(crate::msg::Msg::Notif { seq, index, count, address, name, payload }) => {
+                let payload = if count == 1 {
+                    payload.to_vec()
+                } else {
+                    let key = (address.to_vec(), seq);
+                    let partial = self.partial.entry(key.clone()).or_insert_with(|| Partial {
+                        chunks: vec![None; count as usize],
+                        left: count as usize,
+                        bytes: 0,
+                        since: Instant::now(),
+                    });
+                    if partial.chunks.len() != count as usize
+                        || partial.bytes + payload.len() > self.settings.max_notif_bytes
+                    {
+                        tracing::warn!(from = %name, seq, "libfabric: a notification's chunks do not add up; dropped");
+                        self.partial.remove(&key);
+                        return;
+                    }
+                    let slot = &mut partial.chunks[index as usize];
+                    if slot.is_none() {
+                        *slot = Some(payload.to_vec());
+                        partial.left -= 1;
+                        partial.bytes += payload.len();
+                    }
+                    if partial.left > 0 {
+                        return;
+                    }
+                    let Some(partial) = self.partial.remove(&key) else { return };
+                    partial.chunks.into_iter().flatten().flatten().collect()
+                };
+                let peer = match self.senders.get(address) {
+                    Some(&peer) => Some(peer),
+                    None => match self.ep.insert(address) {
+                        Ok(peer) => {
+                            self.senders.insert(address.to_vec(), peer);
+                            Some(peer)
+                        }
+                        Err(err) => {
+                            tracing::warn!(%err, from = %name, "libfabric: cannot acknowledge a notification");
+                            None
+                        }
+                    },
+                };
+                (self.notifs)(&name, payload);
+                if let Some(peer) = peer {
+                    self.outbox.push_back((peer, crate::msg::ack(seq), NO_WAITER));
+                    self.flush_outbox();
+                }
+            }
+            Ok(crate::msg::Msg::Ack { seq }) => match self.waiters.remove(&seq).map(|p| p.waiter) {
+                Some(Waiter::Job(id)) => {
+                    if let Some(active) = self.jobs.remove(&id) {
+                        active.job.done.complete(Ok(()));
+                    }
+                }
+                Some(Waiter::Caller(reply, _)) => _ = reply.send(Ok(())),
+                // Acknowledges a notification that already timed out.
+                None => {}
+            },
+            Err(err) => tracing::warn!(%err, "libfabric: a message that is not ours"),
+        }
+    }
+
+    /// Completes a job whose data has all moved: now, or after its notification.
+    fn maybe_finish(&mut self, id: u64) {
+        let Some(active) = self.jobs.get(&id) else { return };
+        if active.in_flight > 0 || !active.job.pieces.is_empty() || active.notif_seq.is_some() {
+            return;
+        }
+        match active.job.notif.clone() {
+            None => {
+                if let Some(active) = self.jobs.remove(&id) {
+                    active.job.done.complete(Ok(()));
+                }
+            }
+            Some(message) => {
+                let (peer, chunk) = (active.job.peer, active.job.chunk);
+                let seq = self.send_notif(peer, &message, chunk);
+                if let Some(active) = self.jobs.get_mut(&id) {
+                    active.notif_seq = Some(seq);
+                    active.last_progress = Instant::now();
+                }
+                let deadline = Instant::now() + self.settings.timeout;
+                self.waiters.insert(seq, Pending { waiter: Waiter::Job(id), deadline });
+            }
+        }
+    }
+
+    fn fail_job(&mut self, id: u64, err: BackendError) {
+        if let Some(active) = self.jobs.remove(&id) {
+            if let Some(seq) = active.notif_seq {
+                self.waiters.remove(&seq);
+            }
+            // Operations still in flight keep their memory pinned until the CQ reports them.
+            active.job.done.complete(Err(err));
+        }
+    }
+
+    fn fail_waiter(&mut self, seq: u64, err: impl FnOnce(String) -> BackendError) {
+        match self.waiters.remove(&seq).map(|p| p.waiter) {
+            Some(Waiter::Job(id)) => {
+                let peer = self.jobs.get(&id).map(|a| a.job.peer_name.clone()).unwrap_or_default();
+                self.fail_job(id, err(peer));
+            }
+            Some(Waiter::Caller(reply, peer)) => _ = reply.send(Err(err(peer))),
+            None => {}
+        }
+    }
+
+    /// Fails what made no progress for the timeout, and cancelled jobs.
+    fn sweep(&mut self, now: Instant) {
+        let timeout = self.settings.timeout;
+        let stale: Vec<(u64, BackendError)> = self
+            .jobs
+            .iter()
+            .filter_map(|(&id, a)| {
+                if a.job.done.is_cancelled() {
+                    Some((id, BackendError::Cancelled))
+                } else if a.notif_seq.is_none() && now.duration_since(a.last_progress) > timeout {
+                    Some((id, BackendError::TimedOut(timeout)))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (id, err) in stale {
+            self.fail_job(id, err);
+        }
+        self.partial.retain(|_, p| now.duration_since(p.since) < PARTIAL_BOUND);
+        let late: Vec<u64> = self.waiters.iter().filter(|(_, p)| now > p.deadline).map(|(&s, _)| s).collect();
+        for seq in late {
+            self.fail_waiter(seq, |_| BackendError::TimedOut(timeout));
+        }
+    }
+
+    fn shut_down(mut self) {
+        let ids: Vec<u64> = self.jobs.keys().copied().collect();
+        for id in ids {
+            let peer = self.jobs.get(&id).map(|a| a.job.peer_name.clone()).unwrap_or_default();
+            self.fail_job(id, BackendError::PeerDisconnected { peer, reason: "the backend shut down".into() });
+        }
+        let seqs: Vec<u64> = self.waiters.keys().copied().collect();
+        for seq in seqs {
+            self.fail_waiter(seq, |peer| BackendError::PeerDisconnected {
+                peer,
+                reason: "the backend shut down".into(),
+            });
+        }
+        // Commands that raced the stop.
+        while let Ok(cmd) = self.rx.try_recv() {
+            if let Cmd::Post(job) = cmd {
+                job.done.complete(Err(stopped()));
+            }
+        }
+        // Dropping the endpoint closes it; operations still in flight let go of their memory.
+        tracing::debug!(in_flight = self.ep.in_flight(), "libfabric engine stopped");
+    }
+}
+
+/// An error completion as the agent sees it.
+fn classify(peer: &str, err: CqError) -> BackendError {
+    let CqError { code, message } = err;
+    match code {
+        // rxm cancels what it had queued to a connection that broke (peer killed, or a
+        // refused key: the target's provider drops the connection).
+        libc::EKEYREJECTED | libc::EACCES | libc::EPERM => {
+            BackendError::Refused { code: RefusalCode::UnknownKey, message }
+        }
+        c if c == xfer_libfabric_sys::FI_ENOKEY as i32 => {
+            BackendError::Refused { code: RefusalCode::UnknownKey, message }
+        }
+        _ => BackendError::PeerDisconnected { peer: peer.to_string(), reason: message },
+    }
+}

@@ -1,0 +1,777 @@
+//! The only module that calls libfabric: provider discovery (`fi_getinfo`), one RDM endpoint
+//! with its fabric, domain, address vector and completion queue, memory registrations, and the
+//! operations in flight. Everything the provider may touch until a completion (operation
+//! contexts, local memory, message buffers) is owned here until the CQ hands it back or the
+//! endpoint is closed, so the safe API cannot free memory under the provider.
+//!
+//! An [`Endpoint`] is used by one thread at a time (`&mut self`), matching the
+//! `FI_THREAD_DOMAIN` threading model asked for.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::ptr;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use xfer_core::{LocalRegion, MemSlice};
+use xfer_libfabric_sys as sys;
+
+/// A libfabric call that failed, with libfabric's own words for it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{call}: {message} ({code})")]
+pub struct FabricError {
+    pub call: &'static str,
+    /// The positive `FI_E*` / errno value.
+    pub code: i32,
+    pub message: String,
+}
+
+fn strerror(code: i32) -> String {
+    // SAFETY: fi_strerror takes any number and returns a static NUL-terminated string.
+    let text = unsafe { sys::fi_strerror(code) };
+    if text.is_null() {
+        return format!("error {code}");
+    }
+    // SAFETY: non-null, NUL-terminated and static (see above).
+    unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned()
+}
+
+fn check(call: &'static str, ret: isize) -> Result<(), FabricError> {
+    if ret >= 0 {
+        return Ok(());
+    }
+    let code = i32::try_from(-ret).unwrap_or(i32::MAX);
+    Err(FabricError { call, code, message: strerror(code) })
+}
+
+/// `FI_EAGAIN`: the provider has no room now; progress the CQ and post again.
+const EAGAIN: i32 = libc::EAGAIN;
+/// `FI_EAVAIL`: an error completion is waiting in the CQ's error queue.
+const EAVAIL: i32 = sys::FI_EAVAIL as i32;
+
+/// What the backend takes from the chosen provider's description.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attrs {
+    pub provider: String,
+    pub fabric: String,
+    pub domain: String,
+    /// The `FI_MR_*` bits the provider needs from us.
+    pub mr_mode: u32,
+    /// Whether the provider moves device memory (FI_HMEM).
+    pub hmem: bool,
+    pub tx_size: usize,
+    pub rx_size: usize,
+    pub max_msg_size: u64,
+    /// Local and remote iovecs one RMA operation may carry (the smaller of the two limits).
+    pub max_iov: usize,
+}
+
+impl Attrs {
+    pub fn virt_addr(&self) -> bool {
+        self.mr_mode & sys::FI_MR_VIRT_ADDR != 0
+    }
+    pub fn prov_key(&self) -> bool {
+        self.mr_mode & sys::FI_MR_PROV_KEY != 0
+    }
+    pub fn mr_local(&self) -> bool {
+        self.mr_mode & sys::FI_MR_LOCAL != 0
+    }
+    pub fn mr_endpoint(&self) -> bool {
+        self.mr_mode & sys::FI_MR_ENDPOINT != 0
+    }
+}
+
+/// The `FI_MR_*` modes this backend handles; the provider keeps those it needs.
+const MR_MODES: u32 =
+    sys::FI_MR_LOCAL | sys::FI_MR_VIRT_ADDR | sys::FI_MR_ALLOCATED | sys::FI_MR_PROV_KEY | sys::FI_MR_ENDPOINT;
+
+const CAPS: u64 = sys::FI_RMA as u64
+    | sys::FI_MSG as u64
+    | sys::FI_READ as u64
+    | sys::FI_WRITE as u64
+    | sys::FI_REMOTE_READ as u64
+    | sys::FI_REMOTE_WRITE as u64
+    | sys::FI_SEND as u64
+    | sys::FI_RECV as u64;
+
+/// An owned `fi_info` list.
+struct InfoList(*mut sys::fi_info);
+
+impl Drop for InfoList {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: the list came from fi_getinfo or fi_dupinfo and is freed once, here.
+            unsafe { sys::fi_freeinfo(self.0) };
+        }
+    }
+}
+
+fn dup_c(text: &str) -> Result<*mut libc::c_char, FabricError> {
+    let owned = CString::new(text).map_err(|_| FabricError {
+        call: "fi_getinfo",
+        code: libc::EINVAL,
+        message: format!("{text:?} holds a NUL byte"),
+    })?;
+    // SAFETY: strdup copies the NUL-terminated string into malloc'ed memory, which fi_freeinfo
+    // frees with the hints.
+    Ok(unsafe { libc::strdup(owned.as_ptr()) })
+}
+
+fn text(ptr: *const libc::c_char) -> String {
+    if ptr.is_null() {
+        return String::new();
+    }
+    // SAFETY: libfabric's attribute strings are NUL-terminated and live as long as the info.
+    unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
+}
+
+/// Every RDM endpoint description with RMA and messages, for `provider` (e.g. `tcp;ofi_rxm`)
+/// and `domain` (e.g. `lo`) when given.
+fn get_infos(provider: Option<&str>, domain: Option<&str>) -> Result<InfoList, FabricError> {
+    // Ordered sends after writes where the provider offers it; otherwise the notification's
+    // wait for the writes' completions alone orders them.
+    get_infos_ordered(provider, domain, true).or_else(|_| get_infos_ordered(provider, domain, false))
+}
+
+fn get_infos_ordered(provider: Option<&str>, domain: Option<&str>, ordered: bool) -> Result<InfoList, FabricError> {
+    // SAFETY: fi_allocinfo returns a zeroed fi_info with its attribute structs allocated (or
+    // null); the fields set below are plain values or strings malloc'ed by `dup_c`, all freed
+    // by fi_freeinfo with the hints.
+    let hints = InfoList(unsafe { sys::xf_allocinfo() });
+    if hints.0.is_null() {
+        return Err(FabricError { call: "fi_allocinfo", code: libc::ENOMEM, message: strerror(libc::ENOMEM) });
+    }
+    let prov = provider.map(dup_c).transpose()?;
+    let dom = domain.map(dup_c).transpose()?;
+    // SAFETY: as above: every attribute pointer of a fresh fi_allocinfo is valid.
+    unsafe {
+        let h = &mut *hints.0;
+        h.caps = CAPS;
+        h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
+        (*h.ep_attr).type_ = sys::FI_EP_RDM;
+        (*h.domain_attr).mr_mode = MR_MODES as i32;
+        (*h.domain_attr).threading = sys::FI_THREAD_DOMAIN;
+        // A notification sent after a write must not overtake its data at the target.
+        if ordered {
+            (*h.tx_attr).msg_order = u64::from(sys::FI_ORDER_SAW);
+        }
+        if let Some(prov) = prov {
+            (*h.fabric_attr).prov_name = prov;
+        }
+        if let Some(dom) = dom {
+            (*h.domain_attr).name = dom;
+        }
+    }
+    let mut list = ptr::null_mut();
+    // SAFETY: the hints are valid (above); fi_getinfo writes an owned list into `list`.
+    let ret = unsafe { sys::fi_getinfo(sys::xf_header_version(), ptr::null(), ptr::null(), 0, hints.0, &mut list) };
+    let list = InfoList(list);
+    check("fi_getinfo", ret as isize)?;
+    if list.0.is_null() {
+        return Err(FabricError { call: "fi_getinfo", code: libc::ENODATA, message: "no provider matched".into() });
+    }
+    Ok(list)
+}
+
+/// One entry of an info list.
+fn attrs_of(info: *const sys::fi_info) -> Attrs {
+    // SAFETY: `info` is an entry of a live list; fi_getinfo fills in every attribute struct.
+    unsafe {
+        let i = &*info;
+        Attrs {
+            provider: text((*i.fabric_attr).prov_name),
+            fabric: text((*i.fabric_attr).name),
+            domain: text((*i.domain_attr).name),
+            mr_mode: (*i.domain_attr).mr_mode as u32,
+            hmem: i.caps & sys::FI_HMEM != 0,
+            tx_size: (*i.tx_attr).size,
+            rx_size: (*i.rx_attr).size,
+            max_msg_size: (*i.ep_attr).max_msg_size as u64,
+            max_iov: (*i.tx_attr).iov_limit.min((*i.tx_attr).rma_iov_limit).max(1),
+        }
+    }
+}
+
+/// Every candidate as `Attrs`, in libfabric's order.
+pub fn candidates(provider: Option<&str>, domain: Option<&str>) -> Result<Vec<Attrs>, FabricError> {
+    let list = get_infos(provider, domain)?;
+    let mut out = Vec::new();
+    let mut at = list.0.cast_const();
+    while !at.is_null() {
+        out.push(attrs_of(at));
+        // SAFETY: `at` is an entry of the live list; `next` is the following entry or null.
+        at = unsafe { (*at).next };
+    }
+    Ok(out)
+}
+
+/// A chosen provider description, ready for [`Endpoint::open`].
+pub struct Info {
+    list: InfoList,
+    pub attrs: Attrs,
+}
+
+impl std::fmt::Debug for Info {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.attrs.fmt(f)
+    }
+}
+
+impl Info {
+    /// The entry `pick` chooses among the candidates (by their index in [`candidates`]).
+    pub fn choose(
+        provider: Option<&str>,
+        domain: Option<&str>,
+        pick: impl FnOnce(&[Attrs]) -> Option<usize>,
+    ) -> Result<Info, FabricError> {
+        let list = get_infos(provider, domain)?;
+        let mut entries = Vec::new();
+        let mut at = list.0;
+        while !at.is_null() {
+            entries.push(at);
+            // SAFETY: as in `candidates`.
+            at = unsafe { (*at).next };
+        }
+        let attrs: Vec<Attrs> = entries.iter().map(|&e| attrs_of(e)).collect();
+        let index = pick(&attrs).ok_or_else(|| FabricError {
+            call: "fi_getinfo",
+            code: libc::ENODATA,
+            message: "no candidate suits".into(),
+        })?;
+        let chosen = *entries.get(index).ok_or_else(|| FabricError {
+            call: "fi_getinfo",
+            code: libc::ENODATA,
+            message: "no candidate suits".into(),
+        })?;
+        // SAFETY: fi_dupinfo deep-copies one entry (its `next` is not followed) into an owned
+        // info freed by InfoList's drop.
+        let one = InfoList(unsafe { sys::fi_dupinfo(chosen) });
+        drop(list);
+        if one.0.is_null() {
+            return Err(FabricError { call: "fi_dupinfo", code: libc::ENOMEM, message: strerror(libc::ENOMEM) });
+        }
+        // SAFETY: the copy is a single entry; clearing `next` keeps fi_freeinfo to it.
+        unsafe { (*one.0).next = ptr::null_mut() };
+        Ok(Info { attrs: attrs_of(one.0), list: one })
+    }
+}
+
+/// Direction of an RMA operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rma {
+    Read,
+    Write,
+}
+
+/// One local slice and the peer's range it meets.
+#[derive(Debug)]
+pub struct RmaPiece {
+    pub local: MemSlice,
+    /// As the peer's provider addresses it (virtual address or offset).
+    pub remote: u64,
+    pub key: u64,
+}
+
+/// A finished operation, as the CQ reports it.
+#[derive(Debug)]
+pub enum Done {
+    Rma {
+        token: u64,
+        result: Result<(), CqError>,
+    },
+    Sent {
+        token: u64,
+        result: Result<(), CqError>,
+    },
+    /// A message arrived (`Ok` holds its bytes); the buffer is posted again.
+    Received {
+        result: Result<Vec<u8>, CqError>,
+    },
+}
+
+/// An error completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CqError {
+    pub code: i32,
+    pub message: String,
+}
+
+/// What an operation keeps alive until the CQ reports it (held, not read, for Rma and Send).
+enum Kind {
+    Rma(#[allow(dead_code)] Vec<RmaPiece>),
+    Send(#[allow(dead_code)] MsgBuf),
+    Recv(MsgBuf),
+}
+
+struct InFlight {
+    // Boxed so its address, handed to the provider, stays put while the map moves.
+    ctx: Box<sys::fi_context2>,
+    token: u64,
+    kind: Kind,
+}
+
+/// A message buffer, registered when the provider wants local descriptors (FI_MR_LOCAL).
+struct MsgBuf {
+    data: Box<[u8]>,
+    mr: Option<Mr>,
+}
+
+struct Mr(*mut sys::fid_mr);
+
+impl Mr {
+    fn desc(&self) -> *mut c_void {
+        // SAFETY: the MR is open (closed only by Drop).
+        unsafe { sys::xf_mr_desc(self.0) }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: an open MR, closed once; no operation that names it is in flight (regions
+        // are deregistered once idle, message buffers once their operation completed).
+        let ret = unsafe { sys::xf_close(&mut (*self.0).fid) };
+        if ret != 0 {
+            tracing::warn!(ret, "fi_close of a memory registration");
+        }
+    }
+}
+
+/// A registered region: its key for peers and its local descriptor.
+struct Region {
+    mr: Mr,
+}
+
+/// One RDM endpoint and everything it owns.
+pub struct Endpoint {
+    attrs: Attrs,
+    info: InfoList,
+    fabric: *mut sys::fid_fabric,
+    domain: *mut sys::fid_domain,
+    av: *mut sys::fid_av,
+    cq: *mut sys::fid_cq,
+    ep: *mut sys::fid_ep,
+    in_flight: HashMap<usize, InFlight>,
+    regions: HashMap<u64, Region>,
+    next_key: u64,
+    /// The CQ as other threads may signal it; cleared before the CQ closes.
+    waker: Waker,
+    /// Writes ask for FI_DELIVERY_COMPLETE until the provider refuses the flag.
+    delivery_complete: bool,
+}
+
+/// Wakes the thread blocked in [`Endpoint::wait`] (`fi_cq_signal`), from any thread.
+#[derive(Clone, Debug, Default)]
+pub struct Waker(Arc<Mutex<Option<CqPtr>>>);
+
+#[derive(Debug)]
+struct CqPtr(*mut sys::fid_cq);
+
+// SAFETY: the pointer is only used for fi_cq_signal, which exists to wake a CQ's waiter from
+// another thread, and only while the CQ is open (the endpoint clears it, under the lock,
+// before closing the CQ).
+unsafe impl Send for CqPtr {}
+
+impl Waker {
+    pub fn wake(&self) {
+        if let Some(cq) = self.0.lock().as_ref() {
+            // SAFETY: the CQ is open while it is published here (see CqPtr).
+            let _ = unsafe { sys::xf_cq_signal(cq.0) };
+        }
+    }
+}
+
+// SAFETY: libfabric objects are not tied to the thread that opened them; `&mut self` on every
+// call keeps access serialised, as FI_THREAD_DOMAIN requires. The MemSlices held are Send.
+unsafe impl Send for Endpoint {}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint").field("attrs", &self.attrs).field("in_flight", &self.in_flight.len()).finish()
+    }
+}
+
+fn fid_of<T>(object: *mut T) -> *mut sys::fid {
+    // Every fid_* struct starts with its `struct fid`.
+    object.cast()
+}
+
+impl Endpoint {
+    /// Opens fabric, domain, AV, CQ and an enabled RDM endpoint, and posts `recv_buffers`
+    /// receive buffers of `recv_len` bytes each.
+    pub fn open(info: Info, recv_buffers: usize, recv_len: usize) -> Result<Endpoint, FabricError> {
+        let Info { list, attrs } = info;
+        let mut ep = Endpoint {
+            attrs,
+            info: list,
+            fabric: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            av: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            ep: ptr::null_mut(),
+            in_flight: HashMap::new(),
+            regions: HashMap::new(),
+            next_key: 1,
+            waker: Waker::default(),
+            delivery_complete: true,
+        };
+        // SAFETY: `info` is a single live entry; each call writes the opened object into the
+        // field named, which Drop closes (in reverse order) whatever step fails.
+        unsafe {
+            let info = ep.info.0;
+            check("fi_fabric", sys::xf_fabric((*info).fabric_attr, &mut ep.fabric, ptr::null_mut()) as isize)?;
+            check("fi_domain", sys::xf_domain(ep.fabric, info, &mut ep.domain, ptr::null_mut()) as isize)?;
+            let mut cq_attr = sys::fi_cq_attr {
+                size: (*(*info).tx_attr).size + (*(*info).rx_attr).size,
+                format: sys::FI_CQ_FORMAT_DATA,
+                wait_obj: sys::FI_WAIT_UNSPEC,
+                ..Default::default()
+            };
+            // A waitable CQ lets the idle thread block in fi_cq_sread, which still drives the
+            // provider's progress (serving peers' RMA); without one it sleeps between polls.
+            if sys::xf_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) != 0 {
+                ep.cq = ptr::null_mut();
+                cq_attr.wait_obj = sys::FI_WAIT_NONE;
+                check("fi_cq_open", sys::xf_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) as isize)?;
+            } else {
+                *ep.waker.0.lock() = Some(CqPtr(ep.cq));
+            }
+            let mut av_attr = sys::fi_av_attr { type_: (*(*info).domain_attr).av_type, ..Default::default() };
+            check("fi_av_open", sys::xf_av_open(ep.domain, &mut av_attr, &mut ep.av, ptr::null_mut()) as isize)?;
+            check("fi_endpoint", sys::xf_endpoint(ep.domain, info, &mut ep.ep, ptr::null_mut()) as isize)?;
+            check("fi_ep_bind(av)", sys::xf_ep_bind(ep.ep, fid_of(ep.av), 0) as isize)?;
+            let flags = sys::FI_TRANSMIT as u64 | sys::FI_RECV as u64;
+            check("fi_ep_bind(cq)", sys::xf_ep_bind(ep.ep, fid_of(ep.cq), flags) as isize)?;
+            check("fi_enable", sys::xf_enable(ep.ep) as isize)?;
+        }
+        for _ in 0..recv_buffers {
+            let buf = ep.msg_buf(vec![0; recv_len])?;
+            ep.post_recv(buf)?;
+        }
+        Ok(ep)
+    }
+
+    pub fn attrs(&self) -> &Attrs {
+        &self.attrs
+    }
+
+    pub fn waker(&self) -> Waker {
+        self.waker.clone()
+    }
+
+    /// Like [`poll`](Endpoint::poll), but blocks up to `timeout_ms` for a completion (or a
+    /// [`Waker::wake`]) where the CQ is waitable; otherwise sleeps that long, then polls.
+    pub fn wait(&mut self, max: usize, timeout_ms: i32, out: &mut Vec<Done>) -> Result<usize, FabricError> {
+        if self.waker.0.lock().is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(timeout_ms.max(0) as u64));
+            return self.poll(max, out);
+        }
+        let mut entries = [sys::fi_cq_data_entry::default(); 16];
+        let want = max.clamp(1, entries.len());
+        // SAFETY: as in `poll`; no wait condition.
+        let ret = unsafe { sys::xf_cq_sread(self.cq, entries.as_mut_ptr().cast(), want, ptr::null(), timeout_ms) };
+        self.completed(ret, &entries, out)
+    }
+
+    /// This endpoint's address, as peers insert it into their AV.
+    pub fn name(&self) -> Result<Vec<u8>, FabricError> {
+        let mut len = 0usize;
+        // SAFETY: a null buffer of length 0 asks for the length (FI_ETOOSMALL is expected).
+        let _ = unsafe { sys::xf_getname(self.ep, ptr::null_mut(), &mut len) };
+        let mut buf = vec![0u8; len.max(1)];
+        let mut got = buf.len();
+        // SAFETY: `buf` is writable for `got` bytes.
+        check("fi_getname", unsafe { sys::xf_getname(self.ep, buf.as_mut_ptr().cast(), &mut got) } as isize)?;
+        buf.truncate(got);
+        Ok(buf)
+    }
+
+    /// Inserts a peer's address; returns its `fi_addr_t`.
+    pub fn insert(&mut self, address: &[u8]) -> Result<u64, FabricError> {
+        if address.is_empty() {
+            return Err(FabricError { call: "fi_av_insert", code: libc::EINVAL, message: "empty address".into() });
+        }
+        let mut addr: sys::fi_addr_t = sys::FI_ADDR_UNSPEC;
+        // SAFETY: one address of the provider's format (the peer's fi_getname; its length was
+        // checked against the frame, and providers read only their address format's size) and
+        // one slot for its handle.
+        let ret = unsafe { sys::xf_av_insert(self.av, address.as_ptr().cast(), 1, &mut addr, 0, ptr::null_mut()) };
+        if ret != 1 || addr == sys::FI_ADDR_UNSPEC {
+            check("fi_av_insert", ret.min(-1) as isize)?;
+        }
+        Ok(addr)
+    }
+
+    /// Registers a DRAM region for local and remote access; returns its key for peers.
+    pub fn register(&mut self, region: &LocalRegion) -> Result<u64, FabricError> {
+        let desc = region.desc();
+        let access =
+            sys::FI_READ as u64 | sys::FI_WRITE as u64 | sys::FI_REMOTE_READ as u64 | sys::FI_REMOTE_WRITE as u64;
+        let requested = self.next_key;
+        self.next_key += 1;
+        let mr = self.reg(desc.addr as usize as *const c_void, desc.len as usize, access, requested)?;
+        // SAFETY: the MR is open.
+        let key = unsafe { sys::xf_mr_key(mr.0) };
+        self.regions.insert(region.id(), Region { mr });
+        Ok(key)
+    }
+
+    /// Closes a region's registration (once idle: no operation on it is in flight).
+    pub fn deregister(&mut self, region: u64) -> bool {
+        self.regions.remove(&region).is_some()
+    }
+
+    fn reg(&mut self, buf: *const c_void, len: usize, access: u64, key: u64) -> Result<Mr, FabricError> {
+        let mut mr = ptr::null_mut();
+        // SAFETY: `buf .. buf + len` is memory that outlives the MR: a region's (LocalRegion's
+        // contract keeps it allocated until it is closed and idle, and it is deregistered, so
+        // the MR closed, before that returns to the agent) or a message buffer owned with it.
+        let ret =
+            unsafe { sys::xf_mr_reg(self.domain, buf, len, access, 0, key, 0, &mut mr, ptr::null_mut()) } as isize;
+        check("fi_mr_reg", ret)?;
+        let mr = Mr(mr);
+        if self.attrs.mr_endpoint() {
+            // SAFETY: an open MR and our endpoint; FI_MR_ENDPOINT wants it bound, then enabled.
+            unsafe {
+                check("fi_mr_bind", sys::xf_mr_bind(mr.0, fid_of(self.ep), 0) as isize)?;
+                check("fi_mr_enable", sys::xf_mr_enable(mr.0) as isize)?;
+            }
+        }
+        Ok(mr)
+    }
+
+    fn msg_buf(&mut self, data: Vec<u8>) -> Result<MsgBuf, FabricError> {
+        let data = data.into_boxed_slice();
+        let mr = if self.attrs.mr_local() {
+            let access = sys::FI_SEND as u64 | sys::FI_RECV as u64;
+            let key = self.next_key;
+            self.next_key += 1;
+            Some(self.reg(data.as_ptr().cast(), data.len(), access, key)?)
+        } else {
+            None
+        };
+        Ok(MsgBuf { data, mr })
+    }
+
+    fn track(&mut self, token: u64, kind: Kind) -> (*mut c_void, usize) {
+        let mut ctx = Box::<sys::fi_context2>::default();
+        let at = &mut *ctx as *mut sys::fi_context2 as *mut c_void;
+        self.in_flight.insert(at as usize, InFlight { ctx, token, kind });
+        (at, at as usize)
+    }
+
+    fn post_recv(&mut self, buf: MsgBuf) -> Result<(), FabricError> {
+        let (ptr, len, desc) = (buf.data.as_ptr(), buf.data.len(), buf.mr.as_ref().map_or(ptr::null_mut(), Mr::desc));
+        let (ctx, at) = self.track(0, Kind::Recv(buf));
+        // SAFETY: the buffer and the context are owned by `in_flight` until the CQ reports the
+        // receive (or the endpoint closes); `desc` is the buffer's MR or null.
+        let ret = unsafe { sys::xf_recv(self.ep, ptr.cast_mut().cast(), len, desc, sys::FI_ADDR_UNSPEC, ctx) };
+        if ret < 0 {
+            self.in_flight.remove(&at);
+        }
+        check("fi_recv", ret)
+    }
+
+    /// Posts one RMA operation over `pieces` (at most [`Attrs::max_iov`] of them, each a local
+    /// slice and `len` bytes at the peer's `remote`, as its mr_mode addresses it, under `key`):
+    /// one `fi_readmsg`/`fi_writemsg` with as many local and remote iovecs. `Ok(Err(pieces))`:
+    /// no room now (FI_EAGAIN); progress and try again. The slices are kept until the
+    /// operation completes.
+    pub fn post_rma(
+        &mut self,
+        op: Rma,
+        pieces: Vec<RmaPiece>,
+        peer: u64,
+        token: u64,
+    ) -> Result<Result<(), Vec<RmaPiece>>, FabricError> {
+        let mut iovs = Vec::with_capacity(pieces.len());
+        let mut descs = Vec::with_capacity(pieces.len());
+        let mut rmas = Vec::with_capacity(pieces.len());
+        for piece in &pieces {
+            let region = piece.local.pin().region().id();
+            let desc = match self.regions.get(&region) {
+                Some(r) => r.mr.desc(),
+                None if self.attrs.mr_local() => {
+                    return Err(FabricError {
+                        call: "fi_readmsg/fi_writemsg",
+                        code: libc::ENOKEY,
+                        message: format!("local region {region} is not registered with this backend"),
+                    })
+                }
+                None => ptr::null_mut(),
+            };
+            let len = piece.local.len();
+            iovs.push(libc::iovec { iov_base: piece.local.as_ptr().cast_mut().cast(), iov_len: len });
+            descs.push(desc);
+            rmas.push(sys::fi_rma_iov { addr: piece.remote, len, key: piece.key });
+        }
+        let (ctx, at) = self.track(token, Kind::Rma(pieces));
+        let msg = sys::fi_msg_rma {
+            msg_iov: iovs.as_ptr().cast(),
+            desc: descs.as_mut_ptr(),
+            iov_count: iovs.len(),
+            addr: peer,
+            rma_iov: rmas.as_ptr(),
+            rma_iov_count: rmas.len(),
+            context: ctx,
+            data: 0,
+        };
+        // A write completes once the target has it (visible there), not once it left here;
+        // a provider without that flag completes writes as its default says (tcp: on its ack).
+        let post = |delivery: bool| {
+            let flags = match op {
+                Rma::Write if delivery => u64::from(sys::FI_COMPLETION) | u64::from(sys::FI_DELIVERY_COMPLETE),
+                _ => u64::from(sys::FI_COMPLETION),
+            };
+            // SAFETY: the message's arrays live for the call (providers copy them); the local
+            // memory (pinned registered DRAM slices) and the context stay owned by
+            // `in_flight` until the CQ reports the operation or the endpoint closes.
+            unsafe {
+                match op {
+                    Rma::Read => sys::xf_readmsg(self.ep, &msg, flags),
+                    Rma::Write => sys::xf_writemsg(self.ep, &msg, flags),
+                }
+            }
+        };
+        let mut ret = post(self.delivery_complete);
+        if op == Rma::Write && self.delivery_complete && ret == -(sys::FI_EBADFLAGS as isize) {
+            tracing::info!(provider = %self.attrs.provider, "libfabric: no FI_DELIVERY_COMPLETE for writes");
+            self.delivery_complete = false;
+            ret = post(false);
+        }
+        if ret == -(EAGAIN as isize) {
+            return match self.in_flight.remove(&at).map(|f| f.kind) {
+                Some(Kind::Rma(pieces)) => Ok(Err(pieces)),
+                _ => Err(FabricError { call: "post_rma", code: libc::EINVAL, message: "lost its pieces".into() }),
+            };
+        }
+        if ret < 0 {
+            self.in_flight.remove(&at);
+        }
+        check(if op == Rma::Read { "fi_readmsg" } else { "fi_writemsg" }, ret).map(|()| Ok(()))
+    }
+
+    /// Sends a message. `Ok(false)`: no room now (FI_EAGAIN).
+    pub fn send(&mut self, peer: u64, message: &[u8], token: u64) -> Result<bool, FabricError> {
+        let buf = self.msg_buf(message.to_vec())?;
+        let (ptr, len, desc) = (buf.data.as_ptr(), buf.data.len(), buf.mr.as_ref().map_or(ptr::null_mut(), Mr::desc));
+        let (ctx, at) = self.track(token, Kind::Send(buf));
+        // SAFETY: as in `post_recv`, for a buffer the provider reads.
+        let ret = unsafe { sys::xf_send(self.ep, ptr.cast_mut().cast(), len, desc, peer, ctx) };
+        if ret < 0 {
+            self.in_flight.remove(&at);
+        }
+        if ret == -(EAGAIN as isize) {
+            return Ok(false);
+        }
+        check("fi_send", ret).map(|()| true)
+    }
+
+    /// Reads up to `max` completions (an error completion counts as one) into `out`.
+    pub fn poll(&mut self, max: usize, out: &mut Vec<Done>) -> Result<usize, FabricError> {
+        let mut entries = [sys::fi_cq_data_entry::default(); 16];
+        let want = max.min(entries.len());
+        // SAFETY: `entries` has room for `want` entries of the CQ's format (FI_CQ_FORMAT_DATA).
+        let ret = unsafe { sys::xf_cq_read(self.cq, entries.as_mut_ptr().cast(), want) };
+        self.completed(ret, &entries, out)
+    }
+
+    fn completed(
+        &mut self,
+        ret: isize,
+        entries: &[sys::fi_cq_data_entry],
+        out: &mut Vec<Done>,
+    ) -> Result<usize, FabricError> {
+        // Nothing now; a wait that timed out or was signalled (FI_EINTR on some providers).
+        if ret == -(EAGAIN as isize) || ret == -(libc::ETIMEDOUT as isize) || ret == -(libc::EINTR as isize) {
+            return Ok(0);
+        }
+        if ret == -(EAVAIL as isize) {
+            return self.read_error(out).map(|()| 1);
+        }
+        check("fi_cq_read", ret)?;
+        let got = ret as usize;
+        for entry in &entries[..got] {
+            self.finish(entry.op_context as usize, Ok(entry.len), out)?;
+        }
+        Ok(got)
+    }
+
+    fn read_error(&mut self, out: &mut Vec<Done>) -> Result<(), FabricError> {
+        let mut err = sys::fi_cq_err_entry::default();
+        // SAFETY: one writable error entry; err_data_size 0 lets the provider keep its own.
+        let ret = unsafe { sys::xf_cq_readerr(self.cq, &mut err, 0) };
+        if ret == -(EAGAIN as isize) {
+            return Ok(());
+        }
+        check("fi_cq_readerr", ret)?;
+        let mut message = strerror(err.err);
+        if err.prov_errno != 0 {
+            let mut buf = [0 as libc::c_char; 256];
+            // SAFETY: the entry is the one just read; `buf` is writable for its length.
+            let prov = unsafe { sys::xf_cq_strerror(self.cq, err.prov_errno, err.err_data, buf.as_mut_ptr(), 256) };
+            message = format!("{message}; provider: {} ({})", text(prov), err.prov_errno);
+        }
+        self.finish(err.op_context as usize, Err(CqError { code: err.err, message }), out)
+    }
+
+    fn finish(&mut self, ctx: usize, result: Result<usize, CqError>, out: &mut Vec<Done>) -> Result<(), FabricError> {
+        let Some(done) = self.in_flight.remove(&ctx) else {
+            tracing::warn!(ctx, "libfabric completion for no operation of ours");
+            return Ok(());
+        };
+        let _ = &done.ctx;
+        match done.kind {
+            Kind::Rma(_) => out.push(Done::Rma { token: done.token, result: result.map(drop) }),
+            Kind::Send(_) => out.push(Done::Sent { token: done.token, result: result.map(drop) }),
+            Kind::Recv(buf) => {
+                let received = result.map(|len| buf.data[..len.min(buf.data.len())].to_vec());
+                out.push(Done::Received { result: received });
+                // A canceled receive (endpoint closing) is not posted again.
+                if !matches!(&out.last(), Some(Done::Received { result: Err(e) }) if e.code == libc::ECANCELED) {
+                    self.post_recv(buf)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Operations the provider still owns.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // The endpoint first: once closed, the provider touches none of the buffers and
+        // contexts in flight, which are dropped after it; MRs before the domain.
+        *self.waker.0.lock() = None;
+        for (name, fid) in [("endpoint", fid_of(self.ep)), ("av", fid_of(self.av)), ("cq", fid_of(self.cq))] {
+            if name == "av" {
+                self.regions.clear();
+                for (_, f) in self.in_flight.drain() {
+                    drop(f);
+                }
+            }
+            if !fid.is_null() {
+                // SAFETY: an object opened by `open`, closed once, children before parents.
+                let ret = unsafe { sys::xf_close(fid) };
+                if ret != 0 {
+                    tracing::warn!(ret, object = name, "fi_close");
+                }
+            }
+        }
+        self.regions.clear();
+        self.in_flight.clear();
+        for (name, fid) in [("domain", fid_of(self.domain)), ("fabric", fid_of(self.fabric))] {
+            if !fid.is_null() {
+                // SAFETY: as above.
+                let ret = unsafe { sys::xf_close(fid) };
+                if ret != 0 {
+                    tracing::warn!(ret, object = name, "fi_close");
+                }
+            }
+        }
+    }
+}
