@@ -26,7 +26,7 @@ cargo fmt --all -- --check
 bench/update-readme.sh 2>/dev/null
 git diff --exit-code -- bench/README.md
 
-step "lints (every feature, UCX included)"
+step "lints (every feature, UCX and libfabric included)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
 # Every cargo call below uses the same selection (--workspace --all-features), so nothing is built
@@ -36,7 +36,7 @@ peers_venv="$(bench/peers/install.sh | tail -n1)"
 # pdbench's routing comparison runs vllm-router (cache_aware, round robin) beside ours.
 export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 
-step "tests (unit, in-process, two-process conformance over TCP and UCX tcp/shared memory)"
+step "tests (unit, in-process, two-process conformance over TCP, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
 cargo test --workspace --all-features --locked
 
 # The test build above made the three daemons in target/debug.

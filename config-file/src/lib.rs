@@ -8,6 +8,8 @@
 use std::path::Path;
 
 mod duration;
+#[cfg(feature = "signals")]
+pub mod signals;
 
 pub use duration::{
     duration_or_millis, duration_or_secs, parse_duration, parse_duration_or_bare, warn_unitless, BareUnit,

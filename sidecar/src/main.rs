@@ -27,10 +27,19 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let result = rt.block_on(pd_sidecar::run(cfg, shutdown_signal(), |r| {
-        // One line on stdout for launchers and tests that bind port 0.
-        println!("pd-sidecar listening on {}", r.addr);
-    }));
+    let result = rt.block_on(async {
+        // Installed before the listener is bound (see `shutdown_signal`).
+        let signal = pd_config_file::signals::shutdown_signal();
+        let shutdown = async move {
+            signal.await;
+            tracing::info!("shutting down: draining requests in flight");
+        };
+        pd_sidecar::run(cfg, shutdown, |r| {
+            // One line on stdout for launchers and tests that bind port 0.
+            println!("pd-sidecar listening on {}", r.addr);
+        })
+        .await
+    });
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -38,20 +47,4 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-    }
-    tracing::info!("shutting down: draining requests in flight");
 }

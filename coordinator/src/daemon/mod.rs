@@ -25,6 +25,8 @@ pub use state::{Coordinator, Origin};
 
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
+    // Installed before any listener is bound (see `shutdown_signal`).
+    let shutdown = pd_config_file::signals::shutdown_signal();
     let hasher = PromptHasher::new(
         config.pythonhashseed.as_deref(),
         config.tokenizer.as_deref(),
@@ -103,7 +105,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         })
     });
 
-    shutdown_signal().await;
+    shutdown.await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     for task in &tasks {
@@ -123,19 +125,4 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     // In-flight requests get a moment; long-lived connections do not hold the exit.
     let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = terminate => {}
-    }
 }

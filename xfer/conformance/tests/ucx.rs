@@ -130,43 +130,11 @@ fn shm_killed_peer_lets_go_of_memory() {
     // kill mid-message it sometimes cannot (see the file's docs).
 }
 
-/// An agent with UCX and TCP attached uses UCX with a peer that has both, and falls back to
-/// TCP with a peer that has only TCP; every byte checked, notifications included.
+/// An agent with ucx and TCP attached picks ucx for a peer that has both, TCP for a
+/// TCP-only peer.
 #[test]
 fn picks_by_capability_and_falls_back_to_tcp() {
-    use std::sync::Arc;
-    use std::time::Duration;
-    use xfer::{Agent, BackendParams, HostBuffer, Op, RequestOptions};
-
-    const SIZE: usize = 1 << 20;
-    let agent = |name: &str, backends: &[(&str, &str)]| {
-        let agent = Agent::new(name).expect("agent");
-        for (backend, params) in backends {
-            agent.add_backend(backend, BackendParams::parse(params).expect("params")).expect("attach");
-        }
-        let buf = Arc::new(HostBuffer::new(SIZE));
-        let reg = agent.register_buffer(&buf).expect("register");
-        (agent, buf, reg)
-    };
-    let tcp = ("tcp", "listen=127.0.0.1:0");
-    let (both, buf, _reg) = agent("choice-both", &[("ucx", TCP), tcp]);
-    let (ucx_peer, ucx_buf, _r1) = agent("choice-ucx-peer", &[("ucx", TCP), tcp]);
-    let (tcp_peer, tcp_buf, _r2) = agent("choice-tcp-peer", &[tcp]);
-    for (peer, peer_buf, want, seed) in [(&ucx_peer, &ucx_buf, "ucx", 1u8), (&tcp_peer, &tcp_buf, "tcp", 2u8)] {
-        let name = both.load_remote_metadata(&peer.local_metadata()).expect("load peer");
-        peer.load_remote_metadata(&both.local_metadata()).expect("peer loads us");
-        let data: Vec<u8> = (0..SIZE).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
-        buf.write_at(0, &data);
-        let req = both
-            .create_request(Op::Write, &[buf.desc()], &name, &[peer_buf.desc()], RequestOptions::notify([seed]))
-            .expect("create");
-        assert_eq!(req.backend(), want, "backend chosen for {name}");
-        req.post().expect("post");
-        req.wait(Duration::from_secs(20)).unwrap_or_else(|e| panic!("write to {name}: {e}"));
-        assert!(peer_buf.to_vec() == data, "bytes written to {name} through {want} differ");
-        assert!(peer.wait_notifs(Duration::from_secs(10)), "no notification at {name}");
-        assert_eq!(peer.get_notifs_from("choice-both"), vec![vec![seed]]);
-    }
+    xfer_conformance::scenarios::picks_by_capability_and_falls_back_to_tcp("ucx", TCP);
 }
 
 /// Peers whose UCX TCP segments do not fit each other (a TX segment larger than the other
