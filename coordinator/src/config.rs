@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use pd_config_file::{parse_duration, warn_unitless, DurationError};
+use pd_http::Bearer;
 use serde::Deserialize;
 
 use crate::api::EngineSpecJson;
@@ -134,6 +135,23 @@ pub struct Config {
     pub kv_events_topic: String,
 
     /// Log filter (tracing's EnvFilter syntax; RUST_LOG works too).
+    /// Require `Authorization: Bearer <token>` on every HTTP and gRPC call except /health and
+    /// /metrics (sidecars send it with --coordinator-token).
+    #[arg(long, env = "PD_COORDINATOR_AUTH_TOKEN", hide_env_values = true)]
+    pub auth_token: Option<Bearer>,
+    /// Bearer token sent on the release calls to sidecars (their --auth-token).
+    #[arg(long, env = "PD_COORDINATOR_SIDECAR_TOKEN", hide_env_values = true)]
+    pub sidecar_token: Option<Bearer>,
+    /// Serve the HTTP and gRPC APIs over TLS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, env = "PD_COORDINATOR_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "PD_COORDINATOR_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificates (PEM) trusted for https sidecars and engines (default: the web PKI roots).
+    #[arg(long, env = "PD_COORDINATOR_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+
     #[arg(long, env = "PD_COORDINATOR_LOG", default_value = "info")]
     pub log: String,
     /// Tokio worker threads (default: available cores).

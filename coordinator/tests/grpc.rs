@@ -117,3 +117,30 @@ async fn every_grpc_method_once() {
     assert_eq!(unknown.code(), Code::NotFound);
     assert_eq!(coord.metric("pd_coordinator_engine_deaths_total{cause=\"node\"}").await, 1.0);
 }
+
+/// With --auth-token, gRPC calls need `authorization: Bearer <token>` metadata, as HTTP calls do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_need_the_bearer_token() {
+    let coord = Coord::start(&["--health-interval-ms", "0", "--auth-token", "grpc-key"]).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", coord.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut anonymous = CoordinatorClient::new(channel.clone());
+    let refused = anonymous.register(spec("d0", Role::Decode)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    let with = |token: &'static str| {
+        move |mut request: tonic::Request<()>| {
+            request.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+            Ok(request)
+        }
+    };
+    let mut wrong = CoordinatorClient::with_interceptor(channel.clone(), with("other"));
+    assert_eq!(wrong.list_engines(Empty {}).await.unwrap_err().code(), Code::Unauthenticated);
+    let mut client = CoordinatorClient::with_interceptor(channel, with("grpc-key"));
+    assert_eq!(client.register(spec("d0", Role::Decode)).await.unwrap().into_inner().engine, "d0");
+    assert_eq!(client.list_engines(Empty {}).await.unwrap().into_inner().engines.len(), 1);
+    let (status, _) = coord.get("/v1/engines").await;
+    assert_eq!(status, 401, "HTTP is guarded by the same token");
+}

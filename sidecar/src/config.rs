@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use pd_config_file::{parse_duration_or_bare, BareUnit, DurationError};
+use pd_http::Bearer;
 
 use crate::allowlist::{AllowError, Allowlist};
 use crate::target::{Target, TargetError};
@@ -201,10 +202,10 @@ pub struct Config {
     // ---- security
     /// Require `Authorization: Bearer <token>` on every request except /health and /ready.
     #[arg(long, env = "PD_SIDECAR_AUTH_TOKEN", hide_env_values = true, help_heading = "Security")]
-    pub auth_token: Option<String>,
+    pub auth_token: Option<Bearer>,
     /// Authorization sent upstream (Bearer); by default the client's header is passed on.
     #[arg(long, env = "PD_SIDECAR_UPSTREAM_TOKEN", hide_env_values = true, help_heading = "Security")]
-    pub upstream_token: Option<String>,
+    pub upstream_token: Option<Bearer>,
     /// Serve TLS with this certificate chain (PEM); needs --tls-key.
     #[arg(long, env = "PD_SIDECAR_TLS_CERT", requires = "tls_key", help_heading = "Security")]
     pub tls_cert: Option<PathBuf>,
@@ -219,6 +220,9 @@ pub struct Config {
     /// Coordinator base URL (e.g. http://10.0.0.1:7700); without it the static list is used.
     #[arg(long, env = "PD_SIDECAR_COORDINATOR", help_heading = "Coordinator")]
     pub coordinator: Option<String>,
+    /// Bearer token sent on every coordinator call (the coordinator's --auth-token).
+    #[arg(long, env = "PD_SIDECAR_COORDINATOR_TOKEN", hide_env_values = true, help_heading = "Coordinator")]
+    pub coordinator_token: Option<Bearer>,
     /// This engine's id at the coordinator (default: node:listen port).
     #[arg(long, env = "PD_SIDECAR_ENGINE_ID", help_heading = "Coordinator")]
     pub engine_id: Option<String>,

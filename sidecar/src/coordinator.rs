@@ -13,6 +13,7 @@ use pd_api::{
     EngineSpec, EngineView, Heartbeat, Load, Notices, PairDecision, PairReason, PairRequest, Registration, Report,
     ReportEvent,
 };
+use pd_http::Bearer;
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
@@ -50,6 +51,8 @@ impl LinkError {
 #[derive(Debug)]
 pub struct Coordinator {
     base: Target,
+    /// Sent on every call (`--coordinator-token`).
+    token: Option<Bearer>,
     timeout: Duration,
     backoff: Duration,
     spec: EngineSpec,
@@ -99,6 +102,7 @@ impl Coordinator {
         let (tx, rx) = mpsc::channel(4096);
         Ok(Coordinator {
             base,
+            token: cfg.coordinator_token.clone(),
             timeout: cfg.coordinator_timeout,
             backoff: cfg.coordinator_backoff,
             spec,
@@ -159,8 +163,11 @@ impl Coordinator {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<(StatusCode, bytes::Bytes), UpstreamError> {
-        let req = upstream::json_request(method, &self.base.url(path), body)
+        let mut req = upstream::json_request(method, &self.base.url(path), body)
             .map_err(|e| UpstreamError::Io { target: self.base.base.clone(), reason: e.to_string() })?;
+        if let Some(token) = &self.token {
+            req.headers_mut().insert(http::header::AUTHORIZATION, token.header().clone());
+        }
         let started = Instant::now();
         let resp = upstream::send(client, &self.base, req, self.timeout).await?;
         let status = resp.status();

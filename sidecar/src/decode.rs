@@ -57,7 +57,7 @@ pub async fn open(ctx: &Context, engines: &EnginePool, call: &DecodeCall<'_>) ->
         call.headers,
         LegHeaders {
             request_id: call.request_id,
-            authorization: ctx.auth.upstream.as_ref(),
+            authorization: ctx.upstream_authorization(),
             rewritten: call.rewritten,
             identity: false,
         },

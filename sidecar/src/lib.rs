@@ -42,7 +42,6 @@ pub mod routing;
 pub mod server;
 pub mod sglang;
 pub mod target;
-pub mod tls;
 pub mod upstream;
 pub mod xfer_link;
 
@@ -90,7 +89,7 @@ pub struct App {
 /// Builds the request context and the handles from a configuration.
 pub fn build(cfg: Config) -> anyhow::Result<App> {
     let resolved = cfg.resolve()?;
-    let tls = tls::client_config(cfg.upstream_ca.as_deref()).context("upstream TLS")?;
+    let tls = pd_http::tls::client_config(cfg.upstream_ca.as_deref()).context("upstream TLS")?;
     let client = upstream::client(cfg.connect_timeout, tls);
     let wants_xfer = cfg.mode == Mode::SimPull || cfg.release_method == ReleaseMethod::SimXfer;
     let xfer = if wants_xfer {
@@ -131,7 +130,7 @@ pub async fn run(
     on_bound: impl FnOnce(&Running),
 ) -> anyhow::Result<()> {
     let tls = match (&cfg.tls_cert, &cfg.tls_key) {
-        (Some(c), Some(k)) => Some(tls::server_config(c, k).context("listener TLS")?),
+        (Some(c), Some(k)) => Some(pd_http::tls::server_config(c, k).context("listener TLS")?),
         _ => None,
     };
     let listener =
@@ -160,7 +159,7 @@ pub async fn run(
         ))
     });
     let (coordinator, ctx) = (app.coordinator.clone(), Arc::clone(&app.ctx));
-    server::serve(listener, server::router(app), tls, shutdown, drain).await;
+    pd_http::serve(listener, server::router(app), tls, shutdown, drain).await;
     if let Some(c) = coordinator {
         coordinator::leave(&c, &ctx.client).await;
     }

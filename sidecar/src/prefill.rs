@@ -38,7 +38,7 @@ pub async fn run(
 ) -> Legged<Prefilled> {
     let headers = upstream::leg_headers(
         client_headers,
-        LegHeaders { request_id, authorization: legs.ctx.auth.upstream.as_ref(), rewritten: true, identity: true },
+        LegHeaders { request_id, authorization: legs.ctx.upstream_authorization(), rewritten: true, identity: true },
         &[],
     );
     legs.run(candidates, |target| {

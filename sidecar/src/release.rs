@@ -191,7 +191,7 @@ impl Releaser {
         if let Ok(v) = HeaderValue::from_str(&format!("{request_id}-release")) {
             headers.insert(REQUEST_ID, v);
         }
-        if let Some(a) = &self.ctx.auth.upstream {
+        if let Some(a) = self.ctx.upstream_authorization() {
             headers.insert(header::AUTHORIZATION, a.clone());
         }
         let mut last = String::new();

@@ -1,9 +1,7 @@
 //! The HTTP surface: routes, the bearer-token check, the flow a generation request takes (vLLM
 //! or SGLang, by `--mode`), pass-through to the engine, health, readiness, metrics,
-//! `/pd/release`; and the accept loop (plain or TLS) with graceful drain.
+//! `/pd/release`.
 
-use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,10 +12,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode, Uri};
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Notify};
 use tracing::Instrument;
 
 use crate::config::Mode;
@@ -53,17 +47,11 @@ pub fn router(app: Shared) -> Router {
         .with_state(app)
 }
 
-/// Equal-length comparison whose time does not depend on where the inputs differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn auth(AxState(ctx): AxState<Arc<Context>>, req: Request, next: Next) -> Response<Body> {
-    if let Some(expected) = &ctx.auth.expected {
+    if let Some(expected) = &ctx.cfg.auth_token {
         let path = req.uri().path();
         let open = matches!(path, "/health" | "/ready" | "/metrics");
-        let given = req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes).unwrap_or_default();
-        if !open && !same(given, expected.as_bytes()) {
+        if !open && !expected.admits(req.headers()) {
             if Api::from_path(path).is_some() {
                 crate::metrics::Tracker::new(&ctx.metrics).finish(Outcome::Unauthorized);
             }
@@ -180,7 +168,7 @@ async fn forward(app: &App, method: Method, path: String, headers: &HeaderMap, b
     };
     *req.headers_mut() = upstream::leg_headers(
         headers,
-        LegHeaders { request_id: &rid, authorization: ctx.auth.upstream.as_ref(), rewritten: false, identity: false },
+        LegHeaders { request_id: &rid, authorization: ctx.upstream_authorization(), rewritten: false, identity: false },
         &[],
     );
     match upstream::send(&ctx.client, target, req, ctx.cfg.decode_first_byte_timeout).await {
@@ -190,106 +178,5 @@ async fn forward(app: &App, method: Method, path: String, headers: &HeaderMap, b
         }
         Err(e) if e.is_connect() => ApiError::unavailable(format!("the engine is unavailable: {e}")).response(),
         Err(e) => ApiError::bad_gateway(e.to_string()).response(),
-    }
-}
-
-/// Counts open connections so a shutdown can wait for them.
-#[derive(Debug, Default)]
-struct Connections {
-    open: AtomicUsize,
-    closed: Notify,
-}
-
-struct ConnGuard(Arc<Connections>);
-
-impl Drop for ConnGuard {
-    fn drop(&mut self) {
-        if self.0.open.fetch_sub(1, Relaxed) == 1 {
-            self.0.closed.notify_waiters();
-        }
-    }
-}
-
-/// Serves `app` on `listener` (TLS when `tls` is set) until `shutdown` resolves, then lets
-/// open connections finish their requests for up to `drain`.
-pub async fn serve(
-    listener: TcpListener,
-    app: Router,
-    tls: Option<Arc<rustls::ServerConfig>>,
-    shutdown: impl Future<Output = ()>,
-    drain: Duration,
-) {
-    let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
-    let conns = Arc::new(Connections::default());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // Out of descriptors and the like: pause instead of spinning.
-                    tracing::warn!(%e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
-        let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(app.clone());
-        let acceptor = acceptor.clone();
-        let mut stop = stop_rx.clone();
-        conns.open.fetch_add(1, Relaxed);
-        let guard = ConnGuard(Arc::clone(&conns));
-        tokio::spawn(async move {
-            let _guard = guard;
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(30)).keep_alive(true);
-            macro_rules! drive {
-                ($io:expr) => {{
-                    let conn = builder.serve_connection(TokioIo::new($io), service);
-                    tokio::pin!(conn);
-                    tokio::select! {
-                        r = conn.as_mut() => r,
-                        _ = async { let _ = stop.wait_for(|s| *s).await.map(drop); } => {
-                            conn.as_mut().graceful_shutdown();
-                            conn.await
-                        }
-                    }
-                }};
-            }
-            let result = match acceptor {
-                None => drive!(stream),
-                Some(acceptor) => match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
-                    Ok(Ok(tls)) => drive!(tls),
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake timed out");
-                        return;
-                    }
-                },
-            };
-            if let Err(e) = result {
-                tracing::debug!(%peer, %e, "connection ended with an error");
-            }
-        });
-    }
-    drop(listener);
-    let _ = stop_tx.send(true);
-    let wait = async {
-        loop {
-            let closed = conns.closed.notified();
-            if conns.open.load(Relaxed) == 0 {
-                return;
-            }
-            closed.await;
-        }
-    };
-    if tokio::time::timeout(drain, wait).await.is_err() {
-        tracing::warn!(open = conns.open.load(Relaxed), "drain timeout; closing the remaining connections");
     }
 }

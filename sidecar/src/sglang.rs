@@ -86,7 +86,7 @@ pub async fn run(
     let items = rewrite::batch_size(&object, api);
     let prefill_headers = upstream::leg_headers(
         headers,
-        LegHeaders { request_id: rid, authorization: ctx.auth.upstream.as_ref(), rewritten: true, identity: true },
+        LegHeaders { request_id: rid, authorization: ctx.upstream_authorization(), rewritten: true, identity: true },
         &[],
     );
     let legged = app

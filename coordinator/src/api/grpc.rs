@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
+use pd_http::Bearer;
 use serde_json::value::RawValue;
+use tonic::service::interceptor::{InterceptedService, Interceptor};
 use tonic::{Request, Response, Status};
 
 use crate::api::{
@@ -21,8 +23,26 @@ pub mod proto {
 
 use proto::coordinator_server::{Coordinator as CoordinatorRpc, CoordinatorServer};
 
-pub fn service(coordinator: Arc<Coordinator>) -> CoordinatorServer<Service> {
-    CoordinatorServer::new(Service { coordinator })
+/// The service, behind the bearer-token check when `--auth-token` is set (metadata
+/// `authorization: Bearer <token>`, as on HTTP).
+pub fn service(coordinator: Arc<Coordinator>) -> InterceptedService<CoordinatorServer<Service>, Authorize> {
+    let token = coordinator.config.auth_token.clone();
+    InterceptedService::new(CoordinatorServer::new(Service { coordinator }), Authorize(token))
+}
+
+#[derive(Clone, Debug)]
+pub struct Authorize(Option<Bearer>);
+
+impl Interceptor for Authorize {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let Some(token) = &self.0 else { return Ok(request) };
+        // tonic keeps HTTP/2 headers as metadata; the same check as the HTTP edge's.
+        let headers = request.metadata().clone().into_headers();
+        match token.admits(&headers) {
+            true => Ok(request),
+            false => Err(ApiError::Unauthorized.into()),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -35,6 +55,7 @@ impl From<ApiError> for Status {
         match err {
             ApiError::BadRequest(m) => Status::invalid_argument(m),
             ApiError::NotFound(m) => Status::not_found(m),
+            ApiError::Unauthorized => Status::unauthenticated(ApiError::Unauthorized.to_string()),
             ApiError::Unavailable(m) => Status::unavailable(m),
             ApiError::Internal(m) => Status::internal(m),
         }

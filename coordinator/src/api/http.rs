@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -49,7 +50,21 @@ pub fn router(coordinator: Arc<Coordinator>) -> Router {
             (StatusCode::METHOD_NOT_ALLOWED, Json(body))
         })
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn_with_state(Arc::clone(&coordinator), authorize))
         .with_state(coordinator)
+}
+
+/// With `--auth-token`, every route but /health and /metrics needs the bearer token.
+async fn authorize(State(c): Shared, request: Request, next: Next) -> Response {
+    if let Some(token) = &c.config.auth_token {
+        let open = matches!(request.uri().path(), "/health" | "/metrics");
+        if !open && !token.admits(request.headers()) {
+            let mut response = ApiError::Unauthorized.into_response();
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            return response;
+        }
+    }
+    next.run(request).await
 }
 
 async fn register(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, ApiError> {

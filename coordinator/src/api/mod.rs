@@ -83,6 +83,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("{0}")]
     NotFound(String),
+    /// The call lacked the bearer token `--auth-token` demands.
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
     #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
@@ -94,6 +97,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => 400,
             ApiError::NotFound(_) => 404,
+            ApiError::Unauthorized => 401,
             ApiError::Unavailable(_) => 503,
             ApiError::Internal(_) => 500,
         }
@@ -103,6 +107,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => "invalid_request_error",
             ApiError::NotFound(_) => "not_found_error",
+            ApiError::Unauthorized => "authentication_error",
             ApiError::Unavailable(_) => "service_unavailable",
             ApiError::Internal(_) => "internal_error",
         }

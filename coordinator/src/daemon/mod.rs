@@ -23,6 +23,9 @@ use crate::store::Store;
 
 pub use state::{Coordinator, Origin};
 
+/// How long open connections may finish their requests after a shutdown signal.
+const DRAIN: Duration = Duration::from_secs(5);
+
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     // Installed before any listener is bound (see `shutdown_signal`).
@@ -41,6 +44,18 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             Some(Arc::new(etcd) as Arc<dyn Store>)
         }
     };
+    let (http_tls, grpc_tls) = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => {
+            let http = pd_http::tls::server_config(cert, key).context("--tls-cert/--tls-key")?;
+            let read =
+                |path: &std::path::Path| std::fs::read(path).with_context(|| format!("cannot read {}", path.display()));
+            (Some(http), Some(tonic::transport::Identity::from_pem(read(cert)?, read(key)?)))
+        }
+        _ => (None, None),
+    };
+    if config.auth_token.is_none() {
+        tracing::warn!("no --auth-token: anyone who reaches the API can register engines and ask for pairings");
+    }
     let http_listener =
         TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
     let grpc_listener = match config.no_grpc {
@@ -92,18 +107,27 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let http = {
         let router = crate::api::http::router(Arc::clone(&coordinator));
         let stop = stopped(stop_rx.clone());
-        tokio::spawn(async move { axum::serve(http_listener, router).with_graceful_shutdown(stop).await })
+        tokio::spawn(pd_http::serve(http_listener, router, http_tls, stop, DRAIN))
     };
-    let grpc = grpc_listener.map(|listener| {
-        let service = crate::api::grpc::service(Arc::clone(&coordinator));
-        let stop = stopped(stop_rx.clone());
-        tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), stop)
-                .await
-        })
-    });
+    let grpc = match grpc_listener {
+        None => None,
+        Some(listener) => {
+            let service = crate::api::grpc::service(Arc::clone(&coordinator));
+            let stop = stopped(stop_rx.clone());
+            let mut server = tonic::transport::Server::builder();
+            if let Some(identity) = grpc_tls {
+                server = server
+                    .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                    .context("gRPC TLS")?;
+            }
+            Some(tokio::spawn(async move {
+                server
+                    .add_service(service)
+                    .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), stop)
+                    .await
+            }))
+        }
+    };
 
     shutdown.await;
     tracing::info!("shutting down");
@@ -113,9 +137,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     coordinator.stop_ingest();
     let drain = async {
-        if let Ok(Err(err)) = http.await {
-            tracing::warn!(%err, "HTTP server");
-        }
+        let _ = http.await;
         if let Some(grpc) = grpc {
             if let Ok(Err(err)) = grpc.await {
                 tracing::warn!(%err, "gRPC server");
@@ -123,6 +145,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
     };
     // In-flight requests get a moment; long-lived connections do not hold the exit.
-    let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
+    let _ = tokio::time::timeout(DRAIN, drain).await;
     Ok(())
 }

@@ -26,13 +26,11 @@ impl Coordinator {
         };
         // The prefill's params go back verbatim (RawValue keeps key order and numbers).
         let body = Body { request_id: &notice.request_id, kv_transfer_params: &notice.kv_transfer_params };
-        let sent = self
-            .http
-            .post(format!("{sidecar}/pd/release"))
-            .timeout(Duration::from_millis(self.config.release_timeout_ms))
-            .json(&body)
-            .send()
-            .await;
+        let mut call = self.http.post(format!("{sidecar}/pd/release"));
+        if let Some(token) = &self.config.sidecar_token {
+            call = call.header(reqwest::header::AUTHORIZATION, token.header().clone());
+        }
+        let sent = call.timeout(Duration::from_millis(self.config.release_timeout_ms)).json(&body).send().await;
         match sent {
             Ok(response) if response.status().is_success() => {
                 tracing::info!(request = %notice.request_id, prefill = %notice.prefill, "released held blocks");

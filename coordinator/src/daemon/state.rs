@@ -80,15 +80,28 @@ pub(super) fn endpoint(spec: &EngineSpec) -> Endpoint {
     }
 }
 
+/// Why the client for sidecars and engines could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("--tls-ca: {0}")]
+    Tls(#[from] pd_http::tls::TlsError),
+    #[error("HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
+}
+
 impl Coordinator {
     pub fn new(
         config: Config,
         hasher: PromptHasher,
         store: Option<Arc<dyn Store>>,
         runtime: tokio::runtime::Handle,
-    ) -> Result<Coordinator, reqwest::Error> {
-        let http =
-            reqwest::Client::builder().connect_timeout(Duration::from_millis(config.health_timeout_ms)).build()?;
+    ) -> Result<Coordinator, ClientError> {
+        // Health checks and release calls reach https sidecars and engines through --tls-ca.
+        let tls = pd_http::tls::client_config(config.tls_ca.as_deref())?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(config.health_timeout_ms))
+            .use_preconfigured_tls(tls)
+            .build()?;
         let cluster = Cluster::new(config.settings());
         Ok(Coordinator {
             inner: Mutex::new(Inner {

@@ -105,7 +105,11 @@ impl Sidecar {
 
     /// Starts pd-sidecar on `port` (for a sidecar that must know its own URL up front).
     pub async fn start_on(port: u16, args: &[&str]) -> Sidecar {
-        Self::spawn(&format!("127.0.0.1:{port}"), args, "http").await
+        Self::start_on_with(port, args, "http").await
+    }
+
+    pub async fn start_on_with(port: u16, args: &[&str], scheme: &str) -> Sidecar {
+        Self::spawn(&format!("127.0.0.1:{port}"), args, scheme).await
     }
 
     async fn spawn(listen: &str, args: &[&str], scheme: &str) -> Sidecar {
