@@ -17,6 +17,7 @@ use xfer_core::{
 };
 
 use crate::error::{Side, XferError};
+use crate::grant::{Grant, GrantEntry, GrantToken};
 use crate::metadata::{AgentMetadata, BackendInfo, RegionInfo};
 use crate::notifs::NotifQueues;
 use crate::prepared::{pick, PreparedLocal, PreparedRemote};
@@ -847,5 +848,92 @@ mod tests {
         drop(registration);
         assert_eq!(registered.load(Ordering::SeqCst), 0);
         assert!(agent.local_metadata().len() < metadata.encode().len(), "the region is still published");
+    }
+}
+
+/// Grants ([`crate::grant`]): the target issues them, the initiator loads their tokens.
+impl Agent {
+    /// Grants `peer` alone access to `ranges` (each inside one registered region of
+    /// `mem_type`) for `ttl`. Every attached backend holding those regions must issue it
+    /// (today only TCP does; others refuse with `Unsupported`). Send [`Grant::token`] to the
+    /// peer; revoke (or drop) the grant before reusing the memory.
+    pub fn grant(&self, peer: &str, mem_type: MemType, ranges: &[Desc], ttl: Duration) -> Result<Grant, XferError> {
+        if ranges.is_empty() {
+            return Err(XferError::InvalidArgument("empty grant".into()));
+        }
+        let expires = std::time::Instant::now() + ttl;
+        let local = self.inner.local.load();
+        // Ranges grouped by the region that holds them.
+        let mut by_region: Vec<(Arc<LocalEntry>, Vec<(u64, u64)>)> = Vec::new();
+        for (index, range) in ranges.iter().enumerate() {
+            let entry = local.find(mem_type, range).ok_or_else(|| {
+                XferError::InvalidArgument(format!("grant range {index} is not inside a registration"))
+            })?;
+            match by_region.iter_mut().find(|(e, _)| Arc::ptr_eq(e, entry)) {
+                Some((_, list)) => list.push((range.addr, range.len)),
+                None => by_region.push((Arc::clone(entry), vec![(range.addr, range.len)])),
+            }
+        }
+        let backends = self.inner.backends.load();
+        let mut grant = Grant { token: GrantToken { agent: self.inner.name.clone(), entries: vec![] }, issued: vec![] };
+        for (entry, list) in &by_region {
+            for (slot, _) in &entry.keys {
+                let attached = &backends[*slot];
+                let key = attached
+                    .backend
+                    .grant(&entry.region, peer, list, expires)
+                    .map_err(|e| XferError::backend(attached.name, e))?;
+                grant.issued.push((Arc::clone(&attached.backend), key.clone()));
+                grant.token.entries.push(GrantEntry {
+                    backend: attached.name.to_string(),
+                    mem_type,
+                    region: entry.region.desc(),
+                    key,
+                });
+            }
+        }
+        Ok(grant)
+    }
+
+    /// Loads a grant token from the agent that issued it (whose metadata must be loaded):
+    /// requests to the granted regions then name the grant instead of the region's key, so
+    /// the peer admits only the granted ranges, only until it revokes. Returns the peer's name.
+    /// Loading the peer's metadata again drops loaded grants.
+    pub fn load_grant(&self, token: &[u8]) -> Result<String, XferError> {
+        let token = GrantToken::decode(token)?;
+        let inner = &self.inner;
+        let _writer = inner.writer.lock();
+        let peer = inner.peer(&token.agent)?;
+        let backends = inner.backends.load();
+        let mut regions: Vec<PeerRegion> = peer
+            .regions
+            .iter()
+            .map(|r| PeerRegion { mem_type: r.mem_type, desc: r.desc, keys: r.keys.clone() })
+            .collect();
+        for entry in &token.entries {
+            let Some(slot) = backends.iter().position(|b| b.name == entry.backend) else { continue };
+            let Some(link) = peer.link(slot) else { continue };
+            let index = peer.find(entry.mem_type, &entry.region).filter(|&i| regions[i].desc == entry.region);
+            let Some(index) = index else {
+                return Err(XferError::InvalidArgument(format!(
+                    "grant token names a region {:#x}+{} that {} has not published",
+                    entry.region.addr, entry.region.len, token.agent
+                )));
+            };
+            let key = link.remote.unpack_key(&entry.key).map_err(|e| XferError::backend(backends[slot].name, e))?;
+            let keys = &mut regions[index].keys;
+            keys.retain(|(s, _)| *s != slot);
+            keys.push((slot, key));
+        }
+        let links = peer
+            .links
+            .iter()
+            .map(|l| PeerLink { slot: l.slot, conn_info: l.conn_info.clone(), remote: Arc::clone(&l.remote) })
+            .collect();
+        let updated = Arc::new(Peer::new(peer.name.clone(), peer.metadata.clone(), links, regions));
+        let mut peers = inner.peers.load().as_ref().clone();
+        peers.insert(token.agent.clone(), updated);
+        inner.peers.store(Arc::new(peers));
+        Ok(token.agent)
     }
 }
