@@ -888,6 +888,7 @@ impl Agent {
                     backend: attached.name.to_string(),
                     mem_type,
                     region: entry.region.desc(),
+                    ranges: list.clone(),
                     key,
                 });
             }
@@ -905,34 +906,42 @@ impl Agent {
         let _writer = inner.writer.lock();
         let peer = inner.peer(&token.agent)?;
         let backends = inner.backends.load();
-        let mut regions: Vec<PeerRegion> = peer
-            .regions
-            .iter()
-            .map(|r| PeerRegion { mem_type: r.mem_type, desc: r.desc, keys: r.keys.clone() })
-            .collect();
+        let published = peer.regions.len() - peer.grants;
+        let copy = |r: &PeerRegion| PeerRegion { mem_type: r.mem_type, desc: r.desc, keys: r.keys.clone() };
+        let mut granted: Vec<PeerRegion> = Vec::new();
         for entry in &token.entries {
             let Some(slot) = backends.iter().position(|b| b.name == entry.backend) else { continue };
             let Some(link) = peer.link(slot) else { continue };
-            let index = peer.find(entry.mem_type, &entry.region).filter(|&i| regions[i].desc == entry.region);
-            let Some(index) = index else {
+            if !peer.regions[..published].iter().any(|r| r.mem_type == entry.mem_type && r.desc == entry.region) {
                 return Err(XferError::InvalidArgument(format!(
                     "grant token names a region {:#x}+{} that {} has not published",
                     entry.region.addr, entry.region.len, token.agent
                 )));
-            };
+            }
             let key = link.remote.unpack_key(&entry.key).map_err(|e| XferError::backend(backends[slot].name, e))?;
-            let keys = &mut regions[index].keys;
-            keys.retain(|(s, _)| *s != slot);
-            keys.push((slot, key));
+            for &(addr, len) in &entry.ranges {
+                let desc = Desc::new(addr, len, entry.region.dev_id);
+                granted.push(PeerRegion { mem_type: entry.mem_type, desc, keys: vec![(slot, Arc::clone(&key))] });
+            }
         }
+        // Earlier grants of exactly the same ranges are replaced (a re-grant after reuse).
+        let older = peer.regions[published..]
+            .iter()
+            .filter(|old| !granted.iter().any(|new| new.mem_type == old.mem_type && new.desc == old.desc))
+            .map(copy);
+        let mut regions: Vec<PeerRegion> = peer.regions[..published].iter().map(copy).collect();
+        regions.extend(older);
+        regions.extend(granted);
         let links = peer
             .links
             .iter()
             .map(|l| PeerLink { slot: l.slot, conn_info: l.conn_info.clone(), remote: Arc::clone(&l.remote) })
             .collect();
-        let updated = Arc::new(Peer::new(peer.name.clone(), peer.metadata.clone(), links, regions));
+        let mut updated = Peer::new(peer.name.clone(), peer.metadata.clone(), links, Vec::new());
+        updated.grants = regions.len() - published;
+        updated.regions = regions;
         let mut peers = inner.peers.load().as_ref().clone();
-        peers.insert(token.agent.clone(), updated);
+        peers.insert(token.agent.clone(), Arc::new(updated));
         inner.peers.store(Arc::new(peers));
         Ok(token.agent)
     }

@@ -3,8 +3,9 @@
 //!
 //! Token layout (all integers little-endian):
 //! `"XG1"` | agent name len u16 | name | entries u16 | per entry: backend name len u8 | name |
-//! mem type len u8 | mem type | region addr u64 | region len u64 | region dev u64 | key len u16 |
-//! key bytes (the backend's grant key, in the form of its region keys).
+//! mem type len u8 | mem type | region addr u64 | region len u64 | region dev u64 | ranges u16 |
+//! per range: addr u64 | len u64 | key len u16 | key bytes (the backend's grant key, in the form
+//! of its region keys).
 
 use std::sync::Arc;
 
@@ -20,6 +21,8 @@ pub(crate) struct GrantEntry {
     pub backend: String,
     pub mem_type: MemType,
     pub region: Desc,
+    /// Granted `(addr, len)` ranges inside `region`.
+    pub ranges: Vec<(u64, u64)>,
     pub key: Vec<u8>,
 }
 
@@ -49,6 +52,11 @@ impl GrantToken {
             for word in [entry.region.addr, entry.region.len, entry.region.dev_id] {
                 out.extend_from_slice(&word.to_le_bytes());
             }
+            out.extend_from_slice(&(entry.ranges.len() as u16).to_le_bytes());
+            for &(addr, len) in &entry.ranges {
+                out.extend_from_slice(&addr.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
             out.extend_from_slice(&(entry.key.len() as u16).to_le_bytes());
             out.extend_from_slice(&entry.key);
         }
@@ -71,9 +79,14 @@ impl GrantToken {
             let mem_len = reader.take(1)?[0] as usize;
             let mem_type = reader.text(mem_len)?.parse::<MemType>().map_err(|_| bad("unknown memory type"))?;
             let region = Desc::new(reader.u64()?, reader.u64()?, reader.u64()?);
+            let range_count = reader.u16()?;
+            let mut ranges = Vec::with_capacity(usize::from(range_count).min(1024));
+            for _ in 0..range_count {
+                ranges.push((reader.u64()?, reader.u64()?));
+            }
             let key_len = reader.u16()? as usize;
             let key = reader.take(key_len)?.to_vec();
-            entries.push(GrantEntry { backend, mem_type, region, key });
+            entries.push(GrantEntry { backend, mem_type, region, ranges, key });
         }
         if !reader.0.is_empty() {
             return Err(bad("trailing bytes"));
@@ -172,6 +185,7 @@ mod tests {
                 backend: "tcp".into(),
                 mem_type: MemType::Dram,
                 region: Desc::new(0x1000, 1 << 20, 0),
+                ranges: vec![(0x2000, 4096), (0x8000, 100)],
                 key: vec![7; 32],
             }],
         };
