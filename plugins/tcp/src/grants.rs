@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use xfer_core::{LocalRegion, RefusalCode};
@@ -80,6 +80,10 @@ pub fn check_range(peer: &str, ranges: &[(u64, u64)], initiator: &str, offset: u
     Ok(())
 }
 
+/// How long a revoked or expired grant is still remembered, so late requests under it hear
+/// `Revoked` rather than `UnknownKey`.
+const REMEMBER_AFTER_EXPIRY: Duration = Duration::from_secs(60);
+
 /// The target's grant key → grant map.
 #[derive(Debug, Default)]
 pub struct GrantTable {
@@ -95,9 +99,10 @@ impl GrantTable {
         self.map.lock().get(key).cloned()
     }
 
-    /// Forgets the grant and waits until no frame under it touches memory.
+    /// Revokes the grant and waits until no frame under it touches memory. It stays known
+    /// (refusing with `Revoked`) until [`GrantTable::sweep`] forgets it.
     pub fn revoke(&self, key: &Key) {
-        let grant = self.map.lock().remove(key);
+        let grant = self.get(key);
         if let Some(grant) = grant {
             grant.revoke();
         }
@@ -113,16 +118,15 @@ impl GrantTable {
         gone.iter().for_each(|grant| grant.revoke());
     }
 
-    /// Drops expired grants (they refuse anyway; this bounds the table).
+    /// Forgets grants expired a while ago (they refuse anyway; this bounds the table).
     pub fn sweep(&self, now: Instant) {
-        self.map.lock().retain(|_, grant| now < grant.expires);
+        self.map.lock().retain(|_, grant| now < grant.expires + REMEMBER_AFTER_EXPIRY);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn live_until_revoked_or_expired() {
