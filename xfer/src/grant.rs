@@ -125,7 +125,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// Parses [`to_hex`]'s form.
 pub fn from_hex(text: &str) -> Result<Vec<u8>, XferError> {
     let text = text.trim();
-    if text.len() % 2 != 0 || !text.is_ascii() {
+    if !text.len().is_multiple_of(2) || !text.is_ascii() {
         return Err(bad("hex of odd length"));
     }
     (0..text.len()).step_by(2).map(|at| u8::from_str_radix(&text[at..at + 2], 16).map_err(|_| bad("not hex"))).collect()
