@@ -5,7 +5,9 @@
 //! many small descriptors in one frame, and moves payload bytes straight between the socket and
 //! the registered memory with vectored I/O (no intermediate copies). Every request names a
 //! registration by a random 128-bit key; the target checks key and bounds before touching
-//! memory. Wire format: [`frame`].
+//! memory. Wire format: [`frame`]. A key may instead be a grant's ([`grants`]): one
+//! initiator, some ranges, until revoked or expired; the target refuses anything else under it
+//! with `Revoked`, `OutOfBounds` or `UnknownKey` before touching memory.
 //!
 //! GPU memory (VRAM) and files (FILE) move on either side by staging (`xfer_core::staging`): the
 //! initiator's stream workers and the target's connection threads each keep a copy lane
