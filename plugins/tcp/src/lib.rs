@@ -5,7 +5,7 @@
 //! many small descriptors in one frame, and moves payload bytes straight between the socket and
 //! the registered memory with vectored I/O (no intermediate copies). Every request names a
 //! registration by a random 128-bit key; the target checks key and bounds before touching
-//! memory. Wire format: [`frame`]. A key may instead be a grant's ([`grants`]): one
+//! memory. Wire format: [`frame`]. A key may instead be a grant's (module `grants`): one
 //! initiator, some ranges, until revoked or expired; the target refuses anything else under it
 //! with `Revoked`, `OutOfBounds` or `UnknownKey` before touching memory.
 //!
