@@ -17,6 +17,7 @@ use xfer_core::{
 };
 
 use crate::error::{Side, XferError};
+use crate::grant::{Grant, GrantEntry, GrantToken};
 use crate::metadata::{AgentMetadata, BackendInfo, RegionInfo};
 use crate::notifs::NotifQueues;
 use crate::prepared::{pick, PreparedLocal, PreparedRemote};
@@ -757,6 +758,105 @@ impl side_channel::Handler for SideChannelHandler {
     fn invalidate(&self, name: &str) -> Result<(), SideChannelError> {
         let agent = self.0.upgrade().ok_or(SideChannelError::AgentGone)?;
         agent.invalidate(name).map_err(|e| SideChannelError::Agent(Box::new(e)))
+    }
+}
+
+/// `(addr, len)` ranges of one grant inside one region.
+type GrantRanges = Vec<(u64, u64)>;
+
+/// Grants ([`crate::grant`]): the target issues them, the initiator loads their tokens.
+impl Agent {
+    /// Grants `peer` alone access to `ranges` (each inside one registered region of
+    /// `mem_type`) for `ttl`. Every attached backend holding those regions must issue it
+    /// (today only TCP does; others refuse with `Unsupported`). Send [`Grant::token`] to the
+    /// peer; revoke (or drop) the grant before reusing the memory.
+    pub fn grant(&self, peer: &str, mem_type: MemType, ranges: &[Desc], ttl: Duration) -> Result<Grant, XferError> {
+        if ranges.is_empty() {
+            return Err(XferError::InvalidArgument("empty grant".into()));
+        }
+        let expires = std::time::Instant::now() + ttl;
+        let local = self.inner.local.load();
+        // Ranges grouped by the region that holds them.
+        let mut by_region: Vec<(Arc<LocalEntry>, GrantRanges)> = Vec::new();
+        for (index, range) in ranges.iter().enumerate() {
+            let entry = local.find(mem_type, range).ok_or_else(|| {
+                XferError::InvalidArgument(format!("grant range {index} is not inside a registration"))
+            })?;
+            match by_region.iter_mut().find(|(e, _)| Arc::ptr_eq(e, entry)) {
+                Some((_, list)) => list.push((range.addr, range.len)),
+                None => by_region.push((Arc::clone(entry), vec![(range.addr, range.len)])),
+            }
+        }
+        let backends = self.inner.backends.load();
+        let mut grant = Grant { token: GrantToken { agent: self.inner.name.clone(), entries: vec![] }, issued: vec![] };
+        for (entry, list) in &by_region {
+            for (slot, _) in &entry.keys {
+                let attached = &backends[*slot];
+                let key = attached
+                    .backend
+                    .grant(&entry.region, peer, list, expires)
+                    .map_err(|e| XferError::backend(attached.name, e))?;
+                grant.issued.push((Arc::clone(&attached.backend), key.clone()));
+                grant.token.entries.push(GrantEntry {
+                    backend: attached.name.to_string(),
+                    mem_type,
+                    region: entry.region.desc(),
+                    ranges: list.clone(),
+                    key,
+                });
+            }
+        }
+        Ok(grant)
+    }
+
+    /// Loads a grant token from the agent that issued it (whose metadata must be loaded):
+    /// requests to the granted regions then name the grant instead of the region's key, so
+    /// the peer admits only the granted ranges, only until it revokes. Returns the peer's name.
+    /// Loading the peer's metadata again drops loaded grants.
+    pub fn load_grant(&self, token: &[u8]) -> Result<String, XferError> {
+        let token = GrantToken::decode(token)?;
+        let inner = &self.inner;
+        let _writer = inner.writer.lock();
+        let peer = inner.peer(&token.agent)?;
+        let backends = inner.backends.load();
+        let published = peer.regions.len() - peer.grants;
+        let copy = |r: &PeerRegion| PeerRegion { mem_type: r.mem_type, desc: r.desc, keys: r.keys.clone() };
+        let mut granted: Vec<PeerRegion> = Vec::new();
+        for entry in &token.entries {
+            let Some(slot) = backends.iter().position(|b| b.name == entry.backend) else { continue };
+            let Some(link) = peer.link(slot) else { continue };
+            if !peer.regions[..published].iter().any(|r| r.mem_type == entry.mem_type && r.desc == entry.region) {
+                return Err(XferError::InvalidArgument(format!(
+                    "grant token names a region {:#x}+{} that {} has not published",
+                    entry.region.addr, entry.region.len, token.agent
+                )));
+            }
+            let key = link.remote.unpack_key(&entry.key).map_err(|e| XferError::backend(backends[slot].name, e))?;
+            for &(addr, len) in &entry.ranges {
+                let desc = Desc::new(addr, len, entry.region.dev_id);
+                granted.push(PeerRegion { mem_type: entry.mem_type, desc, keys: vec![(slot, Arc::clone(&key))] });
+            }
+        }
+        // Earlier grants of exactly the same ranges are replaced (a re-grant after reuse).
+        let older = peer.regions[published..]
+            .iter()
+            .filter(|old| !granted.iter().any(|new| new.mem_type == old.mem_type && new.desc == old.desc))
+            .map(copy);
+        let mut regions: Vec<PeerRegion> = peer.regions[..published].iter().map(copy).collect();
+        regions.extend(older);
+        regions.extend(granted);
+        let links = peer
+            .links
+            .iter()
+            .map(|l| PeerLink { slot: l.slot, conn_info: l.conn_info.clone(), remote: Arc::clone(&l.remote) })
+            .collect();
+        let mut updated = Peer::new(peer.name.clone(), peer.metadata.clone(), links, Vec::new());
+        updated.grants = regions.len() - published;
+        updated.regions = regions;
+        let mut peers = inner.peers.load().as_ref().clone();
+        peers.insert(token.agent.clone(), Arc::new(updated));
+        inner.peers.store(Arc::new(peers));
+        Ok(token.agent)
     }
 }
 

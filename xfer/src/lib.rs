@@ -25,6 +25,7 @@
 
 mod agent;
 mod error;
+pub mod grant;
 pub mod metadata;
 mod notifs;
 mod prepared;
@@ -35,6 +36,7 @@ mod tables;
 
 pub use agent::{Agent, Allocation, Registration};
 pub use error::{Side, XferError};
+pub use grant::Grant;
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};

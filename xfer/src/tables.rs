@@ -107,17 +107,33 @@ pub(crate) struct Peer {
     pub name: String,
     pub metadata: AgentMetadata,
     pub links: Vec<PeerLink>,
+    /// The published regions (sorted), then the `grants` granted ranges loaded since
+    /// (`Agent::load_grant`), newest last, each with its grant's keys.
     pub regions: Vec<PeerRegion>,
+    pub grants: usize,
 }
 
 impl Peer {
     pub fn new(name: String, metadata: AgentMetadata, links: Vec<PeerLink>, mut regions: Vec<PeerRegion>) -> Peer {
         regions.sort_by_key(|r| order(r.mem_type, &r.desc));
-        Peer { name, metadata, links, regions }
+        Peer { name, metadata, links, regions, grants: 0 }
     }
 
+    /// The region (or granted range) a descriptor goes through: the newest grant containing
+    /// it, else the newest overlapping it (the peer then refuses the part outside), else the
+    /// published region containing it.
     pub fn find(&self, mem_type: MemType, desc: &Desc) -> Option<usize> {
-        find_containing(&self.regions, |r| (r.mem_type, r.desc), mem_type, desc)
+        let published = self.regions.len() - self.grants;
+        let granted = &self.regions[published..];
+        let of_type = |r: &&PeerRegion| r.mem_type == mem_type;
+        let grant = granted
+            .iter()
+            .rposition(|r| of_type(&r) && r.desc.contains(desc))
+            .or_else(|| granted.iter().rposition(|r| of_type(&r) && r.desc.overlaps(desc)));
+        if let Some(index) = grant {
+            return Some(published + index);
+        }
+        find_containing(&self.regions[..published], |r| (r.mem_type, r.desc), mem_type, desc)
     }
 
     pub fn link(&self, slot: Slot) -> Option<&PeerLink> {

@@ -5,7 +5,9 @@
 //! many small descriptors in one frame, and moves payload bytes straight between the socket and
 //! the registered memory with vectored I/O (no intermediate copies). Every request names a
 //! registration by a random 128-bit key; the target checks key and bounds before touching
-//! memory. Wire format: [`frame`].
+//! memory. Wire format: [`frame`]. A key may instead be a grant's (module `grants`): one
+//! initiator, some ranges, until revoked or expired; the target refuses anything else under it
+//! with `Revoked`, `OutOfBounds` or `UnknownKey` before touching memory.
 //!
 //! GPU memory (VRAM) and files (FILE) move on either side by staging (`xfer_core::staging`): the
 //! initiator's stream workers and the target's connection threads each keep a copy lane
@@ -37,6 +39,7 @@
 mod conn;
 mod fence;
 pub mod frame;
+mod grants;
 mod keys;
 mod memio;
 mod pool;
@@ -46,7 +49,7 @@ mod staged;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use xfer_core::{
@@ -56,6 +59,7 @@ use xfer_core::{
 pub use keys::{TcpRemoteKey, PUBLIC_KEY_LEN};
 
 use conn::SocketTuning;
+use grants::{Grant, GrantTable};
 use keys::KeyTable;
 use pool::{PeerPool, PoolConfig};
 use server::{Server, ServerShared};
@@ -82,6 +86,7 @@ pub struct TcpBackend {
     agent_name: String,
     advertised: String,
     keys: Arc<KeyTable>,
+    grants: Arc<GrantTable>,
     pool_config: PoolConfig,
     staging: Arc<dyn Staging>,
     server: Mutex<Option<Server>>,
@@ -136,9 +141,11 @@ impl TcpBackend {
         )
         .to_string();
         let keys = Arc::new(KeyTable::default());
+        let grants = Arc::new(GrantTable::default());
         let shared = ServerShared {
             agent_name: agent_name.clone(),
             keys: Arc::clone(&keys),
+            grants: Arc::clone(&grants),
             notifs,
             timeout,
             tuning,
@@ -153,6 +160,7 @@ impl TcpBackend {
             agent_name,
             advertised,
             keys,
+            grants,
             pool_config: PoolConfig {
                 streams,
                 chunk_bytes,
@@ -199,7 +207,36 @@ impl Backend for TcpBackend {
     }
 
     fn deregister(&self, region: &LocalRegion) {
+        self.grants.revoke_region(region.id());
         self.keys.remove(region.id());
+    }
+
+    fn grant(
+        &self,
+        region: &Arc<LocalRegion>,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        expires: Instant,
+    ) -> Result<Vec<u8>, BackendError> {
+        let desc = region.desc();
+        let mut offsets = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            let offset = addr
+                .checked_sub(desc.addr)
+                .filter(|off| off.checked_add(len).is_some_and(|end| end <= desc.len))
+                .ok_or_else(|| invalid("grant", format!("{addr:#x}+{len} is outside its registration")))?;
+            offsets.push((offset, len));
+        }
+        self.grants.sweep(Instant::now());
+        let key = keys::random_key()?;
+        self.grants.insert(key, Grant::new(Arc::clone(region), peer, offsets, expires));
+        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+    }
+
+    fn revoke(&self, public: &[u8]) {
+        if let Ok(grant) = TcpRemoteKey::decode(public) {
+            self.grants.revoke(&grant.key);
+        }
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {

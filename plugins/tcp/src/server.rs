@@ -5,7 +5,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use xfer_core::staging::{check_files, needs_staging, Flow, Staging, StagingConfig};
 use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
@@ -13,6 +13,7 @@ use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
 use crate::fence::{Fence, Fences};
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
+use crate::grants::{Grant, GrantTable, Refusal};
 use crate::keys::KeyTable;
 use crate::memio;
 use crate::staged::Lanes;
@@ -21,6 +22,7 @@ use crate::staged::Lanes;
 pub struct ServerShared {
     pub agent_name: String,
     pub keys: Arc<KeyTable>,
+    pub grants: Arc<GrantTable>,
     pub notifs: NotifSink,
     pub timeout: Duration,
     pub tuning: SocketTuning,
@@ -135,6 +137,21 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
         if *current != session {
             return Err(ServeError::Superseded);
         }
+        // Memory requests: every descriptor checked, and the grants they use held against
+        // revocation (checked live under the guard) until the frame is done with the memory.
+        let (resolved, held) = match header.kind {
+            Kind::Notif => (Ok(Vec::new()), Vec::new()),
+            _ => match resolve(&shared.keys, &shared.grants, &peer, &descs) {
+                Ok((pieces, held)) => (Ok(pieces), held),
+                Err(refusal) => (Err(refusal), Vec::new()),
+            },
+        };
+        let now = Instant::now();
+        let guards = held.iter().map(|grant| grant.hold(now)).collect::<Result<Vec<_>, _>>();
+        let (resolved, guards) = match guards {
+            Ok(guards) => (resolved, guards),
+            Err(refusal) => (Err(refusal), Vec::new()),
+        };
         match header.kind {
             Kind::Notif => {
                 let mut message = vec![0u8; header.payload_len as usize];
@@ -144,7 +161,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 frame::encode_response(0, header.request_id, 0, "", &mut out);
                 conn.write_all(&out)?;
             }
-            Kind::Write => match resolve(&shared.keys, &descs) {
+            Kind::Write => match resolved {
                 Ok(mut pieces) if needs_staging(&pieces) => {
                     let staged = match check_files(Flow::FromWire, &pieces) {
                         // Refused before any byte moved: the payload is read and dropped.
@@ -184,7 +201,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     refuse(&mut conn, &header, code, &msg, &mut out)?;
                 }
             },
-            Kind::Read => match resolve(&shared.keys, &descs) {
+            Kind::Read => match resolved {
                 Ok(mut pieces) if needs_staging(&pieces) => match check_files(Flow::ToWire, &pieces) {
                     Err(err) => {
                         let msg = format!("reading staged memory: {err}");
@@ -210,6 +227,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 Err((code, msg)) => refuse(&mut conn, &header, code, &msg, &mut out)?,
             },
         }
+        drop(guards);
     }
 }
 
@@ -249,24 +267,46 @@ fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<(String, S
     Ok(Some((from_name, session, fence)))
 }
 
-/// Checks every descriptor before any byte moves: known key, live region, within bounds.
-fn resolve(keys: &KeyTable, descs: &[WireDesc]) -> Result<Vec<LocalMem>, (RefusalCode, String)> {
+/// Checks every descriptor before any byte moves: known key (a region's, or a grant's for
+/// this initiator and inside its ranges), live region, within bounds. Returns the pieces and
+/// the grants used, which the caller holds while it touches the pieces.
+fn resolve(
+    keys: &KeyTable,
+    grants: &GrantTable,
+    initiator: &str,
+    descs: &[WireDesc],
+) -> Result<(Vec<LocalMem>, Vec<Arc<Grant>>), Refusal> {
     let mut slices = Vec::with_capacity(descs.len());
-    let mut pinned: Option<(frame::Key, Pin)> = None;
+    let mut held: Vec<Arc<Grant>> = Vec::new();
+    let mut pinned: Option<(frame::Key, Pin, Option<Arc<Grant>>)> = None;
     for (index, desc) in descs.iter().enumerate() {
-        let pin = match &pinned {
-            Some((key, pin)) if *key == desc.key => pin.clone(),
+        let (pin, grant) = match &pinned {
+            Some((key, pin, grant)) if *key == desc.key => (pin.clone(), grant.clone()),
             _ => {
-                let region = keys
-                    .get(&desc.key)
-                    .ok_or_else(|| (RefusalCode::UnknownKey, format!("descriptor {index} names an unknown key")))?;
+                let (region, grant) = match keys.get(&desc.key) {
+                    Some(region) => (region, None),
+                    None => {
+                        let grant = grants.get(&desc.key).ok_or_else(|| {
+                            (RefusalCode::UnknownKey, format!("descriptor {index} names an unknown key"))
+                        })?;
+                        if !held.iter().any(|h| Arc::ptr_eq(h, &grant)) {
+                            held.push(Arc::clone(&grant));
+                        }
+                        (Arc::clone(&grant.region), Some(grant))
+                    }
+                };
                 let pin = region.pin().ok_or_else(|| {
                     (RefusalCode::Deregistered, format!("descriptor {index}: region is being deregistered"))
                 })?;
-                pinned = Some((desc.key, pin.clone()));
-                pin
+                pinned = Some((desc.key, pin.clone(), grant.clone()));
+                (pin, grant)
             }
         };
+        if let Some(grant) = &grant {
+            grant
+                .admits(initiator, desc.offset, desc.len)
+                .map_err(|(code, msg)| (code, format!("descriptor {index}: {msg}")))?;
+        }
         let base = pin.region().desc().addr;
         let slice = desc.offset.checked_add(base).and_then(|addr| pin.local_at(addr, desc.len)).ok_or_else(|| {
             (
@@ -281,5 +321,5 @@ fn resolve(keys: &KeyTable, descs: &[WireDesc]) -> Result<Vec<LocalMem>, (Refusa
         })?;
         slices.push(slice);
     }
-    Ok(slices)
+    Ok((slices, held))
 }

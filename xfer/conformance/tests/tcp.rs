@@ -19,5 +19,7 @@ xfer_conformance::conformance_tests!(
         notif_once_across_stall,
         dereg_initiator_races_transfers,
         dereg_target_races_transfers,
+        grants,
+        late_read_storm,
     ]
 );

@@ -190,6 +190,25 @@ pub trait Backend: Send + Sync {
         let _ = (len, mem_type);
         None
     }
+    /// Issues a revocable grant: `peer` alone may reach the byte ranges `ranges` (absolute
+    /// addresses inside `region`) until `expires`. Returns the grant's public key bytes, in the
+    /// same form as [`Backend::register`]'s, so an initiator uses them in place of the region's
+    /// key. Backends that cannot enforce grants refuse (the default).
+    fn grant(
+        &self,
+        region: &Arc<LocalRegion>,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        expires: std::time::Instant,
+    ) -> Result<Vec<u8>, BackendError> {
+        let _ = (region, peer, ranges, expires);
+        Err(BackendError::Unsupported(format!("backend {} does not issue grants", self.name())))
+    }
+    /// Revokes a grant by the public key bytes [`Backend::grant`] returned. Returns only once no
+    /// transfer under the grant still touches its memory.
+    fn revoke(&self, public: &[u8]) {
+        let _ = public;
+    }
     /// Stops serving and releases resources; transfers in flight fail.
     fn shutdown(&self) {}
 }

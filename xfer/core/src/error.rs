@@ -15,6 +15,8 @@ pub enum RefusalCode {
     Unsupported,
     /// The target is not the agent the initiator expected (stale metadata).
     WrongAgent,
+    /// The request named a grant that was revoked or has expired: no byte moved.
+    Revoked,
     /// Any code this version does not know.
     Other(u16),
 }
@@ -28,6 +30,7 @@ impl RefusalCode {
             RefusalCode::BadRequest => 4,
             RefusalCode::Unsupported => 5,
             RefusalCode::WrongAgent => 6,
+            RefusalCode::Revoked => 7,
             RefusalCode::Other(code) => code,
         }
     }
@@ -40,6 +43,7 @@ impl RefusalCode {
             4 => RefusalCode::BadRequest,
             5 => RefusalCode::Unsupported,
             6 => RefusalCode::WrongAgent,
+            7 => RefusalCode::Revoked,
             other => RefusalCode::Other(other),
         }
     }
@@ -54,6 +58,7 @@ impl fmt::Display for RefusalCode {
             RefusalCode::BadRequest => f.write_str("bad request"),
             RefusalCode::Unsupported => f.write_str("unsupported"),
             RefusalCode::WrongAgent => f.write_str("wrong agent"),
+            RefusalCode::Revoked => f.write_str("grant revoked or expired"),
             RefusalCode::Other(code) => write!(f, "error code {code}"),
         }
     }

@@ -2,17 +2,20 @@
 //!
 //! Registers one buffer, serves its metadata on a side channel, prints
 //! `READY <side-channel> <buffer-addr> <buffer-len>`, then answers one line per stdin command:
-//! `fill SEED OFF LEN`, `hash OFF LEN`, `notifs`, `dereg`, `free`, `quit` (see the crate docs).
+//! `fill SEED OFF LEN`, `hash OFF LEN`, `notifs`, `dereg`, `free`, `quit` (see the crate docs),
+//! `grant PEER OFF LEN TTL_MS` (answers `OK ID TOKEN-HEX`) and `revoke ID` (answers once the
+//! grant can no longer touch the memory).
 //! Errors are answered `ERR <message>`; bad input never ends the process, only `quit` or EOF
 //! does. With `--alloc backend` the buffer is allocated by the backend (`Agent::allocate`).
 
+use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use xfer::{Agent, BackendParams, HostBuffer, Registration};
+use xfer::{Agent, BackendParams, Desc, Grant, HostBuffer, MemType, Registration};
 use xfer_conformance::pattern::{self, Buffer, Check};
 
 #[derive(Debug, Parser)]
@@ -52,6 +55,9 @@ struct Target {
     addr: u64,
     registration: Option<Registration>,
     log: Log,
+    agent: Agent,
+    grants: HashMap<u64, Grant>,
+    next_grant: u64,
 }
 
 fn main() {
@@ -109,7 +115,15 @@ fn start(args: &Args) -> anyhow::Result<(Agent, Target, String)> {
         (buffer, addr, registration)
     };
     let side_channel = agent.start_side_channel(&args.side_channel)?;
-    let target = Target { buffer: Some(buffer), addr, registration: Some(registration), log: Log::default() };
+    let target = Target {
+        buffer: Some(buffer),
+        addr,
+        registration: Some(registration),
+        log: Log::default(),
+        agent: agent.clone(),
+        grants: HashMap::new(),
+        next_grant: 1,
+    };
     Ok((agent, target, side_channel.to_string()))
 }
 
@@ -128,6 +142,24 @@ impl Target {
                 let buffer = self.check_range(off, len)?;
                 Ok(format!("{:016x}", pattern::hash_range(buffer, off, len)))
             }
+            ["grant", peer, off, len, ttl_ms] => {
+                let (off, len, ttl_ms) = (number(off)?, number(len)?, number(ttl_ms)?);
+                self.check_range(off, len)?;
+                let range = Desc::new(self.addr + off, len, 0);
+                let grant = self.agent.grant(peer, MemType::Dram, &[range], Duration::from_millis(ttl_ms))?;
+                let id = self.next_grant;
+                self.next_grant += 1;
+                let token = grant.token_hex();
+                self.grants.insert(id, grant);
+                Ok(format!("{id} {token}"))
+            }
+            ["revoke", id] => match self.grants.remove(&number(id)?) {
+                Some(grant) => {
+                    grant.revoke();
+                    Ok(String::new())
+                }
+                None => bail!("no grant {id}"),
+            },
             ["notifs"] => Ok(std::mem::take(&mut *lock(&self.log)).join(",")),
             ["dereg"] => match self.registration.take() {
                 Some(registration) => {
