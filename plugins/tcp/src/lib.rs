@@ -84,6 +84,7 @@ pub struct TcpBackend {
     keys: Arc<KeyTable>,
     pool_config: PoolConfig,
     staging: Arc<dyn Staging>,
+    credential: Option<Arc<xfer_core::credential::ClusterCredential>>,
     server: Mutex<Option<Server>>,
 }
 
@@ -102,7 +103,7 @@ fn invalid(name: &str, reason: impl Into<String>) -> BackendError {
 
 impl TcpBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, mut params, notifs, staging } = ctx;
+        let BackendContext { agent_name, mut params, notifs, staging, credential } = ctx;
         let listen = params.take("listen").unwrap_or_else(|| "0.0.0.0:0".into());
         let advertise = params.take("advertise");
         let streams: usize = params.take_parsed("streams", 2)?;
@@ -138,6 +139,8 @@ impl TcpBackend {
         let keys = Arc::new(KeyTable::default());
         let shared = ServerShared {
             agent_name: agent_name.clone(),
+            credential: credential.clone(),
+            refused: Default::default(),
             keys: Arc::clone(&keys),
             notifs,
             timeout,
@@ -151,6 +154,7 @@ impl TcpBackend {
         tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");
         Ok(TcpBackend {
             agent_name,
+            credential,
             advertised,
             keys,
             pool_config: PoolConfig {
@@ -216,6 +220,7 @@ impl Backend for TcpBackend {
             addr,
             self.pool_config,
             Arc::clone(&self.staging),
+            self.credential.clone(),
         )))
     }
 

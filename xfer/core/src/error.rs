@@ -15,6 +15,9 @@ pub enum RefusalCode {
     Unsupported,
     /// The target is not the agent the initiator expected (stale metadata).
     WrongAgent,
+    /// The connection did not prove the cluster credential (none, a wrong one, or only one
+    /// side has one).
+    Unauthenticated,
     /// Any code this version does not know.
     Other(u16),
 }
@@ -28,6 +31,7 @@ impl RefusalCode {
             RefusalCode::BadRequest => 4,
             RefusalCode::Unsupported => 5,
             RefusalCode::WrongAgent => 6,
+            RefusalCode::Unauthenticated => 8,
             RefusalCode::Other(code) => code,
         }
     }
@@ -40,6 +44,7 @@ impl RefusalCode {
             4 => RefusalCode::BadRequest,
             5 => RefusalCode::Unsupported,
             6 => RefusalCode::WrongAgent,
+            8 => RefusalCode::Unauthenticated,
             other => RefusalCode::Other(other),
         }
     }
@@ -54,6 +59,7 @@ impl fmt::Display for RefusalCode {
             RefusalCode::BadRequest => f.write_str("bad request"),
             RefusalCode::Unsupported => f.write_str("unsupported"),
             RefusalCode::WrongAgent => f.write_str("wrong agent"),
+            RefusalCode::Unauthenticated => f.write_str("unauthenticated"),
             RefusalCode::Other(code) => write!(f, "error code {code}"),
         }
     }
