@@ -38,6 +38,7 @@ pub use error::{Side, XferError};
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
+pub use xfer_core::credential;
 pub use xfer_core::staging;
 pub use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc,
