@@ -51,7 +51,14 @@ pub struct PeerConfig {
 
 impl PeerConfig {
     pub fn new(name: &str, backend: &str, params: &str, size: u64) -> Self {
-        PeerConfig { name: name.into(), backend: backend.into(), params: params.into(), size, backend_alloc: false, credential: None }
+        PeerConfig {
+            name: name.into(),
+            backend: backend.into(),
+            params: params.into(),
+            size,
+            backend_alloc: false,
+            credential: None,
+        }
     }
 
     /// The same with a cluster credential read from `file`.

@@ -41,9 +41,14 @@ impl Drop for SecretFile {
     }
 }
 
-fn agent(name: &str, backend: &str, params: &str, credential: Option<ClusterCredential>) -> (Agent, std::sync::Arc<HostBuffer>, xfer::Registration) {
-    let agent = Agent::with_credential(name, BackendRegistry::default(), xfer::cuda::staging(), credential)
-        .expect("agent");
+fn agent(
+    name: &str,
+    backend: &str,
+    params: &str,
+    credential: Option<ClusterCredential>,
+) -> (Agent, std::sync::Arc<HostBuffer>, xfer::Registration) {
+    let agent =
+        Agent::with_credential(name, BackendRegistry::default(), xfer::cuda::staging(), credential).expect("agent");
     agent.add_backend(backend, BackendParams::parse(params).expect("params")).expect("attach backend");
     let buf = std::sync::Arc::new(HostBuffer::new(SIZE as usize));
     let reg = agent.register_buffer(&buf).expect("register");
@@ -75,7 +80,8 @@ pub fn strangers_are_refused(backend: &str, params: &str) {
     write_pattern(&member_buf, 0, 0xa11, 0, SIZE);
     let local = [xfer::Desc::new(member_buf.addr(), SIZE, 0)];
     let remote = [xfer::Desc::new(peer.buf_addr(), SIZE, 0)];
-    let req = member.create_request(Op::Write, &local, "auth-peer", &remote, RequestOptions::default()).expect("request");
+    let req =
+        member.create_request(Op::Write, &local, "auth-peer", &remote, RequestOptions::default()).expect("request");
     req.post().expect("post");
     within("member write", WAIT, || req.wait(WAIT)).expect("member write completes");
     assert_eq!(peer.hash(0, SIZE).expect("hash"), pattern_hash(0xa11, 0, SIZE), "member's bytes arrived");
@@ -111,20 +117,31 @@ pub fn strangers_are_refused(backend: &str, params: &str) {
     let put_other = side_channel::call_as(&addr, SideOp::Put, &other_blob, IO, Some(auth));
     assert!(matches!(&put_other, Err(SideChannelError::Refused(t)) if t.contains("may not put")), "{put_other:?}");
     let inv_other = side_channel::call_as(&addr, SideOp::Invalidate, b"auth-other", IO, Some(auth));
-    assert!(matches!(&inv_other, Err(SideChannelError::Refused(t)) if t.contains("may not invalidate")), "{inv_other:?}");
+    assert!(
+        matches!(&inv_other, Err(SideChannelError::Refused(t)) if t.contains("may not invalidate")),
+        "{inv_other:?}"
+    );
 
     // A tampered blob: refused on load here, and refused by the peer on PUT.
-    let mut tampered = member.local_metadata();
-    let at = tampered.len() - 3;
-    tampered[at] ^= 0x10;
+    // Changed contents with a valid checksum under the original signature (a flipped byte
+    // alone is already caught by the checksum).
+    let signed = member.local_metadata();
+    let mut contents = AgentMetadata::decode_for(&signed, Some(&secret.credential())).expect("own blob");
+    contents.regions[0].desc.len += 4096;
+    let mut tampered = signed[..4 + AUTH_LEN].to_vec();
+    tampered.extend_from_slice(&contents.encode());
     let put_tampered = side_channel::call_as(&addr, SideOp::Put, &tampered, IO, Some(auth));
     assert!(matches!(&put_tampered, Err(SideChannelError::Refused(t)) if t.contains("signature")), "{put_tampered:?}");
-    let mut fetched_tampered = blob.clone();
-    let at = fetched_tampered.len() - 1;
-    fetched_tampered[at] ^= 0x01;
+    let mut served = AgentMetadata::decode_for(&blob, Some(&secret.credential())).expect("peer's blob");
+    served.regions[0].desc.len += 4096;
+    let mut fetched_tampered = blob[..4 + AUTH_LEN].to_vec();
+    fetched_tampered.extend_from_slice(&served.encode());
     let load = member.load_remote_metadata(&fetched_tampered);
     assert!(matches!(load, Err(XferError::Metadata(MetadataError::BadSignature))), "{load:?}");
-    assert!(matches!(nobody.load_remote_metadata(&blob), Err(XferError::Metadata(MetadataError::SignedWithoutCredential))));
+    assert!(matches!(
+        nobody.load_remote_metadata(&blob),
+        Err(XferError::Metadata(MetadataError::SignedWithoutCredential))
+    ));
 
     replay_is_refused(&addr, &secret.credential());
     if backend == "tcp" {
