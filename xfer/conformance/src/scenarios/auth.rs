@@ -147,6 +147,32 @@ pub fn strangers_are_refused(backend: &str, params: &str) {
     if backend == "tcp" {
         data_connection_refused(&blob, &secret.credential(), &wrong.credential());
     }
+    // Mixed: a member against a peer without a credential fails clearly on both paths.
+    let mut plain = super::spawn_peer("auth-plain", backend, params, SIZE);
+    let mixed = side_error(member.fetch_remote_metadata(plain.side_channel()), "mixed");
+    assert!(matches!(&mixed, SideChannelError::Unauthenticated(t) if t.contains("no cluster credential")), "{mixed:?}");
+    let plain_blob = side_channel::call(plain.side_channel(), SideOp::Get, &[], IO).expect("plain GET");
+    let unsigned = member.load_remote_metadata(&plain_blob);
+    assert!(matches!(unsigned, Err(XferError::Metadata(MetadataError::Unsigned))), "{unsigned:?}");
+    if backend == "tcp" {
+        // An initiator announcing the credential to a target without one: code 8, no challenge.
+        let md = AgentMetadata::decode(&plain_blob).expect("plain metadata");
+        let info = md.backends.iter().find(|b| b.name == "tcp").expect("tcp backend");
+        let sock = String::from_utf8(info.conn_info.clone()).expect("address");
+        let sock = sock.to_socket_addrs().expect("resolve").next().expect("address");
+        let mut stream = TcpStream::connect_timeout(&sock, IO).expect("connect data port");
+        stream.set_read_timeout(Some(IO)).expect("timeout");
+        let mut hello = Vec::new();
+        xfer_tcp::frame::encode_hello_with("auth-member", &md.name, Default::default(), true, &mut hello);
+        stream.write_all(&hello).expect("hello");
+        let mut reply = [0u8; xfer_tcp::frame::HELLO_REPLY_LEN];
+        stream.read_exact(&mut reply).expect("reply");
+        let (code, _) = xfer_tcp::frame::decode_hello_reply(&reply).expect("decode reply");
+        assert_eq!(xfer::RefusalCode::from_wire(code), xfer::RefusalCode::Unauthenticated);
+    }
+    assert!(plain.hash(0, 8).is_ok(), "the plain peer is unharmed");
+    let _ = plain.quit();
+
     // The peer still serves members after all of that.
     assert_eq!(member.fetch_remote_metadata(&addr).expect("member fetches again"), "auth-peer");
     let _ = peer.quit();
