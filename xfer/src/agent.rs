@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
+use xfer_core::credential::{ClusterCredential, SECRET_FILE_ENV};
 use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendParams, Capabilities, Desc, HostMemory, LocalRegion, MemType,
     NotifSink, Op, RemoteSeg, Staging,
@@ -23,7 +24,7 @@ use crate::notifs::NotifQueues;
 use crate::prepared::{pick, PreparedLocal, PreparedRemote};
 use crate::registry::BackendRegistry;
 use crate::request::{RequestOptions, XferRequest};
-use crate::side_channel::{self, SideChannelError, SideOp};
+use crate::side_channel::{self, ClientAuth, SideChannelError, SideOp};
 use crate::tables::{LocalEntry, LocalTable, Peer, PeerLink, PeerRegion, Slot};
 
 /// A backend attached to the agent.
@@ -47,6 +48,9 @@ pub(crate) struct AgentInner {
     notifs: Arc<NotifQueues>,
     next_region_id: AtomicU64,
     side_channel: Mutex<Option<side_channel::Server>>,
+    /// The cluster credential: signs our metadata, authenticates side-channel and data
+    /// connections. `None`: unauthenticated, as before credentials existed.
+    credential: Option<Arc<ClusterCredential>>,
     /// This agent as its own peer (the local-peer shortcut), built from its own metadata on
     /// first use after each change of backends or registrations.
     own: Mutex<OwnPeer>,
@@ -125,9 +129,31 @@ impl Agent {
 
     /// An agent whose backends stage GPU memory and files through `staging` instead of CUDA's
     /// (tests stand host memory in for a GPU this way).
+    /// The cluster credential comes from the file named by `XFER_CLUSTER_SECRET_FILE` when that
+    /// is set (see [`with_credential`](Agent::with_credential)).
     pub fn with_staging(name: &str, registry: BackendRegistry, staging: Arc<dyn Staging>) -> Result<Agent, XferError> {
+        let credential = ClusterCredential::from_env()?;
+        Self::with_credential(name, registry, staging, credential)
+    }
+
+    /// An agent with an explicit cluster credential (`None`: unauthenticated, with a warning).
+    /// With one, the agent signs its metadata, answers and makes side-channel requests only
+    /// after a challenge-response, accepts only signed metadata, and its backends authenticate
+    /// their data connections. Peers must all hold the same secret.
+    pub fn with_credential(
+        name: &str,
+        registry: BackendRegistry,
+        staging: Arc<dyn Staging>,
+        credential: Option<ClusterCredential>,
+    ) -> Result<Agent, XferError> {
         if name.is_empty() || name.len() > NAME_LIMIT {
             return Err(XferError::InvalidArgument(format!("agent name must be 1..={NAME_LIMIT} bytes")));
+        }
+        if credential.is_none() {
+            tracing::warn!(
+                agent = name,
+                "no cluster credential ({SECRET_FILE_ENV} unset): side channel and data connections are unauthenticated"
+            );
         }
         Ok(Agent {
             inner: Arc::new(AgentInner {
@@ -141,6 +167,7 @@ impl Agent {
                 notifs: Arc::new(NotifQueues::default()),
                 next_region_id: AtomicU64::new(1),
                 side_channel: Mutex::new(None),
+                credential: credential.map(Arc::new),
                 own: Mutex::new(OwnPeer::default()),
             }),
         })
@@ -164,8 +191,13 @@ impl Agent {
                 queues.push(peer, message);
             }
         });
-        let ctx =
-            BackendContext { agent_name: inner.name.clone(), params, notifs, staging: Arc::clone(&inner.staging) };
+        let ctx = BackendContext {
+            agent_name: inner.name.clone(),
+            params,
+            notifs,
+            staging: Arc::clone(&inner.staging),
+            credential: inner.credential.clone(),
+        };
         let backend = factory.create(ctx).map_err(|e| XferError::backend(name, e))?;
         let attached = Arc::new(Attached { name: factory.name(), caps: backend.capabilities(), backend });
         let mut backends = inner.backends.load().as_ref().clone();
@@ -258,8 +290,9 @@ impl Agent {
     }
 
     /// This agent's metadata blob: name, backends' connection info, registrations' keys.
+    /// Signed when the agent has a cluster credential.
     pub fn local_metadata(&self) -> Vec<u8> {
-        self.inner.metadata().encode()
+        self.inner.local_blob()
     }
 
     /// Loads (or reloads) a peer's metadata blob; returns the peer's name.
@@ -286,7 +319,11 @@ impl Agent {
     /// Serves this agent's metadata on `addr` (e.g. `0.0.0.0:5600`); returns the bound address.
     pub fn start_side_channel(&self, addr: &str) -> Result<SocketAddr, XferError> {
         let handler: Arc<dyn side_channel::Handler> = Arc::new(SideChannelHandler(Arc::downgrade(&self.inner)));
-        let server = side_channel::Server::start(addr, handler)
+        let auth = self.inner.credential.as_ref().map(|credential| side_channel::ServerAuth {
+            credential: Arc::clone(credential),
+            name: self.inner.name.clone(),
+        });
+        let server = side_channel::Server::start(addr, handler, auth)
             .map_err(|e| XferError::SideChannel { addr: addr.to_string(), source: e.into() })?;
         let bound = server.addr();
         *self.inner.side_channel.lock() = Some(server);
@@ -295,23 +332,35 @@ impl Agent {
 
     /// Fetches and loads a peer's metadata from its side channel; returns the peer's name.
     pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, XferError> {
-        let blob = side_channel::call(addr, SideOp::Get, &[], side_channel::IO_TIMEOUT)
+        let blob = side_channel::call_as(addr, SideOp::Get, &[], side_channel::IO_TIMEOUT, self.inner.client_auth())
             .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })?;
         self.load_remote_metadata(&blob)
     }
 
     /// Pushes this agent's metadata to a peer's side channel (the peer loads it).
     pub fn send_local_metadata(&self, addr: &str) -> Result<(), XferError> {
-        side_channel::call(addr, SideOp::Put, &self.local_metadata(), side_channel::IO_TIMEOUT)
-            .map(drop)
-            .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })
+        side_channel::call_as(
+            addr,
+            SideOp::Put,
+            &self.local_metadata(),
+            side_channel::IO_TIMEOUT,
+            self.inner.client_auth(),
+        )
+        .map(drop)
+        .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })
     }
 
     /// Tells a peer's side channel to forget this agent.
     pub fn invalidate_local_metadata(&self, addr: &str) -> Result<(), XferError> {
-        side_channel::call(addr, SideOp::Invalidate, self.inner.name.as_bytes(), side_channel::IO_TIMEOUT)
-            .map(drop)
-            .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })
+        side_channel::call_as(
+            addr,
+            SideOp::Invalidate,
+            self.inner.name.as_bytes(),
+            side_channel::IO_TIMEOUT,
+            self.inner.client_auth(),
+        )
+        .map(drop)
+        .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })
     }
 
     /// Resolves local descriptors once for repeated use by index.
@@ -548,8 +597,19 @@ impl AgentInner {
         }
     }
 
+    fn local_blob(&self) -> Vec<u8> {
+        self.metadata().encode_for(self.credential.as_deref())
+    }
+
+    fn client_auth(&self) -> Option<ClientAuth<'_>> {
+        self.credential.as_deref().map(|credential| ClientAuth { credential, name: &self.name })
+    }
+
     fn load_remote(&self, blob: &[u8]) -> Result<String, XferError> {
-        let md = AgentMetadata::decode(blob)?;
+        self.load_decoded(AgentMetadata::decode_for(blob, self.credential.as_deref())?)
+    }
+
+    fn load_decoded(&self, md: AgentMetadata) -> Result<String, XferError> {
         let _writer = self.writer.lock();
         let previous = self.peers.load().get(&md.name).cloned();
         let name = md.name.clone();
@@ -747,16 +807,24 @@ struct SideChannelHandler(Weak<AgentInner>);
 
 impl side_channel::Handler for SideChannelHandler {
     fn get(&self) -> Vec<u8> {
-        self.0.upgrade().map(|agent| agent.metadata().encode()).unwrap_or_default()
+        self.0.upgrade().map(|agent| agent.local_blob()).unwrap_or_default()
     }
 
-    fn put(&self, blob: &[u8]) -> Result<String, SideChannelError> {
+    fn put(&self, blob: &[u8], peer: Option<&str>) -> Result<String, SideChannelError> {
         let agent = self.0.upgrade().ok_or(SideChannelError::AgentGone)?;
-        agent.load_remote(blob).map_err(|e| SideChannelError::Agent(Box::new(e)))
+        let agent_err = |e: XferError| SideChannelError::Agent(Box::new(e));
+        let md = AgentMetadata::decode_for(blob, agent.credential.as_deref()).map_err(|e| agent_err(e.into()))?;
+        if let Some(peer) = peer.filter(|peer| *peer != md.name) {
+            return Err(SideChannelError::NotOwnMetadata { peer: peer.to_string(), named: md.name });
+        }
+        agent.load_decoded(md).map_err(agent_err)
     }
 
-    fn invalidate(&self, name: &str) -> Result<(), SideChannelError> {
+    fn invalidate(&self, name: &str, peer: Option<&str>) -> Result<(), SideChannelError> {
         let agent = self.0.upgrade().ok_or(SideChannelError::AgentGone)?;
+        if let Some(peer) = peer.filter(|peer| *peer != name) {
+            return Err(SideChannelError::NotOwnName { peer: peer.to_string(), named: name.to_string() });
+        }
         agent.invalidate(name).map_err(|e| SideChannelError::Agent(Box::new(e)))
     }
 }

@@ -55,6 +55,9 @@ pub enum XferError {
     Deregistered,
     #[error("metadata: {0}")]
     Metadata(#[from] MetadataError),
+    /// The cluster credential cannot be loaded.
+    #[error("cluster credential: {0}")]
+    Credential(#[from] xfer_core::credential::CredentialError),
     #[error("side channel {addr}: {source}")]
     SideChannel {
         addr: String,
@@ -89,6 +92,7 @@ impl XferError {
             XferError::NotPosted => "not_posted",
             XferError::Deregistered => "deregistered",
             XferError::Metadata(_) => "metadata",
+            XferError::Credential(_) => "credential",
             XferError::SideChannel { .. } => "side_channel",
             XferError::Backend { .. } => "backend",
         }

@@ -40,6 +40,7 @@ pub use grant::Grant;
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};
+pub use xfer_core::credential;
 pub use xfer_core::staging;
 pub use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, BackendParams, Capabilities, Desc,

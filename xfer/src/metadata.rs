@@ -6,11 +6,22 @@
 //! ```
 //! The body is [`AgentMetadata`]. Decoding is bounded and never panics: wrong magic, an unknown
 //! version, a truncated or corrupt blob and inconsistent contents are each a distinct error.
+//!
+//! An agent with a cluster credential publishes a signed blob:
+//! ```text
+//! magic "XFMS" | HMAC-SHA256 [32] | blob as above
+//! ```
+//! The HMAC key is derived from the cluster secret and the agent name inside the blob, so a
+//! blob re-labelled with another name, or changed in any byte, is refused. Every holder of the
+//! secret can sign for any name: the signature proves cluster membership, not identity.
 
 use serde::{Deserialize, Serialize};
+use xfer_core::credential::{ClusterCredential, AUTH_LEN};
 use xfer_core::{Desc, MemType};
 
 pub const MAGIC: [u8; 4] = *b"XFMD";
+/// Magic of a signed blob (see the module docs).
+pub const SIGNED_MAGIC: [u8; 4] = *b"XFMS";
 pub const VERSION: u16 = 1;
 const HEADER_LEN: usize = 14;
 /// Upper bound on a blob; a million registrations fit comfortably.
@@ -55,6 +66,12 @@ pub enum MetadataError {
     Decode(String),
     #[error("inconsistent metadata: {0}")]
     Invalid(String),
+    #[error("metadata is not signed, and this agent requires signed metadata (it has a cluster credential)")]
+    Unsigned,
+    #[error("metadata is signed, but this agent has no cluster credential to verify it")]
+    SignedWithoutCredential,
+    #[error("metadata signature does not verify (tampered, or signed with another cluster secret)")]
+    BadSignature,
 }
 
 impl AgentMetadata {
@@ -100,6 +117,42 @@ impl AgentMetadata {
         }
         let md: AgentMetadata = postcard::from_bytes(body).map_err(|e| MetadataError::Decode(e.to_string()))?;
         md.validate()?;
+        Ok(md)
+    }
+
+    /// The blob, signed when a credential is given.
+    pub fn encode_for(&self, credential: Option<&ClusterCredential>) -> Vec<u8> {
+        let blob = self.encode();
+        let Some(credential) = credential else { return blob };
+        let mut out = Vec::with_capacity(SIGNED_MAGIC.len() + AUTH_LEN + blob.len());
+        out.extend_from_slice(&SIGNED_MAGIC);
+        out.extend_from_slice(&credential.sign_metadata(&self.name, &blob));
+        out.extend_from_slice(&blob);
+        out
+    }
+
+    /// Decodes a blob from [`encode_for`](Self::encode_for): with a credential only a signed
+    /// blob whose signature verifies for the agent it names; without one only an unsigned blob.
+    pub fn decode_for(blob: &[u8], credential: Option<&ClusterCredential>) -> Result<AgentMetadata, MetadataError> {
+        let signed = blob.starts_with(&SIGNED_MAGIC);
+        let Some(credential) = credential else {
+            return if signed { Err(MetadataError::SignedWithoutCredential) } else { Self::decode(blob) };
+        };
+        if !signed {
+            return match Self::decode(blob) {
+                Ok(_) => Err(MetadataError::Unsigned),
+                Err(err) => Err(err),
+            };
+        }
+        let header = SIGNED_MAGIC.len() + AUTH_LEN;
+        if blob.len() < header {
+            return Err(MetadataError::Truncated { have: blob.len(), need: header });
+        }
+        let (signature, inner) = (&blob[SIGNED_MAGIC.len()..header], &blob[header..]);
+        let md = Self::decode(inner)?;
+        if !credential.verify_metadata(&md.name, inner, signature) {
+            return Err(MetadataError::BadSignature);
+        }
         Ok(md)
     }
 
@@ -170,6 +223,31 @@ mod tests {
         let mut md = sample();
         md.name.clear();
         assert!(matches!(AgentMetadata::decode(&md.encode()), Err(MetadataError::Invalid(_))));
+    }
+
+    #[test]
+    fn signed_blobs_verify_and_refuse_tampering() {
+        let cred = ClusterCredential::from_bytes(vec![5; 32]).unwrap();
+        let other = ClusterCredential::from_bytes(vec![6; 32]).unwrap();
+        let md = sample();
+        let signed = md.encode_for(Some(&cred));
+        assert_eq!(AgentMetadata::decode_for(&signed, Some(&cred)).unwrap(), md);
+        assert_eq!(AgentMetadata::decode_for(&signed, Some(&other)), Err(MetadataError::BadSignature));
+        assert_eq!(AgentMetadata::decode_for(&signed, None), Err(MetadataError::SignedWithoutCredential));
+        assert_eq!(AgentMetadata::decode_for(&md.encode(), Some(&cred)), Err(MetadataError::Unsigned));
+        assert_eq!(AgentMetadata::decode_for(&md.encode_for(None), None).unwrap(), md);
+        // A blob renamed to another agent, even with a valid checksum, fails the signature.
+        let mut renamed = md.clone();
+        renamed.name = "prefill-1".into();
+        let mut forged = signed[..36].to_vec();
+        forged.extend_from_slice(&renamed.encode());
+        assert_eq!(AgentMetadata::decode_for(&forged, Some(&cred)), Err(MetadataError::BadSignature));
+        for i in 4..signed.len() {
+            let mut bad = signed.clone();
+            bad[i] ^= 0x01;
+            assert!(AgentMetadata::decode_for(&bad, Some(&cred)).is_err(), "byte {i}");
+        }
+        assert!(matches!(AgentMetadata::decode_for(&signed[..20], Some(&cred)), Err(MetadataError::Truncated { .. })));
     }
 
     #[test]

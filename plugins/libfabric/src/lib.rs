@@ -158,7 +158,7 @@ const CALL_BOUND: Duration = Duration::from_secs(10);
 
 impl LibfabricBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, params, notifs, staging: _ } = ctx;
+        let BackendContext { agent_name, params, notifs, .. } = ctx;
         let settings = Settings::parse(params)?;
         // The domain is matched here too: rxm does not filter on the hints' domain name.
         let info = fabric::Info::choose(settings.provider.as_deref(), settings.domain.as_deref(), |all| {
@@ -438,6 +438,7 @@ mod tests {
             params: BackendParams::parse(params)?,
             notifs: Arc::new(|_: &str, _: Vec<u8>| {}),
             staging: Arc::new(HostStaging::new("no GPU in unit tests")),
+            credential: None,
         })
     }
 

@@ -89,6 +89,7 @@ pub struct TcpBackend {
     grants: Arc<GrantTable>,
     pool_config: PoolConfig,
     staging: Arc<dyn Staging>,
+    credential: Option<Arc<xfer_core::credential::ClusterCredential>>,
     server: Mutex<Option<Server>>,
 }
 
@@ -107,7 +108,7 @@ fn invalid(name: &str, reason: impl Into<String>) -> BackendError {
 
 impl TcpBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, mut params, notifs, staging } = ctx;
+        let BackendContext { agent_name, mut params, notifs, staging, credential } = ctx;
         let listen = params.take("listen").unwrap_or_else(|| "0.0.0.0:0".into());
         let advertise = params.take("advertise");
         let streams: usize = params.take_parsed("streams", 2)?;
@@ -144,6 +145,8 @@ impl TcpBackend {
         let grants = Arc::new(GrantTable::default());
         let shared = ServerShared {
             agent_name: agent_name.clone(),
+            credential: credential.clone(),
+            refused: Default::default(),
             keys: Arc::clone(&keys),
             grants: Arc::clone(&grants),
             notifs,
@@ -158,6 +161,7 @@ impl TcpBackend {
         tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");
         Ok(TcpBackend {
             agent_name,
+            credential,
             advertised,
             keys,
             grants,
@@ -253,6 +257,7 @@ impl Backend for TcpBackend {
             addr,
             self.pool_config,
             Arc::clone(&self.staging),
+            self.credential.clone(),
         )))
     }
 

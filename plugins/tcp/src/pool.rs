@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
+use xfer_core::credential::{ClusterCredential, ProofLabel, Transcript, AUTH_LEN};
 use xfer_core::file_io;
 use xfer_core::split::{even_sizes, split_by_sizes, Segment};
 use xfer_core::staging::{check_files, needs_staging, Flow, Staging, StagingConfig};
@@ -48,6 +49,8 @@ struct PoolShared {
     addr: SocketAddr,
     config: PoolConfig,
     staging: Arc<dyn Staging>,
+    /// With a credential, every connection proves it in the hello.
+    credential: Option<Arc<ClusterCredential>>,
     closed: Arc<AtomicBool>,
     control: Mutex<Option<Pooled>>,
     next_request: AtomicU64,
@@ -76,6 +79,7 @@ impl PeerPool {
         addr: SocketAddr,
         config: PoolConfig,
         staging: Arc<dyn Staging>,
+        credential: Option<Arc<ClusterCredential>>,
     ) -> PeerPool {
         let (queue, receiver) = crossbeam_channel::unbounded();
         PeerPool {
@@ -85,6 +89,7 @@ impl PeerPool {
                 addr,
                 config,
                 staging,
+                credential,
                 closed: Arc::new(AtomicBool::new(false)),
                 control: Mutex::new(None),
                 next_request: AtomicU64::new(1),
@@ -483,10 +488,32 @@ impl PoolShared {
                 .map_err(|e| self.disconnected(format!("connect to {}: {e}", self.addr)))?;
         let mut hello = Vec::new();
         let session = frame::Session { id: self.session_id, epoch };
-        frame::encode_hello(&self.local_name, &self.peer, session, &mut hello);
+        frame::encode_hello_with(&self.local_name, &self.peer, session, self.credential.is_some(), &mut hello);
         conn.write_all(&hello).map_err(|e| self.conn_error(e))?;
         let mut reply = [0u8; frame::HELLO_REPLY_LEN];
         conn.read_exact(&mut reply).map_err(|e| self.conn_error(e))?;
+        if reply[0] == frame::CHALLENGE_STATUS {
+            let Some(credential) = self.credential.as_ref() else {
+                return Err(BackendError::Protocol(
+                    "authentication challenge, but this agent has no credential".into(),
+                ));
+            };
+            let fixed = frame::decode_hello_reply(&reply).map_err(|e| BackendError::Protocol(e.to_string()))?;
+            if fixed != (0, AUTH_LEN) {
+                return Err(BackendError::Protocol(format!("malformed authentication challenge {fixed:?}")));
+            }
+            let mut nonce = [0u8; AUTH_LEN];
+            conn.read_exact(&mut nonce).map_err(|e| self.conn_error(e))?;
+            let transcript = Transcript {
+                client_nonce: &frame::session_nonce(session),
+                server_nonce: &nonce,
+                client_name: &self.local_name,
+                server_name: &self.peer,
+            };
+            let proof = credential.prove(ProofLabel::DataInitiator, &transcript);
+            conn.write_all(&proof).map_err(|e| self.conn_error(e))?;
+            conn.read_exact(&mut reply).map_err(|e| self.conn_error(e))?;
+        }
         let (code, msg_len) = frame::decode_hello_reply(&reply).map_err(|e| BackendError::Protocol(e.to_string()))?;
         let mut message = vec![0u8; msg_len];
         conn.read_exact(&mut message).map_err(|e| self.conn_error(e))?;

@@ -12,6 +12,8 @@ use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
 
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
 use crate::fence::{Fence, Fences};
+use xfer_core::credential::{self, ClusterCredential, ProofLabel, Transcript, AUTH_LEN};
+
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::grants::{Grant, GrantTable, Refusal};
 use crate::keys::KeyTable;
@@ -21,6 +23,10 @@ use crate::staged::Lanes;
 /// What every connection thread shares.
 pub struct ServerShared {
     pub agent_name: String,
+    /// With a credential, every initiator must prove it in the hello.
+    pub credential: Option<Arc<ClusterCredential>>,
+    /// Initiator addresses whose refusal was logged (once each).
+    pub refused: parking_lot::Mutex<std::collections::HashSet<std::net::IpAddr>>,
     pub keys: Arc<KeyTable>,
     pub grants: Arc<GrantTable>,
     pub notifs: NotifSink,
@@ -107,6 +113,8 @@ enum ServeError {
     Conn(#[from] ConnError),
     #[error("name is not UTF-8")]
     Name,
+    #[error("authentication: {0}")]
+    Auth(String),
     #[error("a newer connection of this initiator took over")]
     Superseded,
     #[error("staging the payload of a read failed: {0}")]
@@ -115,8 +123,9 @@ enum ServeError {
 
 fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
     tune(&stream, shared.tuning).map_err(ConnError::from)?;
+    let peer_addr = stream.peer_addr().ok();
     let mut conn = Conn::new(stream, shared.timeout, Arc::clone(&shared.stop)).map_err(ConnError::from)?;
-    let Some((peer, session, fence)) = handshake(&mut conn, shared)? else { return Ok(()) };
+    let Some((peer, session, fence)) = handshake(&mut conn, shared, peer_addr)? else { return Ok(()) };
     let mut header_buf = [0u8; frame::HEADER_LEN];
     let mut table = Vec::new();
     let mut descs = Vec::new();
@@ -239,12 +248,16 @@ fn refuse(conn: &mut Conn, header: &Header, code: RefusalCode, msg: &str, out: &
 
 /// Reads the hello, checks it is meant for this agent and current, answers; returns the
 /// initiator's name, its session and the fence frames check.
-fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<(String, Session, Fence)>, ServeError> {
+fn handshake(
+    conn: &mut Conn,
+    shared: &ServerShared,
+    peer_addr: Option<std::net::SocketAddr>,
+) -> Result<Option<(String, Session, Fence)>, ServeError> {
     let mut fixed = [0u8; frame::HELLO_LEN];
     if !conn.read_frame_start(&mut fixed)? {
         return Ok(None);
     }
-    let frame::Hello { from_len, to_len, session } = frame::decode_hello(&fixed)?;
+    let frame::Hello { from_len, to_len, session, auth } = frame::decode_hello(&fixed)?;
     let mut names = vec![0u8; from_len + to_len];
     conn.read_exact(&mut names)?;
     let to_name = std::str::from_utf8(&names[from_len..]).map_err(|_| ServeError::Name)?;
@@ -253,6 +266,17 @@ fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<(String, S
     if to_name != shared.agent_name {
         let msg = format!("this is agent {:?}, not {:?}", shared.agent_name, to_name);
         frame::encode_hello_reply(RefusalCode::WrongAgent.to_wire(), &msg, &mut out);
+        conn.write_all(&out)?;
+        return Ok(None);
+    }
+    if let Err(msg) = authenticate(conn, shared, auth, &from_name, to_name, session)? {
+        if let Some(peer) = peer_addr {
+            let mut refused = shared.refused.lock();
+            if refused.len() < 1024 && refused.insert(peer.ip()) {
+                tracing::warn!(%peer, from = %from_name, msg, "refused an unauthenticated data connection (logged once per address)");
+            }
+        }
+        frame::encode_hello_reply(RefusalCode::Unauthenticated.to_wire(), &msg, &mut out);
         conn.write_all(&out)?;
         return Ok(None);
     }
@@ -265,6 +289,40 @@ fn handshake(conn: &mut Conn, shared: &ServerShared) -> Result<Option<(String, S
     frame::encode_hello_reply(0, "", &mut out);
     conn.write_all(&out)?;
     Ok(Some((from_name, session, fence)))
+}
+
+/// The target's half of the hello challenge-response; `Err(message)` refuses the initiator.
+fn authenticate(
+    conn: &mut Conn,
+    shared: &ServerShared,
+    auth: bool,
+    from_name: &str,
+    to_name: &str,
+    session: Session,
+) -> Result<Result<(), String>, ServeError> {
+    let credential = match (&shared.credential, auth) {
+        (None, false) => return Ok(Ok(())),
+        (None, true) => return Ok(Err("this agent has no cluster credential".into())),
+        (Some(_), false) => return Ok(Err("this agent requires the cluster credential".into())),
+        (Some(credential), true) => credential,
+    };
+    let nonce = credential::fresh_nonce().map_err(|e| ServeError::Auth(e.to_string()))?;
+    let mut out = Vec::new();
+    frame::encode_challenge(&nonce, &mut out);
+    conn.write_all(&out)?;
+    let mut proof = [0u8; AUTH_LEN];
+    conn.read_exact(&mut proof)?;
+    let transcript = Transcript {
+        client_nonce: &frame::session_nonce(session),
+        server_nonce: &nonce,
+        client_name: from_name,
+        server_name: to_name,
+    };
+    if credential.verify(ProofLabel::DataInitiator, &transcript, &proof) {
+        Ok(Ok(()))
+    } else {
+        Ok(Err(format!("{from_name:?} did not prove the cluster credential")))
+    }
 }
 
 /// Checks every descriptor before any byte moves: known key (a region's, or a grant's for

@@ -182,7 +182,7 @@ impl std::fmt::Debug for UcxBackend {
 
 impl UcxBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
-        let BackendContext { agent_name, params, notifs, staging } = ctx;
+        let BackendContext { agent_name, params, notifs, staging, .. } = ctx;
         let settings = Settings::parse(params)?;
         let process = keys::ProcessId::current();
         let segments = settings.tcp_segments(|name| std::env::var(name).ok());

@@ -45,11 +45,26 @@ pub struct PeerConfig {
     /// The buffer is allocated by the backend (`Agent::allocate`, `xfer-peer --alloc backend`)
     /// rather than a `HostBuffer`.
     pub backend_alloc: bool,
+    /// The cluster secret file the peer authenticates with (`xfer-peer --credential`).
+    pub credential: Option<PathBuf>,
 }
 
 impl PeerConfig {
     pub fn new(name: &str, backend: &str, params: &str, size: u64) -> Self {
-        PeerConfig { name: name.into(), backend: backend.into(), params: params.into(), size, backend_alloc: false }
+        PeerConfig {
+            name: name.into(),
+            backend: backend.into(),
+            params: params.into(),
+            size,
+            backend_alloc: false,
+            credential: None,
+        }
+    }
+
+    /// The same with a cluster credential read from `file`.
+    pub fn credential(mut self, file: &Path) -> Self {
+        self.credential = Some(file.to_path_buf());
+        self
     }
 
     /// The same with the buffer allocated by the backend.
@@ -103,6 +118,7 @@ impl Peer {
             .args(["--name", &config.name, "--backend", &config.backend, "--params", &config.params])
             .args(["--size", &config.size.to_string(), "--side-channel", "127.0.0.1:0"])
             .args(["--alloc", if config.backend_alloc { "backend" } else { "host" }])
+            .args(config.credential.iter().flat_map(|file| [std::ffi::OsStr::new("--credential"), file.as_os_str()]))
             // The peer's stdout is its answer protocol: UCX's own log lines (an error it prints
             // after a stalled peer resumes, say) must not land there.
             .env("UCX_LOG_FILE", "stderr")

@@ -13,6 +13,7 @@ xfer_conformance::conformance_tests!(
         api_errors,
         bad_remote_key,
         bad_frames,
+        strangers_are_refused,
         sigkill_mid_transfer,
         sigstop_mid_transfer,
         stalled_peer_times_out,

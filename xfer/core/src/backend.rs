@@ -148,6 +148,9 @@ pub struct BackendContext {
     /// Copy lanes for memory the backend's wire cannot address (GPU memory, files); the agent
     /// supplies CUDA's when the driver is present.
     pub staging: Arc<dyn Staging>,
+    /// The cluster credential when the agent has one: backends authenticate their data
+    /// connections with it.
+    pub credential: Option<Arc<crate::credential::ClusterCredential>>,
 }
 
 impl fmt::Debug for BackendContext {

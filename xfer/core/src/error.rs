@@ -17,6 +17,9 @@ pub enum RefusalCode {
     WrongAgent,
     /// The request named a grant that was revoked or has expired: no byte moved.
     Revoked,
+    /// The connection did not prove the cluster credential (none, a wrong one, or only one
+    /// side has one).
+    Unauthenticated,
     /// Any code this version does not know.
     Other(u16),
 }
@@ -31,6 +34,7 @@ impl RefusalCode {
             RefusalCode::Unsupported => 5,
             RefusalCode::WrongAgent => 6,
             RefusalCode::Revoked => 7,
+            RefusalCode::Unauthenticated => 8,
             RefusalCode::Other(code) => code,
         }
     }
@@ -44,6 +48,7 @@ impl RefusalCode {
             5 => RefusalCode::Unsupported,
             6 => RefusalCode::WrongAgent,
             7 => RefusalCode::Revoked,
+            8 => RefusalCode::Unauthenticated,
             other => RefusalCode::Other(other),
         }
     }
@@ -59,6 +64,7 @@ impl fmt::Display for RefusalCode {
             RefusalCode::Unsupported => f.write_str("unsupported"),
             RefusalCode::WrongAgent => f.write_str("wrong agent"),
             RefusalCode::Revoked => f.write_str("grant revoked or expired"),
+            RefusalCode::Unauthenticated => f.write_str("unauthenticated"),
             RefusalCode::Other(code) => write!(f, "error code {code}"),
         }
     }

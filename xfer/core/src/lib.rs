@@ -7,6 +7,7 @@
 
 mod backend;
 mod completion;
+pub mod credential;
 mod error;
 pub mod file_io;
 mod host;

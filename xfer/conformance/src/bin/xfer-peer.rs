@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use xfer::{Agent, BackendParams, Desc, Grant, HostBuffer, MemType, Registration};
+use xfer::credential::ClusterCredential;
+use xfer::{Agent, BackendParams, BackendRegistry, Desc, Grant, HostBuffer, MemType, Registration};
 use xfer_conformance::pattern::{self, Buffer, Check};
 
 #[derive(Debug, Parser)]
@@ -40,6 +41,9 @@ struct Args {
     /// backend through `Agent::allocate`).
     #[arg(long, default_value = "host", value_parser = ["host", "backend"])]
     alloc: String,
+    /// Cluster secret file: the peer authenticates its side channel and data connections.
+    #[arg(long)]
+    credential: Option<std::path::PathBuf>,
 }
 
 /// The buffer, whichever kind.
@@ -101,7 +105,8 @@ fn start(args: &Args) -> anyhow::Result<(Agent, Target, String)> {
     if size == 0 {
         bail!("--size must be positive");
     }
-    let agent = Agent::new(&args.name)?;
+    let credential = args.credential.as_deref().map(ClusterCredential::from_file).transpose()?;
+    let agent = Agent::with_credential(&args.name, BackendRegistry::default(), xfer::cuda::staging(), credential)?;
     let params = BackendParams::parse(&args.params)?;
     agent.add_backend(&args.backend, params)?;
     let (buffer, addr, registration): (Memory, u64, Registration) = if args.alloc == "backend" {

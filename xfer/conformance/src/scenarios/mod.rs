@@ -15,6 +15,7 @@ use xfer::{Agent, BackendParams, HostBuffer, Op, Registration, RequestOptions, X
 
 use crate::peer::{peer_exe, Peer, PeerConfig};
 
+mod auth;
 mod choice;
 mod dereg;
 mod errors;
@@ -27,6 +28,7 @@ mod stall;
 mod transfers;
 pub mod wire_tcp;
 
+pub use auth::strangers_are_refused;
 pub use choice::picks_by_capability_and_falls_back_to_tcp;
 pub use dereg::{dereg_initiator_races_transfers, dereg_target_races_transfers};
 pub use errors::api_errors;
