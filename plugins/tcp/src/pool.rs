@@ -48,6 +48,8 @@ struct PoolShared {
     addr: SocketAddr,
     config: PoolConfig,
     staging: Arc<dyn Staging>,
+    /// With `tls=on`: the config that pins the target's certificate.
+    tls: Option<Arc<rustls::ClientConfig>>,
     closed: Arc<AtomicBool>,
     control: Mutex<Option<Pooled>>,
     next_request: AtomicU64,
@@ -76,6 +78,7 @@ impl PeerPool {
         addr: SocketAddr,
         config: PoolConfig,
         staging: Arc<dyn Staging>,
+        tls: Option<Arc<rustls::ClientConfig>>,
     ) -> PeerPool {
         let (queue, receiver) = crossbeam_channel::unbounded();
         PeerPool {
@@ -85,6 +88,7 @@ impl PeerPool {
                 addr,
                 config,
                 staging,
+                tls,
                 closed: Arc::new(AtomicBool::new(false)),
                 control: Mutex::new(None),
                 next_request: AtomicU64::new(1),
@@ -472,6 +476,7 @@ impl PoolShared {
     fn conn_error(&self, err: ConnError) -> BackendError {
         match err {
             ConnError::TimedOut(after) => BackendError::TimedOut(after),
+            ConnError::Tls(err) => BackendError::Tls { peer: self.peer.clone(), reason: err.to_string() },
             other => self.disconnected(other.to_string()),
         }
     }
@@ -481,6 +486,13 @@ impl PoolShared {
         let mut conn =
             Conn::connect(self.addr, config.connect_timeout, config.timeout, config.tuning, Arc::clone(&self.closed))
                 .map_err(|e| self.disconnected(format!("connect to {}: {e}", self.addr)))?;
+        if let Some(config) = &self.tls {
+            let tls = crate::tls::connect(config).map_err(|e| BackendError::Tls {
+                peer: self.peer.clone(),
+                reason: e.to_string(),
+            })?;
+            conn.start_tls_client(tls).map_err(|e| self.conn_error(e))?;
+        }
         let mut hello = Vec::new();
         let session = frame::Session { id: self.session_id, epoch };
         frame::encode_hello(&self.local_name, &self.peer, session, &mut hello);

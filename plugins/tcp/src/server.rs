@@ -28,6 +28,8 @@ pub struct ServerShared {
     pub fences: Fences,
     pub staging: Arc<dyn Staging>,
     pub staging_config: StagingConfig,
+    /// With `tls=on`: every connection must start TLS.
+    pub tls: Option<Arc<crate::tls::TlsIdentity>>,
 }
 
 pub struct Server {
@@ -109,11 +111,21 @@ enum ServeError {
     Superseded,
     #[error("staging the payload of a read failed: {0}")]
     Staging(xfer_core::BackendError),
+    #[error("{0}")]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("an initiator without TLS was refused (this target runs tls=on)")]
+    PlainRefused,
 }
 
 fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
     tune(&stream, shared.tuning).map_err(ConnError::from)?;
     let mut conn = Conn::new(stream, shared.timeout, Arc::clone(&shared.stop)).map_err(ConnError::from)?;
+    if let Some(identity) = &shared.tls {
+        if !conn.start_tls_server(identity.accept()?)? {
+            refuse_plain(&mut conn)?;
+            return Err(ServeError::PlainRefused);
+        }
+    }
     let Some((peer, session, fence)) = handshake(&mut conn, shared)? else { return Ok(()) };
     let mut header_buf = [0u8; frame::HEADER_LEN];
     let mut table = Vec::new();
@@ -217,6 +229,16 @@ fn refuse(conn: &mut Conn, header: &Header, code: RefusalCode, msg: &str, out: &
     tracing::debug!(request = header.request_id, %code, msg, "refusing request");
     frame::encode_response(code.to_wire(), header.request_id, 0, msg, out);
     conn.write_all(out)
+}
+
+/// Answers an initiator that sent a plain hello to this TLS target with a refusal it can read,
+/// then lets it close first (closing with its hello unread would reset the reply away).
+fn refuse_plain(conn: &mut Conn) -> Result<(), ConnError> {
+    let mut out = Vec::new();
+    let msg = "this target runs tls=on: connect with tls=on";
+    frame::encode_hello_reply(RefusalCode::Unsupported.to_wire(), msg, &mut out);
+    conn.write_all(&out)?;
+    conn.drain_until_closed()
 }
 
 /// Reads the hello, checks it is meant for this agent and current, answers; returns the
