@@ -217,7 +217,8 @@ impl Backend for TcpBackend {
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
         let text = std::str::from_utf8(conn_info)
             .map_err(|_| BackendError::InvalidMetadata("tcp address is not UTF-8".into()))?;
-        let (text, fingerprint) = tls::decode_conn_info(text).map_err(|e| BackendError::InvalidMetadata(e.to_string()))?;
+        let (text, fingerprint) =
+            tls::decode_conn_info(text).map_err(|e| BackendError::InvalidMetadata(e.to_string()))?;
         let tls_error = |reason: String| BackendError::Tls { peer: peer.to_string(), reason };
         let client_tls = match (&self.tls, fingerprint) {
             (None, _) => None,

@@ -487,10 +487,8 @@ impl PoolShared {
             Conn::connect(self.addr, config.connect_timeout, config.timeout, config.tuning, Arc::clone(&self.closed))
                 .map_err(|e| self.disconnected(format!("connect to {}: {e}", self.addr)))?;
         if let Some(config) = &self.tls {
-            let tls = crate::tls::connect(config).map_err(|e| BackendError::Tls {
-                peer: self.peer.clone(),
-                reason: e.to_string(),
-            })?;
+            let tls = crate::tls::connect(config)
+                .map_err(|e| BackendError::Tls { peer: self.peer.clone(), reason: e.to_string() })?;
             conn.start_tls_client(tls).map_err(|e| self.conn_error(e))?;
         }
         let mut hello = Vec::new();
