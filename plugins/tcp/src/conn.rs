@@ -1,5 +1,6 @@
 //! A blocking TCP connection whose every read and write is bounded: no progress for `timeout`
-//! is an error, and a stop flag ends waits between frames promptly.
+//! is an error, and a stop flag ends waits between frames promptly. With `tls=on` the same
+//! bounded loops run over a rustls connection (TLS 1.3), whose handshake is bounded the same way.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -24,6 +25,10 @@ pub enum ConnError {
     Stopped,
     #[error("{0}")]
     Io(#[from] io::Error),
+    /// The TLS handshake failed, or a record did not decrypt (a peer without TLS, a wrong
+    /// certificate, tampering).
+    #[error("TLS: {0}")]
+    Tls(io::Error),
 }
 
 /// Socket tuning shared by both ends.
@@ -43,9 +48,64 @@ pub fn tune(stream: &TcpStream, tuning: SocketTuning) -> io::Result<()> {
     Ok(())
 }
 
+/// The byte every TLS connection starts with (a handshake record).
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
+/// The socket, and rustls over it once TLS has started.
+#[derive(Debug)]
+struct Stream {
+    tcp: TcpStream,
+    tls: Option<Box<rustls::Connection>>,
+}
+
+impl Stream {
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        let Stream { tcp, tls: Some(tls) } = self else { return self.tcp.read_vectored(bufs) };
+        loop {
+            match tls.reader().read_vectored(bufs) {
+                // Ok(0) is the peer's close_notify.
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            // No plaintext buffered: read records (a timeout here is the caller's poll).
+            let got = tls.read_tls(tcp)?;
+            if let Err(err) = tls.process_new_packets() {
+                // Best effort: tell the peer why (the alert rustls queued).
+                let _ = tls.write_tls(tcp);
+                return Err(io::Error::new(io::ErrorKind::InvalidData, err));
+            }
+            if got == 0 {
+                return match tls.reader().read_vectored(bufs) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+                    other => other,
+                };
+            }
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let Stream { tcp, tls: Some(tls) } = self else { return self.tcp.write_vectored(bufs) };
+        // Earlier records go first, so the buffer limit admits new plaintext.
+        while tls.wants_write() {
+            tls.write_tls(tcp)?;
+        }
+        let accepted = tls.writer().write_vectored(bufs)?;
+        // Send what the socket takes now; the rest goes with the next write or `flush_tls`.
+        while tls.wants_write() {
+            match tls.write_tls(tcp) {
+                Ok(_) => {}
+                Err(e) if is_retry(&e) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(accepted)
+    }
+}
+
 #[derive(Debug)]
 pub struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     timeout: Duration,
     stop: Arc<AtomicBool>,
 }
@@ -55,7 +115,94 @@ impl Conn {
         let poll = Some(POLL.min(timeout).max(Duration::from_millis(1)));
         stream.set_read_timeout(poll)?;
         stream.set_write_timeout(poll)?;
-        Ok(Conn { stream, timeout, stop })
+        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop })
+    }
+
+    /// Runs the client side of a TLS handshake; every later read and write is encrypted.
+    pub fn start_tls_client(&mut self, tls: rustls::ClientConnection) -> Result<(), ConnError> {
+        self.start_tls(tls.into())
+    }
+
+    /// Runs the server side of a TLS handshake. An initiator without TLS gets no handshake:
+    /// `Ok(false)` says its first byte is no TLS record (the caller refuses it in plain text).
+    pub fn start_tls_server(&mut self, tls: rustls::ServerConnection) -> Result<bool, ConnError> {
+        if !self.opens_with_tls()? {
+            return Ok(false);
+        }
+        self.start_tls(tls.into())?;
+        Ok(true)
+    }
+
+    /// Whether the peer's first byte opens a TLS handshake (a plain target refuses such an
+    /// initiator in plain text, which its TLS client reports as a TLS error). A connection
+    /// closed before any byte is left to the hello to report.
+    pub fn opens_with_tls(&mut self) -> Result<bool, ConnError> {
+        match self.peek_first_byte() {
+            Ok(byte) => Ok(byte == TLS_HANDSHAKE_RECORD),
+            Err(ConnError::Eof) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits, bounded by the progress timeout, for the first byte without consuming it.
+    fn peek_first_byte(&mut self) -> Result<u8, ConnError> {
+        let started = Instant::now();
+        let mut byte = [0u8; 1];
+        loop {
+            match self.stream.tcp.peek(&mut byte) {
+                Ok(0) => return Err(ConnError::Eof),
+                Ok(_) => return Ok(byte[0]),
+                Err(e) if is_retry(&e) => self.check_wait(started)?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn start_tls(&mut self, mut tls: rustls::Connection) -> Result<(), ConnError> {
+        if self.stream.tls.is_some() {
+            return Err(ConnError::Tls(io::Error::other("TLS is already running on this connection")));
+        }
+        let tcp = &mut self.stream.tcp;
+        let mut last_progress = Instant::now();
+        while tls.is_handshaking() || tls.wants_write() {
+            let step = if tls.wants_write() {
+                tls.write_tls(tcp)
+            } else {
+                match tls.read_tls(tcp) {
+                    // A dead or killed peer; one without TLS answers in plain text instead.
+                    Ok(0) => return Err(ConnError::Eof),
+                    Ok(n) => match tls.process_new_packets() {
+                        Ok(_) => Ok(n),
+                        Err(err) => {
+                            let _ = tls.write_tls(tcp);
+                            return Err(ConnError::Tls(io::Error::new(io::ErrorKind::InvalidData, err)));
+                        }
+                    },
+                    Err(e) => Err(e),
+                }
+            };
+            match step {
+                Ok(_) => last_progress = Instant::now(),
+                Err(e) if is_retry(&e) => check_deadline(&self.stop, self.timeout, last_progress)?,
+                // Resets and the like: the peer is gone, not a TLS failure.
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.stream.tls = Some(Box::new(tls));
+        Ok(())
+    }
+
+    /// Sends the records rustls still holds (after a write, before waiting for the answer).
+    fn flush_tls(&mut self, mut last_progress: Instant) -> Result<(), ConnError> {
+        let Stream { tcp, tls: Some(tls) } = &mut self.stream else { return Ok(()) };
+        while tls.wants_write() {
+            match tls.write_tls(tcp) {
+                Ok(_) => last_progress = Instant::now(),
+                Err(e) if is_retry(&e) => check_deadline(&self.stop, self.timeout, last_progress)?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
     }
 
     pub fn connect(
@@ -82,7 +229,7 @@ impl Conn {
             if self.stopped() {
                 return Ok(false);
             }
-            match self.stream.read(buf) {
+            match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
                 Ok(0) => return Ok(false),
                 Ok(n) => {
                     self.read_exact(&mut buf[n..])?;
@@ -154,22 +301,47 @@ impl Conn {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(())
+        self.flush_tls(last_progress)
     }
 
     fn check_wait(&self, last_progress: Instant) -> Result<(), ConnError> {
-        if self.stopped() {
-            return Err(ConnError::Stopped);
+        check_deadline(&self.stop, self.timeout, last_progress)
+    }
+
+    /// Ends the sending side and discards what the peer still sends until it closes (bounded
+    /// by the progress timeout), so the last bytes sent are not lost to a reset.
+    pub fn drain_until_closed(&mut self) -> Result<(), ConnError> {
+        let _ = self.stream.tcp.shutdown(std::net::Shutdown::Write);
+        let started = Instant::now();
+        let mut scratch = [0u8; 4096];
+        loop {
+            match self.stream.tcp.read(&mut scratch) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if is_retry(&e) => self.check_wait(started)?,
+                Err(e) => return Err(e.into()),
+            }
         }
-        if last_progress.elapsed() >= self.timeout {
-            return Err(ConnError::TimedOut(self.timeout));
-        }
-        Ok(())
     }
 
     pub fn shutdown(&self) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let _ = self.stream.tcp.shutdown(std::net::Shutdown::Both);
     }
+}
+
+fn check_deadline(stop: &AtomicBool, timeout: Duration, last_progress: Instant) -> Result<(), ConnError> {
+    if stop.load(Ordering::Acquire) {
+        return Err(ConnError::Stopped);
+    }
+    if last_progress.elapsed() >= timeout {
+        return Err(ConnError::TimedOut(timeout));
+    }
+    Ok(())
+}
+
+/// A poll wake-up (or a signal): wait on unless stopped or out of time.
+fn is_retry(e: &io::Error) -> bool {
+    is_timeout(e) || e.kind() == io::ErrorKind::Interrupted
 }
 
 fn is_timeout(e: &io::Error) -> bool {

@@ -32,6 +32,7 @@
 //! | `socket_buffer` | 4194304 | SO_SNDBUF/SO_RCVBUF (0 = system default) |
 //! | `staging_slots` | 2 | host slots per staging lane (2 or more overlap copy and wire) |
 //! | `staging_bytes` | 1048576 | bytes per staging slot |
+//! | `tls` | `off` | `on`: every data connection runs TLS 1.3 ([`tls`]), both ways |
 
 // Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
 #![deny(unsafe_code)]
@@ -45,6 +46,7 @@ mod memio;
 mod pool;
 mod server;
 mod staged;
+mod tls;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
@@ -63,6 +65,7 @@ use grants::{Grant, GrantTable};
 use keys::KeyTable;
 use pool::{PeerPool, PoolConfig};
 use server::{Server, ServerShared};
+use tls::TlsIdentity;
 use xfer_core::staging::StagingConfig;
 
 /// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
@@ -85,6 +88,8 @@ impl BackendFactory for TcpFactory {
 pub struct TcpBackend {
     agent_name: String,
     advertised: String,
+    /// This backend's certificate when `tls=on`.
+    tls: Option<Arc<TlsIdentity>>,
     keys: Arc<KeyTable>,
     grants: Arc<GrantTable>,
     pool_config: PoolConfig,
@@ -118,6 +123,11 @@ impl TcpBackend {
         let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
         let socket_buffer: usize = params.take_parsed("socket_buffer", 4 << 20)?;
         let staging_config = StagingConfig::take(&mut params)?;
+        let tls = match params.take("tls").as_deref() {
+            None | Some("off") => None,
+            Some("on") => Some(Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?)),
+            Some(other) => return Err(invalid("tls", format!("{other:?} is neither on nor off"))),
+        };
         params.finish("tcp")?;
         if !(1..=64).contains(&streams) {
             return Err(invalid("streams", "must be 1..=64"));
@@ -156,6 +166,7 @@ impl TcpBackend {
             fences: fence::Fences::default(),
             staging: Arc::clone(&staging),
             staging_config,
+            tls: tls.clone(),
         };
         let server = Server::start(listener, shared)?;
         tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");
@@ -163,6 +174,7 @@ impl TcpBackend {
             agent_name,
             credential,
             advertised,
+            tls,
             keys,
             grants,
             pool_config: PoolConfig {
@@ -196,7 +208,7 @@ impl Backend for TcpBackend {
     }
 
     fn conn_info(&self) -> Vec<u8> {
-        self.advertised.as_bytes().to_vec()
+        tls::encode_conn_info(&self.advertised, self.tls.as_ref().map(|t| t.fingerprint)).into_bytes()
     }
 
     fn register(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
@@ -246,6 +258,20 @@ impl Backend for TcpBackend {
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
         let text = std::str::from_utf8(conn_info)
             .map_err(|_| BackendError::InvalidMetadata("tcp address is not UTF-8".into()))?;
+        let (text, fingerprint) =
+            tls::decode_conn_info(text).map_err(|e| BackendError::InvalidMetadata(e.to_string()))?;
+        let tls_error = |reason: String| BackendError::Tls { peer: peer.to_string(), reason };
+        let client_tls = match (&self.tls, fingerprint) {
+            (None, _) => None,
+            (Some(identity), Some(pinned)) => {
+                Some(identity.client_config(pinned).map_err(|e| tls_error(e.to_string()))?)
+            }
+            // Never fall back to plain text: metadata without a fingerprint is a plain target
+            // (or a downgrade).
+            (Some(_), None) => {
+                return Err(tls_error("the target serves plain tcp (no TLS fingerprint in its metadata)".into()))
+            }
+        };
         let addr = text
             .to_socket_addrs()
             .map_err(|e| BackendError::InvalidMetadata(format!("tcp address {text:?}: {e}")))?
@@ -258,6 +284,7 @@ impl Backend for TcpBackend {
             self.pool_config,
             Arc::clone(&self.staging),
             self.credential.clone(),
+            client_tls,
         )))
     }
 

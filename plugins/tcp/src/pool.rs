@@ -51,6 +51,8 @@ struct PoolShared {
     staging: Arc<dyn Staging>,
     /// With a credential, every connection proves it in the hello.
     credential: Option<Arc<ClusterCredential>>,
+    /// With `tls=on`: the config that pins the target's certificate.
+    tls: Option<Arc<rustls::ClientConfig>>,
     closed: Arc<AtomicBool>,
     control: Mutex<Option<Pooled>>,
     next_request: AtomicU64,
@@ -80,6 +82,7 @@ impl PeerPool {
         config: PoolConfig,
         staging: Arc<dyn Staging>,
         credential: Option<Arc<ClusterCredential>>,
+        tls: Option<Arc<rustls::ClientConfig>>,
     ) -> PeerPool {
         let (queue, receiver) = crossbeam_channel::unbounded();
         PeerPool {
@@ -90,6 +93,7 @@ impl PeerPool {
                 config,
                 staging,
                 credential,
+                tls,
                 closed: Arc::new(AtomicBool::new(false)),
                 control: Mutex::new(None),
                 next_request: AtomicU64::new(1),
@@ -477,6 +481,7 @@ impl PoolShared {
     fn conn_error(&self, err: ConnError) -> BackendError {
         match err {
             ConnError::TimedOut(after) => BackendError::TimedOut(after),
+            ConnError::Tls(err) => BackendError::Tls { peer: self.peer.clone(), reason: err.to_string() },
             other => self.disconnected(other.to_string()),
         }
     }
@@ -486,6 +491,11 @@ impl PoolShared {
         let mut conn =
             Conn::connect(self.addr, config.connect_timeout, config.timeout, config.tuning, Arc::clone(&self.closed))
                 .map_err(|e| self.disconnected(format!("connect to {}: {e}", self.addr)))?;
+        if let Some(config) = &self.tls {
+            let tls = crate::tls::connect(config)
+                .map_err(|e| BackendError::Tls { peer: self.peer.clone(), reason: e.to_string() })?;
+            conn.start_tls_client(tls).map_err(|e| self.conn_error(e))?;
+        }
         let mut hello = Vec::new();
         let session = frame::Session { id: self.session_id, epoch };
         frame::encode_hello_with(&self.local_name, &self.peer, session, self.credential.is_some(), &mut hello);

@@ -36,6 +36,8 @@ pub struct ServerShared {
     pub fences: Fences,
     pub staging: Arc<dyn Staging>,
     pub staging_config: StagingConfig,
+    /// With `tls=on`: every connection must start TLS.
+    pub tls: Option<Arc<crate::tls::TlsIdentity>>,
 }
 
 pub struct Server {
@@ -119,12 +121,32 @@ enum ServeError {
     Superseded,
     #[error("staging the payload of a read failed: {0}")]
     Staging(xfer_core::BackendError),
+    #[error("{0}")]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("an initiator without TLS was refused (this target runs tls=on)")]
+    PlainRefused,
+    #[error("a TLS initiator was refused (this target runs without TLS)")]
+    TlsRefused,
 }
 
 fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
     tune(&stream, shared.tuning).map_err(ConnError::from)?;
     let peer_addr = stream.peer_addr().ok();
     let mut conn = Conn::new(stream, shared.timeout, Arc::clone(&shared.stop)).map_err(ConnError::from)?;
+    match &shared.tls {
+        Some(identity) => {
+            if !conn.start_tls_server(identity.accept()?)? {
+                refuse_mismatch(&mut conn, "this target runs tls=on: connect with tls=on")?;
+                return Err(ServeError::PlainRefused);
+            }
+        }
+        None => {
+            if conn.opens_with_tls()? {
+                refuse_mismatch(&mut conn, "this target runs without TLS: connect without tls=on")?;
+                return Err(ServeError::TlsRefused);
+            }
+        }
+    }
     let Some((peer, session, fence)) = handshake(&mut conn, shared, peer_addr)? else { return Ok(()) };
     let mut header_buf = [0u8; frame::HEADER_LEN];
     let mut table = Vec::new();
@@ -244,6 +266,16 @@ fn refuse(conn: &mut Conn, header: &Header, code: RefusalCode, msg: &str, out: &
     tracing::debug!(request = header.request_id, %code, msg, "refusing request");
     frame::encode_response(code.to_wire(), header.request_id, 0, msg, out);
     conn.write_all(out)
+}
+
+/// Answers an initiator that sent a plain hello to this TLS target with a refusal it can read,
+/// then lets it close first (closing with its hello unread would reset the reply away).
+/// Answers an initiator whose TLS setting differs from this target's, in plain text.
+fn refuse_mismatch(conn: &mut Conn, msg: &str) -> Result<(), ConnError> {
+    let mut out = Vec::new();
+    frame::encode_hello_reply(RefusalCode::Unsupported.to_wire(), msg, &mut out);
+    conn.write_all(&out)?;
+    conn.drain_until_closed()
 }
 
 /// Reads the hello, checks it is meant for this agent and current, answers; returns the

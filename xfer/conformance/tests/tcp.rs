@@ -14,6 +14,7 @@ xfer_conformance::conformance_tests!(
         bad_remote_key,
         bad_frames,
         strangers_are_refused,
+        tls_mismatch_and_pinning,
         sigkill_mid_transfer,
         sigstop_mid_transfer,
         stalled_peer_times_out,
@@ -24,3 +25,28 @@ xfer_conformance::conformance_tests!(
         late_read_storm,
     ]
 );
+
+/// The same suite with every data connection under TLS 1.3 (`tls=on`). Left out: `bad_frames`,
+/// which writes raw TCP frames to the data port (a TLS target refuses them before any frame is
+/// parsed, so it would test nothing of the frame decoder). Everything else speaks through the
+/// agent API and runs unchanged.
+mod tls {
+    xfer_conformance::conformance_tests!(
+        "tcp",
+        "listen=127.0.0.1:0,tls=on",
+        [
+            peer_protocol,
+            transfer_matrix,
+            transfer_large,
+            notifications,
+            api_errors,
+            bad_remote_key,
+            sigkill_mid_transfer,
+            sigstop_mid_transfer,
+            stalled_peer_times_out,
+            notif_once_across_stall,
+            dereg_initiator_races_transfers,
+            dereg_target_races_transfers,
+        ]
+    );
+}

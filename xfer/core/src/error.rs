@@ -99,6 +99,10 @@ pub enum BackendError {
     File(#[from] FileIoError),
     #[error("GPU memory: {0}")]
     Device(#[from] DeviceError),
+    /// The encrypted data path could not be set up: a peer without TLS (or with it where this
+    /// side has none), a certificate other than the one its metadata pins, a failed handshake.
+    #[error("TLS with {peer} failed: {reason}")]
+    Tls { peer: String, reason: String },
 }
 
 /// Why GPU memory cannot be used or moved.

@@ -2,7 +2,8 @@
 //! by both the in-test initiator and the peer process) and panics with a precise message on the
 //! first violation, so a backend's test file is one line per scenario.
 //!
-//! Everything here is backend-neutral except [`wire_tcp`], which hand-crafts TCP frames. The
+//! Everything here is backend-neutral except [`wire_tcp`], which hand-crafts TCP frames, and
+//! `tls_tcp`, which forges TCP's TLS fingerprint. The
 //! SIGSTOP scenarios assume the backend's no-progress timeout is the default 5 s (well under
 //! [`FAILURE_BOUND`], and under the 6.5 s stall of [`notif_once_across_stall`]).
 
@@ -25,6 +26,7 @@ mod keys;
 mod notifs;
 mod protocol;
 mod stall;
+mod tls_tcp;
 mod transfers;
 pub mod wire_tcp;
 
@@ -38,6 +40,7 @@ pub use keys::bad_remote_key;
 pub use notifs::notifications;
 pub use protocol::peer_protocol;
 pub use stall::{notif_once_across_stall, stalled_peer_times_out};
+pub use tls_tcp::tls_mismatch_and_pinning;
 pub use transfers::{transfer_large, transfer_matrix};
 pub use wire_tcp::bad_frames;
 

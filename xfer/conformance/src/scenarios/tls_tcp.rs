@@ -1,0 +1,103 @@
+//! TCP's `tls=on` against mismatched or forged peers: every attempt fails with a typed error
+//! within a bound and leaves the peer's memory untouched, and the intact setup works after.
+//! `params` are the plain TCP parameters; the scenario adds `tls=on` where it needs TLS.
+
+use xfer::metadata::AgentMetadata;
+use xfer::side_channel::{self, SideOp};
+use xfer::{BackendError, Op, RefusalCode, RequestOptions, XferError};
+
+use super::{spawn_peer, within, Initiator, FAILURE_BOUND, WAIT};
+use crate::pattern::{pattern_hash, write_pattern};
+use crate::peer::Peer;
+
+const SIZE: u64 = 256 << 10;
+/// What the TCP backend appends to its connection info under `tls=on`.
+const FINGERPRINT_TAG: &str = "#tls-sha256=";
+
+pub fn tls_mismatch_and_pinning(backend: &str, params: &str) {
+    let tls_params = format!("{params},tls=on");
+
+    // A plain initiator against a TLS target: refused in plain text, before any frame.
+    let mut tls_peer = spawn_peer("tls-target", backend, &tls_params, SIZE);
+    tls_peer.fill(0xbad, 0, SIZE).expect("fill");
+    let plain = Initiator::new("tls-plain-init", backend, params, SIZE);
+    write_pattern(&plain.buf, 0, 0x900d, 0, SIZE);
+    let name = plain.connect(&tls_peer);
+    let result = write_all(&plain, &name, &tls_peer, "a plain write to a TLS target");
+    assert!(matches!(result, Err(XferError::Refused { code: RefusalCode::Unsupported, .. })), "{result:?}");
+    assert_untouched(&mut tls_peer, "after a plain initiator");
+
+    // A TLS initiator given a tampered fingerprint: the handshake fails on the certificate.
+    let init = Initiator::new("tls-init", backend, &tls_params, SIZE);
+    write_pattern(&init.buf, 0, 0x900d, 0, SIZE);
+    let (blob, metadata) = metadata_of(&tls_peer, backend);
+    let mut tampered = metadata.clone();
+    edit_conn_info(&mut tampered, backend, |info| {
+        let last = info.pop().expect("conn_info is not empty");
+        info.push(if last == '0' { '1' } else { '0' });
+    });
+    let name = init.agent.load_remote_metadata(&tampered.encode()).expect("tampered metadata still decodes");
+    let result = write_all(&init, &name, &tls_peer, "a write pinned to the wrong certificate");
+    assert_tls_error(&result, "wrong fingerprint");
+    assert_untouched(&mut tls_peer, "after a wrong fingerprint");
+
+    // The intact metadata: TLS both ways, every byte arrives.
+    let name = init.agent.load_remote_metadata(&blob).expect("intact metadata loads");
+    write_all(&init, &name, &tls_peer, "a TLS write").unwrap_or_else(|e| panic!("TLS write: {e}"));
+    assert_eq!(tls_peer.hash(0, SIZE).expect("hash"), pattern_hash(0x900d, 0, SIZE), "TLS write delivered");
+
+    // A TLS initiator against a plain target: no fingerprint in its metadata, so no backend
+    // serves it (no fallback to plain text) ...
+    let mut plain_peer = spawn_peer("plain-target", backend, params, SIZE);
+    plain_peer.fill(0xbad, 0, SIZE).expect("fill");
+    let name = init.connect(&plain_peer);
+    let result = write_all(&init, &name, &plain_peer, "a TLS write to a plain target");
+    assert!(matches!(result, Err(XferError::NoBackend(_))), "{result:?}");
+    // ... and one whose metadata was forged to carry a fingerprint meets a target that does
+    // not answer the handshake.
+    let (_, metadata) = metadata_of(&plain_peer, backend);
+    let mut forged = metadata.clone();
+    edit_conn_info(&mut forged, backend, |info| {
+        info.push_str(FINGERPRINT_TAG);
+        info.push_str(&"ab".repeat(32));
+    });
+    let name = init.agent.load_remote_metadata(&forged.encode()).expect("forged metadata decodes");
+    let result = write_all(&init, &name, &plain_peer, "a TLS write to a plain target (forged fingerprint)");
+    assert_tls_error(&result, "plain target");
+    assert_untouched(&mut plain_peer, "after a TLS initiator");
+}
+
+fn write_all(init: &Initiator, name: &str, peer: &Peer, what: &str) -> Result<(), XferError> {
+    within(what, FAILURE_BOUND, || {
+        init.transfer(Op::Write, &[init.desc(0, SIZE)], name, &[peer.desc(0, SIZE)], RequestOptions::default(), WAIT)
+    })
+}
+
+fn assert_tls_error(result: &Result<(), XferError>, what: &str) {
+    match result {
+        Err(XferError::Backend { source, .. }) if matches!(**source, BackendError::Tls { .. }) => {
+            eprintln!("{what}: {source}");
+        }
+        other => panic!("{what}: expected a TLS error, got {other:?}"),
+    }
+}
+
+fn assert_untouched(peer: &mut Peer, what: &str) {
+    assert_eq!(peer.hash(0, SIZE).expect("hash"), pattern_hash(0xbad, 0, SIZE), "peer memory changed {what}");
+}
+
+fn metadata_of(peer: &Peer, backend: &str) -> (Vec<u8>, AgentMetadata) {
+    let blob = side_channel::call(peer.side_channel(), SideOp::Get, &[], side_channel::IO_TIMEOUT)
+        .unwrap_or_else(|e| panic!("side channel get: {e}"));
+    let metadata = AgentMetadata::decode(&blob).expect("the peer's metadata decodes");
+    assert!(metadata.backends.iter().any(|b| b.name == backend), "the peer publishes {backend}");
+    (blob, metadata)
+}
+
+fn edit_conn_info(metadata: &mut AgentMetadata, backend: &str, edit: impl Fn(&mut String)) {
+    for info in metadata.backends.iter_mut().filter(|b| b.name == backend) {
+        let mut text = String::from_utf8(info.conn_info.clone()).expect("tcp conn_info is UTF-8");
+        edit(&mut text);
+        info.conn_info = text.into_bytes();
+    }
+}
