@@ -94,6 +94,16 @@ pub fn done_notification(remote_request_id: &str, decode_world_size: u32) -> Str
 mod tests {
     use super::*;
 
+    /// Unknown keys pass through with their numbers bit for bit, even ones the default float
+    /// parser rounds differently on a second read (a coordinator_api fuzz find).
+    #[test]
+    fn relayed_numbers_survive_a_re_encode() {
+        let body = br#"{"": 880000000000000000000000000000005193150770316778608}"#;
+        let params: KvTransferParams = serde_json::from_slice(body).unwrap();
+        let again: KvTransferParams = serde_json::from_slice(&serde_json::to_vec(&params).unwrap()).unwrap();
+        assert_eq!(again, params);
+    }
+
     // The prefill response seen with vLLM 0.32 (PROTOCOLS.md §1).
     const SEEN: &str = r#"{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[1,2,3,4,5,6]],
         "remote_engine_id": "79c25778-4455-409d-ba7d-786fbd75dbaa",
