@@ -116,7 +116,7 @@ enum ServeError {
     #[error("name is not UTF-8")]
     Name,
     #[error("authentication: {0}")]
-    Auth(String),
+    Auth(#[from] credential::CredentialError),
     #[error("a newer connection of this initiator took over")]
     Superseded,
     #[error("staging the payload of a read failed: {0}")]
@@ -301,7 +301,8 @@ fn handshake(
         conn.write_all(&out)?;
         return Ok(None);
     }
-    if let Err(msg) = authenticate(conn, shared, auth, &from_name, to_name, session)? {
+    if let Err(refusal) = authenticate(conn, shared, auth, &from_name, to_name, session)? {
+        let msg = refusal.to_string();
         if let Some(peer) = peer_addr {
             let mut refused = shared.refused.lock();
             if refused.len() < 1024 && refused.insert(peer.ip()) {
@@ -323,7 +324,19 @@ fn handshake(
     Ok(Some((from_name, session, fence)))
 }
 
-/// The target's half of the hello challenge-response; `Err(message)` refuses the initiator.
+/// Why the target refuses an initiator at hello; the text goes back on the wire with
+/// `RefusalCode::Unauthenticated`.
+#[derive(Debug, thiserror::Error)]
+enum AuthRefusal {
+    #[error("this agent has no cluster credential")]
+    NoCredentialHere,
+    #[error("this agent requires the cluster credential")]
+    CredentialRequired,
+    #[error("{0:?} did not prove the cluster credential")]
+    BadProof(String),
+}
+
+/// The target's half of the hello challenge-response; the inner `Err` refuses the initiator.
 fn authenticate(
     conn: &mut Conn,
     shared: &ServerShared,
@@ -331,14 +344,14 @@ fn authenticate(
     from_name: &str,
     to_name: &str,
     session: Session,
-) -> Result<Result<(), String>, ServeError> {
+) -> Result<Result<(), AuthRefusal>, ServeError> {
     let credential = match (&shared.credential, auth) {
         (None, false) => return Ok(Ok(())),
-        (None, true) => return Ok(Err("this agent has no cluster credential".into())),
-        (Some(_), false) => return Ok(Err("this agent requires the cluster credential".into())),
+        (None, true) => return Ok(Err(AuthRefusal::NoCredentialHere)),
+        (Some(_), false) => return Ok(Err(AuthRefusal::CredentialRequired)),
         (Some(credential), true) => credential,
     };
-    let nonce = credential::fresh_nonce().map_err(|e| ServeError::Auth(e.to_string()))?;
+    let nonce = credential::fresh_nonce()?;
     let mut out = Vec::new();
     frame::encode_challenge(&nonce, &mut out);
     conn.write_all(&out)?;
@@ -353,7 +366,7 @@ fn authenticate(
     if credential.verify(ProofLabel::DataInitiator, &transcript, &proof) {
         Ok(Ok(()))
     } else {
-        Ok(Err(format!("{from_name:?} did not prove the cluster credential")))
+        Ok(Err(AuthRefusal::BadProof(from_name.to_owned())))
     }
 }
 
