@@ -43,6 +43,9 @@ cargo test --workspace --all-features --locked
 step "example deployment: examples/local started from its config files, requests and the API checked"
 BIN_DIR=target/debug examples/local/run.sh --smoke
 
+step "observability: a real Prometheus scrapes examples/local with examples/observability's config; every dashboard expression returns data"
+BIN_DIR=target/debug examples/observability/check.sh
+
 step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
 vllm_venv="$(ci/vllm/install.sh | tail -n1)"
 step "Python wheel pd-xfer: built from source with UCX, its tests inside the real-vLLM venv (torch, numpy, nixl)"

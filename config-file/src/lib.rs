@@ -4,10 +4,12 @@
 //! `--key value` placed before the real command line, so that flags given there win. `true`
 //! becomes the bare flag, `false` leaves it out, an array repeats the flag once per item.
 //! Underscores in keys become dashes (`block_size` and `block-size` both mean `--block-size`).
+//! [`reference`] renders a daemon's flags (its settings reference) from the same definition.
 
 use std::path::Path;
 
 mod duration;
+pub mod reference;
 #[cfg(feature = "signals")]
 pub mod signals;
 

@@ -58,22 +58,22 @@ pub struct Config {
 
     /// Lease of an engine: it is dead when neither a heartbeat nor (for engines without a
     /// sidecar) a successful health check renewed it for this long.
-    #[arg(long, env = "PD_COORDINATOR_LEASE_MS", value_parser = millis, default_value = "3s")]
+    #[arg(long, env = "PD_COORDINATOR_LEASE_MS", value_parser = millis, value_name = "DURATION", default_value = "3s")]
     pub lease_ms: u64,
     /// Heartbeat interval told to sidecars.
-    #[arg(long, env = "PD_COORDINATOR_HEARTBEAT_MS", value_parser = millis, default_value = "1s")]
+    #[arg(long, env = "PD_COORDINATOR_HEARTBEAT_MS", value_parser = millis, value_name = "DURATION", default_value = "1s")]
     pub heartbeat_ms: u64,
     /// How often every engine's GET /health is polled (0s: never).
-    #[arg(long, env = "PD_COORDINATOR_HEALTH_INTERVAL_MS", value_parser = millis, default_value = "1s")]
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_INTERVAL_MS", value_parser = millis, value_name = "DURATION", default_value = "1s")]
     pub health_interval_ms: u64,
     /// Timeout of one health check.
-    #[arg(long, env = "PD_COORDINATOR_HEALTH_TIMEOUT_MS", value_parser = millis, default_value = "1s")]
+    #[arg(long, env = "PD_COORDINATOR_HEALTH_TIMEOUT_MS", value_parser = millis, value_name = "DURATION", default_value = "1s")]
     pub health_timeout_ms: u64,
     /// Consecutive failed health checks after which an engine is dead.
     #[arg(long, env = "PD_COORDINATOR_HEALTH_FAILURES", default_value_t = 2)]
     pub health_failures: u32,
     /// How often leases are checked.
-    #[arg(long, env = "PD_COORDINATOR_TICK_MS", value_parser = millis, default_value = "100ms")]
+    #[arg(long, env = "PD_COORDINATOR_TICK_MS", value_parser = millis, value_name = "DURATION", default_value = "100ms")]
     pub tick_ms: u64,
 
     /// Hugging Face tokenizer.json used to turn a pair request's `prompt` into token ids
@@ -92,19 +92,19 @@ pub struct Config {
     pub approx_chars_per_token: usize,
     /// How long a routed prefix counts as cached on an engine whose events cannot confirm it
     /// (no KV events, or approximate hashes).
-    #[arg(long, env = "PD_COORDINATOR_APPROX_TTL_SECS", value_parser = secs, default_value = "120s")]
+    #[arg(long, env = "PD_COORDINATOR_APPROX_TTL_SECS", value_parser = secs, value_name = "DURATION", default_value = "120s")]
     pub approx_ttl_secs: f64,
     /// How long a routing decision counts as "the engines hold this prefix" before their
     /// events confirm it.
-    #[arg(long, env = "PD_COORDINATOR_SPECULATIVE_TTL_MS", value_parser = millis, default_value = "2s")]
+    #[arg(long, env = "PD_COORDINATOR_SPECULATIVE_TTL_MS", value_parser = millis, value_name = "DURATION", default_value = "2s")]
     pub speculative_ttl_ms: u64,
     /// A handoff that never finished is phantom load after this long (and held blocks are
     /// released).
-    #[arg(long, env = "PD_COORDINATOR_HANDOFF_MAX_AGE_SECS", value_parser = secs, default_value = "120s")]
+    #[arg(long, env = "PD_COORDINATOR_HANDOFF_MAX_AGE_SECS", value_parser = secs, value_name = "DURATION", default_value = "120s")]
     pub handoff_max_age_secs: f64,
     /// An engine dead this long is removed altogether (unknown id, number reused; it must
-    /// register as new) ; 0s keeps dead engines forever. Static engines are kept.
-    #[arg(long, env = "PD_COORDINATOR_FORGET_DEAD_AFTER_SECS", value_parser = secs, default_value = "300s")]
+    /// register as new); 0s keeps dead engines forever. Static engines are kept.
+    #[arg(long, env = "PD_COORDINATOR_FORGET_DEAD_AFTER_SECS", value_parser = secs, value_name = "DURATION", default_value = "300s")]
     pub forget_dead_after_secs: f64,
 
     /// Cost of a block of prefill work against a block of decode load (Dynamo's weighting is 1).
@@ -128,13 +128,12 @@ pub struct Config {
     pub local_decode_slack: f64,
 
     /// Timeout of a POST {sidecar}/pd/release.
-    #[arg(long, env = "PD_COORDINATOR_RELEASE_TIMEOUT_MS", value_parser = millis, default_value = "2s")]
+    #[arg(long, env = "PD_COORDINATOR_RELEASE_TIMEOUT_MS", value_parser = millis, value_name = "DURATION", default_value = "2s")]
     pub release_timeout_ms: u64,
     /// ZMQ topic subscribed to on every engine's KV-event publisher ("" = all).
     #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_TOPIC", default_value = "")]
     pub kv_events_topic: String,
 
-    /// Log filter (tracing's EnvFilter syntax; RUST_LOG works too).
     /// Require `Authorization: Bearer <token>` on every HTTP and gRPC call except /health and
     /// /metrics (sidecars send it with --coordinator-token).
     #[arg(long, env = "PD_COORDINATOR_AUTH_TOKEN", hide_env_values = true)]
@@ -152,6 +151,7 @@ pub struct Config {
     #[arg(long, env = "PD_COORDINATOR_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
 
+    /// Log filter (tracing's EnvFilter syntax; RUST_LOG works too).
     #[arg(long, env = "PD_COORDINATOR_LOG", default_value = "info")]
     pub log: String,
     /// Tokio worker threads (default: available cores).

@@ -52,3 +52,13 @@ fn every_example_cluster_file_loads_and_validates() {
         assert!(roles.iter().any(|r| r.contains("Decode")), "{}: no decode engine", path.display());
     }
 }
+
+/// CONFIG.md's pd-coordinator section lists exactly the flags of this build.
+#[test]
+fn config_reference_is_current() {
+    use clap::CommandFactory;
+    let page = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../CONFIG.md");
+    if let Err(e) = pd_config_file::reference::check_section(&page, &Config::command()) {
+        panic!("{e}");
+    }
+}

@@ -7,6 +7,9 @@
 #   examples/local/run.sh            # start, print the endpoints, run until Ctrl-C
 #   examples/local/run.sh --smoke    # start, check requests through both decode sidecars and
 #                                    # examples/api/coordinator.sh, stop
+#   examples/local/run.sh [--smoke] --then CMD [ARGS...]
+#                                    # start (and smoke), run CMD against the cluster, stop;
+#                                    # exits with CMD's status
 #
 # Binaries: $BIN_DIR (default: target/release if it holds all three, else target/debug).
 # Logs: $LOG_DIR (default: a fresh temporary folder, printed). Every process started here is
@@ -16,11 +19,14 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 
 smoke=0
-case "${1:-}" in
-  --smoke) smoke=1 ;;
-  "") ;;
-  *) echo "usage: $0 [--smoke]" >&2; exit 2 ;;
-esac
+then_cmd=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) smoke=1; shift ;;
+    --then) shift; then_cmd=("$@"); [ $# -gt 0 ] || { echo "usage: $0 [--smoke] [--then CMD [ARGS...]]" >&2; exit 2; }; break ;;
+    *) echo "usage: $0 [--smoke] [--then CMD [ARGS...]]" >&2; exit 2 ;;
+  esac
+done
 
 if [ -z "${BIN_DIR:-}" ]; then
   BIN_DIR="$root/target/release"
@@ -110,7 +116,15 @@ echo "cluster up (logs: $LOG_DIR)"
 echo "  clients:     http://127.0.0.1:19200  http://127.0.0.1:19201  (decode sidecars, OpenAI API)"
 echo "  coordinator: http://127.0.0.1:17700/v1/engines  /metrics"
 
+# --then: a command run against the cluster (after --smoke's checks when both are given).
+run_then() {
+  [ ${#then_cmd[@]} -gt 0 ] || return 0
+  LOG_DIR="$LOG_DIR" "${then_cmd[@]}"
+  exit 0
+}
+
 if [ $smoke = 0 ]; then
+  run_then
   echo "Ctrl-C stops every process"
   wait
   exit 0
@@ -152,3 +166,4 @@ fi
   exit 1
 }
 echo "smoke: examples/api/coordinator.sh ok (register, heartbeat, pair, report, stats, leave)"
+run_then

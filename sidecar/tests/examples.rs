@@ -50,3 +50,13 @@ fn every_example_sidecar_config_loads_and_matches_its_name() {
         }
     }
 }
+
+/// CONFIG.md's pd-sidecar section lists exactly the flags of this build.
+#[test]
+fn config_reference_is_current() {
+    use clap::CommandFactory;
+    let page = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../CONFIG.md");
+    if let Err(e) = pd_config_file::reference::check_section(&page, &Config::command()) {
+        panic!("{e}");
+    }
+}

@@ -44,6 +44,7 @@ pub struct Config {
     /// Address the HTTP API binds to.
     #[arg(long, env = "PD_SIM_HOST", default_value = "127.0.0.1")]
     pub host: String,
+    /// Port of the HTTP API (OpenAI routes, /health, /metrics).
     #[arg(long, env = "PD_SIM_PORT", default_value_t = 8000)]
     pub port: u16,
     /// Model name served (`/v1/models`; requests naming another model get 404).
@@ -61,6 +62,7 @@ pub struct Config {
     /// Blocks in the pool.
     #[arg(long, default_value_t = 4096)]
     pub num_blocks: usize,
+    /// Longest prompt plus output, in tokens; longer requests get 400.
     #[arg(long, default_value_t = 8192)]
     pub max_model_len: usize,
     /// max_tokens when a request gives none.
@@ -135,8 +137,10 @@ pub struct Config {
     /// ZMQ ROUTER endpoint answering replay requests (e.g. tcp://*:5558).
     #[arg(long)]
     pub kv_events_replay_endpoint: Option<String>,
+    /// ZMQ topic the KV events are published under.
     #[arg(long, default_value = "")]
     pub kv_events_topic: String,
+    /// How each KV event is encoded in a batch.
     #[arg(long, value_enum, default_value_t = EventLayout::Map)]
     pub kv_events_layout: EventLayout,
     /// Block hashes in events as raw 32-byte digests instead of u64

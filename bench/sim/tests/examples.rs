@@ -34,3 +34,13 @@ fn the_local_examples_engine_configs_load_on_distinct_ports() {
 fn port_of(endpoint: &str) -> u16 {
     endpoint.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0)
 }
+
+/// CONFIG.md's pd-sim section lists exactly the flags of this build.
+#[test]
+fn config_reference_is_current() {
+    use clap::CommandFactory;
+    let page = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../CONFIG.md");
+    if let Err(e) = pd_config_file::reference::check_section(&page, &Config::command()) {
+        panic!("{e}");
+    }
+}
