@@ -23,13 +23,14 @@ pub fn decisions_section(
     let _ = writeln!(out, "decisions    {disaggregated} disaggregated ({share:.0}%), {local} local");
     match daemons {
         Some(d) => {
-            for (n, why) in d.local_reasons.explained() {
+            let reasons = d.local_reasons.explained();
+            for (n, label, why) in &reasons {
                 let _ = writeln!(out, "  local {n:>5}  {why}");
+                if *label == "coordinator" {
+                    let _ = writeln!(out, "               ({local_rule})");
+                }
             }
-            if d.local_reasons.coordinator > 0.0 {
-                let _ = writeln!(out, "               (coordinator: {local_rule})");
-            }
-            let unexplained = local as f64 - d.local_reasons.explained().iter().map(|(n, _)| n).sum::<f64>();
+            let unexplained = local as f64 - reasons.iter().map(|(n, _, _)| n).sum::<f64>();
             if unexplained > 0.0 {
                 let _ = writeln!(out, "  local {unexplained:>5}  reason not counted by the sidecars");
             }

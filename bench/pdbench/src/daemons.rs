@@ -247,19 +247,21 @@ impl LocalReasons {
         self.zip(o, |a, b| a - b)
     }
 
-    /// Each reason with its count, in plain words, largest first; reasons with none left out.
-    pub fn explained(&self) -> Vec<(f64, &'static str)> {
+    /// Each reason with its count, its metric label and what it means in plain words, largest
+    /// first; reasons with none left out.
+    pub fn explained(&self) -> Vec<(f64, &'static str, &'static str)> {
         let mut v = vec![
             (
                 self.coordinator,
+                "coordinator",
                 "the coordinator: the prompt was mostly cached on the decode, so the decode prefilled the rest",
             ),
-            (self.threshold, "prompt shorter than the sidecar's --local-prefill-below-tokens"),
-            (self.prefill_failed, "every prefill attempt failed, so the decode prefilled it"),
-            (self.null_params, "the prefill answered without kv_transfer_params"),
-            (self.no_candidate, "no prefill engine to ask"),
+            (self.threshold, "threshold", "prompt shorter than the sidecar's --local-prefill-below-tokens"),
+            (self.prefill_failed, "prefill_failed", "every prefill attempt failed, so the decode prefilled it"),
+            (self.null_params, "null_params", "the prefill answered without kv_transfer_params"),
+            (self.no_candidate, "no_candidate", "no prefill engine to ask"),
         ];
-        v.retain(|(n, _)| *n > 0.0);
+        v.retain(|(n, _, _)| *n > 0.0);
         v.sort_by(|a, b| b.0.total_cmp(&a.0));
         v
     }
