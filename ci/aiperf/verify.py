@@ -78,7 +78,9 @@ def main():
             if line.startswith("pd_sidecar_requests_total{"):
                 outcome = line.split('outcome="')[1].split('"')[0]
                 outcomes[outcome] = outcomes.get(outcome, 0) + float(line.split()[-1])
-    print(f"sidecars: requests by outcome {outcomes}")
+    released = sum(total(metrics(s["url"]), "pd_sidecar_releases_ok_total") for s in sidecars)
+    # A redirected request is counted by the sidecar it entered and by the one that served it.
+    print(f"sidecars: requests by outcome {outcomes}; held prefill blocks released early: {released:.0f}")
     for outcome, n in outcomes.items():
         if outcome not in ("ok", "cancelled") and n > 0:
             problems.append(f"sidecars counted {n:.0f} requests with outcome {outcome}")

@@ -318,3 +318,41 @@ pub async fn cluster_cmd(c: ClusterCmd) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{parse_cli, Cmd};
+
+    fn cluster(args: &[&str]) -> ClusterCmd {
+        match parse_cli(["pdbench", "cluster"].iter().chain(args).copied()).unwrap().cmd {
+            Cmd::Cluster(c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_sample_workload_fills_in_only_what_is_not_given() {
+        let c = cluster(&[]);
+        assert_eq!((c.workload.prefix_len, c.workload.prompt_len), (DEMO_PREFIX_LEN, DEMO_PROMPT_LEN));
+        let c = cluster(&["--prefix-len", "64", "--prompt-len", "32"]);
+        assert_eq!((c.workload.prefix_len, c.workload.prompt_len), (64, Dist::Fixed { value: 32 }));
+        // Real engines keep the flags' own defaults.
+        let c = cluster(&["--vllm", "--prefill-url", "http://p", "--decode-url", "http://d"]);
+        assert_eq!(c.workload.prefix_len, 256);
+        assert!(!c.serve && cluster(&["--serve"]).serve);
+    }
+
+    #[test]
+    fn the_last_flag_given_wins_as_the_daemons_read_it() {
+        let args: Vec<String> = demo_coordinator_args()
+            .into_iter()
+            .chain(["--local-prefill-max-ratio".into(), "0.5".into(), "--local-prefill-max-tokens=64".into()])
+            .collect();
+        assert_eq!(last_flag(&args, "--local-prefill-max-tokens"), Some("64"));
+        assert_eq!(last_flag(&args, "--local-prefill-max-ratio"), Some("0.5"));
+        assert_eq!(last_flag(&args, "--absent"), None);
+        assert!(local_rule(&args).contains("under 64 prompt tokens") && local_rule(&args).contains("under 0.5 of"));
+        assert!(local_rule(&[]).contains("under 2048 prompt tokens"));
+    }
+}
