@@ -39,6 +39,10 @@ export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 step "tests (unit, in-process, two-process conformance over TCP, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
 cargo test --workspace --all-features --locked
 
+# The test build above made pdbench, pd-sim and the daemons in target/debug.
+step "aiperf (PyPI, installed once into the cache) against pdbench cluster --serve: streamed requests, some cancelled"
+ci/aiperf/check.sh
+
 # The test build above made the three daemons in target/debug.
 step "example deployment: examples/local started from its config files, requests and the API checked"
 BIN_DIR=target/debug examples/local/run.sh --smoke

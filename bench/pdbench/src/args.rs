@@ -48,6 +48,9 @@ where
                 && !matches!(m.value_source(id), Some(clap::parser::ValueSource::DefaultValue) | None)
         });
     }
+    if let (Cmd::Cluster(c), Some(m)) = (&mut cli.cmd, matches.subcommand_matches("cluster")) {
+        c.apply_demo_defaults(|id| matches!(m.value_source(id), Some(clap::parser::ValueSource::CommandLine)));
+    }
     Ok(cli)
 }
 
@@ -496,6 +499,10 @@ pub struct ClusterCmd {
     /// Write the pids of the started processes (JSON list) here once all are up.
     #[arg(long)]
     pub pids_file: Option<PathBuf>,
+    /// Keep the cluster up after the sample workload (none with --requests 0) and print its
+    /// OpenAI base URL, model and example requests; Ctrl-C stops everything (sidecar mode only).
+    #[arg(long)]
+    pub serve: bool,
     #[command(flatten)]
     pub sim: SimArgs,
     #[command(flatten)]

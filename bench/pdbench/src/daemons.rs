@@ -142,6 +142,15 @@ impl Daemons {
             if let Some(t) = get_text(http, &format!("{}/metrics", s.url)).await {
                 d.sidecar_disaggregated += metrics::sum(&t, "pd_sidecar_disaggregated_total");
                 d.sidecar_local += metrics::sum(&t, "pd_sidecar_local_decode_total");
+                let local =
+                    |r: &str| metrics::sum_labeled(&t, "pd_sidecar_local_decode_total", &format!("reason=\"{r}\""));
+                d.local_reasons = d.local_reasons.plus(LocalReasons {
+                    coordinator: local("coordinator"),
+                    threshold: local("threshold"),
+                    prefill_failed: local("prefill_failed"),
+                    null_params: local("null_params"),
+                    no_candidate: local("no_candidate"),
+                });
                 d.sidecar_pull_bytes += metrics::sum(&t, "pd_sidecar_pull_bytes_total");
                 d.sidecar_pulls += metrics::sum(&t, "pd_sidecar_pulls_ok_total");
                 d.sidecar_handoff_seconds +=
@@ -153,6 +162,8 @@ impl Daemons {
                 |r: &str| metrics::sum_labeled(&t, "pd_coordinator_pair_decisions_total", &format!("reason=\"{r}\""));
             d.coordinator_disaggregated = by("disaggregated");
             d.coordinator_local_prefill = by("local_prefill");
+            d.coordinator_no_decode = by("no_decode");
+            d.coordinator_invalid = by("invalid");
         }
         d
     }
@@ -173,6 +184,11 @@ pub struct Decisions {
     pub sidecar_local: f64,
     pub coordinator_disaggregated: f64,
     pub coordinator_local_prefill: f64,
+    /// Pairing requests the coordinator could not answer: no live decode engine, or malformed.
+    pub coordinator_no_decode: f64,
+    pub coordinator_invalid: f64,
+    /// Why the sidecars decoded requests without a prefill leg.
+    pub local_reasons: LocalReasons,
     /// Sidecar pull mode: bytes the sidecars pulled, their pulls, and time in the KV handoff phase.
     pub sidecar_pull_bytes: f64,
     pub sidecar_pulls: f64,
@@ -186,9 +202,67 @@ impl Decisions {
             sidecar_local: self.sidecar_local - b.sidecar_local,
             coordinator_disaggregated: self.coordinator_disaggregated - b.coordinator_disaggregated,
             coordinator_local_prefill: self.coordinator_local_prefill - b.coordinator_local_prefill,
+            coordinator_no_decode: self.coordinator_no_decode - b.coordinator_no_decode,
+            coordinator_invalid: self.coordinator_invalid - b.coordinator_invalid,
+            local_reasons: self.local_reasons.minus(b.local_reasons),
             sidecar_pull_bytes: self.sidecar_pull_bytes - b.sidecar_pull_bytes,
             sidecar_pulls: self.sidecar_pulls - b.sidecar_pulls,
             sidecar_handoff_seconds: self.sidecar_handoff_seconds - b.sidecar_handoff_seconds,
         }
+    }
+}
+
+/// The sidecars' `pd_sidecar_local_decode_total{reason=…}`: why a request ran without a prefill
+/// leg.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct LocalReasons {
+    /// The coordinator's pairing named no prefill (its conditional-disaggregation rule).
+    pub coordinator: f64,
+    /// The prompt was under the sidecar's `--local-prefill-below-tokens`.
+    pub threshold: f64,
+    /// Every prefill candidate failed and the sidecar's policy is to prefill locally.
+    pub prefill_failed: f64,
+    /// The prefill answered without `kv_transfer_params`.
+    pub null_params: f64,
+    /// There was no prefill engine to ask.
+    pub no_candidate: f64,
+}
+
+impl LocalReasons {
+    fn zip(self, o: LocalReasons, f: impl Fn(f64, f64) -> f64) -> LocalReasons {
+        LocalReasons {
+            coordinator: f(self.coordinator, o.coordinator),
+            threshold: f(self.threshold, o.threshold),
+            prefill_failed: f(self.prefill_failed, o.prefill_failed),
+            null_params: f(self.null_params, o.null_params),
+            no_candidate: f(self.no_candidate, o.no_candidate),
+        }
+    }
+
+    pub fn plus(self, o: LocalReasons) -> LocalReasons {
+        self.zip(o, |a, b| a + b)
+    }
+
+    pub fn minus(self, o: LocalReasons) -> LocalReasons {
+        self.zip(o, |a, b| a - b)
+    }
+
+    /// Each reason with its count, its metric label and what it means in plain words, largest
+    /// first; reasons with none left out.
+    pub fn explained(&self) -> Vec<(f64, &'static str, &'static str)> {
+        let mut v = vec![
+            (
+                self.coordinator,
+                "coordinator",
+                "the coordinator: the prompt was mostly cached on the decode, so the decode prefilled the rest",
+            ),
+            (self.threshold, "threshold", "prompt shorter than the sidecar's --local-prefill-below-tokens"),
+            (self.prefill_failed, "prefill_failed", "every prefill attempt failed, so the decode prefilled it"),
+            (self.null_params, "null_params", "the prefill answered without kv_transfer_params"),
+            (self.no_candidate, "no_candidate", "no prefill engine to ask"),
+        ];
+        v.retain(|(n, _, _)| *n > 0.0);
+        v.sort_by(|a, b| b.0.total_cmp(&a.0));
+        v
     }
 }

@@ -3,10 +3,11 @@
 
 mod args;
 mod cluster_cmd;
+mod cluster_report;
 mod compare;
 mod compare_report;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -61,19 +62,13 @@ fn write_json(path: &Path, value: &serde_json::Value) -> anyhow::Result<()> {
     std::fs::write(path, serde_json::to_vec_pretty(value)?).with_context(|| format!("writing {}", path.display()))
 }
 
-fn write_plots(prefix: &Path, r: &RunResult) {
+/// The TTFT and end-to-end CDF and the TTFT histogram under `prefix`; the files written.
+fn write_plots(prefix: &Path, r: &RunResult) -> Result<Vec<PathBuf>, plot::PlotError> {
     let series = [
         Series { name: "TTFT", samples: &r.collector.ttft_samples },
         Series { name: "end-to-end", samples: &r.collector.e2e_samples },
     ];
-    match plot::write_plots(prefix, &series, &r.collector.ttft_samples) {
-        Ok(files) => {
-            for f in files {
-                eprintln!("wrote {}", f.display());
-            }
-        }
-        Err(e) => eprintln!("pdbench: plots not written: {e}"),
-    }
+    plot::write_plots(prefix, &series, &r.collector.ttft_samples)
 }
 
 async fn run_cmd(c: RunCmd) -> anyhow::Result<()> {
@@ -90,7 +85,10 @@ async fn run_cmd(c: RunCmd) -> anyhow::Result<()> {
         write_json(p, &json!({"workload": spec, "summary": r.summary}))?;
     }
     if let Some(p) = &c.out.plot {
-        write_plots(p, &r);
+        match write_plots(p, &r) {
+            Ok(files) => files.iter().for_each(|f| eprintln!("wrote {}", f.display())),
+            Err(e) => eprintln!("pdbench: plots not written: {e}"),
+        }
     }
     Ok(())
 }

@@ -60,9 +60,81 @@ fn cluster_with_sidecars_and_coordinator_runs_50_requests_and_leaves_no_process(
     let r = cluster_50("sidecar", 9, &[]);
     // The sidecars and the coordinator made every decision, and they agree.
     let d = &r["decisions"];
-    assert_eq!(d["disaggregated"].as_u64().unwrap() + d["local"].as_u64().unwrap(), 50, "{d}");
+    let (disaggregated, local) = (d["disaggregated"].as_u64().unwrap(), d["local"].as_u64().unwrap());
+    assert_eq!(disaggregated + local, 50, "{d}");
     assert_eq!(d["daemons"]["coordinator_disaggregated"], d["daemons"]["sidecar_disaggregated"], "{d}");
+    // The sample workload's prompts are long enough to be worth moving: most are disaggregated.
+    assert!(disaggregated >= 40, "only {disaggregated} of 50 disaggregated: {d}");
+    // Every local decision has a reason the sidecars counted, and the report says it in words.
+    let reasons = &d["daemons"]["local_reasons"];
+    let explained: f64 = reasons.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).sum();
+    assert_eq!(explained, local as f64, "{reasons}");
+    if reasons["coordinator"].as_f64().unwrap() > 0.0 {
+        let stdout = r["stdout"].as_str().unwrap();
+        assert!(
+            stdout.contains("mostly cached on the decode") && stdout.contains("--local-prefill-max-tokens"),
+            "{stdout}"
+        );
+    }
     assert_eq!(r["sidecars"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn cluster_serve_answers_openai_requests_until_sigint() {
+    let _serial = one_cluster_at_a_time();
+    if !daemons_built() {
+        return;
+    }
+    let dir = TempDir::new("serve");
+    let (out, pids_file, report) = (dir.path("stdout"), dir.path("pids.json"), dir.path("report.json"));
+    let sim = sim_bin();
+    let mut g = Guard::spawn(
+        Command::new(pdbench())
+            .args(["cluster", "--mode", "sidecar", "--serve", "--requests", "4", "--no-progress"])
+            .args(["--sim-bin", sim.to_str().unwrap(), "--log-dir", dir.0.to_str().unwrap()])
+            .args(["--pids-file", pids_file.to_str().unwrap(), "--json", report.to_str().unwrap()])
+            .stdout(std::fs::File::create(&out).unwrap()),
+    );
+    // The sample workload runs first, then the banner.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let stdout = loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if text.contains("python (pip install openai)") && text.contains("print(r.choices") {
+            break text;
+        }
+        if let Some(s) = g.0.try_wait().unwrap() {
+            panic!("pdbench exited while it should serve: {s}\n{text}");
+        }
+        assert!(Instant::now() < deadline, "no --serve banner after 120 s:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let pids: Vec<u32> = serde_json::from_slice(&std::fs::read(&pids_file).unwrap()).unwrap();
+    let _cleanup = PidsGuard(pids.clone());
+    assert_eq!(pids.len(), 9);
+    assert!(stdout.contains("4 ok, 0 failed"), "{stdout}");
+    let base = stdout.lines().find_map(|l| l.strip_prefix("  base URL   ")).expect("a base URL line").trim();
+    let model = stdout.lines().find_map(|l| l.strip_prefix("  model      ")).expect("a model line").trim();
+    assert_eq!(model, "sim-model");
+    assert!(stdout.contains(&format!("curl -sN {base}/chat/completions")), "{stdout}");
+    assert_eq!(read_json(&report)["serve"]["base_url"], base);
+
+    // A real request from outside, long enough to be disaggregated, through the printed URL.
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(64);
+    let body = serde_json::json!({
+        "model": model, "max_tokens": 8,
+        "messages": [{"role": "user", "content": prompt}],
+    });
+    let (status, answer) = post_json(&format!("{base}/chat/completions"), &body);
+    assert_eq!(status, 200, "{answer}");
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{e}: {answer}"));
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+
+    assert!(pids.iter().all(|&p| alive(p)), "children died while serving");
+    kill(Pid::from_raw(g.pid() as i32), Signal::SIGINT).unwrap();
+    let status = g.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130), "exit status after SIGINT: {status}");
+    assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived SIGINT");
 }
 
 fn cluster_50(mode: &str, processes: usize, extra: &[&str]) -> serde_json::Value {
@@ -114,7 +186,22 @@ fn cluster_50(mode: &str, processes: usize, extra: &[&str]) -> serde_json::Value
         assert!(stdout.contains(needle), "report lacks {needle:?}:\n{stdout}");
     }
     assert_eq!(survivors(&pids, Duration::from_secs(5)), Vec::<u32>::new(), "children survived pdbench's exit");
+    // The TTFT/E2E plots go to the log directory by default, and the report names them.
+    let plots: Vec<&str> = r["plots"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+    if plots.is_empty() {
+        assert!(stdout.contains("plots        skipped: no TrueType font"), "{stdout}");
+        eprintln!("LOUD SKIP: no TrueType font on this machine; the report said the plots were skipped");
+    } else {
+        assert_eq!(plots.len(), 4, "{plots:?}");
+        for p in &plots {
+            assert!(p.starts_with(dir.0.to_str().unwrap()), "{p} is not in the log directory");
+            assert!(std::fs::metadata(p).is_ok_and(|m| m.len() > 0), "{p} missing or empty");
+            assert!(stdout.contains(p), "report does not name {p}:\n{stdout}");
+        }
+    }
     eprintln!("{stdout}");
+    let mut r = r;
+    r["stdout"] = stdout.into();
     r
 }
 
