@@ -17,6 +17,43 @@ step() {
 step "system packages"
 ci/install-deps.sh
 
+# The Python caches (peers, real vLLM, aiperf) are downloads, not builds: on a fresh machine they
+# install in the background while the builds below use the cores, and each step that needs one
+# waits for it. Their output goes to a log, printed when the step waits.
+install_logs=$(mktemp -d)
+declare -A install_pids
+install_in_background() {
+  local name=$1
+  shift
+  # Its own process group, so that the trap below stops pip too.
+  setsid "$@" >"$install_logs/$name.log" 2>&1 &
+  install_pids[$name]=$!
+}
+# Waits for an install started above (in this shell: a subshell cannot wait for it), prints its
+# log and sets `venv` to its last line (the venv path).
+await_install() {
+  local name=$1 status=0
+  wait "${install_pids[$name]}" || status=$?
+  unset "install_pids[$name]"
+  cat "$install_logs/$name.log" >&2
+  if [ "$status" != 0 ]; then
+    echo "installing $name failed (status $status)" >&2
+    return "$status"
+  fi
+  venv=$(tail -n1 "$install_logs/$name.log")
+}
+# A failing step must not leave installs running behind it.
+stop_installs() {
+  local pid
+  for pid in "${install_pids[@]}"; do
+    kill -- "-$pid" 2>/dev/null || true
+  done
+}
+trap stop_installs EXIT
+install_in_background peers bench/peers/install.sh
+install_in_background vllm ci/vllm/install.sh
+install_in_background aiperf ci/aiperf/install.sh
+
 # First, as a new user runs it: the README's main command with no system package to lean on.
 step "main command (README) with protoc, the protobuf headers and libzmq hidden"
 ci/main-command-bare.sh
@@ -32,7 +69,8 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 # Every cargo call below uses the same selection (--workspace --all-features), so nothing is built
 # twice with another feature set: one build serves the tests, the UCX suite and the smoke runs.
 step "peers (NIXL, Mooncake, iperf3, vllm-router) installed once into the cache"
-peers_venv="$(bench/peers/install.sh | tail -n1)"
+await_install peers
+peers_venv=$venv
 # pdbench's routing comparison runs vllm-router (cache_aware, round robin) beside ours.
 export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 
@@ -41,6 +79,7 @@ cargo test --workspace --all-features --locked
 
 # The test build above made pdbench, pd-sim and the daemons in target/debug.
 step "aiperf (PyPI, installed once into the cache) against pdbench cluster --serve: streamed requests, some cancelled"
+await_install aiperf
 ci/aiperf/check.sh
 
 # The test build above made the three daemons in target/debug.
@@ -51,7 +90,8 @@ step "observability: a real Prometheus scrapes examples/local with examples/obse
 BIN_DIR=target/debug examples/observability/check.sh
 
 step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
-vllm_venv="$(ci/vllm/install.sh | tail -n1)"
+await_install vllm
+vllm_venv=$venv
 step "Python wheel pd-xfer: built from source with UCX, its tests inside the real-vLLM venv (torch, numpy, nixl)"
 xfer_site="$(bindings/python/build.sh --features ucx | tail -n1)"
 PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \
