@@ -112,6 +112,7 @@ mod tests {
             engine_url: format!("http://{id}:8000"),
             sidecar_url: None,
             kv_events: None,
+            kv_events_topic: None,
             replay: None,
             xfer_side_channel: None,
             block_size: 16,
