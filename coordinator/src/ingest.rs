@@ -1,8 +1,8 @@
 //! KV-event ingestion: subscribe to one engine's ZMQ publisher (or, in collector mode, bind one
 //! socket that many engines connect to, told apart by topic), check sequence numbers per
 //! engine, fill gaps through the replay socket when there is one (and replay everything
-//! buffered on joining a publisher), and hand decoded batches on. The decoding and sequence rules are in `pd_protocols`; this is
-//! the socket edge.
+//! buffered on joining a publisher), and hand decoded batches on. The decoding and sequence
+//! rules are in `pd_protocols`, topic routing in `topic`; this is the socket edge.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

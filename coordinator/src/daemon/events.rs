@@ -130,9 +130,10 @@ impl Coordinator {
         if found.is_none() {
             inc(&self.metrics.events_unknown_topic);
             match unknown.sight(topic) {
-                FirstSight::New => {
-                    tracing::warn!(topic = %topic::printable(topic), "KV events under a topic that names no registered engine (dropped; logged once per topic)")
-                }
+                FirstSight::New => tracing::warn!(
+                    topic = %topic::printable(topic),
+                    "KV events under a topic that names no registered engine: dropped (logged once per topic)"
+                ),
                 FirstSight::Full => tracing::warn!(
                     limit = UnknownTopics::CAPACITY,
                     "too many unknown KV-event topics; further ones are only counted"

@@ -28,7 +28,7 @@ impl Coordinator {
         while let Some(event) = events.recv().await {
             match event {
                 StoreEvent::Synced(present) => self.store_sync(present),
-                StoreEvent::Put(stored) => self.store_put(stored),
+                StoreEvent::Put(stored) => self.store_put(*stored),
                 StoreEvent::Deleted(id) => self.store_delete(&id),
                 StoreEvent::Interrupted(err) => {
                     inc(&self.metrics.store_errors);
