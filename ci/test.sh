@@ -92,6 +92,8 @@ BIN_DIR=target/debug examples/observability/check.sh
 step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
 await_install vllm
 vllm_venv=$venv
+# vLLM's own ZmqEventPublisher against the coordinator, bound and connecting (collector mode).
+PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test kv_collector -- vllm_publisher
 step "Python wheel pd-xfer: built from source with UCX, its tests inside the real-vLLM venv (torch, numpy, nixl)"
 xfer_site="$(bindings/python/build.sh --features ucx | tail -n1)"
 PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \

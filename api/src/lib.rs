@@ -52,6 +52,10 @@ pub struct EngineSpec {
     pub sidecar_url: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<String>,
+    /// The topic the engine publishes KV events under; with no `kv_events` endpoint it is how
+    /// a coordinator collecting events on its own socket (`--kv-events-listen`) knows them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_topic: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,6 +108,9 @@ impl EngineSpec {
         }
         if self.node.len() > MAX_NAME {
             return Err(InvalidSpec::TooLong { field: "node" });
+        }
+        if self.kv_events_topic.as_ref().is_some_and(|t| t.is_empty() || t.len() > MAX_NAME) {
+            return Err(InvalidSpec::Name { field: "kv_events_topic" });
         }
         if self.id.chars().any(|c| c == '/' || c.is_control() || c.is_whitespace()) {
             return Err(InvalidSpec::IdCharacters);

@@ -9,6 +9,8 @@
 # Options:
 #   --events ENDPOINT    publish KV events (e.g. tcp://*:5557); replay on the next port
 #   --replay ENDPOINT    replay endpoint (default: the events port + 1)
+#   --topic TOPIC        KV-event topic (default: kv-events); with an --events endpoint that
+#                        names a host, vLLM connects to it (a collector) instead of binding
 #   --block-size N       KV block size, a multiple of 32 on CPU (default 32)
 #   --model DIR          model directory (default: built by make-model.py into the cache)
 #   --venv DIR           vLLM venv (default: $PD_VLLM_VENV, else the cache's vllm-venv)
@@ -68,7 +70,7 @@ case "$cmd" in
   *) usage ;;
 esac
 
-port="" side_port="" core="" events="" replay="" block_size=32 model="" timeout=300
+port="" side_port="" core="" events="" replay="" topic=kv-events block_size=32 model="" timeout=300
 connector=nixl xfer_site="" xfer_backend=TCP
 venv="${PD_VLLM_VENV:-$cache/vllm-venv}"
 extra=()
@@ -79,6 +81,7 @@ while (($#)); do
     --core) core="$2"; shift 2 ;;
     --events) events="$2"; shift 2 ;;
     --replay) replay="$2"; shift 2 ;;
+    --topic) topic="$2"; shift 2 ;;
     --block-size) block_size="$2"; shift 2 ;;
     --model) model="$2"; shift 2 ;;
     --venv) venv="$2"; shift 2 ;;
@@ -113,7 +116,7 @@ if [ -n "$events" ]; then
   if [ -z "$replay" ]; then
     replay="${events%:*}:$(( ${events##*:} + 1 ))"
   fi
-  args+=(--kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"$events\", \"replay_endpoint\": \"$replay\", \"topic\": \"kv-events\"}")
+  args+=(--kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"$events\", \"replay_endpoint\": \"$replay\", \"topic\": \"$topic\"}")
 fi
 args+=("${extra[@]}")
 

@@ -824,6 +824,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
                 sidecar_url: None,
                 // Declared publishers: the coordinator then trusts their events for what they hold.
                 kv_events: events.then(|| format!("tcp://node-{}:{}", engine / 8, 5557 + engine % 8)),
+                kv_events_topic: None,
                 replay: None,
                 xfer_side_channel: None,
                 block_size: BLOCK_SIZE as u32,

@@ -133,6 +133,7 @@ mod tests {
             engine_url: String::new(),
             sidecar_url: Some(format!("http://{id}-sidecar")),
             kv_events: None,
+            kv_events_topic: None,
             replay: None,
             xfer_side_channel: None,
             block_size: 16,

@@ -265,7 +265,7 @@ impl Cluster {
         let speculative_until = now + self.settings.speculative_ttl;
         let hashes = req.block_hashes.len();
         let first_guess = |engine: usize, overlap: u64| {
-            let publishes = self.membership.get(engine).is_some_and(|e| e.spec.kv_events.is_some());
+            let publishes = self.membership.get(engine).is_some_and(|e| e.spec.publishes_events());
             if publishes {
                 (overlap as usize).min(hashes)
             } else {
@@ -425,6 +425,7 @@ mod tests {
             engine_url: String::new(),
             sidecar_url: None,
             kv_events: None,
+            kv_events_topic: None,
             replay: None,
             xfer_side_channel: None,
             block_size: 16,

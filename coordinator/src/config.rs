@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::api::EngineSpecJson;
 use crate::cluster::Settings;
 use crate::pairing::{LocalPrefillPolicy, Weights};
+use crate::topic::TopicPattern;
 
 #[derive(Clone, Debug, Parser)]
 #[command(
@@ -133,6 +134,15 @@ pub struct Config {
     /// ZMQ topic subscribed to on every engine's KV-event publisher ("" = all).
     #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_TOPIC", default_value = "")]
     pub kv_events_topic: String,
+    /// Collector mode: bind a SUB socket here (e.g. tcp://0.0.0.0:5557) for engines whose
+    /// --kv-events-config endpoint names this host (vLLM then connects instead of binding);
+    /// each message's topic says which engine sent it.
+    #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_LISTEN")]
+    pub kv_events_listen: Option<String>,
+    /// How collector-mode topics name their engine: `{engine}` is an engine id or the host of
+    /// its engine_url, `{model}` (optional) its model; llm-d's convention is the default.
+    #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_TOPIC_PATTERN", default_value = crate::topic::DEFAULT_PATTERN)]
+    pub kv_events_topic_pattern: String,
 
     /// Require `Authorization: Bearer <token>` on every HTTP and gRPC call except /health and
     /// /metrics (sidecars send it with --coordinator-token).
@@ -236,6 +246,12 @@ impl Config {
             return bad("weights and times must be finite, non-negative and below 1e7");
         }
         self.store_url()?;
+        self.topic_pattern()?;
+        if let Some(listen) = &self.kv_events_listen {
+            if !["tcp://", "ipc://"].iter().any(|scheme| listen.starts_with(scheme)) {
+                return bad("kv-events-listen must be a tcp:// or ipc:// ZMQ endpoint");
+            }
+        }
         Ok(())
     }
 
@@ -252,6 +268,10 @@ impl Config {
             return Err(ConfigError::Invalid("--store etcd:// needs at least one host:port".into()));
         }
         Ok(StoreUrl::Etcd(endpoints))
+    }
+
+    pub fn topic_pattern(&self) -> Result<TopicPattern, ConfigError> {
+        TopicPattern::parse(&self.kv_events_topic_pattern).map_err(|e| ConfigError::Invalid(e.to_string()))
     }
 
     pub fn lease(&self) -> Duration {
@@ -355,6 +375,10 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(matches!(Config::from_args(args(&["--heartbeat-ms", "5000"])), Err(ConfigError::Invalid(_))));
         assert!(matches!(Config::from_args(args(&["--store", "redis://x"])), Err(ConfigError::Invalid(_))));
+        let pattern = ["--kv-events-topic-pattern", "kv@{model}"];
+        assert!(matches!(Config::from_args(args(&pattern)), Err(ConfigError::Invalid(_))));
+        let listen = ["--kv-events-listen", "0.0.0.0:5557"];
+        assert!(matches!(Config::from_args(args(&listen)), Err(ConfigError::Invalid(_))));
         let huge = u64::MAX.to_string();
         assert!(matches!(Config::from_args(args(&["--speculative-ttl-ms", &huge])), Err(ConfigError::Invalid(_))));
         assert!(matches!(Config::from_args(args(&["--approx-ttl-secs", "inf"])), Err(ConfigError::Invalid(_))));

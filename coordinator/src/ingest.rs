@@ -1,8 +1,10 @@
-//! KV-event ingestion from one engine's ZMQ publisher: subscribe, check sequence numbers, fill
-//! gaps through the replay socket when there is one (and replay everything buffered on joining),
-//! and hand decoded batches on. The decoding and sequence rules are in `pd_protocols`; this is
-//! the socket edge.
+//! KV-event ingestion: subscribe to one engine's ZMQ publisher (or, in collector mode, bind one
+//! socket that many engines connect to, told apart by topic), check sequence numbers per
+//! engine, fill gaps through the replay socket when there is one (and replay everything
+//! buffered on joining a publisher), and hand decoded batches on. The decoding and sequence
+//! rules are in `pd_protocols`, topic routing in `topic`; this is the socket edge.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -73,38 +75,14 @@ pub fn run_counted(
     counters: &Counters,
     mut deliver: impl FnMut(Update),
 ) -> Result<(), IngestError> {
-    let count = |counter: &AtomicU64| counter.fetch_add(1, Ordering::Relaxed);
-    let mut deliver = |update: Update| {
-        match &update {
-            Update::Reset => {
-                count(&counters.resets);
-            }
-            Update::Batch(_) | Update::Malformed(_) => {}
-        }
-        deliver(update)
-    };
     let sub = ctx.socket(zmq::SUB)?;
     sub.set_rcvtimeo(POLL_MS)?;
     sub.set_linger(0)?;
     sub.set_subscribe(source.topic.as_bytes())?;
     sub.connect(&source.endpoint)?;
-    let mut tracker = SeqTracker::default();
-    // Batches up to this sequence came through the initial replay; the subscription may
-    // deliver them again.
-    let mut replayed_until = None;
-    if let Some(replay) = source.replay.as_deref() {
-        count(&counters.replays);
-        let (outcome, last) = replay_range(ctx, replay, 0, None, counters, &mut deliver).unwrap_or_else(|err| {
-            tracing::warn!(%err, "initial replay failed");
-            (Replayed::Incomplete, None)
-        });
-        if outcome == Replayed::Incomplete {
-            deliver(Update::Reset);
-        }
-        if let Some(last) = last {
-            tracker.observe(last);
-            replayed_until = Some(last);
-        }
+    let mut stream = Stream::new(source.replay.clone());
+    if source.replay.is_some() {
+        stream.join(ctx, counters, &mut deliver);
     }
     while !stop.load(Ordering::Acquire) {
         let frames = match sub.recv_multipart(0) {
@@ -112,27 +90,133 @@ pub fn run_counted(
             Err(zmq::Error::EAGAIN) => continue,
             Err(err) => return Err(err.into()),
         };
-        let (_, seq, payload) = match parse_pub(&frames) {
+        match parse_pub(&frames) {
+            Ok((_, seq, payload)) => stream.receive(ctx, seq, payload, counters, &mut deliver),
+            Err(err) => deliver(Update::Malformed(err.to_string())),
+        }
+    }
+    Ok(())
+}
+
+/// Which engine a collector-mode message belongs to, as the owner decides from its topic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The engine's number.
+    pub engine: usize,
+    /// Changes when the engine's sequence must be followed afresh (a new registration).
+    pub epoch: (u64, u64),
+    pub replay: Option<String>,
+}
+
+/// Largest message the collector's bound socket accepts; a peer sending more is disconnected
+/// by ZMQ (the socket is open to anyone who reaches the port).
+const MAX_COLLECTED_MESSAGE: i64 = 64 << 20;
+
+/// Binds collector mode's SUB socket (subscribed to every topic).
+pub fn bind_collector(ctx: &zmq::Context, endpoint: &str) -> Result<zmq::Socket, IngestError> {
+    let sub = ctx.socket(zmq::SUB)?;
+    sub.set_rcvtimeo(POLL_MS)?;
+    sub.set_linger(0)?;
+    sub.set_maxmsgsize(MAX_COLLECTED_MESSAGE)?;
+    sub.set_subscribe(b"")?;
+    sub.bind(endpoint)?;
+    Ok(sub)
+}
+
+/// Collector mode: engines connect to `sub` ([`bind_collector`]) and publish under their own
+/// topic. `route` names each topic's engine (`None`: unknown, the message is dropped); every
+/// engine's sequence is followed as [`run`] follows one publisher's, gaps filled through its
+/// replay socket. `deliver` gets the engine's route, or `None` for a message no engine can be
+/// told from (malformed frames). Runs until `stop` is set.
+pub fn collect(
+    ctx: &zmq::Context,
+    sub: &zmq::Socket,
+    stop: &Arc<AtomicBool>,
+    counters: &Counters,
+    mut route: impl FnMut(&[u8]) -> Option<Route>,
+    mut deliver: impl FnMut(Option<&Route>, Update),
+) -> Result<(), IngestError> {
+    // By engine number: bounded by the membership, a reused number replaces the old stream.
+    let mut streams: HashMap<usize, (Route, Stream)> = HashMap::new();
+    while !stop.load(Ordering::Acquire) {
+        let frames = match sub.recv_multipart(0) {
+            Ok(frames) => frames,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(err) => return Err(err.into()),
+        };
+        let (topic, seq, payload) = match parse_pub(&frames) {
             Ok(parsed) => parsed,
             Err(err) => {
-                deliver(Update::Malformed(err.to_string()));
+                deliver(None, Update::Malformed(err.to_string()));
                 continue;
             }
         };
-        if let Some(until) = replayed_until {
-            if seq <= until {
-                continue;
-            }
-            replayed_until = None;
+        let Some(route) = route(topic) else { continue };
+        let entry = streams.entry(route.engine).or_insert_with(|| (route.clone(), Stream::new(route.replay.clone())));
+        if entry.0 != route {
+            *entry = (route.clone(), Stream::new(route.replay.clone()));
         }
-        match tracker.observe(seq) {
+        let (route, stream) = (&entry.0, &mut entry.1);
+        stream.receive(ctx, seq, payload, counters, &mut |update| deliver(Some(route), update));
+    }
+    Ok(())
+}
+
+/// One publisher's sequence as a subscriber follows it.
+struct Stream {
+    replay: Option<String>,
+    tracker: SeqTracker,
+    /// Batches up to this sequence came through the initial replay; the subscription may
+    /// deliver them again.
+    replayed_until: Option<u64>,
+}
+
+impl Stream {
+    fn new(replay: Option<String>) -> Stream {
+        Stream { replay, tracker: SeqTracker::default(), replayed_until: None }
+    }
+
+    /// Asks the replay socket for everything buffered (joining a publisher).
+    fn join(&mut self, ctx: &zmq::Context, counters: &Counters, deliver: &mut impl FnMut(Update)) {
+        let Some(replay) = self.replay.as_deref() else { return };
+        count(&counters.replays);
+        let (outcome, last) = replay_range(ctx, replay, 0, None, counters, deliver).unwrap_or_else(|err| {
+            tracing::warn!(%err, "initial replay failed");
+            (Replayed::Incomplete, None)
+        });
+        if outcome == Replayed::Incomplete {
+            reset(counters, deliver);
+        }
+        if let Some(last) = last {
+            self.tracker.observe(last);
+            self.replayed_until = Some(last);
+        }
+    }
+
+    /// One message from the subscription: checks its sequence (replaying or resetting first
+    /// when needed), then delivers it.
+    fn receive(
+        &mut self,
+        ctx: &zmq::Context,
+        seq: u64,
+        payload: &[u8],
+        counters: &Counters,
+        deliver: &mut impl FnMut(Update),
+    ) {
+        if let Some(until) = self.replayed_until {
+            if seq <= until {
+                return;
+            }
+            self.replayed_until = None;
+        }
+        match self.tracker.observe(seq) {
             SeqCheck::InOrder => {}
             SeqCheck::Gap { expected, got } => {
                 count(&counters.gaps);
-                let outcome = match source.replay.as_deref() {
+                let outcome = match self.replay.as_deref() {
                     Some(replay) => {
                         count(&counters.replays);
-                        replay_range(ctx, replay, expected, Some(got), counters, &mut deliver)
+                        replay_range(ctx, replay, expected, Some(got), counters, deliver)
                             .map(|(outcome, _)| outcome)
                             .unwrap_or_else(|err| {
                                 tracing::warn!(%err, "replay failed");
@@ -142,14 +226,22 @@ pub fn run_counted(
                     None => Replayed::Incomplete,
                 };
                 if outcome == Replayed::Incomplete {
-                    deliver(Update::Reset);
+                    reset(counters, deliver);
                 }
             }
-            SeqCheck::Restarted { .. } => deliver(Update::Reset),
+            SeqCheck::Restarted { .. } => reset(counters, deliver),
         }
         deliver(decode(payload));
     }
-    Ok(())
+}
+
+fn count(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+fn reset(counters: &Counters, deliver: &mut impl FnMut(Update)) {
+    count(&counters.resets);
+    deliver(Update::Reset);
 }
 
 fn decode(payload: &[u8]) -> Update {
@@ -215,7 +307,7 @@ fn replay_range(
                     }
                     // The oldest batches are gone: start over from what the publisher has.
                     truncated = true;
-                    deliver(Update::Reset);
+                    reset(counters, deliver);
                 }
                 counters.replayed_batches.fetch_add(1, Ordering::Relaxed);
                 deliver(decode(payload));

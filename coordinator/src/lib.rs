@@ -21,3 +21,4 @@ pub mod metrics;
 pub mod pairing;
 pub mod prompt;
 pub mod store;
+pub mod topic;

@@ -18,10 +18,20 @@ pub struct EngineSpec {
     pub engine_url: String,
     pub sidecar_url: Option<String>,
     pub kv_events: Option<String>,
+    pub kv_events_topic: Option<String>,
     pub replay: Option<String>,
     pub xfer_side_channel: Option<String>,
     pub block_size: u32,
     pub capacity_blocks: Option<u64>,
+}
+
+impl EngineSpec {
+    /// Whether the engine declared a way to receive its KV events (an endpoint, or a topic for
+    /// collector mode). An engine found only through the topic pattern is not known to publish
+    /// until it does, so its routed prefixes are guessed like those of an engine without events.
+    pub fn publishes_events(&self) -> bool {
+        self.kv_events.is_some() || self.kv_events_topic.is_some()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,7 +233,7 @@ impl Membership {
     }
 
     /// Every known engine (alive or dead) with its number, by number.
-    pub fn iter(&self) -> impl Iterator<Item = (usize, &Engine)> {
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &Engine)> + Clone {
         self.engines.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|e| (i, e)))
     }
 
@@ -259,6 +269,7 @@ mod tests {
             engine_url: format!("http://{id}"),
             sidecar_url: None,
             kv_events: None,
+            kv_events_topic: None,
             replay: None,
             xfer_side_channel: None,
             block_size: 16,

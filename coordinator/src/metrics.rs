@@ -103,6 +103,7 @@ pub struct Metrics {
     pub events: AtomicU64,
     pub block_events: AtomicU64,
     pub events_malformed: AtomicU64,
+    pub events_unknown_topic: AtomicU64,
     pub event_gaps: AtomicU64,
     pub event_replays: AtomicU64,
     pub event_replayed_batches: AtomicU64,
@@ -204,6 +205,12 @@ impl Metrics {
             "counter",
             "Event messages that did not decode.",
             &[("", get(&self.events_malformed))],
+        );
+        family(
+            "kv_events_unknown_topic_total",
+            "counter",
+            "Messages on the --kv-events-listen socket whose topic names no registered engine.",
+            &[("", get(&self.events_unknown_topic))],
         );
         family(
             "kv_event_gaps_total",

@@ -19,6 +19,7 @@ fn spec(id: &str, role: Role) -> EngineSpec {
         engine_url: format!("http://127.0.0.1:{}", free_port()),
         sidecar_url: Some(format!("http://127.0.0.1:{}", free_port())),
         kv_events: None,
+        kv_events_topic: None,
         replay: None,
         xfer_side_channel: Some("127.0.0.1:5600".into()),
         block_size: 16,

@@ -341,6 +341,10 @@ pub struct EngineSpec {
     pub core: u32,
     /// KV-event publisher port (replay on the next one).
     pub events_port: Option<u16>,
+    /// Collector mode: the publisher connects to this endpoint (a coordinator's
+    /// --kv-events-listen) under this topic instead of binding `events_port`; replay still binds
+    /// `events_port + 1`.
+    pub events_collector: Option<(String, String)>,
     pub block_size: u32,
 }
 
@@ -357,8 +361,12 @@ impl Engine {
         format!("http://127.0.0.1:{}", self.spec.port)
     }
 
+    /// Where the engine's own publisher binds (`None` in collector mode).
     pub fn events_endpoint(&self) -> Option<String> {
-        self.spec.events_port.map(|p| format!("tcp://127.0.0.1:{p}"))
+        match self.spec.events_collector {
+            Some(_) => None,
+            None => self.spec.events_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+        }
     }
 
     pub fn replay_endpoint(&self) -> Option<String> {
@@ -379,9 +387,22 @@ impl Engine {
             args.push(flag.into());
             args.push(value);
         }
-        if let Some(p) = spec.events_port {
-            args.push("--events".into());
-            args.push(format!("tcp://*:{p}"));
+        match (spec.events_port, &spec.events_collector) {
+            (Some(p), Some((collector, topic))) => {
+                for (flag, value) in [
+                    ("--events", collector.clone()),
+                    ("--replay", format!("tcp://*:{}", p + 1)),
+                    ("--topic", topic.clone()),
+                ] {
+                    args.push(flag.into());
+                    args.push(value);
+                }
+            }
+            (Some(p), None) => {
+                args.push("--events".into());
+                args.push(format!("tcp://*:{p}"));
+            }
+            (None, _) => {}
         }
         args.extend(settings.connector.engine_args());
         let script = repo_root().join("ci/vllm/engine.sh");

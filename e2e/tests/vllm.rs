@@ -83,14 +83,23 @@ fn start_cluster() -> Result<Cluster, String> {
         side_port: base + 10 + offset,
         core,
         events_port: Some(base + 20 + 2 * offset),
+        events_collector: None,
         block_size: BLOCK_SIZE,
+    };
+    // The decode engine publishes the way llm-d wires vLLM: its endpoint names the coordinator,
+    // so it connects to the coordinator's --kv-events-listen socket under `kv@<engine>@<model>`;
+    // the prefill binds its own publisher (t2 subscribes to it directly).
+    let collector = format!("tcp://127.0.0.1:{}", base + 42);
+    let decode_spec = EngineSpec {
+        events_collector: Some((collector.clone(), format!("kv@vllm-decode@{MODEL}"))),
+        ..spec("vllm-decode", 1, 1)
     };
     let sidecar_bin = workspace_bin("pd-sidecar", "pd-sidecar")?;
     let coordinator_bin = workspace_bin("pd-coordinator", "pd-coordinator")?;
     let t1 = Instant::now();
     // Both start together (one core each): the start is mostly single-threaded Python.
     let mut prefill = Engine::spawn(&settings, spec("vllm-prefill", 0, 0))?;
-    let mut decode = Engine::spawn(&settings, spec("vllm-decode", 1, 1))?;
+    let mut decode = Engine::spawn(&settings, decode_spec)?;
     prefill.wait_healthy(START_TIMEOUT)?;
     decode.wait_healthy(START_TIMEOUT.saturating_sub(t1.elapsed()))?;
     timing("prefill + decode started (in parallel)", t1.elapsed());
@@ -123,6 +132,7 @@ fn start_cluster() -> Result<Cluster, String> {
     let args: Vec<String> =
         ["--listen", &coordinator_addr, "--no-grpc", "--health-interval-ms", "500", "--lease-ms", "3000"]
             .into_iter()
+            .chain(["--kv-events-listen", collector.as_str()])
             .map(String::from)
             .collect();
     let mut coordinator = Proc::spawn("pd-coordinator", &coordinator_bin, &args, &[("RUST_LOG", "info")])?;
@@ -590,6 +600,7 @@ fn t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake() {
         side_port: base + 10,
         core: 0,
         events_port: None,
+        events_collector: None,
         block_size: BLOCK_SIZE,
     };
     let t0 = Instant::now();
@@ -758,6 +769,8 @@ fn t9_prefill_killed_during_a_run() {
 /// The coordinator, fed by the real engines' KV events, pairs a request with the engine that
 /// holds its prefix: the engine doing the prompt's work (the prefill, or the decode when it
 /// prefills locally) is the one the prompt was sent to, with every full block counted as overlap.
+/// The prefill's events reach it over a subscription to the engine's bound publisher; the
+/// decode's through the coordinator's --kv-events-listen socket, which that vLLM connects to.
 #[test]
 fn t2b_coordinator_prefers_the_engine_holding_the_prefix() {
     let Some(c) = cluster("t2b_coordinator_prefers_the_engine_holding_the_prefix") else { return };

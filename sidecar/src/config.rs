@@ -244,6 +244,10 @@ pub struct Config {
     /// The engine's KV-event publisher (e.g. tcp://10.0.0.2:5557).
     #[arg(long, env = "PD_SIDECAR_KV_EVENTS", help_heading = "Coordinator")]
     pub kv_events: Option<String>,
+    /// The topic the engine publishes KV events under (its --kv-events-config `topic`); without
+    /// --kv-events it is how a coordinator with --kv-events-listen knows the engine's events.
+    #[arg(long, env = "PD_SIDECAR_KV_EVENTS_TOPIC", help_heading = "Coordinator")]
+    pub kv_events_topic: Option<String>,
     /// The engine's KV-event replay endpoint.
     #[arg(long, env = "PD_SIDECAR_KV_EVENTS_REPLAY", help_heading = "Coordinator")]
     pub kv_events_replay: Option<String>,

@@ -94,6 +94,7 @@ impl Coordinator {
             engine_url: cfg.advertise_engine_url.clone().unwrap_or_else(|| engine.base.clone()),
             sidecar_url: cfg.advertise_url.clone(),
             kv_events: cfg.kv_events.clone(),
+            kv_events_topic: cfg.kv_events_topic.clone(),
             replay: cfg.kv_events_replay.clone(),
             xfer_side_channel: cfg.xfer_side_channel.clone(),
             block_size: u32::try_from(cfg.block_size).unwrap_or(u32::MAX),

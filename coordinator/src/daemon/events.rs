@@ -1,12 +1,14 @@
-//! One KV-event ingester thread per engine that publishes events: batches go into the index
-//! while the engine is alive and the same incarnation; a reset drops its entries.
+//! One KV-event ingester thread per engine that publishes events on its own endpoint, and in
+//! collector mode one more for the bound socket that engines connect to: batches go into the
+//! index while the engine is alive and the same incarnation; a reset drops its entries.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::ingest::{self, Source, Update};
+use crate::ingest::{self, Route, Source, Update};
 use crate::metrics::inc;
+use crate::topic::{self, FirstSight, TopicPattern, UnknownTopics};
 
 use super::state::{Coordinator, IngestHandle, Inner};
 
@@ -21,7 +23,8 @@ impl Coordinator {
         }
         let Some(entry) = inner.cluster.membership.get(engine) else { return };
         let Some(endpoint) = entry.spec.kv_events.clone() else { return };
-        let source = Source { endpoint, replay: entry.spec.replay.clone(), topic: self.config.kv_events_topic.clone() };
+        let topic = entry.spec.kv_events_topic.clone().unwrap_or_else(|| self.config.kv_events_topic.clone());
+        let source = Source { endpoint, replay: entry.spec.replay.clone(), topic };
         let incarnation = entry.incarnation;
         let id = entry.spec.id.clone();
         let stop = Arc::new(AtomicBool::new(false));
@@ -54,8 +57,7 @@ impl Coordinator {
 
     fn deliver(&self, engine: usize, incarnation: u64, update: Update) {
         if let Update::Malformed(reason) = &update {
-            inc(&self.metrics.events_malformed);
-            tracing::debug!(engine, %reason, "malformed KV-event message");
+            self.malformed(Some(engine), reason);
             return;
         }
         let mut inner = self.inner.lock();
@@ -85,8 +87,71 @@ impl Coordinator {
         }
     }
 
+    /// Collector mode: follows every engine that publishes into `sub` (bound on
+    /// --kv-events-listen) on a thread of its own.
+    pub(crate) fn start_collector(self: &Arc<Self>, sub: zmq::Socket, pattern: TopicPattern) -> std::io::Result<()> {
+        let this = Arc::clone(self);
+        std::thread::Builder::new().name("kv-events-collector".into()).spawn(move || {
+            let mut unknown = UnknownTopics::default();
+            let stop = &this.collector_stop;
+            while !stop.load(Ordering::Acquire) {
+                let result = ingest::collect(
+                    &this.zmq,
+                    &sub,
+                    stop,
+                    &this.ingest_counters,
+                    |topic| this.route(topic, &pattern, &mut unknown),
+                    |route, update| match (route, update) {
+                        (Some(route), update) => this.deliver(route.engine, route.epoch.0, update),
+                        (None, Update::Malformed(reason)) => this.malformed(None, &reason),
+                        (None, _) => {}
+                    },
+                );
+                if let Err(err) = result {
+                    tracing::warn!(%err, "KV-event collector socket failed; retrying");
+                    std::thread::sleep(RETRY);
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// The engine a collected message's topic names (counted and logged once when none).
+    fn route(&self, topic: &[u8], pattern: &TopicPattern, unknown: &mut UnknownTopics) -> Option<Route> {
+        let found = {
+            let inner = self.inner.lock();
+            // Engines with an endpoint of their own are followed there, not here.
+            let collected = inner.cluster.membership.iter().filter(|(_, e)| e.spec.kv_events.is_none());
+            topic::resolve(topic, pattern, collected.map(|(i, e)| (i, &e.spec))).and_then(|engine| {
+                let e = inner.cluster.membership.get(engine)?;
+                Some(Route { engine, epoch: (e.incarnation, e.generation), replay: e.spec.replay.clone() })
+            })
+        };
+        if found.is_none() {
+            inc(&self.metrics.events_unknown_topic);
+            match unknown.sight(topic) {
+                FirstSight::New => tracing::warn!(
+                    topic = %topic::printable(topic),
+                    "KV events under a topic that names no registered engine: dropped (logged once per topic)"
+                ),
+                FirstSight::Full => tracing::warn!(
+                    limit = UnknownTopics::CAPACITY,
+                    "too many unknown KV-event topics; further ones are only counted"
+                ),
+                FirstSight::Known => {}
+            }
+        }
+        found
+    }
+
+    fn malformed(&self, engine: Option<usize>, reason: &str) {
+        inc(&self.metrics.events_malformed);
+        tracing::debug!(?engine, %reason, "malformed KV-event message");
+    }
+
     /// Stops every ingester (shutdown).
     pub(crate) fn stop_ingest(&self) {
+        self.collector_stop.store(true, Ordering::Release);
         let mut inner = self.inner.lock();
         for meta in &mut inner.meta {
             if let Some(ingest) = meta.ingest.take() {

@@ -58,6 +58,8 @@ pub struct Coordinator {
     pub(crate) http: reqwest::Client,
     pub(crate) zmq: zmq::Context,
     pub(crate) ingest_counters: Arc<crate::ingest::Counters>,
+    /// Stops collector mode's thread (`--kv-events-listen`).
+    pub(crate) collector_stop: Arc<std::sync::atomic::AtomicBool>,
     pub(crate) runtime: tokio::runtime::Handle,
 }
 
@@ -117,6 +119,7 @@ impl Coordinator {
             http,
             zmq: zmq::Context::new(),
             ingest_counters: Arc::default(),
+            collector_stop: Arc::default(),
             runtime,
         })
     }

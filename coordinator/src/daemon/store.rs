@@ -28,7 +28,7 @@ impl Coordinator {
         while let Some(event) = events.recv().await {
             match event {
                 StoreEvent::Synced(present) => self.store_sync(present),
-                StoreEvent::Put(stored) => self.store_put(stored),
+                StoreEvent::Put(stored) => self.store_put(*stored),
                 StoreEvent::Deleted(id) => self.store_delete(&id),
                 StoreEvent::Interrupted(err) => {
                     inc(&self.metrics.store_errors);
@@ -112,6 +112,7 @@ mod tests {
             engine_url: format!("http://{id}:8000"),
             sidecar_url: None,
             kv_events: None,
+            kv_events_topic: None,
             replay: None,
             xfer_side_channel: None,
             block_size: 16,

@@ -131,7 +131,7 @@ impl EtcdStore {
             for event in response.events() {
                 let Some(kv) = event.kv() else { continue };
                 let change = match event.event_type() {
-                    EventType::Put => parse(kv.value()).map(StoreEvent::Put),
+                    EventType::Put => parse(kv.value()).map(|stored| StoreEvent::Put(Box::new(stored))),
                     EventType::Delete => {
                         let key = String::from_utf8_lossy(kv.key());
                         key.strip_prefix(&prefix).map(|id| StoreEvent::Deleted(id.to_string()))

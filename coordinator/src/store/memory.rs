@@ -31,7 +31,7 @@ impl State {
 
     fn put(&mut self, stored: Stored) {
         self.keys.insert(stored.spec.id.clone(), stored.clone());
-        self.tell(|| StoreEvent::Put(stored.clone()));
+        self.tell(|| StoreEvent::Put(Box::new(stored.clone())));
     }
 
     fn remove(&mut self, id: &str) {

@@ -31,8 +31,9 @@ pub struct Stored {
 pub enum StoreEvent {
     /// (Re)connected: every engine the store holds now.
     Synced(Vec<Stored>),
-    /// An engine was registered or renewed (through any coordinator).
-    Put(Stored),
+    /// An engine was registered or renewed (through any coordinator). Boxed: a declaration is
+    /// far larger than the other variants.
+    Put(Box<Stored>),
     /// An engine's key went (lease expiry, graceful leave, a failed health check elsewhere).
     Deleted(String),
     /// The watch broke; a `Synced` follows once it is back.

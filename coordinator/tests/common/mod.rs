@@ -97,13 +97,26 @@ pub struct Sim {
 impl Sim {
     pub async fn start(id: &str, extra: &[&str]) -> Sim {
         let what = format!("pd-sim {id}");
-        harness::start_with_retries(&what, || Self::try_start_on(id, free_port(), free_port(), free_port(), extra))
-            .await
+        harness::start_with_retries(&what, || {
+            Self::try_start_on(id, free_port(), free_port(), free_port(), None, extra)
+        })
+        .await
     }
 
     pub async fn start_on(id: &str, port: u16, events: u16, replay: u16, extra: &[&str]) -> Sim {
-        let started = Self::try_start_on(id, port, events, replay, extra).await;
+        let started = Self::try_start_on(id, port, events, replay, None, extra).await;
         started.unwrap_or_else(|e| panic!("pd-sim {id} on port {port}: {e}"))
+    }
+
+    /// An engine that connects its publisher to `collector` (a coordinator's
+    /// --kv-events-listen) and publishes under `topic`; its replay socket is its own.
+    pub async fn start_publishing_to(id: &str, collector: &str, topic: &str) -> Sim {
+        let what = format!("pd-sim {id}");
+        let extra = ["--kv-events-topic", topic];
+        harness::start_with_retries(&what, || {
+            Self::try_start_on(id, free_port(), 0, free_port(), Some(collector), &extra)
+        })
+        .await
     }
 
     async fn try_start_on(
@@ -111,11 +124,13 @@ impl Sim {
         port: u16,
         events: u16,
         replay: u16,
+        collector: Option<&str>,
         extra: &[&str],
     ) -> Result<Sim, harness::NotHealthy> {
         let mut cmd = harness::command(&pd_sim_path(), port, "warn");
+        let events_endpoint = collector.map_or_else(|| format!("tcp://*:{events}"), String::from);
         cmd.args(["--host", "127.0.0.1", "--engine-id", id, "--workers", "1"])
-            .args(["--kv-events-endpoint", &format!("tcp://*:{events}")])
+            .args(["--kv-events-endpoint", &events_endpoint])
             .args(["--kv-events-replay-endpoint", &format!("tcp://*:{replay}")])
             .args(extra);
         let name = format!("sim-{id}-{port}");
@@ -135,6 +150,18 @@ impl Sim {
         });
         if let Some(url) = sidecar_url {
             spec["sidecar_url"] = url.into();
+        }
+        spec
+    }
+
+    /// The registration body of an engine started with [`Sim::start_publishing_to`]: no
+    /// `kv_events` endpoint; `topic` named when the coordinator cannot tell it from the pattern.
+    pub fn collected_spec(&self, role: &str, topic: Option<&str>) -> Value {
+        let mut spec = self.spec(role, None);
+        let fields = spec.as_object_mut().unwrap();
+        fields.remove("kv_events");
+        if let Some(topic) = topic {
+            fields.insert("kv_events_topic".into(), topic.into());
         }
         spec
     }
