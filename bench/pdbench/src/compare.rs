@@ -256,7 +256,11 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     if let Some(p) = &c.json {
         let setups: Vec<serde_json::Value> = rows.iter().map(Row::to_json).collect();
         let ratios = compare_report::ratios(&rows);
-        write_json(p, &json!({"workload": spec, "trace": replay.as_ref().map(Replay::options), "engines": sims.engines, "setups": setups, "ratios": ratios}))?;
+        let trace = replay.as_ref().map(Replay::options);
+        write_json(
+            p,
+            &json!({"workload": spec, "trace": trace, "engines": sims.engines, "setups": setups, "ratios": ratios}),
+        )?;
     }
     if c.markdown.is_some() || c.update_readme.is_some() {
         let md = compare_report::markdown(&context, &rows);
