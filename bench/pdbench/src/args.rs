@@ -13,6 +13,7 @@ use pdbench::daemons::DaemonOptions;
 use pdbench::procs;
 use pdbench::runner::{Arrival, RunConfig};
 use pdbench::stats::Slo;
+use pdbench::trace::{self, Replay, ReplayOptions};
 use pdbench::workload::{Api, Dist, Popularity, WorkloadSpec};
 
 /// Timeouts below this are taken as this (a zero timeout would fail every request).
@@ -344,6 +345,48 @@ pub enum Preset {
     Legacy,
 }
 
+/// Replaying a trace in the Mooncake format instead of the generated workload.
+#[derive(Debug, Clone, Args)]
+pub struct TraceArgs {
+    /// Replay this trace (JSON lines: timestamp ms, input_length, output_length, hash_ids of
+    /// 512-token blocks) instead of generating the workload; the workload flags then do not apply.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Replay the first N requests of the trace.
+    #[arg(long, default_value_t = 1000)]
+    pub trace_requests: usize,
+    /// Tokens each 512-token block becomes (prompt lengths scale alike); a multiple of the
+    /// simulator's 16-token KV block keeps shared blocks aligned.
+    #[arg(long, default_value_t = 32)]
+    pub trace_block_tokens: u64,
+    /// Divide the trace's timestamps by this (4: four times as fast).
+    #[arg(long, default_value_t = 4.0)]
+    pub trace_time_scale: f64,
+    /// Longest prompt, tokens after scaling (longer ones keep their head).
+    #[arg(long, default_value_t = 4096)]
+    pub trace_max_input: u64,
+    /// Largest max_tokens (the trace's output length, capped).
+    #[arg(long, default_value_t = 32)]
+    pub trace_max_output: u64,
+}
+
+impl TraceArgs {
+    /// The replay, when --trace is given.
+    pub fn replay(&self) -> anyhow::Result<Option<Replay>> {
+        let Some(path) = &self.trace else { return Ok(None) };
+        let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let requests = trace::read(std::io::BufReader::new(file), self.trace_requests)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let opts = ReplayOptions {
+            block_tokens: self.trace_block_tokens,
+            time_scale: self.trace_time_scale,
+            max_input_tokens: self.trace_max_input,
+            max_output_tokens: self.trace_max_output,
+        };
+        Ok(Some(Replay::new(requests, opts)?))
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct CompareCmd {
     /// Workload and cache sizing preset (see the README); explicit flags override it.
@@ -410,6 +453,8 @@ pub struct CompareCmd {
     pub workload: WorkloadArgs,
     #[command(flatten)]
     pub load: LoadArgs,
+    #[command(flatten)]
+    pub trace: TraceArgs,
     /// Write every setup's results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -16,7 +16,8 @@ use pdbench::cluster::{self, Counters, Engine, KvReport, SimCluster};
 use pdbench::daemons::Daemons;
 use pdbench::procs::{self, Group};
 use pdbench::runner;
-use pdbench::workload::{self, WorkloadSpec};
+use pdbench::trace::Replay;
+use pdbench::workload::{self, Workload, WorkloadSpec};
 
 /// Tokens per KV block of the simulator (its default; the pool is sized in these).
 const BLOCK_TOKENS: u64 = 16;
@@ -124,17 +125,38 @@ pub fn pool_blocks(spec: &WorkloadSpec, share: f64, concurrency: usize, engines:
     let prefix_blocks = (spec.prefix_len as u64).div_ceil(BLOCK_TOKENS);
     let per_turn = spec.prompt_len.upper() + spec.output_len.upper();
     let request_blocks = prefix_blocks + (spec.turns as u64 * per_turn).div_ceil(BLOCK_TOKENS) + 1;
+    pool_of(spec.prefixes as u64 * prefix_blocks, request_blocks, share, concurrency, engines)
+}
+
+/// The same for a trace: `share` of the distinct blocks of all its prompts, and room for its
+/// longest requests in flight.
+pub fn trace_pool_blocks(replay: &Replay, share: f64, concurrency: usize, engines: usize) -> u64 {
+    let request_blocks = replay.max_request_tokens().div_ceil(BLOCK_TOKENS) + 1;
+    pool_of(replay.distinct_kv_blocks(BLOCK_TOKENS), request_blocks, share, concurrency, engines)
+}
+
+fn pool_of(shared_blocks: u64, request_blocks: u64, share: f64, concurrency: usize, engines: usize) -> u64 {
     let n = concurrency as u64;
-    let prefixes = (share * (spec.prefixes as u64 * prefix_blocks) as f64).ceil() as u64;
-    (prefixes + n.div_ceil(engines.max(1) as u64) * request_blocks).max(n * request_blocks)
+    let shared = (share * shared_blocks as f64).ceil() as u64;
+    (shared + n.div_ceil(engines.max(1) as u64) * request_blocks).max(n * request_blocks)
 }
 
 /// The simulator flags the cache sizing and the shared tokenizer add.
-fn sim_extra_args(c: &CompareCmd, spec: &WorkloadSpec, tokenizer: Option<&Path>) -> Vec<String> {
+fn sim_extra_args(
+    c: &CompareCmd,
+    spec: &WorkloadSpec,
+    replay: Option<&Replay>,
+    tokenizer: Option<&Path>,
+) -> Vec<String> {
     let mut args = Vec::new();
     let user_sized = c.sim.sim_arg.iter().any(|a| a.starts_with("--num-blocks"));
     if let Some(share) = c.cache_share.filter(|&s| s > 0.0 && !user_sized) {
-        args.push(format!("--num-blocks={}", pool_blocks(spec, share, c.load.concurrency.max(1), c.engines)));
+        let n = c.load.concurrency.max(1);
+        let blocks = match replay {
+            Some(r) => trace_pool_blocks(r, share, n, c.engines),
+            None => pool_blocks(spec, share, n, c.engines),
+        };
+        args.push(format!("--num-blocks={blocks}"));
     }
     if let Some(t) = tokenizer {
         args.push(format!("--tokenizer={}", t.display()));
@@ -161,7 +183,12 @@ fn write_tokenizer(log_dir: &Path) -> anyhow::Result<PathBuf> {
 pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     anyhow::ensure!(c.engines >= 2, "--engines must be at least 2");
     anyhow::ensure!(c.repeat >= 1, "--repeat must be at least 1");
-    let spec = c.workload.spec()?;
+    let replay = c.trace.replay()?;
+    let workload = Arc::new(match &replay {
+        Some(r) => Workload::replay(&c.workload.spec()?, r.clone()),
+        None => Workload::new(&c.workload.spec()?),
+    });
+    let spec = workload.spec().clone();
     let cfg = c.load.config();
     let http = runner::http_client(4, Duration::from_secs(5))?;
     let log_dir = c.sim.log_dir("compare")?;
@@ -170,7 +197,7 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     let names: Vec<(String, &str)> = (0..c.engines).map(|i| (format!("engine-{i}"), "both")).collect();
     let kv_events = c.setups.iter().any(|k| matches!(k, SetupKind::Coordinator | SetupKind::CoordinatorColocated));
     let mut sim_opts = c.sim.options(100, 1000, kv_events, None);
-    let extra = sim_extra_args(&c, &spec, tokenizer.as_deref());
+    let extra = sim_extra_args(&c, &spec, replay.as_ref(), tokenizer.as_deref());
     sim_opts.args.extend(extra.iter().cloned());
     let sims = SimCluster::start(&names, &sim_opts, &log_dir, &http).await?;
     eprintln!("{} engines up (extra pd-sim flags: {extra:?}; logs in {})", sims.engines.len(), log_dir.display());
@@ -193,7 +220,7 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
                 None => None,
             };
             let before = scrape_each(&http, &sims.engines).await;
-            let r = runner::run(Arc::new(target), &spec, &cfg).await?;
+            let r = runner::run_workload(Arc::new(target), Arc::clone(&workload), &cfg).await?;
             let after = scrape_each(&http, &sims.engines).await;
             let per_engine: Vec<KvReport> =
                 after.iter().zip(&before).map(|(a, b)| KvReport::from(a.since(*b))).collect();
@@ -216,6 +243,7 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     let load_after = compare_report::load_average();
     let context = compare_report::Context {
         spec: &spec,
+        trace: replay.as_ref().map(Replay::describe),
         engines: c.engines,
         concurrency: cfg.concurrency,
         pool_blocks: extra.iter().find_map(|a| a.strip_prefix("--num-blocks=")).map(str::to_string),
@@ -228,7 +256,11 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     if let Some(p) = &c.json {
         let setups: Vec<serde_json::Value> = rows.iter().map(Row::to_json).collect();
         let ratios = compare_report::ratios(&rows);
-        write_json(p, &json!({"workload": spec, "engines": sims.engines, "setups": setups, "ratios": ratios}))?;
+        let trace = replay.as_ref().map(Replay::options);
+        write_json(
+            p,
+            &json!({"workload": spec, "trace": trace, "engines": sims.engines, "setups": setups, "ratios": ratios}),
+        )?;
     }
     if c.markdown.is_some() || c.update_readme.is_some() {
         let md = compare_report::markdown(&context, &rows);

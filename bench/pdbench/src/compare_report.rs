@@ -78,6 +78,8 @@ impl Row {
 /// What the run was, for the report's header.
 pub struct Context<'a> {
     pub spec: &'a WorkloadSpec,
+    /// The replayed trace's summary, which then stands for the generated workload's.
+    pub trace: Option<String>,
     pub engines: usize,
     pub concurrency: usize,
     pub pool_blocks: Option<String>,
@@ -118,27 +120,36 @@ pub fn ratios(rows: &[Row]) -> Vec<Value> {
 
 fn describe(c: &Context<'_>) -> String {
     let s = c.spec;
-    let mut d = format!(
-        "{} requests ({} turn{}), {} shared prefixes of {} tokens ({} popularity), user messages {} tokens, \
-         {} output tokens, concurrency {}; {} engines",
-        s.total_requests(),
-        s.turns,
-        if s.turns == 1 { "" } else { "s" },
-        s.prefixes,
-        s.prefix_len,
-        s.popularity,
-        s.prompt_len,
-        s.output_len,
-        c.concurrency,
-        c.engines
-    );
-    if let Some(b) = &c.pool_blocks {
-        let prefix_blocks = (s.prefix_len as f64 / 16.0).ceil().max(1.0);
-        let _ = write!(
-            d,
-            ", {b} KV blocks each (room for ~{:.0} prefixes)",
-            b.parse::<f64>().unwrap_or(0.0) / prefix_blocks
-        );
+    let mut d = match &c.trace {
+        Some(t) => format!("{t}; concurrency {}; {} engines", c.concurrency, c.engines),
+        None => format!(
+            "{} requests ({} turn{}), {} shared prefixes of {} tokens ({} popularity), user messages {} tokens, \
+             {} output tokens, concurrency {}; {} engines",
+            s.total_requests(),
+            s.turns,
+            if s.turns == 1 { "" } else { "s" },
+            s.prefixes,
+            s.prefix_len,
+            s.popularity,
+            s.prompt_len,
+            s.output_len,
+            c.concurrency,
+            c.engines
+        ),
+    };
+    match (&c.pool_blocks, &c.trace) {
+        (Some(b), Some(_)) => {
+            let _ = write!(d, ", {b} KV blocks each");
+        }
+        (Some(b), None) => {
+            let prefix_blocks = (s.prefix_len as f64 / 16.0).ceil().max(1.0);
+            let _ = write!(
+                d,
+                ", {b} KV blocks each (room for ~{:.0} prefixes)",
+                b.parse::<f64>().unwrap_or(0.0) / prefix_blocks
+            );
+        }
+        (None, _) => {}
     }
     if c.shared_tokenizer {
         d.push_str(", shared word-level tokenizer.json");

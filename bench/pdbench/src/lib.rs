@@ -11,4 +11,5 @@ pub mod procs;
 pub mod runner;
 pub mod sse;
 pub mod stats;
+pub mod trace;
 pub mod workload;

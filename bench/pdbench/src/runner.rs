@@ -80,6 +80,13 @@ pub fn http_client(concurrency: usize, connect_timeout: Duration) -> reqwest::Re
 
 /// Runs the workload to the end and returns its measurements.
 pub async fn run(target: Arc<Target>, spec: &WorkloadSpec, cfg: &RunConfig) -> anyhow::Result<RunResult> {
+    run_workload(target, Arc::new(Workload::new(spec)), cfg).await
+}
+
+/// The same for a planned workload; one that fixes its arrivals (a trace) is sent at those
+/// times, each request waiting for a slot under the concurrency cap.
+pub async fn run_workload(target: Arc<Target>, workload: Arc<Workload>, cfg: &RunConfig) -> anyhow::Result<RunResult> {
+    let spec = workload.spec().clone();
     let http = if cfg.no_keepalive {
         // Linux acknowledges the first segments of a fresh connection at once, so servers without
         // TCP_NODELAY do not stall streamed chunks behind a delayed ACK (about 40 ms).
@@ -91,12 +98,12 @@ pub async fn run(target: Arc<Target>, spec: &WorkloadSpec, cfg: &RunConfig) -> a
     } else {
         http_client(cfg.concurrency, Duration::from_secs(5))?
     };
-    let workload = Arc::new(Workload::new(spec));
     let total = spec.total_requests();
-    let offsets = arrival_offsets(workload.len(), cfg.rate, cfg.arrival, spec.seed);
+    let fixed_arrivals = workload.arrivals();
     // Without a rate the run is closed-loop: each of `concurrency` slots carries one conversation
     // at a time, all its turns, so only that many conversations (and tasks) exist at once.
-    let closed_loop = cfg.rate.filter(|r| *r > 0.0 && r.is_finite()).is_none();
+    let closed_loop = fixed_arrivals.is_none() && cfg.rate.filter(|r| *r > 0.0 && r.is_finite()).is_none();
+    let offsets = fixed_arrivals.unwrap_or_else(|| arrival_offsets(workload.len(), cfg.rate, cfg.arrival, spec.seed));
     let permits = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
     let (tx, mut rx) = mpsc::unbounded_channel::<Outcome>();
     let bar = if cfg.progress && total > 0 {
@@ -110,7 +117,7 @@ pub async fn run(target: Arc<Target>, spec: &WorkloadSpec, cfg: &RunConfig) -> a
         ProgressBar::hidden()
     };
     let started = Instant::now();
-    let spec = Arc::new(spec.clone());
+    let spec = Arc::new(spec);
     let mut tasks = tokio::task::JoinSet::new();
     let cfg2 = cfg.clone();
     let launcher = {

@@ -11,6 +11,8 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::trace::Replay;
+
 /// Errors parsing a workload flag.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum WorkloadError {
@@ -324,6 +326,9 @@ pub struct Workload {
     systems: Vec<Arc<str>>,
     /// Cumulative probability of each prefix id (random popularities only).
     prefix_cdf: Vec<f64>,
+    /// A trace replayed instead of generated conversations (`spec` then gives only the API and
+    /// the model).
+    replay: Option<Replay>,
 }
 
 impl Workload {
@@ -348,7 +353,19 @@ impl Workload {
                 Some(*acc)
             })
             .collect();
-        Workload { spec: spec.clone(), systems, prefix_cdf }
+        Workload { spec: spec.clone(), systems, prefix_cdf, replay: None }
+    }
+
+    /// A trace's requests, each a conversation of one turn, sent at the trace's times.
+    pub fn replay(spec: &WorkloadSpec, replay: Replay) -> Self {
+        let spec = WorkloadSpec { conversations: replay.len(), turns: 1, prefixes: 0, ..spec.clone() };
+        Workload { spec, systems: Vec::new(), prefix_cdf: Vec::new(), replay: Some(replay) }
+    }
+
+    /// When each conversation starts, when the workload fixes it (a trace); None: the run's
+    /// arrival process decides.
+    pub fn arrivals(&self) -> Option<Vec<std::time::Duration>> {
+        self.replay.as_ref().map(Replay::offsets)
     }
 
     /// The prefix id of conversation `id`; a random choice has its own stream, so the user
@@ -380,6 +397,9 @@ impl Workload {
 
     /// Conversation `id`.
     pub fn conversation(&self, id: usize) -> Conversation {
+        if let Some(r) = &self.replay {
+            return r.conversation(id);
+        }
         let spec = &self.spec;
         let mut rng =
             StdRng::seed_from_u64(spec.seed.rotate_left(17) ^ (id as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
