@@ -14,12 +14,13 @@ use crate::cleanup::Cleanup;
 use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
-use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, Weights};
+use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, TierWeights, Weights};
 
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub lease: Duration,
     pub weights: Weights,
+    pub tier_weights: TierWeights,
     pub local_prefill: LocalPrefillPolicy,
     /// A handoff older than this is phantom load.
     pub handoff_max_age: Duration,
@@ -33,6 +34,7 @@ impl Default for Settings {
         Settings {
             lease: Duration::from_secs(3),
             weights: Weights::default(),
+            tier_weights: TierWeights::default(),
             local_prefill: LocalPrefillPolicy::default(),
             handoff_max_age: Duration::from_secs(120),
             speculative_ttl: Duration::from_secs(2),
@@ -136,8 +138,9 @@ pub struct Cluster {
 #[derive(Debug, Default)]
 struct Scratch {
     overlaps: Vec<(usize, usize)>,
-    /// `overlaps` by engine number, zero elsewhere (the next decision clears what it set).
-    overlap_of: Vec<u64>,
+    /// `overlaps` by engine number, and weighted by tier, zero elsewhere (the next decision
+    /// clears what it set).
+    overlap_of: Vec<(u64, f64)>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
     /// The slots the lookup found, so that the speculative insert after it does not probe
@@ -254,26 +257,28 @@ impl Cluster {
         let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
         for &(engine, _) in overlaps.iter() {
             if let Some(blocks) = overlap_of.get_mut(engine) {
-                *blocks = 0; // the previous decision's
+                *blocks = (0, 0.0); // the previous decision's
             }
         }
         let key = req.index_key();
-        match self.indexes.get(key.as_ref()) {
+        let index = self.indexes.get(key.as_ref());
+        match index {
             Some(index) => index.prefix_matches_probed(req.block_hashes, now, overlaps, probes),
             None => overlaps.clear(),
         }
         for &(engine, blocks) in overlaps.iter() {
             if overlap_of.len() <= engine {
-                overlap_of.resize(engine + 1, 0);
+                overlap_of.resize(engine + 1, (0, 0.0));
             }
-            overlap_of[engine] = blocks as u64;
+            let held = &req.block_hashes[..blocks.min(req.block_hashes.len())];
+            let weight = index.map_or(blocks as f64, |i| i.tier_weighted(engine, held, &self.settings.tier_weights));
+            overlap_of[engine] = (blocks as u64, weight);
         }
         let new_blocks = req.block_hashes.len() as u64;
         let overlap_of = &*overlap_of;
-        let candidate = |engine: usize| Candidate {
-            engine,
-            overlap_blocks: overlap_of.get(engine).copied().unwrap_or(0),
-            load: self.load(engine),
+        let candidate = |engine: usize| {
+            let (overlap_blocks, overlap_weight) = overlap_of.get(engine).copied().unwrap_or((0, 0.0));
+            Candidate { engine, overlap_blocks, overlap_weight, load: self.load(engine) }
         };
         decodes.clear();
         decodes.extend(self.membership.live_iter(req.model, Role::decodes).map(candidate));
@@ -549,6 +554,45 @@ mod tests {
         c.apply_events(0, &removed);
         let d = c.pair(PairRequest { request_id: "ra2", ..under(Some("a")) }, now, [0.0; 2]).unwrap();
         assert_eq!(d.decode_overlap_blocks, 0, "{d:?}");
+    }
+
+    #[test]
+    fn a_gpu_holder_beats_a_cpu_holder_until_its_copy_is_evicted() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("d0", Role::Decode), now);
+        c.register(spec("d1", Role::Decode), now);
+        // 20 of the prompt's 40 blocks cached: the overlap credit does not cover the prompt.
+        let prompt: Vec<u64> = (1..=40).collect();
+        let hashes = &prompt[..20];
+        let on = |medium: &str| {
+            let mut batch = stored(hashes);
+            if let KvEvent::BlockStored { medium: m, .. } = &mut batch.events[0] {
+                *m = Some(medium.into());
+            }
+            batch
+        };
+        c.apply_events(0, &on("CPU"));
+        c.apply_events(1, &on("GPU"));
+        c.apply_events(1, &on("CPU")); // offloaded too: its GPU copy still counts
+        let d = c.pair(req("r1", &prompt), now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_overlap_blocks), (1, 20));
+        // d1's GPU copies are evicted (removal names the tier): both hold CPU copies only,
+        // and the tie goes to the lower engine number.
+        let evicted = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockRemoved {
+                block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+                medium: Some("GPU".into()),
+            }],
+            dp_rank: None,
+        };
+        c.apply_events(1, &evicted);
+        c.handoffs.finished("r1");
+        // After the decision's own guesses (counted as GPU) expire, within the lease.
+        let later = now + Settings::default().speculative_ttl + Duration::from_millis(500);
+        let d = c.pair(req("r2", &prompt), later, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_overlap_blocks), (0, 20), "{d:?}");
     }
 
     #[test]

@@ -207,8 +207,8 @@ impl EventPublisher {
         })
     }
 
-    /// Stores `tokens`' full blocks, hashed as vLLM does under `lora_name`.
-    fn store(&mut self, tokens: &[u32], lora_name: Option<&str>) {
+    /// Stores `tokens`' full blocks in `medium`, hashed as vLLM does under `lora_name`.
+    fn store(&mut self, tokens: &[u32], lora_name: Option<&str>, medium: &str) {
         use pd_protocols::hash::{block_hashes_with, event_id, none_hash, ExtraKey};
         use pd_protocols::kv_events::{encode_batch, BlockHash, EventBatch, EventFormat, KvEvent};
         let extra = |_| lora_name.map(|name| vec![ExtraKey::Text(name.to_owned())]);
@@ -221,7 +221,7 @@ impl EventPublisher {
                 token_ids: tokens.to_vec(),
                 block_size: 16,
                 lora_id: None,
-                medium: Some("GPU".into()),
+                medium: Some(medium.into()),
                 lora_name: lora_name.map(str::to_owned),
             }],
             dp_rank: Some(0),
@@ -252,8 +252,8 @@ async fn lora_adapters_never_match_each_others_blocks() {
     // The subscribers join a moment after registration: republish until indexed (a store of
     // held blocks changes nothing).
     eventually(Duration::from_secs(10), "both engines' blocks indexed", || {
-        d0.store(&prompt, Some("sql"));
-        d1.store(&prompt, None);
+        d0.store(&prompt, Some("sql"), "GPU");
+        d1.store(&prompt, None, "GPU");
         let (coord, adapter_key) = (&coord, &adapter_key);
         async move { indexed_under(coord, adapter_key, "d0").await == 10 && coord.indexed("d1").await == 10 }
     })
@@ -278,4 +278,28 @@ async fn lora_adapters_never_match_each_others_blocks() {
     let (status, d) = coord.pair(&pair("other", Some("other"))).await;
     assert_eq!(status, 200, "{d}");
     assert_eq!(d["decode_overlap_blocks"], 0, "{d}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_copy_beats_a_cpu_copy() {
+    let ctx = zmq::Context::new();
+    let (mut d0, mut d1) = (EventPublisher::bind(&ctx), EventPublisher::bind(&ctx));
+    let coord = Coord::start(&[]).await;
+    coord.register(&d0.spec("d0")).await;
+    coord.register(&d1.spec("d1")).await;
+    // Both hold the prompt's first 10 blocks: d0 offloaded to host memory, d1 on GPU. d0
+    // would win a tie (lower number); the tier weighting must decide it.
+    let cached = tokens(9000, 160);
+    eventually(Duration::from_secs(10), "both engines' blocks indexed", || {
+        d0.store(&cached, None, "CPU");
+        d1.store(&cached, None, "GPU");
+        let coord = &coord;
+        async move { coord.indexed("d0").await == 10 && coord.indexed("d1").await == 10 }
+    })
+    .await;
+    let mut prompt = cached.clone();
+    prompt.extend(tokens(20_000, 160));
+    let (status, d) = coord.pair(&json!({"request_id": "tiers", "model": MODEL, "token_ids": prompt})).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!((d["decode"]["id"].as_str(), d["decode_overlap_blocks"].as_u64()), (Some("d1"), Some(10)), "{d}");
 }
