@@ -241,6 +241,10 @@ pub struct PairRequest {
     /// The caller's own engine, preferred as decode unless it is dead or much worse.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local_engine: Option<String>,
+    /// The LoRA adapter the request runs under (vLLM's `lora_name`); absent for the base model.
+    /// Its blocks hash with the name as extra key and are indexed apart from other adapters'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
 }
 
 /// An engine named in a pairing decision.

@@ -890,6 +890,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
                         block_hashes: request,
                         prompt_tokens: (REQUEST_BLOCKS * BLOCK_SIZE) as u64,
                         block_size: BLOCK_SIZE as u32,
+                        lora_name: None,
                     };
                     let decision = cluster.pair(req, now, *uniform).expect("a decode is live");
                     in_flight.push_back(i);

@@ -153,8 +153,14 @@ mod tests {
 
     fn route(c: &mut Cluster, request: &str, now: Instant) {
         let hashes: Vec<u64> = (1..=200).collect();
-        let req =
-            PairRequest { request_id: request, model: "m", block_hashes: &hashes, prompt_tokens: 3200, block_size: 16 };
+        let req = PairRequest {
+            request_id: request,
+            model: "m",
+            block_hashes: &hashes,
+            prompt_tokens: 3200,
+            block_size: 16,
+            lora_name: None,
+        };
         let d = c.pair(req, now, [0.0; 2]).expect("a decode");
         assert_eq!((d.prefill, d.decode), (Some(P), D));
     }

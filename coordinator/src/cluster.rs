@@ -2,23 +2,25 @@
 //! in flight, the pairing decision that ties them together, and what deaths leave behind
 //! (releases, notices). Changes return [`Action`]s: the I/O the daemon carries out.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use pd_api::{Notices, ReleaseNotice};
-use pd_protocols::kv_events::EventBatch;
+use pd_protocols::kv_events::{EventBatch, KvEvent};
 use serde_json::value::RawValue;
 
 use crate::cleanup::Cleanup;
 use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
-use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, Weights};
+use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, TierWeights, Weights};
 
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub lease: Duration,
     pub weights: Weights,
+    pub tier_weights: TierWeights,
     pub local_prefill: LocalPrefillPolicy,
     /// A handoff older than this is phantom load.
     pub handoff_max_age: Duration,
@@ -32,6 +34,7 @@ impl Default for Settings {
         Settings {
             lease: Duration::from_secs(3),
             weights: Weights::default(),
+            tier_weights: TierWeights::default(),
             local_prefill: LocalPrefillPolicy::default(),
             handoff_max_age: Duration::from_secs(120),
             speculative_ttl: Duration::from_secs(2),
@@ -48,6 +51,38 @@ pub struct PairRequest<'a> {
     pub block_hashes: &'a [u64],
     pub prompt_tokens: u64,
     pub block_size: u32,
+    /// The LoRA adapter it runs under (`None`: the base model).
+    pub lora_name: Option<&'a str>,
+}
+
+impl PairRequest<'_> {
+    fn index_key(&self) -> Cow<'_, str> {
+        adapter_key(self.model, self.lora_name, None)
+    }
+}
+
+/// Separates a model's name from an adapter's in the key of an adapter's index.
+const LORA_NAME_MARK: &str = "#lora=";
+/// The same for an adapter an event names by number only (SGLang's `lora_id`).
+const LORA_ID_MARK: &str = "#lora_id=";
+
+/// The key of the index holding `model`'s blocks under an adapter: the model's own name for the
+/// base model, else the model and the adapter, so that one adapter's blocks never answer
+/// another's (or the base model's) lookups, whatever their hashes.
+pub fn adapter_key<'a>(model: &'a str, lora_name: Option<&str>, lora_id: Option<i64>) -> Cow<'a, str> {
+    match (lora_name, lora_id) {
+        (Some(name), _) => Cow::Owned(format!("{model}{LORA_NAME_MARK}{name}")),
+        (None, Some(id)) => Cow::Owned(format!("{model}{LORA_ID_MARK}{id}")),
+        (None, None) => Cow::Borrowed(model),
+    }
+}
+
+/// The model an index key belongs to.
+pub fn key_model(key: &str) -> &str {
+    match key.find(LORA_NAME_MARK).or_else(|| key.find(LORA_ID_MARK)) {
+        Some(at) => &key[..at],
+        None => key,
+    }
 }
 
 /// The caller's own engine (a sidecar's), taken as decode unless its cost exceeds
@@ -103,8 +138,9 @@ pub struct Cluster {
 #[derive(Debug, Default)]
 struct Scratch {
     overlaps: Vec<(usize, usize)>,
-    /// `overlaps` by engine number, zero elsewhere (the next decision clears what it set).
-    overlap_of: Vec<u64>,
+    /// `overlaps` by engine number, and weighted by tier, zero elsewhere (the next decision
+    /// clears what it set).
+    overlap_of: Vec<(u64, f64)>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
     /// The slots the lookup found, so that the speculative insert after it does not probe
@@ -146,9 +182,23 @@ impl Cluster {
 
     pub fn apply_events(&mut self, engine: usize, batch: &EventBatch) {
         let Some(model) = self.membership.get(engine).map(|e| e.spec.model.clone()) else { return };
-        let index = self.indexes.entry(model).or_default();
         for event in &batch.events {
-            index.apply(engine, event);
+            match event {
+                // An adapter's blocks go to its own index; removals and clears name no adapter,
+                // so they reach every index of the model (hashes differ between adapters).
+                KvEvent::BlockStored { lora_name, lora_id, .. } => {
+                    let key = adapter_key(&model, lora_name.as_deref(), *lora_id);
+                    match self.indexes.get_mut(key.as_ref()) {
+                        Some(index) => index.apply(engine, event),
+                        None => self.indexes.entry(key.into_owned()).or_default().apply(engine, event),
+                    }
+                }
+                _ => {
+                    for (_, index) in self.indexes.iter_mut().filter(|(key, _)| key_model(key) == model) {
+                        index.apply(engine, event);
+                    }
+                }
+            }
         }
     }
 
@@ -207,25 +257,28 @@ impl Cluster {
         let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
         for &(engine, _) in overlaps.iter() {
             if let Some(blocks) = overlap_of.get_mut(engine) {
-                *blocks = 0; // the previous decision's
+                *blocks = (0, 0.0); // the previous decision's
             }
         }
-        match self.indexes.get(req.model) {
+        let key = req.index_key();
+        let index = self.indexes.get(key.as_ref());
+        match index {
             Some(index) => index.prefix_matches_probed(req.block_hashes, now, overlaps, probes),
             None => overlaps.clear(),
         }
         for &(engine, blocks) in overlaps.iter() {
             if overlap_of.len() <= engine {
-                overlap_of.resize(engine + 1, 0);
+                overlap_of.resize(engine + 1, (0, 0.0));
             }
-            overlap_of[engine] = blocks as u64;
+            let held = &req.block_hashes[..blocks.min(req.block_hashes.len())];
+            let weight = index.map_or(blocks as f64, |i| i.tier_weighted(engine, held, &self.settings.tier_weights));
+            overlap_of[engine] = (blocks as u64, weight);
         }
         let new_blocks = req.block_hashes.len() as u64;
         let overlap_of = &*overlap_of;
-        let candidate = |engine: usize| Candidate {
-            engine,
-            overlap_blocks: overlap_of.get(engine).copied().unwrap_or(0),
-            load: self.load(engine),
+        let candidate = |engine: usize| {
+            let (overlap_blocks, overlap_weight) = overlap_of.get(engine).copied().unwrap_or((0, 0.0));
+            Candidate { engine, overlap_blocks, overlap_weight, load: self.load(engine) }
         };
         decodes.clear();
         decodes.extend(self.membership.live_iter(req.model, Role::decodes).map(candidate));
@@ -279,21 +332,22 @@ impl Cluster {
             n = 2;
         }
         if guesses[..n].iter().any(|&(_, first)| first < hashes) {
-            if !self.indexes.contains_key(req.model) {
-                self.indexes.insert(req.model.to_string(), PrefixIndex::default());
+            if !self.indexes.contains_key(key.as_ref()) {
+                self.indexes.insert(key.to_string(), PrefixIndex::default());
             }
-            let index = self.indexes.get_mut(req.model).expect("just made sure");
+            let index = self.indexes.get_mut(key.as_ref()).expect("just made sure");
             index.insert_speculative_probed(&guesses[..n], req.block_hashes, speculative_until, probes);
         }
         Ok(decision)
     }
 
-    /// The index of one model (created empty on first use).
-    pub fn model_index_mut(&mut self, model: &str) -> &mut PrefixIndex {
-        self.indexes.entry(model.to_string()).or_default()
+    /// The index of one model (created empty on first use), or of one of its adapters with a
+    /// key from [`adapter_key`].
+    pub fn model_index_mut(&mut self, key: &str) -> &mut PrefixIndex {
+        self.indexes.entry(key.to_string()).or_default()
     }
 
-    /// Every model's index.
+    /// Every index: models' by model name, adapters' by [`adapter_key`].
     pub fn indexes(&self) -> impl Iterator<Item = (&str, &PrefixIndex)> {
         self.indexes.iter().map(|(model, index)| (model.as_str(), index))
     }
@@ -456,7 +510,89 @@ mod tests {
             block_hashes: hashes,
             prompt_tokens: hashes.len() as u64 * 16,
             block_size: 16,
+            lora_name: None,
         }
+    }
+
+    /// Blocks stored under an adapter (vLLM names it; SGLang may give only a number).
+    fn stored_under(hashes: &[u64], lora_name: Option<&str>, lora_id: Option<i64>) -> EventBatch {
+        let mut batch = stored(hashes);
+        if let KvEvent::BlockStored { lora_name: name, lora_id: id, .. } = &mut batch.events[0] {
+            (*name, *id) = (lora_name.map(str::to_owned), lora_id);
+        }
+        batch
+    }
+
+    #[test]
+    fn adapters_are_indexed_apart() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("d0", Role::Decode), now);
+        c.register(spec("d1", Role::Decode), now);
+        c.register(spec("d2", Role::Decode), now);
+        let hashes: Vec<u64> = (1..=20).collect();
+        // The same ids (as if hashes collided) under adapter A on d0, the base on d1, an
+        // unnamed adapter on d2.
+        c.apply_events(0, &stored_under(&hashes, Some("a"), None));
+        c.apply_events(1, &stored(&hashes));
+        c.apply_events(2, &stored_under(&hashes, None, Some(7)));
+        let under = |name| PairRequest { lora_name: name, ..req("r", &hashes) };
+        let d = c.pair(PairRequest { request_id: "ra", ..under(Some("a")) }, now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_overlap_blocks), (0, 20));
+        let d = c.pair(PairRequest { request_id: "rb", ..under(Some("b")) }, now, [0.0; 2]).unwrap();
+        assert_eq!(d.decode_overlap_blocks, 0, "adapter B matches nobody's blocks: {d:?}");
+        let d = c.pair(PairRequest { request_id: "rbase", ..under(None) }, now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_overlap_blocks), (1, 20));
+        assert_eq!(key_model(&adapter_key("m:v1", Some("a"), None)), "m:v1");
+        assert_eq!(key_model(&adapter_key("m", None, Some(7))), "m");
+        // Removals name no adapter: they reach the adapter's index too.
+        let removed = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(1)], medium: None }],
+            dp_rank: None,
+        };
+        c.apply_events(0, &removed);
+        let d = c.pair(PairRequest { request_id: "ra2", ..under(Some("a")) }, now, [0.0; 2]).unwrap();
+        assert_eq!(d.decode_overlap_blocks, 0, "{d:?}");
+    }
+
+    #[test]
+    fn a_gpu_holder_beats_a_cpu_holder_until_its_copy_is_evicted() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("d0", Role::Decode), now);
+        c.register(spec("d1", Role::Decode), now);
+        // 20 of the prompt's 40 blocks cached: the overlap credit does not cover the prompt.
+        let prompt: Vec<u64> = (1..=40).collect();
+        let hashes = &prompt[..20];
+        let on = |medium: &str| {
+            let mut batch = stored(hashes);
+            if let KvEvent::BlockStored { medium: m, .. } = &mut batch.events[0] {
+                *m = Some(medium.into());
+            }
+            batch
+        };
+        c.apply_events(0, &on("CPU"));
+        c.apply_events(1, &on("GPU"));
+        c.apply_events(1, &on("CPU")); // offloaded too: its GPU copy still counts
+        let d = c.pair(req("r1", &prompt), now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_overlap_blocks), (1, 20));
+        // d1's GPU copies are evicted (removal names the tier): both hold CPU copies only,
+        // and the tie goes to the lower engine number.
+        let evicted = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockRemoved {
+                block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+                medium: Some("GPU".into()),
+            }],
+            dp_rank: None,
+        };
+        c.apply_events(1, &evicted);
+        c.handoffs.finished("r1");
+        // After the decision's own guesses (counted as GPU) expire, within the lease.
+        let later = now + Settings::default().speculative_ttl + Duration::from_millis(500);
+        let d = c.pair(req("r2", &prompt), later, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_overlap_blocks), (0, 20), "{d:?}");
     }
 
     #[test]

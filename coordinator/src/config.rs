@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use crate::api::EngineSpecJson;
 use crate::cluster::Settings;
-use crate::pairing::{LocalPrefillPolicy, Weights};
+use crate::pairing::{LocalPrefillPolicy, TierWeights, Weights};
 use crate::topic::TopicPattern;
 
 #[derive(Clone, Debug, Parser)]
@@ -115,6 +115,12 @@ pub struct Config {
     /// much of the engine's prefill queue; Dynamo's weighting is 1).
     #[arg(long, env = "PD_COORDINATOR_OVERLAP_CREDIT", default_value_t = Weights::default().overlap_credit)]
     pub overlap_credit: f64,
+    /// What a cached block in host memory saves against one on GPU (1.0).
+    #[arg(long, env = "PD_COORDINATOR_CPU_TIER_WEIGHT", default_value_t = TierWeights::default().cpu)]
+    pub cpu_tier_weight: f64,
+    /// The same for a block on disk (or any other slower medium).
+    #[arg(long, env = "PD_COORDINATOR_DISK_TIER_WEIGHT", default_value_t = TierWeights::default().disk)]
+    pub disk_tier_weight: f64,
     /// 0 picks the cheapest engine; above 0 samples among near-best ones.
     #[arg(long, env = "PD_COORDINATOR_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
@@ -239,6 +245,8 @@ impl Config {
             self.prefill_scale,
             self.overlap_credit,
             self.temperature,
+            self.cpu_tier_weight,
+            self.disk_tier_weight,
             self.local_prefill_max_ratio,
             self.local_decode_slack,
         ];
@@ -287,6 +295,7 @@ impl Config {
                 overlap_credit: self.overlap_credit,
                 temperature: self.temperature,
             },
+            tier_weights: TierWeights { cpu: self.cpu_tier_weight, disk: self.disk_tier_weight },
             local_prefill: LocalPrefillPolicy {
                 max_uncached_tokens: self.local_prefill_max_tokens,
                 max_uncached_ratio: self.local_prefill_max_ratio,

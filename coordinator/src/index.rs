@@ -18,7 +18,8 @@
 //!   its slot; a block only guessed has no block slot at all (a lookup that misses the block
 //!   table asks the approximate one), so a decision's guesses for blocks nobody holds yet write
 //!   one table, not two, and a lookup just before tells the insert which blocks are absent.
-//! - A tier other than GPU is kept in a side map, flagged too: the common case costs nothing.
+//! - A block's tiers on an engine (a copy may sit on GPU and CPU at once) are kept in a side map
+//!   when they are not GPU alone, flagged too: the common case costs nothing.
 
 mod approx;
 mod due;
@@ -31,12 +32,14 @@ use pd_protocols::kv_events::KvEvent;
 
 use self::approx::Approx;
 use self::table::Slots;
+use crate::pairing::TierWeights;
 
-/// Where a block lives on an engine.
+/// Where a block lives on an engine, fastest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tier {
     Gpu,
     Cpu,
+    /// Disk, or any other medium slower than host memory.
     Other,
 }
 
@@ -50,7 +53,29 @@ impl Tier {
             Some(_) => Tier::Other,
         }
     }
+
+    fn bit(self) -> u8 {
+        match self {
+            Tier::Gpu => 1,
+            Tier::Cpu => 2,
+            Tier::Other => 4,
+        }
+    }
+
+    /// The fastest tier of a non-empty set.
+    fn fastest(tiers: u8) -> Tier {
+        if tiers & 1 != 0 {
+            Tier::Gpu
+        } else if tiers & 2 != 0 {
+            Tier::Cpu
+        } else {
+            Tier::Other
+        }
+    }
 }
+
+/// The tier set of a block no side-map entry describes.
+const GPU_ONLY: u8 = 1;
 
 // A block's slot: [hash, meta, exact-holder bitset words..., padding].
 const BITS: usize = 2;
@@ -145,7 +170,7 @@ impl Resets {
 }
 
 /// Drops the stale bits of a block's slot and stamps it current.
-fn clean(slot: &mut [u64], words: usize, resets: &Resets, tiers: &mut HashMap<(u64, u32), Tier>) {
+fn clean(slot: &mut [u64], words: usize, resets: &Resets, tiers: &mut HashMap<(u64, u32), u8>) {
     let stamp = (slot[1] & STAMP) as u32;
     let Some(stale) = resets.stale(stamp) else { return };
     let has_tier = slot[1] & HAS_TIER != 0;
@@ -184,7 +209,8 @@ pub struct PrefixIndex {
     approx: Approx,
     /// Block slots flagged `HAS_APPROX`: the other approximate blocks have no block slot.
     flagged: usize,
-    tiers: HashMap<(u64, u32), Tier>,
+    /// The tiers (bit set, [`Tier::bit`]) of a block on an engine, unless GPU alone.
+    tiers: HashMap<(u64, u32), u8>,
     engines: Engines,
     resets: Resets,
     clock: Clock,
@@ -342,10 +368,12 @@ impl PrefixIndex {
                     }
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, .. } => {
+            KvEvent::BlockRemoved { block_hashes, medium } => {
                 let Some(local) = self.known(engine) else { return };
+                // A medium removes that tier's copy only; none removes every copy.
+                let tier = medium.as_deref().map(|m| Tier::from_medium(Some(m)));
                 for hash in block_hashes {
-                    self.remove(local, hash.as_u64());
+                    self.remove(local, hash.as_u64(), tier);
                 }
             }
             KvEvent::AllBlocksCleared => self.remove_engine(engine),
@@ -671,7 +699,19 @@ impl PrefixIndex {
         if live[local as usize / 64] & 1 << (local % 64) == 0 {
             return None;
         }
-        Some(self.tiers.get(&(hash, local)).copied().unwrap_or(Tier::Gpu))
+        Some(Tier::fastest(self.tiers.get(&(hash, local)).copied().unwrap_or(GPU_ONLY)))
+    }
+
+    /// `hashes` (leading blocks a lookup found `engine` holding) counted each at its fastest
+    /// tier's weight there; `hashes.len()` when everything is on GPU.
+    pub fn tier_weighted(&self, engine: usize, hashes: &[u64], weights: &TierWeights) -> f64 {
+        let Some(local) = self.known(engine).filter(|_| !self.tiers.is_empty()) else {
+            return hashes.len() as f64;
+        };
+        hashes
+            .iter()
+            .map(|&hash| weights.of(Tier::fastest(self.tiers.get(&(hash, local)).copied().unwrap_or(GPU_ONLY))))
+            .sum()
     }
 
     /// Blocks indexed for an engine (approximate entries count until `expire` drops them).
@@ -819,22 +859,36 @@ impl PrefixIndex {
         let (word, bit) = (BITS + local as usize / 64, 1u64 << (local % 64));
         let slot = self.blocks.slot_mut(i);
         let meta = slot[1];
+        // The tiers it already has there: a copy in another tier adds to them.
+        let mut held = 0;
         if slot[word] & bit == 0 {
             slot[word] |= bit;
             self.engines.exact[local as usize] += 1;
             if meta & HAS_APPROX != 0 {
                 self.drop_approx(i, hash, local, guessed);
             }
+        } else {
+            held = self.tiers_of(meta, hash, local);
         }
-        if tier != Tier::Gpu {
-            self.tiers.insert((hash, local), tier);
+        let tiers = held | tier.bit();
+        if tiers != GPU_ONLY {
+            self.tiers.insert((hash, local), tiers);
             self.blocks.slot_mut(i)[1] |= HAS_TIER;
         } else if meta & HAS_TIER != 0 {
             self.tiers.remove(&(hash, local));
         }
     }
 
-    fn remove(&mut self, local: u32, hash: u64) {
+    /// The tiers of a block `local` holds exactly (its slot's meta word given).
+    fn tiers_of(&self, meta: u64, hash: u64, local: u32) -> u8 {
+        if meta & HAS_TIER == 0 {
+            return GPU_ONLY;
+        }
+        self.tiers.get(&(hash, local)).copied().unwrap_or(GPU_ONLY)
+    }
+
+    /// Drops `local`'s copy of `hash` in `tier`, or every copy (`None`).
+    fn remove(&mut self, local: u32, hash: u64, tier: Option<Tier>) {
         let Some(i) = self.blocks.find(hash) else {
             // Perhaps guessed: guesses need no block slot.
             if self.approx.len() > 0 && self.approx.remove(hash, local, &self.resets).0 {
@@ -846,7 +900,20 @@ impl PrefixIndex {
         let slot = self.blocks.slot_mut(i);
         clean(slot, self.words, &self.resets, &mut self.tiers);
         let meta = slot[1];
-        if slot[word] & bit != 0 {
+        let holds = slot[word] & bit != 0;
+        if let (true, Some(tier)) = (holds, tier) {
+            let left = self.tiers_of(meta, hash, local) & !tier.bit();
+            if left == GPU_ONLY {
+                self.tiers.remove(&(hash, local));
+            } else if left != 0 {
+                self.tiers.insert((hash, local), left);
+            }
+            if left != 0 {
+                return; // still held in another tier
+            }
+        }
+        let slot = self.blocks.slot_mut(i);
+        if holds {
             slot[word] &= !bit;
             self.engines.exact[local as usize] -= 1;
             if meta & HAS_TIER != 0 {
@@ -1019,6 +1086,38 @@ mod tests {
         index.apply(1, &KvEvent::AllBlocksCleared);
         assert_eq!(index.holds(1, 11, now), None);
         assert!(index.tiers.is_empty(), "a reset drops the engine's tiers");
+    }
+
+    #[test]
+    fn removal_naming_a_tier_drops_that_copy_only() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        let removed = |hashes: &[u64], medium: Option<&str>| KvEvent::BlockRemoved {
+            block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(),
+            medium: medium.map(str::to_owned),
+        };
+        index.apply(1, &stored(&[10, 11, 12]));
+        index.apply(1, &stored_on(&[10, 11], "CPU"));
+        index.apply(1, &stored_on(&[10], "LOCAL_DISK"));
+        let weights = TierWeights { cpu: 0.5, disk: 0.25 };
+        assert_eq!(index.tier_weighted(1, &[10, 11, 12], &weights), 3.0, "every block is on GPU too");
+        index.apply(1, &removed(&[10, 11, 12], Some("GPU")));
+        assert_eq!(index.holds(1, 10, now), Some(Tier::Cpu));
+        assert_eq!(index.holds(1, 12, now), None, "its only copy");
+        assert_eq!(index.tier_weighted(1, &[10, 11], &weights), 1.0);
+        index.apply(1, &removed(&[10], Some("CPU")));
+        assert_eq!(index.holds(1, 10, now), Some(Tier::Other));
+        assert_eq!(index.tier_weighted(1, &[10], &weights), 0.25);
+        assert_eq!(index.overlaps(&[10, 11], now).get(&1), Some(&2));
+        index.apply(1, &removed(&[10], Some("CPU")));
+        assert_eq!(index.holds(1, 10, now), Some(Tier::Other), "no CPU copy left to drop");
+        // No medium: every copy goes.
+        index.apply(1, &removed(&[10, 11], None));
+        assert_eq!(index.holds(1, 10, now), None);
+        assert_eq!(index.holds(1, 11, now), None);
+        assert!(index.tiers.is_empty());
+        assert_eq!(index.engine_blocks(1), 0);
+        assert_eq!(index.tier_weighted(2, &[10], &weights), 1.0, "unknown engines count as given");
     }
 
     /// Resets stay pending on a large table: reads mask them, writes and sweeps drop them.

@@ -2,9 +2,14 @@
 //! engine already caches and how loaded each is; and whether to skip the prefill leg.
 //!
 //! Cost of an engine for a request of `new` blocks (Dynamo's KV-router form):
-//! `prefill_scale × max(0, queued_prefill + new − credit × overlap) + (active_decode + new)`.
+//! `prefill_scale × max(0, queued_prefill + new − credit × overlap) + (active_decode + new)`,
+//! where each cached block of the overlap counts at its tier's weight (GPU 1; a copy in host
+//! memory or on disk must be loaded back first, so it saves less), as llm-d's scorer weighs
+//! KV-cache media.
 //! Temperature 0 picks the cheapest; above 0 samples a softmax over costs normalised to 0..1,
 //! so near-best engines share the load.
+
+use crate::index::Tier;
 
 /// An engine's load, from its metrics and the coordinator's own in-flight accounting.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -21,7 +26,34 @@ pub struct Candidate {
     pub engine: usize,
     /// Leading blocks of the prompt the engine already holds.
     pub overlap_blocks: u64,
+    /// Those blocks each counted at its tier's weight ([`TierWeights`]); `overlap_blocks` when
+    /// all are on GPU.
+    pub overlap_weight: f64,
     pub load: Load,
+}
+
+/// What a cached block is worth by where it is, against one on GPU (1.0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierWeights {
+    pub cpu: f64,
+    /// Disk and any other slower medium.
+    pub disk: f64,
+}
+
+impl Default for TierWeights {
+    fn default() -> Self {
+        TierWeights { cpu: 0.8, disk: 0.5 }
+    }
+}
+
+impl TierWeights {
+    pub fn of(&self, tier: Tier) -> f64 {
+        match tier {
+            Tier::Gpu => 1.0,
+            Tier::Cpu => self.cpu,
+            Tier::Other => self.disk,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,8 +82,7 @@ impl Default for Weights {
 /// integer arithmetic that could overflow on loads a peer reported.
 pub fn cost(candidate: &Candidate, new_blocks: u64, weights: &Weights) -> f64 {
     let new = new_blocks as f64;
-    let prefill =
-        candidate.load.queued_prefill_blocks as f64 + new - weights.overlap_credit * candidate.overlap_blocks as f64;
+    let prefill = candidate.load.queued_prefill_blocks as f64 + new - weights.overlap_credit * candidate.overlap_weight;
     let cost = weights.prefill_scale * prefill.max(0.0) + (candidate.load.active_decode_blocks as f64 + new);
     if cost.is_nan() {
         f64::INFINITY
@@ -128,6 +159,7 @@ mod tests {
         Candidate {
             engine,
             overlap_blocks: overlap,
+            overlap_weight: overlap as f64,
             load: Load { active_decode_blocks: active, queued_prefill_blocks: queued },
         }
     }
@@ -193,6 +225,19 @@ mod tests {
             assert!(choose(&mixed, 4, &warm, u).is_some());
             assert_eq!(choose(&[cand(0, 0, 0, 1), cand(1, 4, 0, 0)], 4, &inf, u), Some(1));
         }
+    }
+
+    #[test]
+    fn a_gpu_copy_beats_a_cpu_copy_beats_none() {
+        let d = Weights::default();
+        let tiers = TierWeights::default();
+        let on = |engine, tier| Candidate { overlap_weight: 8.0 * tiers.of(tier), ..cand(engine, 8, 0, 0) };
+        let (cpu, disk, gpu) = (on(0, Tier::Cpu), on(1, Tier::Other), on(2, Tier::Gpu));
+        // 20 new blocks, 8 cached: the credit does not cover the whole prompt.
+        assert!(cost(&gpu, 20, &d) < cost(&cpu, 20, &d) && cost(&cpu, 20, &d) < cost(&disk, 20, &d));
+        assert!(cost(&disk, 20, &d) < cost(&cand(3, 0, 0, 0), 20, &d));
+        assert_eq!(choose(&[cpu, disk, gpu], 20, &d, 0.0), Some(2));
+        assert_eq!(choose(&[cpu, disk], 20, &d, 0.0), Some(0));
     }
 
     #[test]

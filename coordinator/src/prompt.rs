@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use pd_protocols::hash::{block_hashes, event_id, none_hash, BlockDigest};
+use pd_protocols::hash::{block_hashes_with, event_id, none_hash, BlockDigest, ExtraKey};
 
 /// How a request's hashes were obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,32 +73,35 @@ impl PromptHasher {
         self.tokenizer.is_some()
     }
 
-    /// The vLLM block ids of every full block of `tokens`.
-    pub fn token_hashes(&self, tokens: &[u32], block_size: u32) -> Vec<u64> {
-        block_hashes(&self.root, tokens, block_size.max(1) as usize).iter().map(event_id).collect()
+    /// The vLLM block ids of every full block of `tokens`. Under a LoRA adapter vLLM puts the
+    /// adapter's name first in every block's extra keys (the only key for a text prompt).
+    pub fn token_hashes(&self, tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
+        let extra = |_| lora_name.map(|name| vec![ExtraKey::Text(name.to_owned())]);
+        block_hashes_with(&self.root, tokens, block_size.max(1) as usize, extra).iter().map(event_id).collect()
     }
 
     /// Hashes for a prompt given as text.
-    pub fn text_hashes(&self, text: &str, block_size: u32) -> Result<Hashed, PromptError> {
+    pub fn text_hashes(&self, text: &str, block_size: u32, lora_name: Option<&str>) -> Result<Hashed, PromptError> {
         if let Some(tokenizer) = &self.tokenizer {
             let encoding =
                 tokenizer.encode_fast(text, self.add_special_tokens).map_err(|e| PromptError::Encode(e.to_string()))?;
             let tokens = encoding.get_ids();
             return Ok(Hashed {
-                hashes: self.token_hashes(tokens, block_size),
+                hashes: self.token_hashes(tokens, block_size, lora_name),
                 prompt_tokens: tokens.len() as u64,
                 precision: Precision::Exact,
             });
         }
-        Ok(self.approximate(text, block_size))
+        Ok(self.approximate(text, block_size, lora_name))
     }
 
     /// A chain over chunks of about `block_size` tokens' worth of text (cut on character
-    /// boundaries); only full chunks are hashed, as only full blocks are cached.
-    fn approximate(&self, text: &str, block_size: u32) -> Hashed {
+    /// boundaries); only full chunks are hashed, as only full blocks are cached. An adapter's
+    /// name seeds the chain, as it keys vLLM's.
+    fn approximate(&self, text: &str, block_size: u32, lora_name: Option<&str>) -> Hashed {
         let chunk_bytes = (block_size.max(1) as usize).saturating_mul(self.chars_per_token);
         let mut hashes = Vec::with_capacity(text.len() / chunk_bytes + 1);
-        let mut parent = APPROX_SEED;
+        let mut parent = lora_name.map_or(APPROX_SEED, |name| fnv1a(APPROX_SEED, name.as_bytes()));
         let mut start = 0;
         let bytes = text.as_bytes();
         while text.len() - start >= chunk_bytes {
@@ -123,22 +126,33 @@ mod tests {
     fn token_ids_hash_like_vllm() {
         let hasher = PromptHasher::new(None, None, false, 4).unwrap();
         let tokens: Vec<u32> = (0..40).collect();
-        let hashes = hasher.token_hashes(&tokens, 16);
+        let hashes = hasher.token_hashes(&tokens, 16, None);
         // PROTOCOLS.md §2: the first block of tokens 0..15 (block size 16).
         assert_eq!(hashes.len(), 2);
         assert_eq!(hashes[0], 2_233_398_808_101_521_225);
+        // An adapter's blocks: the name is every block's extra key, as vLLM hashes them.
+        let adapted = hasher.token_hashes(&tokens, 16, Some("sql-lora"));
+        let root = none_hash(None);
+        let first = pd_protocols::hash::block_digest(&root, &tokens[..16], Some(&[ExtraKey::Text("sql-lora".into())]));
+        let second =
+            pd_protocols::hash::block_digest(&first, &tokens[16..32], Some(&[ExtraKey::Text("sql-lora".into())]));
+        assert_eq!(adapted, vec![event_id(&first), event_id(&second)]);
+        assert_ne!(adapted[0], hashes[0]);
+        assert_ne!(hasher.token_hashes(&tokens, 16, Some("other"))[0], adapted[0]);
     }
 
     #[test]
     fn approximate_chunks_share_prefixes() {
         let hasher = PromptHasher::new(None, None, false, 4).unwrap();
-        let a = hasher.text_hashes(&"word ".repeat(100), 16).unwrap();
-        let b = hasher.text_hashes(&format!("{}tail", "word ".repeat(64)), 16).unwrap();
+        let a = hasher.text_hashes(&"word ".repeat(100), 16, None).unwrap();
+        let b = hasher.text_hashes(&format!("{}tail", "word ".repeat(64)), 16, None).unwrap();
+        let adapted = hasher.text_hashes(&"word ".repeat(100), 16, Some("sql-lora")).unwrap();
+        assert!(adapted.hashes.iter().all(|h| !a.hashes.contains(h)), "an adapter's chunks never match the base's");
         assert_eq!(a.precision, Precision::Approximate);
         assert_eq!(a.hashes.len(), 500 / 64);
         assert_eq!(a.hashes[..5], b.hashes[..5]);
         assert_eq!(a.prompt_tokens, 125);
-        let unicode = hasher.text_hashes(&"é".repeat(100), 16).unwrap();
+        let unicode = hasher.text_hashes(&"é".repeat(100), 16, None).unwrap();
         assert_eq!(unicode.hashes.len(), 3);
     }
 }

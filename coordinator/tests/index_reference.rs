@@ -34,9 +34,30 @@ impl Rng {
     }
 }
 
+/// The tiers an engine holds a block in: GPU, CPU, other.
+type Copies = [bool; 3];
+
+fn slot_of(tier: Tier) -> usize {
+    match tier {
+        Tier::Gpu => 0,
+        Tier::Cpu => 1,
+        Tier::Other => 2,
+    }
+}
+
+/// `state` with a copy in `tier` added (a block stored in a second tier has both).
+fn with_copy(state: Option<&State>, tier: Tier) -> State {
+    let mut copies = match state {
+        Some(State::Exact(copies)) => *copies,
+        _ => [false; 3],
+    };
+    copies[slot_of(tier)] = true;
+    State::Exact(copies)
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum State {
-    Exact(Tier),
+    Exact(Copies),
     /// Until this many milliseconds after the start.
     Approx(u64),
 }
@@ -68,7 +89,10 @@ impl Reference {
 
     fn holds(&self, engine: usize, hash: u64, now_ms: u64) -> Option<Tier> {
         match self.held.get(&engine)?.get(&hash)? {
-            State::Exact(tier) => Some(*tier),
+            State::Exact(copies) => {
+                let fastest = copies.iter().position(|&c| c).expect("an exact state has a copy");
+                Some([Tier::Gpu, Tier::Cpu, Tier::Other][fastest])
+            }
             &State::Approx(until) if until > now_ms => Some(Tier::Gpu),
             State::Approx(_) => None,
         }
@@ -224,7 +248,8 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                 let tier = Tier::from_medium(*medium);
                 let blocks = reference.held.entry(*engine).or_default();
                 for h in hashes {
-                    blocks.insert(*h, State::Exact(tier));
+                    let state = with_copy(blocks.get(h), tier);
+                    blocks.insert(*h, state);
                 }
             }
             Op::Removed { engine, hashes } => {
@@ -404,7 +429,8 @@ fn exact_events_only() {
                     index.apply(engine, &stored(&run, Some(medium)));
                     let blocks = reference.held.entry(engine).or_default();
                     for h in &run {
-                        blocks.insert(*h, State::Exact(Tier::from_medium(Some(medium))));
+                        let state = with_copy(blocks.get(h), Tier::from_medium(Some(medium)));
+                        blocks.insert(*h, state);
                     }
                 }
                 6..=8 => {

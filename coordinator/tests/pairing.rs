@@ -183,3 +183,123 @@ async fn approximate_mode_remembers_routed_prompts() {
         assert!(blocks >= 15, "the shared system text ({} bytes) is ≥ 15 chunks of 64: {d2}", system.len());
     }
 }
+
+/// An engine's KV-event publisher in vLLM's wire format (PUB socket, tagged-map batches), for
+/// events pd-sim does not produce (adapters).
+struct EventPublisher {
+    socket: zmq::Socket,
+    endpoint: String,
+    seq: u64,
+}
+
+impl EventPublisher {
+    fn bind(ctx: &zmq::Context) -> EventPublisher {
+        let socket = ctx.socket(zmq::PUB).unwrap();
+        let endpoint = format!("tcp://127.0.0.1:{}", common::free_port());
+        socket.bind(&endpoint).unwrap();
+        EventPublisher { socket, endpoint, seq: 0 }
+    }
+
+    fn spec(&self, id: &str) -> serde_json::Value {
+        json!({
+            "id": id, "role": "decode", "node": "node-1", "model": MODEL, "engine_url": "http://127.0.0.1:9",
+            "kv_events": self.endpoint, "kv_events_topic": "kv-events", "block_size": 16,
+        })
+    }
+
+    /// Stores `tokens`' full blocks in `medium`, hashed as vLLM does under `lora_name`.
+    fn store(&mut self, tokens: &[u32], lora_name: Option<&str>, medium: &str) {
+        use pd_protocols::hash::{block_hashes_with, event_id, none_hash, ExtraKey};
+        use pd_protocols::kv_events::{encode_batch, BlockHash, EventBatch, EventFormat, KvEvent};
+        let extra = |_| lora_name.map(|name| vec![ExtraKey::Text(name.to_owned())]);
+        let hashes = block_hashes_with(&none_hash(None), tokens, 16, extra);
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored {
+                block_hashes: hashes.iter().map(|h| BlockHash::Int(event_id(h))).collect(),
+                parent_block_hash: None,
+                token_ids: tokens.to_vec(),
+                block_size: 16,
+                lora_id: None,
+                medium: Some(medium.into()),
+                lora_name: lora_name.map(str::to_owned),
+            }],
+            dp_rank: Some(0),
+        };
+        let payload = encode_batch(&batch, EventFormat::TaggedMap);
+        let seq = pd_protocols::zmq_frames::seq_frame(self.seq).to_vec();
+        self.seq += 1;
+        self.socket.send_multipart([b"kv-events".to_vec(), seq, payload], 0).unwrap();
+    }
+}
+
+/// Blocks indexed for `engine` in the index of `key` (a model, or a model's adapter).
+async fn indexed_under(coord: &Coord, key: &str, engine: &str) -> u64 {
+    let (_, stats) = coord.get("/v1/index/stats").await;
+    stats["models"][key]["engines"][engine].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_adapters_never_match_each_others_blocks() {
+    let ctx = zmq::Context::new();
+    let (mut d0, mut d1) = (EventPublisher::bind(&ctx), EventPublisher::bind(&ctx));
+    let coord = Coord::start(&[]).await;
+    coord.register(&d0.spec("d0")).await;
+    coord.register(&d1.spec("d1")).await;
+    // The same 10-block prompt: under adapter "sql" on d0, under the base model on d1.
+    let prompt = tokens(7000, 160);
+    let adapter_key = format!("{MODEL}#lora=sql");
+    // The subscribers join a moment after registration: republish until indexed (a store of
+    // held blocks changes nothing).
+    eventually(Duration::from_secs(10), "both engines' blocks indexed", || {
+        d0.store(&prompt, Some("sql"), "GPU");
+        d1.store(&prompt, None, "GPU");
+        let (coord, adapter_key) = (&coord, &adapter_key);
+        async move { indexed_under(coord, adapter_key, "d0").await == 10 && coord.indexed("d1").await == 10 }
+    })
+    .await;
+    assert_eq!(indexed_under(&coord, &adapter_key, "d1").await, 0);
+    assert_eq!(coord.indexed("d0").await, 0, "the adapter's blocks stay out of the base model's index");
+
+    let pair = |id: &str, lora: Option<&str>| {
+        let mut body = json!({"request_id": id, "model": MODEL, "token_ids": prompt});
+        if let Some(name) = lora {
+            body["lora_name"] = name.into();
+        }
+        body
+    };
+    let (status, d) = coord.pair(&pair("sql", Some("sql"))).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!((d["decode"]["id"].as_str(), d["decode_overlap_blocks"].as_u64()), (Some("d0"), Some(10)), "{d}");
+    let (status, d) = coord.pair(&pair("base", None)).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!((d["decode"]["id"].as_str(), d["decode_overlap_blocks"].as_u64()), (Some("d1"), Some(10)), "{d}");
+    // Adapter B: neither A's blocks nor the base model's attract it.
+    let (status, d) = coord.pair(&pair("other", Some("other"))).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["decode_overlap_blocks"], 0, "{d}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_copy_beats_a_cpu_copy() {
+    let ctx = zmq::Context::new();
+    let (mut d0, mut d1) = (EventPublisher::bind(&ctx), EventPublisher::bind(&ctx));
+    let coord = Coord::start(&[]).await;
+    coord.register(&d0.spec("d0")).await;
+    coord.register(&d1.spec("d1")).await;
+    // Both hold the prompt's first 10 blocks: d0 offloaded to host memory, d1 on GPU. d0
+    // would win a tie (lower number); the tier weighting must decide it.
+    let cached = tokens(9000, 160);
+    eventually(Duration::from_secs(10), "both engines' blocks indexed", || {
+        d0.store(&cached, None, "CPU");
+        d1.store(&cached, None, "GPU");
+        let coord = &coord;
+        async move { coord.indexed("d0").await == 10 && coord.indexed("d1").await == 10 }
+    })
+    .await;
+    let mut prompt = cached.clone();
+    prompt.extend(tokens(20_000, 160));
+    let (status, d) = coord.pair(&json!({"request_id": "tiers", "model": MODEL, "token_ids": prompt})).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!((d["decode"]["id"].as_str(), d["decode_overlap_blocks"].as_u64()), (Some("d1"), Some(10)), "{d}");
+}

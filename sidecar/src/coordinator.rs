@@ -196,9 +196,13 @@ impl Coordinator {
             None => (None, None),
         };
         let engine = self.engine_id();
+        // vLLM serves a LoRA adapter under the adapter's own name: a model other than the
+        // engine's base model is taken as one of its adapters.
+        let lora_name = model.filter(|m| *m != self.spec.model).map(str::to_owned);
         let req = PairRequest {
             request_id: request_id.to_string(),
-            model: model.unwrap_or(&self.spec.model).to_string(),
+            model: self.spec.model.clone(),
+            lora_name,
             token_ids: token_ids.map(<[u32]>::to_vec),
             prompt: text.map(String::from),
             prompt_tokens: prompt.map(|p| p.estimated_tokens(self.chars_per_token)),

@@ -152,6 +152,7 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
         (Some("coord-1"), Some("sim-model"), Some("dec-1"))
     );
     assert!(pair["prompt"].as_str().unwrap().starts_with("co0 co1"));
+    assert!(pair.get("lora_name").is_none(), "the engine's own model names no adapter: {pair}");
     let reports = until("reports", Duration::from_secs(2), || {
         let r = fake.reports.lock().unwrap().clone();
         (r.len() >= 2).then_some(r)
@@ -192,6 +193,15 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
     fake.forget_once.store(true, SeqCst);
     until("re-registration", Duration::from_secs(3), || (fake.registrations.lock().unwrap().len() >= 2).then_some(()))
         .await;
+
+    // Another model is one of the engine's LoRA adapters: named in the pairing, which asks
+    // for the engine's model (whatever the simulated engine makes of the name).
+    let before = fake.pairs.lock().unwrap().len();
+    s.post("/v1/completions", &json!({"model": "sql-lora", "prompt": words(40, "lora"), "max_tokens": 2})).await;
+    let pair =
+        until("the adapter's pairing", Duration::from_secs(2), || fake.pairs.lock().unwrap().get(before).cloned())
+            .await;
+    assert_eq!((pair["model"].as_str(), pair["lora_name"].as_str()), (Some("sim-model"), Some("sql-lora")), "{pair}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

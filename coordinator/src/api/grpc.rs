@@ -229,6 +229,7 @@ impl CoordinatorRpc for Service {
             prompt: r.prompt,
             prompt_tokens: r.prompt_tokens,
             local_engine: r.local_engine,
+            lora_name: r.lora_name,
         };
         Ok(Response::new(self.coordinator.pair(req)?.into()))
     }

@@ -9,7 +9,7 @@ use crate::api::{
     ApiError, EngineSpecJson, EngineView, IndexStats, LoadJson, ModelStats, NodeDownJson, Notices, PairDecisionJson,
     PairReason, PairRequestJson, Registration, ReportEvent, ReportJson,
 };
-use crate::cluster::{PairError, PairRequest, Preference};
+use crate::cluster::{adapter_key, key_model, PairError, PairRequest, Preference};
 use crate::membership::EngineSpec;
 use crate::metrics::{inc, DeathCause, Gauges};
 use crate::prompt::Precision;
@@ -199,7 +199,7 @@ impl Coordinator {
             inner
                 .cluster
                 .indexes()
-                .filter(|(m, _)| *m == model)
+                .filter(|(key, _)| key_model(key) == model)
                 .map(|(_, index)| index.engine_blocks(engine) as u64)
                 .sum()
         };
@@ -253,14 +253,15 @@ impl Coordinator {
                 .map(|(size, _)| size)
                 .ok_or_else(no_decode)?
         };
+        let lora = req.lora_name.as_deref();
         let (hashes, tokens, precision) = match (&req.token_ids, &req.prompt) {
             (Some(ids), _) => {
                 let hashed = &ids[..ids.len().min(MAX_HASHED_BLOCKS * block_size as usize)];
-                (self.hasher.token_hashes(hashed, block_size), ids.len() as u64, Precision::Exact)
+                (self.hasher.token_hashes(hashed, block_size, lora), ids.len() as u64, Precision::Exact)
             }
             (None, Some(text)) => {
                 let mut hashed =
-                    self.hasher.text_hashes(text, block_size).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+                    self.hasher.text_hashes(text, block_size, lora).map_err(|e| ApiError::BadRequest(e.to_string()))?;
                 hashed.hashes.truncate(MAX_HASHED_BLOCKS);
                 (hashed.hashes, hashed.prompt_tokens, hashed.precision)
             }
@@ -281,6 +282,7 @@ impl Coordinator {
             block_hashes: &hashes,
             prompt_tokens,
             block_size,
+            lora_name: lora,
         };
         let decision = inner.cluster.pair_preferring(request, prefer, now, uniform).map_err(|e| match e {
             PairError::NoDecode(_) => no_decode(),
@@ -291,11 +293,12 @@ impl Coordinator {
             inner.request_sizes.observe(prompt, prompt.saturating_sub(cached));
         }
         // Where events cannot confirm what was routed, remember it for longer.
+        let index_key = adapter_key(&req.model, lora, None);
         let approx_until = now + Duration::from_secs_f64(self.config.approx_ttl_secs);
         for engine in std::iter::once(decision.decode).chain(decision.prefill) {
             let without_events = inner.cluster.membership.get(engine).is_some_and(|e| e.spec.kv_events.is_none());
             if precision == Precision::Approximate || without_events {
-                inner.cluster.model_index_mut(&req.model).insert_approximate(engine, &hashes, approx_until);
+                inner.cluster.model_index_mut(&index_key).insert_approximate(engine, &hashes, approx_until);
             }
         }
         let spec_of = |engine: usize| inner.cluster.membership.get(engine).map(|e| endpoint(&e.spec));
@@ -338,7 +341,7 @@ impl Coordinator {
         let mut stats = IndexStats::default();
         for (model, index) in inner.cluster.indexes() {
             let mut entry = ModelStats { blocks: index.len() as u64, ..ModelStats::default() };
-            for (i, e) in engines(&inner.cluster).filter(|(_, e)| e.spec.model == model) {
+            for (i, e) in engines(&inner.cluster).filter(|(_, e)| e.spec.model == key_model(model)) {
                 let n = index.engine_blocks(i) as u64;
                 entry.entries += n;
                 entry.engines.insert(e.spec.id.clone(), n);
