@@ -11,7 +11,8 @@ export CARGO_INCREMENTAL=0
 
 # Each step header shows the free disk, so a full disk is seen where it happens.
 step() {
-  printf '\n==== %s ==== (free disk: %s)\n' "$*" "$(df -h --output=avail . | tail -n1 | tr -d ' ')"
+  printf '\n==== %s ==== (free disk: %s, %d min %02d s in)\n' "$*" "$(df -h --output=avail . | tail -n1 | tr -d ' ')" \
+    $((SECONDS / 60)) $((SECONDS % 60))
 }
 
 step "system packages"
