@@ -604,17 +604,19 @@ pub fn fresh_prompt(tag: &str, words: usize) -> String {
 
 /// Builds (if needed) and locates a binary of another workspace package, e.g.
 /// `workspace_bin("pd-sidecar", "pd-sidecar")`. Integration tests cannot use
-/// `CARGO_BIN_EXE_*` for other packages, so this runs `cargo build -p PKG --bin BIN` (a no-op
-/// when up to date; ci/test.sh builds the workspace first).
+/// `CARGO_BIN_EXE_*` for other packages, so this runs `cargo build --workspace --all-features
+/// --bin BIN` (a no-op after the test command's build; `package` only names it in errors).
 pub fn workspace_bin(package: &str, bin: &str) -> Result<PathBuf, String> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(repo_root())
-        .args(["build", "--quiet", "-p", package, "--bin", bin])
+        // The test command's own selection (every member, every feature), so this reuses its
+        // build instead of compiling the daemons again with other features.
+        .args(["build", "--quiet", "--locked", "--workspace", "--all-features", "--bin", bin])
         .status()
-        .map_err(|e| format!("cargo build -p {package}: {e}"))?;
+        .map_err(|e| format!("cargo build --bin {bin} (package {package}): {e}"))?;
     if !status.success() {
-        return Err(format!("cargo build -p {package} --bin {bin}: {status}"));
+        return Err(format!("cargo build --bin {bin} (package {package}): {status}"));
     }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
     let path = target.join("debug").join(bin);

@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
+use nix::sys::wait::{waitid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 #[derive(Debug, thiserror::Error)]
@@ -78,12 +79,18 @@ impl Proc {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
-    /// Whether it has exited (reaping it), with its status.
+    /// Whether it has exited, with its status. The leader is not reaped here: while it is a
+    /// zombie its pid, which is also its group's id, cannot be given to a new process, so the
+    /// group signals of `stop_all` can never reach a stranger's group. `stop_all` reaps it.
     pub fn exited(&mut self) -> Option<String> {
-        match self.child.try_wait() {
-            Ok(Some(s)) => Some(s.to_string()),
-            Ok(None) => None,
-            Err(e) => Some(e.to_string()),
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+        match waitid(Id::Pid(Pid::from_raw(self.child.id() as i32)), flags) {
+            Ok(WaitStatus::StillAlive) => None,
+            Ok(WaitStatus::Exited(_, code)) => Some(format!("exit status: {code}")),
+            Ok(WaitStatus::Signaled(_, signal, _)) => Some(format!("signal: {} ({signal})", signal as i32)),
+            // Stopped or continued: still there.
+            Ok(_) => None,
+            Err(e) => Some(format!("waiting for it failed: {e}")),
         }
     }
 
@@ -137,7 +144,8 @@ pub fn stop_all(procs: &mut [Proc]) {
         std::thread::sleep(Duration::from_millis(10));
     }
     for p in procs.iter_mut() {
-        // SIGKILL the group even when the leader is gone, in case it left children behind.
+        // SIGKILL the group even when the leader has exited, in case it left children behind; the
+        // unreaped leader keeps the group id from being reused until the wait below.
         p.signal(Signal::SIGKILL);
         let _ = p.child.wait();
     }
@@ -195,6 +203,34 @@ mod tests {
 
     fn alive(pid: u32) -> bool {
         nix::sys::signal::kill(Pid::from_raw(pid as i32), None).is_ok()
+    }
+
+    #[test]
+    fn an_exited_leader_stays_unreaped_until_its_group_is_stopped() {
+        let dir = std::env::temp_dir();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "exit 3"]);
+        let mut p = Proc::spawn(&format!("pdbench-test-exit-{}", std::process::id()), cmd, &dir).unwrap();
+        let pid = p.pid();
+        let log = p.log_path().to_path_buf();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let status = loop {
+            if let Some(status) = p.exited() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "sh -c 'exit 3' never exited");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(status, "exit status: 3");
+        // Asked twice, it answers the same: nothing reaped it in between.
+        assert_eq!(p.exited().as_deref(), Some("exit status: 3"));
+        // A zombie still holds its pid (and so its group id) against reuse.
+        assert!(alive(pid), "the exited leader was reaped before the group was stopped");
+        let mut g = Group::default();
+        g.push(p);
+        g.stop();
+        assert!(!alive(pid), "stopping the group did not reap the leader");
+        let _ = std::fs::remove_file(log);
     }
 
     #[test]

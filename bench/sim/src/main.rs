@@ -1,6 +1,8 @@
 //! `pd-sim`: one simulated engine per process.
 
+use std::future::IntoFuture;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
@@ -26,7 +28,12 @@ fn main() -> anyhow::Result<()> {
     runtime.enable_all().build().context("starting the async runtime")?.block_on(serve(cfg))
 }
 
+/// How long open requests may run on after SIGINT or SIGTERM before the process exits anyway.
+const DRAIN_BOUND: Duration = Duration::from_secs(5);
+
 async fn serve(cfg: Config) -> anyhow::Result<()> {
+    // Installed before anything binds, so that a signal at any time drains and is logged.
+    let shutdown = pd_config_file::signals::shutdown_signal();
     let events = match &cfg.kv_events_endpoint {
         Some(endpoint) => Some(
             events::start(EventsConfig {
@@ -69,10 +76,23 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
-        .context("serving HTTP")
+    let (draining, drain_started) = tokio::sync::oneshot::channel();
+    let served = axum::serve(listener, app).with_graceful_shutdown(async move {
+        shutdown.await;
+        tracing::info!(bound_s = DRAIN_BOUND.as_secs(), "shutdown signal received: draining open requests");
+        let _ = draining.send(());
+    });
+    let drain_bound = async move {
+        match drain_started.await {
+            Ok(()) => tokio::time::sleep(DRAIN_BOUND).await,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        served = served.into_future() => served.context("serving HTTP"),
+        () = drain_bound => {
+            tracing::warn!(bound_s = DRAIN_BOUND.as_secs(), "requests still open at the drain bound: exiting");
+            Ok(())
+        }
+    }
 }
