@@ -38,7 +38,9 @@ json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"},
 PY
 
 # A child that exits during start-up fails the start; it is tried once more, loudly, because one
-# CI run saw a pd-sim exit with status 1 and an empty log at start-up (under investigation).
+# CI run saw a pd-sim exit with status 1 and an empty log at start-up. That is what libinfinipath's
+# handler made of a SIGINT or SIGTERM; pd-sim now logs any such signal, so a recurrence names the
+# signal in the log lines printed below. Who sent it is still unknown.
 start_cluster() {
   "$bin_dir/pdbench" cluster --mode sidecar --serve --requests 0 --no-progress \
     --sim-bin "$bin_dir/pd-sim" --coordinator-bin "$bin_dir/pd-coordinator" --sidecar-bin "$bin_dir/pd-sidecar" \
