@@ -860,9 +860,12 @@ impl Agent {
         for (entry, list) in &by_region {
             for (slot, _) in &entry.keys {
                 let attached = &backends[*slot];
+                // The backend checks each wire descriptor against one range, and initiators
+                // merge contiguous descriptors: it gets the ranges merged. The token keeps them
+                // as given, so a re-grant of the same ranges replaces the loaded one.
                 let key = attached
                     .backend
-                    .grant(&entry.region, peer, list, expires)
+                    .grant(&entry.region, peer, &crate::grant::merged(list), expires)
                     .map_err(|e| XferError::backend(attached.name, e))?;
                 grant.issued.push((Arc::clone(&attached.backend), key.clone()));
                 grant.token.entries.push(GrantEntry {
