@@ -855,6 +855,14 @@ impl Agent {
                 None => by_region.push((Arc::clone(entry), vec![(range.addr, range.len)])),
             }
         }
+        // The token counts a region's ranges in 16 bits.
+        if let Some((_, list)) = by_region.iter().find(|(_, list)| list.len() > usize::from(u16::MAX)) {
+            return Err(XferError::InvalidArgument(format!(
+                "a grant holds at most {} ranges per registration, not {}",
+                u16::MAX,
+                list.len()
+            )));
+        }
         let backends = self.inner.backends.load();
         let mut grant = Grant { token: GrantToken { agent: self.inner.name.clone(), entries: vec![] }, issued: vec![] };
         for (entry, list) in &by_region {
