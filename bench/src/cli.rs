@@ -60,6 +60,10 @@ pub struct Args {
     /// Run the KV-shaped pair instead of --block-sizes: 16K x 2048 scattered vs 32M x 1
     #[arg(long)]
     pub kv_shape: bool,
+    /// Move every case under a revocable grant: the target grants the initiator exactly the
+    /// case's remote blocks, so each descriptor passes the grant check (backend "NAME+grants")
+    #[arg(long)]
+    pub grants: bool,
     /// Seed of the scattered layouts and check patterns
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -209,6 +213,7 @@ pub struct Settings {
     pub check: bool,
     pub compare: bool,
     pub kv_shape: bool,
+    pub grants: bool,
     pub seed: u64,
     /// What each side registers.
     pub memory: RunMemory,
@@ -303,6 +308,9 @@ impl Args {
         if !both_dram && (xfer_backend.is_none() || self.alloc == Alloc::Backend) {
             bail!("--local-mem/--remote-mem vram|file need an xfer backend and --alloc host ({RAW_TCP} and --alloc backend move DRAM)");
         }
+        if self.grants && (xfer_backend.is_none() || self.scheme != Scheme::Pairwise) {
+            bail!("--grants needs an xfer backend and the pairwise scheme (one agent, one target)");
+        }
         let (agents, targets) = self.scheme.shape(self.peers);
         if self.scheme != Scheme::Pairwise {
             if xfer_backend.is_none() || self.compare || self.check {
@@ -325,6 +333,7 @@ impl Args {
             check: self.check,
             compare: self.compare,
             kv_shape: self.kv_shape,
+            grants: self.grants,
             seed: self.seed,
             memory: RunMemory {
                 bytes: self.memory()?,

@@ -14,9 +14,11 @@ use crate::check;
 use crate::layout::Case;
 use crate::measure::{measure, Measurement, Plan, Worker, REQUEST_TIMEOUT};
 use crate::memory::PageBuf;
-use crate::wire::{Cmd, Header, Reply, REPLY_LEN};
+use crate::wire::{encode_ranges, Cmd, Header, Reply, REPLY_LEN};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Far above any real token (a few dozen bytes per granted range).
+const MAX_TOKEN_BYTES: u64 = 64 << 20;
 
 /// A connection to the target's raw-tcp port.
 #[derive(Debug)]
@@ -57,6 +59,27 @@ impl RawConn {
         let mut reply = [0u8; REPLY_LEN];
         self.stream.read_exact(&mut reply).context("reading the target's reply")?;
         Reply::decode(&reply).map_err(|e| anyhow!("target: {e}"))
+    }
+
+    /// GRANT: asks the target to grant `initiator` the `(offset, length)` ranges of its
+    /// region; returns the grant token.
+    pub fn grant(&mut self, initiator: &str, ranges: &[(u64, u64)]) -> Result<Vec<u8>> {
+        let header = Header { cmd: Cmd::Grant, len: ranges.len() as u64, seed: initiator.len() as u64 };
+        let mut payload = initiator.as_bytes().to_vec();
+        payload.extend(encode_ranges(ranges));
+        match self.call(header, &payload)? {
+            Reply::Ok => {}
+            other => bail!("the target refused the grant: {other:?} (its stderr says why)"),
+        }
+        let mut len = [0u8; 8];
+        self.stream.read_exact(&mut len).context("reading the grant token's length")?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_TOKEN_BYTES {
+            bail!("the target announced a {len}-byte grant token");
+        }
+        let mut token = vec![0u8; len as usize];
+        self.stream.read_exact(&mut token).context("reading the grant token")?;
+        Ok(token)
     }
 
     fn expect_ok(&mut self, what: &str) -> Result<()> {

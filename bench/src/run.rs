@@ -70,8 +70,11 @@ fn run(settings: &Settings, targets: &[Target]) -> Result<Vec<Row>> {
                 .iter()
                 .map(|t| t.side.clone().ok_or_else(|| anyhow!("the target serves no side channel")))
                 .collect::<Result<Vec<_>>>()?;
-            let control = if settings.check { Some(RawConn::connect(&first.raw)?) } else { None };
-            Some(XferEngine::connect(backend, &settings.params, &sides, settings.agents, &settings.memory, control)?)
+            let control = if settings.check || settings.grants { Some(RawConn::connect(&first.raw)?) } else { None };
+            let mut engine =
+                XferEngine::connect(backend, &settings.params, &sides, settings.agents, &settings.memory, control)?;
+            engine.grants = settings.grants;
+            Some(engine)
         }
         None => None,
     };
@@ -115,7 +118,7 @@ fn run_case(
     let (mut xfer_runs, mut raw_runs) = (Vec::new(), Vec::new());
     for _ in 0..settings.repeat {
         if let Some(engine) = xfer.as_deref_mut() {
-            let bar = progress(settings, plan, engine.name(), case);
+            let bar = progress(settings, plan, &engine.name(), case);
             xfer_runs.push(engine.run(case, plan, settings.threads, settings.seed, settings.check, &bar)?);
             bar.finish_and_clear();
         }
@@ -131,7 +134,7 @@ fn run_case(
         ..Row::new(name, case, settings.threads, plan.iters, settings.repeat, measured)
     };
     let mut engine_row =
-        xfer.zip(median(xfer_runs)).map(|(engine, m)| row(engine.name(), &m, settings.memory.label(case.op)));
+        xfer.zip(median(xfer_runs)).map(|(engine, m)| row(&engine.name(), &m, settings.memory.label(case.op)));
     // The baseline moves host memory whatever the engine's kinds.
     let raw_row = median(raw_runs).map(|m| row(RAW_TCP, &m, String::new()));
     if let (Some(engine_row), Some(raw_row)) = (engine_row.as_mut(), raw_row.as_ref()) {

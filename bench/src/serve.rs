@@ -3,7 +3,10 @@
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use xfer::{Agent, Grant};
 
 use crate::memory::{BenchBuffer, PageBuf};
 use crate::pattern;
@@ -11,6 +14,10 @@ use crate::wire::{decode_ranges, Cmd, Header, Refusal, Reply, HEADER_LEN, RANGE_
 
 /// Most ranges one REGION_VERIFY may carry.
 const MAX_RANGES: u64 = 1 << 24;
+/// Longest initiator name a GRANT may carry.
+const MAX_NAME: u64 = 4096;
+/// Grants last the run: the target lives no longer.
+const GRANT_TTL: Duration = Duration::from_secs(24 * 3600);
 const CHUNK: usize = 1 << 20;
 
 /// What every connection of the target shares.
@@ -20,6 +27,10 @@ pub struct Shared {
     pub region: Option<BenchBuffer>,
     /// Largest raw request a connection buffers.
     pub max_bytes: u64,
+    /// The xfer target's agent, which issues `--grants`' grants.
+    pub agent: Option<Agent>,
+    /// Grants issued, kept (live) until the target exits.
+    pub grants: Mutex<Vec<Grant>>,
 }
 
 /// Accepts connections for as long as the process lives.
@@ -64,6 +75,25 @@ fn handle(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
                 let mut encoded = vec![0u8; header.len as usize * RANGE_LEN];
                 stream.read_exact(&mut encoded)?;
                 Some(region_verify(shared.region.as_ref(), &decode_ranges(&encoded), header.seed))
+            }
+            Cmd::Grant => {
+                if header.len > MAX_RANGES || header.seed > MAX_NAME {
+                    stream.write_all(&Reply::Refused(Refusal::TooLarge).encode())?;
+                    return Err(io::Error::other("grant request too large"));
+                }
+                let mut name = vec![0u8; header.seed as usize];
+                stream.read_exact(&mut name)?;
+                let mut encoded = vec![0u8; header.len as usize * RANGE_LEN];
+                stream.read_exact(&mut encoded)?;
+                match grant(shared, &String::from_utf8_lossy(&name), &decode_ranges(&encoded)) {
+                    Ok(token) => {
+                        stream.write_all(&Reply::Ok.encode())?;
+                        stream.write_all(&(token.len() as u64).to_le_bytes())?;
+                        stream.write_all(&token)?;
+                        None
+                    }
+                    Err(reply) => Some(reply),
+                }
             }
         };
         if let Some(reply) = reply {
@@ -126,6 +156,30 @@ fn region_fill(region: Option<&BenchBuffer>, len: u64, seed: u64) -> Reply {
     Reply::Ok
 }
 
+/// Grants `initiator` the `(offset, length)` ranges of the region; returns the token.
+fn grant(shared: &Shared, initiator: &str, ranges: &[(u64, u64)]) -> Result<Vec<u8>, Reply> {
+    let (Some(region), Some(agent)) = (shared.region.as_ref(), shared.agent.as_ref()) else {
+        return Err(Reply::Refused(Refusal::NoRegion));
+    };
+    let inside = |&(offset, len): &(u64, u64)| offset.checked_add(len).is_some_and(|end| end <= region.len() as u64);
+    if !ranges.iter().all(inside) {
+        return Err(Reply::Refused(Refusal::OutOfRange));
+    }
+    let descs: Vec<xfer::Desc> =
+        ranges.iter().map(|&(offset, len)| region.sub_desc(offset as usize, len as usize)).collect();
+    match agent.grant(initiator, region.mem_type(), &descs, GRANT_TTL) {
+        Ok(grant) => {
+            let token = grant.token();
+            shared.grants.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(grant);
+            Ok(token)
+        }
+        Err(err) => {
+            eprintln!("xferbench target: grant for {initiator}: {err}");
+            Err(Reply::Refused(Refusal::Grant))
+        }
+    }
+}
+
 fn region_io_failed(err: &anyhow::Error) -> Reply {
     eprintln!("xferbench target: {err:#}");
     Reply::Refused(Refusal::RegionIo)
@@ -162,7 +216,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let region = region.map(|len| BenchBuffer::Host(Arc::new(xfer::HostBuffer::new(len))));
-        let shared = Arc::new(Shared { region, max_bytes: 1 << 20 });
+        let shared = Arc::new(Shared { region, max_bytes: 1 << 20, agent: None, grants: Default::default() });
         std::thread::spawn(move || accept_loop(listener, shared));
         addr
     }

@@ -32,10 +32,11 @@ pub fn serve(args: &Args) -> Result<()> {
         region = Some(buffer);
         xfer = Some((agent, registration));
     }
+    let agent = xfer.as_ref().map(|(agent, _)| agent.clone());
     let raw_listen = raw_port_of(listen);
     let listener = TcpListener::bind(raw_listen).with_context(|| format!("binding the raw-tcp port {raw_listen}"))?;
     let raw = listener.local_addr()?;
-    let shared = Arc::new(Shared { region, max_bytes: args.max_mem });
+    let shared = Arc::new(Shared { region, max_bytes: args.max_mem, agent, grants: Default::default() });
     std::thread::spawn(move || accept_loop(listener, shared));
 
     let side_text = side.map_or_else(|| "-".to_string(), |a| a.to_string());

@@ -14,6 +14,7 @@
 //! | FILL / VERIFY | — | a [`Reply`]; acts on the connection's raw buffer `[0, len)` |
 //! | REGION_FILL | — | a [`Reply`]; fills the registered region `[0, len)` |
 //! | REGION_VERIFY | `len` ranges of `(offset, length)` | a [`Reply`] |
+//! | GRANT | `seed` bytes of the initiator agent's name, `len` ranges | a [`Reply`]; on `Ok`, a token length word and the token |
 
 /// What a request asks the target to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,11 +25,13 @@ pub enum Cmd {
     Verify = 4,
     RegionFill = 5,
     RegionVerify = 6,
+    /// Grant the initiator agent the ranges of the registered region (`--grants`).
+    Grant = 7,
 }
 
 impl Cmd {
     fn from_code(code: u64) -> Option<Cmd> {
-        [Cmd::Write, Cmd::Read, Cmd::Fill, Cmd::Verify, Cmd::RegionFill, Cmd::RegionVerify]
+        [Cmd::Write, Cmd::Read, Cmd::Fill, Cmd::Verify, Cmd::RegionFill, Cmd::RegionVerify, Cmd::Grant]
             .into_iter()
             .find(|c| *c as u64 == code)
     }
@@ -84,6 +87,8 @@ pub enum Refusal {
     OutOfRange = 3,
     /// Reading or writing the region failed (a file or GPU error; the target prints it).
     RegionIo = 4,
+    /// The backend would not issue the grant (the target prints why).
+    Grant = 5,
 }
 
 /// The target's answer to a request that has one.
@@ -113,6 +118,7 @@ impl Reply {
             [2, 2] => Ok(Reply::Refused(Refusal::NoRegion)),
             [2, 3] => Ok(Reply::Refused(Refusal::OutOfRange)),
             [2, 4] => Ok(Reply::Refused(Refusal::RegionIo)),
+            [2, 5] => Ok(Reply::Refused(Refusal::Grant)),
             [status, detail] => Err(WireError::BadReply { status, detail }),
         }
     }
@@ -168,7 +174,7 @@ mod tests {
     #[test]
     fn replies_round_trip() {
         for reply in
-            [Reply::Ok, Reply::Mismatch(12345), Reply::Refused(Refusal::OutOfRange), Reply::Refused(Refusal::RegionIo)]
+            [Reply::Ok, Reply::Mismatch(12345), Reply::Refused(Refusal::OutOfRange), Reply::Refused(Refusal::Grant)]
         {
             assert_eq!(Reply::decode(&reply.encode()), Ok(reply));
         }

@@ -45,8 +45,10 @@ struct Initiator {
 pub struct XferEngine {
     backend: String,
     initiators: Vec<Initiator>,
-    /// Control connection to the (single) target for `--check`.
+    /// Control connection to the (single) target for `--check` and `--grants`.
     control: Option<RawConn>,
+    /// Each case runs under a grant of its remote blocks (`--grants`).
+    pub grants: bool,
 }
 
 impl XferEngine {
@@ -67,11 +69,27 @@ impl XferEngine {
                 Initiator::connect(&name, backend, params, sides, memory)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(XferEngine { backend: backend.to_string(), initiators, control })
+        Ok(XferEngine { backend: backend.to_string(), initiators, control, grants: false })
     }
 
-    pub fn name(&self) -> &str {
-        &self.backend
+    /// The backend's name, `+grants` with `--grants`.
+    pub fn name(&self) -> String {
+        match self.grants {
+            true => format!("{}+grants", self.backend),
+            false => self.backend.clone(),
+        }
+    }
+
+    /// Has the target grant the (single) initiator exactly the layout's remote blocks, and
+    /// loads the grant: descriptors prepared afterwards name it instead of the region's key.
+    fn load_grant(&mut self, layout: &Layout) -> Result<()> {
+        let control = self.control.as_mut().ok_or_else(|| anyhow!("--grants needs the target's raw-tcp port"))?;
+        let initiator = &self.initiators[0];
+        let ranges: Vec<(u64, u64)> =
+            layout.remote.iter().flatten().map(|&slot| (layout.offset(slot), layout.block)).collect();
+        let token = control.grant(initiator.agent.name(), &ranges)?;
+        initiator.agent.load_grant(&token).context("loading the target's grant")?;
+        Ok(())
     }
 
     /// Prepares the block lists once per (agent, target), creates one request per thread, then
@@ -86,6 +104,9 @@ impl XferEngine {
         progress: &ProgressBar,
     ) -> Result<Measurement> {
         let layout = Layout::new(case, threads as usize, seed);
+        if self.grants {
+            self.load_grant(&layout)?;
+        }
         let options = RequestOptions::default().backend(self.backend.clone());
         let mut prepared: HashMap<(usize, usize), (PreparedLocal, PreparedRemote)> = HashMap::new();
         let mut workers = Vec::new();
@@ -113,7 +134,7 @@ impl XferEngine {
         drop(workers);
         if let (true, Some(control)) = (check, self.control.as_mut()) {
             check::xfer_verify(case.op, &layout, first, control, seed)
-                .with_context(|| format!("{} {}", self.backend, case.label()))?;
+                .with_context(|| format!("{} {}", self.name(), case.label()))?;
         }
         Ok(measured)
     }

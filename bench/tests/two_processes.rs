@@ -54,6 +54,18 @@ fn scattered_kv_shape_with_check() {
 }
 
 #[test]
+fn kv_shape_under_grants_with_check() {
+    let (rows, stdout) = rows("grants", "--kv-shape --op both --iters 2 --warmup 0 --check --grants");
+    assert_eq!(rows.len(), 4);
+    assert!(rows.iter().all(|row| row["backend"] == "tcp+grants"), "{rows:?}");
+    assert!(stdout.contains("kv-shape tcp+grants read"), "{stdout}");
+
+    let out = xferbench("--backend raw-tcp --grants --iters 1");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--grants needs an xfer backend"));
+}
+
+#[test]
 fn raw_baseline_alone_and_clear_errors() {
     let (rows, _) = rows("raw", "--backend raw-tcp --op read --block-sizes 8K --iters 3 --check");
     assert_eq!(rows.len(), 1);

@@ -5,6 +5,10 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{json, Map, Value};
 
+/// The key a prefill adds for the grant token of the blocks it holds (xfer's `Grant::token_hex`);
+/// not a vLLM key, so proxies and vLLM pass it through like any unknown one.
+pub const GRANT_KEY: &str = "xfer_grant";
+
 /// vLLM 0.32's fields in its key order; unknown keys are kept in `extra`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvTransferParams {
@@ -65,6 +69,12 @@ impl KvTransferParams {
             && self.remote_request_id.is_some()
             && self.remote_host.is_some()
             && self.remote_port.is_some()
+    }
+
+    /// The prefill's revocable xfer grant over the blocks, as hex (`xfer_grant`), when it
+    /// issued one: the decode loads it and reads under it.
+    pub fn grant(&self) -> Option<&str> {
+        self.extra.get(GRANT_KEY).and_then(Value::as_str)
     }
 
     /// The block ids of the first KV-cache group (the only one for plain decoder models).

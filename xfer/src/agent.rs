@@ -855,14 +855,25 @@ impl Agent {
                 None => by_region.push((Arc::clone(entry), vec![(range.addr, range.len)])),
             }
         }
+        // The token counts a region's ranges in 16 bits.
+        if let Some((_, list)) = by_region.iter().find(|(_, list)| list.len() > usize::from(u16::MAX)) {
+            return Err(XferError::InvalidArgument(format!(
+                "a grant holds at most {} ranges per registration, not {}",
+                u16::MAX,
+                list.len()
+            )));
+        }
         let backends = self.inner.backends.load();
         let mut grant = Grant { token: GrantToken { agent: self.inner.name.clone(), entries: vec![] }, issued: vec![] };
         for (entry, list) in &by_region {
             for (slot, _) in &entry.keys {
                 let attached = &backends[*slot];
+                // The backend checks each wire descriptor against one range, and initiators
+                // merge contiguous descriptors: it gets the ranges merged. The token keeps them
+                // as given, so a re-grant of the same ranges replaces the loaded one.
                 let key = attached
                     .backend
-                    .grant(&entry.region, peer, list, expires)
+                    .grant(&entry.region, peer, &crate::grant::merged(list), expires)
                     .map_err(|e| XferError::backend(attached.name, e))?;
                 grant.issued.push((Arc::clone(&attached.backend), key.clone()));
                 grant.token.entries.push(GrantEntry {

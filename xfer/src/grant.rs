@@ -117,6 +117,22 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// `(addr, len)` ranges sorted, with overlapping and adjacent ones merged: the same bytes.
+pub(crate) fn merged(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = ranges.iter().copied().filter(|&(_, len)| len > 0).collect();
+    sorted.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (addr, len) in sorted {
+        match out.last_mut() {
+            Some((start, n)) if addr <= start.saturating_add(*n) => {
+                *n = (*n).max(addr.saturating_add(len) - *start);
+            }
+            _ => out.push((addr, len)),
+        }
+    }
+    out
+}
+
 /// Lower-case hex, the token's text form (fit for JSON `kv_transfer_params`).
 pub fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -197,5 +213,13 @@ mod tests {
         }
         assert!(from_hex("abc").is_err());
         assert!(from_hex("zz").is_err());
+    }
+
+    #[test]
+    fn ranges_merge_when_they_touch_or_overlap() {
+        let blocks = [(0x3000, 0x1000), (0x1000, 0x1000), (0x2000, 0x1000), (0x8000, 16), (0x8008, 4), (0x9000, 0)];
+        assert_eq!(merged(&blocks), vec![(0x1000, 0x3000), (0x8000, 16)]);
+        assert_eq!(merged(&[(u64::MAX - 1, 1), (u64::MAX - 2, 1)]), vec![(u64::MAX - 2, 2)]);
+        assert!(merged(&[]).is_empty());
     }
 }

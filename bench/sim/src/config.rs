@@ -115,6 +115,15 @@ pub struct Config {
     /// What a decode does when it cannot pull or verify the blocks.
     #[arg(long, value_enum, default_value_t = FailurePolicy::Recompute)]
     pub kv_load_failure_policy: FailurePolicy,
+    /// Hold a prefill's blocks without a revocable xfer grant (older peers, comparisons). By
+    /// default a prefill told its decode's agent grants that agent exactly the held blocks for
+    /// the lease, and a decode reads under the grant its params carry.
+    #[arg(long)]
+    pub no_kv_grants: bool,
+    /// What a decode does when the prefill refuses a read because it revoked the grant (the
+    /// lease ended first): compute the prompt itself, or answer HTTP 500.
+    #[arg(long, value_enum, default_value_t = FailurePolicy::Recompute)]
+    pub late_read_policy: FailurePolicy,
     /// Keep the pool in this shared-memory file (e.g. /dev/shm/pd-sim-0) so a co-located
     /// sidecar can register it and move blocks on the engine's behalf.
     #[arg(long)]

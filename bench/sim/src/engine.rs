@@ -10,13 +10,13 @@ use parking_lot::Mutex;
 use pd_protocols::hash::{block_digest, block_hashes, none_hash, BlockDigest};
 use pd_protocols::kv_events::KvEvent;
 use tokio::sync::Semaphore;
-use xfer::{Agent, BackendParams, MemType, PreparedLocal, PreparedRemote};
+use xfer::{Agent, BackendParams, Grant, MemType, PreparedLocal, PreparedRemote};
 
 use crate::config::Config;
 use crate::content;
 use crate::events::EventSink;
 use crate::faults::Faults;
-use crate::lease::{LeaseTable, Notif};
+use crate::lease::{LeaseTable, Notif, Released};
 use crate::mem::PoolMemory;
 use crate::metrics::{add, Gauges, Metrics};
 use crate::pool::{BlockId, BlockPool, CacheChanges, PoolFull};
@@ -37,7 +37,8 @@ pub enum EngineError {
 #[derive(Debug)]
 pub struct State {
     pub pool: BlockPool,
-    pub leases: LeaseTable,
+    /// Leases fenced by the xfer grant their decode reads under.
+    pub leases: LeaseTable<Grant>,
     pub rooms: RoomTable,
 }
 
@@ -87,6 +88,9 @@ pub struct Engine {
     pub local_blocks: PreparedLocal,
     /// Prepared descriptor lists of peers' pools, by engine id.
     pub peers: Mutex<HashMap<String, Arc<PreparedRemote>>>,
+    /// Held while loading a grant and preparing descriptors under it, so a concurrent load of
+    /// an older grant over the same blocks cannot slip in between (`pull::read_blocks`).
+    pub grant_loading: Mutex<()>,
     pub xfer_port: u16,
     pub started: Instant,
 }
@@ -130,6 +134,7 @@ impl Engine {
             agent,
             local_blocks,
             peers: Mutex::new(HashMap::new()),
+            grant_loading: Mutex::new(()),
             xfer_port,
             started: Instant::now(),
             engine_id,
@@ -238,13 +243,52 @@ impl Engine {
         }
     }
 
-    /// Holds blocks for a decode engine that will pull them; returns the lease's expiry.
-    pub fn start_lease(&self, request_id: String, blocks: Vec<BlockId>) -> Instant {
-        let mut state = self.state.lock();
-        let (expires, replaced) = state.leases.insert(request_id, blocks, Instant::now());
-        state.pool.release(&replaced);
+    /// Holds blocks for a decode engine that will pull them. With grants on and the decode's
+    /// agent named, the blocks are fenced by a grant to it for the lease's duration; returns
+    /// the grant's token (hex) for `kv_transfer_params`.
+    pub fn start_lease(&self, request_id: String, blocks: Vec<BlockId>, decode_agent: Option<&str>) -> Option<String> {
+        let fence = decode_agent.filter(|_| !self.cfg.no_kv_grants).and_then(|decode| self.grant(decode, &blocks));
+        let token = fence.as_ref().map(|(grant, _)| grant.token_hex());
+        let replaced = {
+            let mut state = self.state.lock();
+            let (_, replaced) = state.leases.insert(request_id, blocks, fence, Instant::now());
+            replaced
+        };
         add(&self.metrics.leases_started, 1);
-        expires
+        self.free(replaced);
+        token
+    }
+
+    /// A grant to `decode` over exactly these blocks, with its deadline; `None` (logged) when
+    /// the backend cannot issue one: the lease is then unfenced, as without grants.
+    fn grant(&self, decode: &str, blocks: &[BlockId]) -> Option<(Grant, Instant)> {
+        let ranges: Vec<xfer::Desc> = blocks.iter().map(|&id| self.memory.block_desc(id)).collect();
+        let ttl = self.cfg.kv_lease;
+        let deadline = Instant::now() + ttl;
+        match self.agent.grant(decode, MemType::Dram, &ranges, ttl) {
+            Ok(grant) => {
+                add(&self.metrics.grants_issued, 1);
+                Some((grant, deadline))
+            }
+            Err(err) => {
+                tracing::warn!(%err, decode, "cannot grant the held blocks; holding them unfenced");
+                None
+            }
+        }
+    }
+
+    /// Gives back what ended leases held: each grant is revoked (which waits until no
+    /// transfer under it touches the blocks) before its blocks return to the pool.
+    fn free(&self, released: impl IntoIterator<Item = Released<Grant>>) {
+        let mut blocks = Vec::new();
+        for Released { blocks: held, fence } in released {
+            if let Some(grant) = fence {
+                grant.revoke();
+                add(&self.metrics.grants_revoked, 1);
+            }
+            blocks.extend(held);
+        }
+        self.release(&blocks);
     }
 
     /// Sidecar-pull mode: allocates `n` blocks for a co-located process to write into, held
@@ -255,18 +299,22 @@ impl Engine {
         let blocks = state.pool.allocate(n, &mut changes)?;
         self.emit_removed(changes);
         let id = format!("res-{}", random_hex(8));
-        state.leases.insert(id.clone(), blocks.clone(), Instant::now());
+        state.leases.insert(id.clone(), blocks.clone(), None, Instant::now());
         Ok((id, blocks))
     }
 
     /// Takes a sidecar reservation's blocks (now owned by the caller); `None` when unknown.
     pub fn take_reservation(&self, id: &str) -> Option<Vec<BlockId>> {
-        self.state.lock().leases.remove(id)
+        let Released { blocks, fence } = self.state.lock().leases.remove(id)?;
+        // Reservations are never fenced; a fence would be lifted here all the same.
+        drop(fence);
+        Some(blocks)
     }
 
     /// Handles the notifications the agent received and ends expired leases. Called by the
     /// notification thread; also by tests.
     pub fn service_notifications(&self, notifs: HashMap<String, Vec<Vec<u8>>>, now: Instant) {
+        let mut ended = Vec::new();
         let mut state = self.state.lock();
         for msg in notifs.values().flatten() {
             if let Some(room) = crate::rooms::parse_room_done(msg) {
@@ -280,16 +328,19 @@ impl Engine {
             if matches!(notif, Notif::Heartbeat { .. }) {
                 add(&self.metrics.heartbeats_received, 1);
             }
-            if let Some(blocks) = state.leases.on_notif(&notif, now) {
-                state.pool.release(&blocks);
+            if let Some(released) = state.leases.on_notif(&notif, now) {
+                ended.push(released);
                 add(&self.metrics.leases_done, 1);
             }
         }
-        for (id, blocks) in state.leases.expire(now) {
-            tracing::warn!(request_id = %id, blocks = blocks.len(), "KV lease expired before the decode pulled");
-            state.pool.release(&blocks);
+        for (id, released) in state.leases.expire(now) {
+            tracing::warn!(request_id = %id, blocks = released.blocks.len(), "KV lease expired before the decode pulled");
+            ended.push(released);
             add(&self.metrics.expired_leases, 1);
         }
+        // Revoking waits for transfers in flight: not under the pool's lock.
+        drop(state);
+        self.free(ended);
     }
 
     /// Runs the notification/lease thread until the engine is dropped.

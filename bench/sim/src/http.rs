@@ -114,6 +114,9 @@ pub struct LeakReport {
     pub heartbeats_received: u64,
     pub rooms_timed_out: u64,
     pub rooms_rejected: u64,
+    pub grants_issued: u64,
+    pub grants_revoked: u64,
+    pub late_reads_refused: u64,
 }
 
 async fn leaks(State(engine): State<Arc<Engine>>) -> Json<LeakReport> {
@@ -138,6 +141,9 @@ async fn leaks(State(engine): State<Arc<Engine>>) -> Json<LeakReport> {
         bytes_pulled: m.bytes_pulled.load(Relaxed),
         heartbeats_sent: m.heartbeats_sent.load(Relaxed),
         heartbeats_received: m.heartbeats_received.load(Relaxed),
+        grants_issued: m.grants_issued.load(Relaxed),
+        grants_revoked: m.grants_revoked.load(Relaxed),
+        late_reads_refused: m.late_reads_refused.load(Relaxed),
         rooms_timed_out: m.rooms_timed_out.load(Relaxed),
         rooms_rejected: m.rooms_rejected.load(Relaxed),
     })

@@ -72,6 +72,10 @@ pub struct Metrics {
     pub rooms_timed_out: AtomicU64,
     pub rooms_rejected: AtomicU64,
     pub injected_errors: AtomicU64,
+    pub grants_issued: AtomicU64,
+    pub grants_revoked: AtomicU64,
+    /// Decode side: reads the prefill refused because it had revoked the grant.
+    pub late_reads_refused: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -103,6 +107,9 @@ impl Default for Metrics {
             rooms_timed_out: z(),
             rooms_rejected: z(),
             injected_errors: z(),
+            grants_issued: z(),
+            grants_revoked: z(),
+            late_reads_refused: z(),
         }
     }
 }
@@ -141,7 +148,7 @@ impl Metrics {
             "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\"}} 1",
             g.block_size
         );
-        let counters: [(&str, &AtomicU64); 20] = [
+        let counters: [(&str, &AtomicU64); 23] = [
             ("vllm:request_success", &self.requests_ok),
             ("pdsim:request_failed", &self.requests_failed),
             ("vllm:prompt_tokens", &self.prompt_tokens),
@@ -162,6 +169,9 @@ impl Metrics {
             ("pdsim:rooms_timed_out", &self.rooms_timed_out),
             ("pdsim:rooms_rejected", &self.rooms_rejected),
             ("pdsim:injected_errors", &self.injected_errors),
+            ("pdsim:grants_issued", &self.grants_issued),
+            ("pdsim:grants_revoked", &self.grants_revoked),
+            ("pdsim:late_reads_refused", &self.late_reads_refused),
         ];
         for (name, c) in counters {
             let _ = writeln!(out, "# TYPE {name} counter\n{name}_total{{{labels}}} {}", c.load(Relaxed));

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use pd_protocols::kv_params::KvTransferParams;
+use pd_protocols::kv_params::{KvTransferParams, GRANT_KEY};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::config::{FailurePolicy, Role};
@@ -27,7 +27,9 @@ use crate::sglang;
 enum Mode {
     Local,
     /// vLLM prefill for a remote decode: hold the blocks under a lease, answer with params.
-    RemoteDecode,
+    /// Carries the decode's agent name when the proxy put it in `remote_engine_id`: the
+    /// held blocks are then granted to that agent alone.
+    RemoteDecode(Option<String>),
     /// vLLM decode: pull the blocks the params name.
     RemotePrefill(KvTransferParams),
     /// SGLang prefill: hold the room's blocks until its decode pulls them.
@@ -121,7 +123,7 @@ fn mode(engine: &Engine, req: &GenRequest) -> Mode {
         }
     }
     if params.do_remote_decode {
-        Mode::RemoteDecode
+        Mode::RemoteDecode(params.remote_engine_id)
     } else if params.do_remote_prefill {
         if params.is_valid_for_pull() {
             Mode::RemotePrefill(params)
@@ -286,12 +288,14 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
     add(&engine.metrics.generation_tokens, out.len() as u64);
 
     match mode {
-        Mode::RemoteDecode => {
+        Mode::RemoteDecode(decode_agent) => {
             respond::pause(out.len(), engine.cfg.decode_us_per_token).await;
             engine.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
             let blocks = std::mem::take(&mut held.blocks);
-            let params = lease_params(engine, &internal_id, &blocks, &prompt, hit);
-            engine.start_lease(internal_id, blocks);
+            let mut params = lease_params(engine, &internal_id, &blocks, &prompt, hit);
+            if let Some(token) = engine.start_lease(internal_id, blocks, decode_agent.as_deref()) {
+                params.extra.insert(GRANT_KEY.into(), token.into());
+            }
             Ok(respond::full(&meta, &text(engine, &out), out.len(), Some(&params)))
         }
         Mode::RoomPrefill(b) => {
@@ -413,7 +417,7 @@ async fn pull_vllm(
     let request_id = params.remote_request_id.as_deref().unwrap_or_default();
     let notif = pd_protocols::kv_params::done_notification(request_id, 1);
     let engine_id = params.remote_engine_id.as_deref().unwrap_or_default();
-    pull::read_blocks(engine, engine_id, peer, &remote_ids[hit..], &blocks[hit..], notif).await?;
+    pull::read_blocks(engine, engine_id, peer, &remote_ids[hit..], &blocks[hit..], params.grant(), notif).await?;
     verify(engine, prompt, blocks, hit)
 }
 
@@ -442,7 +446,7 @@ async fn settle_pull(
             engine.commit(prompt, blocks, hit);
             Ok(())
         }
-        Err(err) => match engine.cfg.kv_load_failure_policy {
+        Err(err) => match policy_for(&engine.cfg, &err) {
             FailurePolicy::Fail => {
                 Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("failed to load the KV cache: {err}")))
             }
@@ -453,6 +457,14 @@ async fn settle_pull(
                 Ok(())
             }
         },
+    }
+}
+
+/// Late reads have their own policy; every other failure to load follows vLLM's.
+fn policy_for(cfg: &crate::config::Config, err: &PullError) -> FailurePolicy {
+    match err {
+        PullError::LateRead(_) => cfg.late_read_policy,
+        _ => cfg.kv_load_failure_policy,
     }
 }
 

@@ -116,6 +116,6 @@ pub async fn pull_room(
     }
     let peer = pull::peer_pool(engine, &info.engine_id, &format!("{}:{}", info.xfer_host, info.xfer_port)).await?;
     let remote: Vec<u64> = info.block_ids[hit..].iter().map(|&id| u64::from(id)).collect();
-    pull::read_blocks(engine, &info.engine_id, &peer, &remote, &blocks[hit..], room_done(b.room)).await?;
+    pull::read_blocks(engine, &info.engine_id, &peer, &remote, &blocks[hit..], None, room_done(b.room)).await?;
     verify(engine, prompt, blocks, hit)
 }
