@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use nix::sys::signal::{SigSet, Signal};
 use pdchaos::cluster::{Binaries, Timing};
 use pdchaos::load::LoadShape;
 use pdchaos::netns;
@@ -58,6 +59,22 @@ fn main() -> ExitCode {
         eprintln!("pd-chaos: FAILED, not run: it needs root (network namespaces, veth links, tc)");
         return ExitCode::FAILURE;
     }
+    // Ctrl-C or a SIGTERM (a CI timeout) would end the process without destructors, leaving the
+    // daemons (in their own process groups) and the namespaces behind: one thread takes these
+    // signals, tears down and exits. Blocked here, before any other thread exists; children get
+    // a cleared mask from std's spawn.
+    let signals = SigSet::from_iter([Signal::SIGINT, Signal::SIGTERM]);
+    if let Err(e) = signals.thread_block() {
+        eprintln!("pd-chaos: blocking SIGINT/SIGTERM: {e}");
+        return ExitCode::FAILURE;
+    }
+    std::thread::spawn(move || {
+        if let Ok(sig) = signals.wait() {
+            eprintln!("pd-chaos: {sig:?}: stopping the daemons and removing the namespaces");
+            netns::remove_own();
+            std::process::exit(130);
+        }
+    });
     match netns::remove_stale() {
         Ok(stale) if !stale.is_empty() => eprintln!("removed namespaces of killed runs: {stale:?}"),
         Ok(_) => {}

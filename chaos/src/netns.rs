@@ -218,6 +218,16 @@ pub fn stale_namespaces(list: &str, alive: impl Fn(u32) -> bool) -> Vec<String> 
         .collect()
 }
 
+/// Removes this process's own namespaces and what runs in them: for a harness stopped by a
+/// signal, whose destructors will not run.
+pub fn remove_own() {
+    let own = format!("{PREFIX}{}-", std::process::id());
+    let list = ip_output(&["netns", "list"]).unwrap_or_default();
+    for ns in list.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&own)) {
+        remove_namespace(ns);
+    }
+}
+
 /// Removes the namespaces (and their processes) of harness runs that were killed; returns them.
 pub fn remove_stale() -> Result<Vec<String>, NetError> {
     let own = std::process::id();
