@@ -167,8 +167,11 @@ pub async fn kill_decode(mut c: Cluster, shape: LoadShape) -> Row {
     let settled = killed_at_load + detection.unwrap_or_default() + Duration::from_millis(200);
     let failed_late = late(&records, settled).filter(|r| r.error.is_some()).count();
     bars.check(failed_late == 0, || format!("{failed_late} requests started after the detection failed"));
-    // Every lease began before the kill; the simulator sweeps expired ones on its progress tick.
-    let lease_left = (c.timing.kv_lease + LEASE_SWEEP).saturating_sub(killed_at.elapsed());
+    // Until the detection other sidecars still redirect requests to n3's sidecar, which runs
+    // their prefill legs, finds its engine dead and cannot release (its release decode needs that
+    // engine): those blocks wait for their lease. The simulator sweeps expired leases on a tick.
+    let lease_left =
+        (detection.unwrap_or_default() + c.timing.kv_lease + LEASE_SWEEP).saturating_sub(killed_at.elapsed());
     let (freed, leaked) = leaked_after(&c, lease_left).await;
     row.leaked_blocks = leaked;
     if freed.is_ok() {
