@@ -78,6 +78,12 @@ export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 step "tests (unit, in-process, two-process conformance over TCP, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
 cargo test --workspace --all-features --locked
 
+# Needs root and network namespaces (fails loudly without them); about a minute. Scenario 6 is
+# skipped, loudly, on a kernel without netem.
+step "chaos: a cluster in network namespaces under kill -9, partition, coordinator restart, disconnect storm, lossy link"
+if [ "$(id -u)" = 0 ]; then target/debug/pd-chaos run --log-dir target/pd-chaos
+else sudo target/debug/pd-chaos run --log-dir target/pd-chaos; fi
+
 # The test build above made pdbench, pd-sim and the daemons in target/debug.
 step "aiperf (PyPI, installed once into the cache) against pdbench cluster --serve: streamed requests, some cancelled"
 await_install aiperf

@@ -315,13 +315,22 @@ pub async fn run(
         tokio::spawn(send_reports(Arc::clone(&c), ctx.client.clone(), Arc::clone(&ctx.metrics), rx));
     }
     let mut registered = false;
+    let mut ever_registered = false;
     let mut beats: u64 = 0;
     while !c.stopping.load(Relaxed) {
         let interval = *c.heartbeat.lock();
+        // The coordinator dropped us (404): come back only with a live engine. Registering a
+        // dead one revived it until the next failed health checks, again every heartbeat, and
+        // requests were paired with it meanwhile.
+        if !registered && ever_registered && !engine_healthy(&ctx, &engines).await {
+            tokio::time::sleep(interval.max(Duration::from_millis(500))).await;
+            continue;
+        }
         if !registered {
             match c.register(&ctx.client).await {
                 Ok(()) => {
                     registered = true;
+                    ever_registered = true;
                     c.mark_up();
                     beats = 0;
                 }
@@ -336,8 +345,10 @@ pub async fn run(
                 Err(e) => c.mark_down(&ctx.metrics, &e.to_string()),
             }
             if beats.is_multiple_of(5) {
-                if let Err(e) = c.refresh_view(&ctx.client).await {
-                    tracing::debug!(%e, "cannot refresh the engine view");
+                match c.refresh_view(&ctx.client).await {
+                    // Engines alive again (a healed partition, a restart) leave the dead set.
+                    Ok(()) => c.view.read().iter().for_each(|t| dead.revive(t)),
+                    Err(e) => tracing::debug!(%e, "cannot refresh the engine view"),
                 }
             }
             beats += 1;
@@ -392,6 +403,20 @@ fn handle_notices(c: &Coordinator, metrics: &Metrics, dead: &DeadSet, releaser: 
             }
         });
     }
+}
+
+/// Whether some rank of the local engine answers `/health` 2xx (bounded like the load scrape).
+async fn engine_healthy(ctx: &Context, engines: &EnginePool) -> bool {
+    for t in engines.all() {
+        let Ok(req) = upstream::json_request(Method::GET, &t.url("/health"), None) else { continue };
+        let timeout = ctx.cfg.coordinator_timeout.max(Duration::from_millis(500));
+        if let Ok(resp) = upstream::send(&ctx.client, t, req, timeout).await {
+            if resp.status().is_success() {
+                return true;
+            }
+        }
+    }
+    false
 }
 
 /// The engine's load over all ranks (bounded by the coordinator timeout).

@@ -129,6 +129,19 @@ impl DeadSet {
         self.changed.notify_waiters();
     }
 
+    /// Forgets a death the coordinator has since taken back (the engine is in its live view or
+    /// was just paired): without this a healed engine stayed skipped for [`DEAD_FOR`].
+    pub fn revive(&self, t: &Target) {
+        let mut entries = self.entries.write();
+        if entries.is_empty() {
+            return;
+        }
+        entries.remove(&t.base);
+        if let Some(id) = &t.id {
+            entries.remove(id);
+        }
+    }
+
     /// Resolves once `t` is marked dead (never, if it stays alive).
     pub async fn wait_dead(&self, t: &Target) {
         loop {
@@ -198,6 +211,8 @@ mod tests {
         dead.mark("http://a:1");
         assert_eq!(bases(p.rotation()), ["http://c:1", "http://b:1"]);
         assert_eq!(p.listed(&"b:1".parse().unwrap()).map(|t| t.base), Some("http://b:1".into()));
+        dead.revive(&t("a:1"));
+        assert_eq!(bases(p.rotation()).len(), 3, "a revived engine is back in the rotation");
         assert!(p.listed(&"d:1".parse().unwrap()).is_none());
         let none = Prefills::new(Vec::new(), Allowlist::parse::<&str>(&[]).unwrap(), dead);
         assert!(none.rotation().is_empty() && none.is_empty());

@@ -1,0 +1,260 @@
+//! A private network of "nodes": one Linux network namespace per node, each joined to a bridge
+//! (in a namespace of its own) by a veth pair. Addresses come from 10.77.0.0/24 and exist only
+//! inside these namespaces. Links are cut by setting the bridge's end of a node's veth down, and
+//! degraded with `tc netem` on the node's end.
+//!
+//! Namespaces are named `pdc-<harness pid>-<node>`. Dropping the [`Net`] kills whatever still
+//! runs in them and deletes them; [`remove_stale`] does the same for the namespaces of harnesses
+//! that died without dropping theirs (killed with SIGKILL), and is called at every start.
+
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::process::Command;
+
+use nix::sched::{setns, CloneFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// The namespace-name prefix of every harness.
+pub const PREFIX: &str = "pdc-";
+/// The bridge's namespace, and the interface name on each side of a node's link.
+const BRIDGE_NODE: &str = "br";
+const NODE_IF: &str = "eth0";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("`ip {args}` failed: {stderr} (the chaos harness needs root, iproute2 and network-namespace support)")]
+    Ip { args: String, stderr: String },
+    #[error("running `{program}`: {source} (is iproute2 installed?)")]
+    Spawn { program: String, source: std::io::Error },
+    #[error("this kernel has no netem queueing discipline (CONFIG_NET_SCH_NETEM): {stderr}")]
+    NetemUnavailable { stderr: String },
+    #[error("`tc {args}` failed: {stderr}")]
+    Tc { args: String, stderr: String },
+    #[error("entering network namespace {name}: {reason}")]
+    Enter { name: String, reason: String },
+    #[error("no node named {0}")]
+    UnknownNode(String),
+}
+
+/// One node: its namespace and address.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub name: String,
+    pub netns: String,
+    pub ip: Ipv4Addr,
+}
+
+/// The namespaces of one harness run; removed on drop.
+#[derive(Debug)]
+pub struct Net {
+    id: String,
+    bridge_ns: String,
+    pub nodes: Vec<Node>,
+}
+
+/// Runs `program args`, mapping a failure to its stderr.
+fn run(program: &str, args: &[&str]) -> Result<(), (String, String)> {
+    let out = Command::new(program).args(args).output().map_err(|e| (String::new(), e.to_string()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err((args.join(" "), String::from_utf8_lossy(&out.stderr).trim().to_string()))
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), NetError> {
+    run("ip", args).map_err(|(args, stderr)| {
+        if args.is_empty() {
+            NetError::Spawn { program: "ip".into(), source: std::io::Error::other(stderr) }
+        } else {
+            NetError::Ip { args, stderr }
+        }
+    })
+}
+
+fn ip_output(args: &[&str]) -> Result<String, NetError> {
+    let out =
+        Command::new("ip").args(args).output().map_err(|source| NetError::Spawn { program: "ip".into(), source })?;
+    if !out.status.success() {
+        return Err(NetError::Ip { args: args.join(" "), stderr: String::from_utf8_lossy(&out.stderr).trim().into() });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The address of the `index`-th node (0-based).
+pub fn node_ip(index: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 0, 10 + index as u8)
+}
+
+impl Net {
+    /// Creates the bridge and one namespace per name, each linked to the bridge and up.
+    pub fn create(node_names: &[&str]) -> Result<Net, NetError> {
+        let id = std::process::id().to_string();
+        let bridge_ns = format!("{PREFIX}{id}-{BRIDGE_NODE}");
+        // Registered before anything exists, so a failure half-way still removes what was made.
+        let mut net = Net { id, bridge_ns: bridge_ns.clone(), nodes: Vec::new() };
+        ip(&["netns", "add", &bridge_ns])?;
+        ip(&["-n", &bridge_ns, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &bridge_ns, "link", "set", "br0", "up"])?;
+        for (i, name) in node_names.iter().enumerate() {
+            let node = Node { name: name.to_string(), netns: net.netns_of(name), ip: node_ip(i) };
+            ip(&["netns", "add", &node.netns])?;
+            net.nodes.push(node.clone());
+            let port = bridge_port(name);
+            ip(&[
+                "link",
+                "add",
+                NODE_IF,
+                "netns",
+                &node.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &port,
+                "netns",
+                &bridge_ns,
+            ])?;
+            ip(&["-n", &bridge_ns, "link", "set", &port, "master", "br0", "up"])?;
+            ip(&["-n", &node.netns, "addr", "add", &format!("{}/24", node.ip), "dev", NODE_IF])?;
+            ip(&["-n", &node.netns, "link", "set", NODE_IF, "up"])?;
+            ip(&["-n", &node.netns, "link", "set", "lo", "up"])?;
+        }
+        Ok(net)
+    }
+
+    fn netns_of(&self, node: &str) -> String {
+        format!("{PREFIX}{}-{node}", self.id)
+    }
+
+    pub fn node(&self, name: &str) -> Result<&Node, NetError> {
+        self.nodes.iter().find(|n| n.name == name).ok_or_else(|| NetError::UnknownNode(name.into()))
+    }
+
+    /// Takes the node off the bridge: its packets go nowhere, its own address still works.
+    pub fn cut(&self, node: &str) -> Result<(), NetError> {
+        self.node(node)?;
+        ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port(node), "down"])
+    }
+
+    pub fn heal(&self, node: &str) -> Result<(), NetError> {
+        self.node(node)?;
+        ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port(node), "up"])
+    }
+
+    /// Every packet the node sends is delayed by `delay_ms` and dropped with `loss_percent`.
+    pub fn degrade(&self, node: &str, loss_percent: f64, delay_ms: u32) -> Result<(), NetError> {
+        let ns = self.node(node)?.netns.clone();
+        let (loss, delay) = (format!("{loss_percent}%"), format!("{delay_ms}ms"));
+        let args = ["-n", &ns, "qdisc", "replace", "dev", NODE_IF, "root", "netem", "loss", &loss, "delay", &delay];
+        run("tc", &args).map_err(|(args, stderr)| {
+            if stderr.contains("Specified qdisc kind is unknown") {
+                NetError::NetemUnavailable { stderr }
+            } else {
+                NetError::Tc { args, stderr }
+            }
+        })
+    }
+
+    /// Moves the calling thread into the node's namespace: sockets it (and threads it starts)
+    /// opens from then on live there. Other threads are not affected.
+    pub fn enter(&self, node: &str) -> Result<(), NetError> {
+        let ns = &self.node(node)?.netns;
+        let enter_err = |reason: String| NetError::Enter { name: ns.clone(), reason };
+        let file = File::open(format!("/var/run/netns/{ns}")).map_err(|e| enter_err(e.to_string()))?;
+        setns(file, CloneFlags::CLONE_NEWNET).map_err(|e| enter_err(e.to_string()))
+    }
+
+    /// The command line prefix that runs a program inside the node.
+    pub fn exec_in(&self, node: &str, program: &std::path::Path) -> Result<Command, NetError> {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.node(node)?.netns]).arg(program);
+        Ok(cmd)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        let mut names: Vec<String> = self.nodes.iter().map(|n| n.netns.clone()).collect();
+        names.push(self.bridge_ns.clone());
+        for ns in names {
+            remove_namespace(&ns);
+        }
+    }
+}
+
+/// The bridge's end of a node's link (interface names are at most 15 bytes).
+fn bridge_port(node: &str) -> String {
+    let mut name = format!("p-{node}");
+    name.truncate(15);
+    name
+}
+
+/// Kills every process left in the namespace, then deletes it.
+fn remove_namespace(ns: &str) {
+    if let Ok(pids) = ip_output(&["netns", "pids", ns]) {
+        for pid in pids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+    if let Err(e) = ip(&["netns", "del", ns]) {
+        tracing::warn!("removing namespace {ns}: {e}");
+    }
+}
+
+/// The harness namespaces in `ip netns list` output whose harness process is gone.
+pub fn stale_namespaces(list: &str, alive: impl Fn(u32) -> bool) -> Vec<String> {
+    list.lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| {
+            let Some(rest) = name.strip_prefix(PREFIX) else { return false };
+            match rest.split('-').next().and_then(|pid| pid.parse::<u32>().ok()) {
+                Some(pid) => !alive(pid),
+                None => false,
+            }
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// Removes this process's own namespaces and what runs in them: for a harness stopped by a
+/// signal, whose destructors will not run.
+pub fn remove_own() {
+    let own = format!("{PREFIX}{}-", std::process::id());
+    let list = ip_output(&["netns", "list"]).unwrap_or_default();
+    for ns in list.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&own)) {
+        remove_namespace(ns);
+    }
+}
+
+/// Removes the namespaces (and their processes) of harness runs that were killed; returns them.
+pub fn remove_stale() -> Result<Vec<String>, NetError> {
+    let own = std::process::id();
+    let list = ip_output(&["netns", "list"])?;
+    let stale = stale_namespaces(&list, |pid| pid == own || kill(Pid::from_raw(pid as i32), None).is_ok());
+    for ns in &stale {
+        remove_namespace(ns);
+    }
+    Ok(stale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_namespaces_are_those_of_dead_harnesses_only() {
+        let list = "pdc-41-n1 (id: 3)\npdc-41-br (id: 2)\npdc-77-coord\nother-ns (id: 0)\npdc-x-n1\nxb9a\n";
+        let stale = stale_namespaces(list, |pid| pid == 77);
+        assert_eq!(stale, ["pdc-41-n1", "pdc-41-br"]);
+        assert!(stale_namespaces("", |_| false).is_empty());
+    }
+
+    #[test]
+    fn bridge_ports_fit_an_interface_name() {
+        assert_eq!(bridge_port("n1"), "p-n1");
+        assert_eq!(bridge_port("a-very-long-node-name").len(), 15);
+        assert_eq!(node_ip(0), Ipv4Addr::new(10, 77, 0, 10));
+    }
+}
