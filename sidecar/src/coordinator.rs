@@ -99,6 +99,7 @@ impl Coordinator {
             xfer_side_channel: cfg.xfer_side_channel.clone(),
             block_size: u32::try_from(cfg.block_size).unwrap_or(u32::MAX),
             capacity_blocks: cfg.capacity_blocks,
+            data_parallel_size: cfg.data_parallel_size,
         };
         let (tx, rx) = mpsc::channel(4096);
         Ok(Coordinator {
