@@ -41,6 +41,7 @@ fn decided(prefill: Option<&str>, remote: Option<(&str, Option<&str>)>) -> Pairi
     PairingAnswer::Decided(Pairing {
         prefill: prefill.map(|hp| with_id(hp, "paired")),
         remote_decode: remote.map(|(id, sidecar)| RemoteDecode { id: id.into(), sidecar: sidecar.map(t) }),
+        decode_rank: None,
     })
 }
 
