@@ -28,7 +28,8 @@ fn engine_spec() {
     spec.validate().unwrap();
     let minimal: EngineSpec = pinned(MINIMAL_SPEC);
     assert_eq!((minimal.sidecar_url, minimal.kv_events, minimal.data_parallel_size), (None, None, None));
-    let ranked: EngineSpec = pinned(&MINIMAL_SPEC.replace(r#""block_size":16"#, r#""block_size":16,"data_parallel_size":4"#));
+    let ranked: EngineSpec =
+        pinned(&MINIMAL_SPEC.replace(r#""block_size":16"#, r#""block_size":16,"data_parallel_size":4"#));
     assert_eq!(ranked.data_parallel_size, Some(4));
     // Cluster files say `capacity`; unknown fields are refused.
     let aliased: EngineSpec = serde_json::from_str(&SPEC.replace("capacity_blocks", "capacity")).unwrap();

@@ -165,7 +165,11 @@ struct Overlap {
 impl Overlap {
     /// The better of two ranks' overlaps: more weight, then more blocks, then the lower rank.
     fn beats(&self, other: &Overlap) -> bool {
-        self.weight.total_cmp(&other.weight).then(self.blocks.cmp(&other.blocks)).then(other.rank.cmp(&self.rank)).is_gt()
+        self.weight
+            .total_cmp(&other.weight)
+            .then(self.blocks.cmp(&other.blocks))
+            .then(other.rank.cmp(&self.rank))
+            .is_gt()
     }
 }
 

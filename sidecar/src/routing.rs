@@ -47,9 +47,8 @@ pub fn header_targets(
     let text = value.to_str().unwrap_or_default();
     let vouched = |hp: &_| coordinator.and_then(|c| c.view_target(hp));
     // A redirecting sidecar names the one prefill's data-parallel rank beside it.
-    let rank = redirected(headers)
-        .and(headers.get(PREFILL_DP_RANK_HEADER))
-        .and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
+    let rank =
+        redirected(headers).and(headers.get(PREFILL_DP_RANK_HEADER)).and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
     match validate_header(text, |hp| prefills.allowlist.allows(hp) || vouched(hp).is_some()) {
         Ok(targets) => {
             let single = targets.len() == 1;
@@ -58,9 +57,9 @@ pub fn header_targets(
                 .map(|hp| {
                     // A listed static entry keeps its scheme and bootstrap port; a view entry its id.
                     let listed = prefills.listed(&hp);
-                    let mut target = listed.or_else(|| vouched(&hp)).unwrap_or_else(|| {
-                        Target::from_host_port(hp, &cfg.prefill_scheme, Some(cfg.bootstrap_port))
-                    });
+                    let mut target = listed
+                        .or_else(|| vouched(&hp))
+                        .unwrap_or_else(|| Target::from_host_port(hp, &cfg.prefill_scheme, Some(cfg.bootstrap_port)));
                     target.dp_rank = rank.filter(|_| single);
                     target
                 })

@@ -297,8 +297,18 @@ async fn the_named_data_parallel_rank_reaches_its_engine() {
     let (url, fake) = fake_coordinator().await;
     *fake.pair_with.lock().unwrap() = Some(("pre-1".into(), format!("http://{prefill}")));
     let s = Sidecar::start(&[
-        "--engine", &decode, "--coordinator", &url, "--engine-id", "dec-1", "--role", "decode", "--model", "sim-model",
-        "--data-parallel-size", "2",
+        "--engine",
+        &decode,
+        "--coordinator",
+        &url,
+        "--engine-id",
+        "dec-1",
+        "--role",
+        "decode",
+        "--model",
+        "sim-model",
+        "--data-parallel-size",
+        "2",
     ])
     .await;
     let spec =
