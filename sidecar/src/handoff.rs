@@ -50,7 +50,8 @@ pub enum PairingAnswer {
     NotAsked,
     /// Asked, no decision (pairing off, coordinator down or without an answer).
     Unavailable,
-    Decided(Pairing),
+    /// (boxed: a decision is much larger than the other answers)
+    Decided(Box<Pairing>),
 }
 
 /// Everything a route is decided from, gathered by the edge.
@@ -156,7 +157,20 @@ pub fn plan(inputs: &Inputs) -> Route {
     }
     let header = inputs.header.as_slice();
     match &inputs.pairing {
-        PairingAnswer::Decided(Pairing { prefill, remote_decode: Some(RemoteDecode { id, sidecar }), decode_rank }) => {
+        PairingAnswer::Decided(pairing) => follow(inputs, header, pairing),
+        PairingAnswer::Unavailable => Route::Here(inputs.candidates(&[header, &inputs.view, &inputs.statics])),
+        // A redirected request whose named prefill was refused: the view vouches for others.
+        PairingAnswer::NotAsked if inputs.redirected.is_some() => {
+            Route::Here(inputs.candidates(&[header, &inputs.view, &inputs.statics]))
+        }
+        PairingAnswer::NotAsked => Route::Here(inputs.candidates(&[header, &inputs.statics])),
+    }
+}
+
+/// The route of a coordinator's decision.
+fn follow(inputs: &Inputs, header: &[Target], pairing: &Pairing) -> Route {
+    match pairing {
+        Pairing { prefill, remote_decode: Some(RemoteDecode { id, sidecar }), decode_rank } => {
             let prefill_list = prefill.as_slice();
             let fallback = inputs.candidates(&[prefill_list, &inputs.view, &inputs.statics]);
             match sidecar {
@@ -170,18 +184,10 @@ pub fn plan(inputs: &Inputs) -> Route {
                 None => Route::NoSidecar { decode: id.clone(), plan: fallback },
             }
         }
-        PairingAnswer::Decided(Pairing { prefill: None, remote_decode: None, .. }) => {
-            Route::Here(Plan::Local(LocalReason::Coordinator))
-        }
-        PairingAnswer::Decided(Pairing { prefill: Some(p), remote_decode: None, .. }) => {
+        Pairing { prefill: None, remote_decode: None, .. } => Route::Here(Plan::Local(LocalReason::Coordinator)),
+        Pairing { prefill: Some(p), remote_decode: None, .. } => {
             Route::Here(inputs.candidates(&[header, std::slice::from_ref(p), &inputs.statics]))
         }
-        PairingAnswer::Unavailable => Route::Here(inputs.candidates(&[header, &inputs.view, &inputs.statics])),
-        // A redirected request whose named prefill was refused: the view vouches for others.
-        PairingAnswer::NotAsked if inputs.redirected.is_some() => {
-            Route::Here(inputs.candidates(&[header, &inputs.view, &inputs.statics]))
-        }
-        PairingAnswer::NotAsked => Route::Here(inputs.candidates(&[header, &inputs.statics])),
     }
 }
 

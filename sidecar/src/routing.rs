@@ -105,7 +105,7 @@ pub async fn route(
     if let Some(c) = coordinator.filter(|_| handoff::wants_pairing(&inputs)) {
         let model: Option<String> = body.parsed("model");
         inputs.pairing = match c.pair(&ctx.client, &ctx.metrics, request_id, model.as_deref(), prompt.as_ref()).await {
-            Some(pairing) => PairingAnswer::Decided(pairing),
+            Some(pairing) => PairingAnswer::Decided(Box::new(pairing)),
             None => PairingAnswer::Unavailable,
         };
     }
