@@ -6,6 +6,8 @@
 //! A holder number packs the engine and the rank; rank 0's is the engine's own number, so an
 //! engine without data parallel is its own only holder and nothing changes for it.
 
+use std::collections::HashMap;
+
 use crate::index::PrefixIndex;
 
 /// Low bits carry the engine, high bits the rank (ranks stay far below 2^16, engines below
@@ -32,9 +34,13 @@ pub fn holders_of(index: &PrefixIndex, engine: usize) -> Vec<usize> {
     index.holders().filter(|&h| engine_of(h) == engine).collect()
 }
 
-/// Blocks `index` holds for `engine`, all ranks together.
-pub fn engine_blocks(index: &PrefixIndex, engine: usize) -> usize {
-    index.holders().filter(|&h| engine_of(h) == engine).map(|h| index.engine_blocks(h)).sum()
+/// Blocks `index` holds per engine, all ranks together (one pass over its holders).
+pub fn blocks_by_engine(index: &PrefixIndex) -> HashMap<usize, usize> {
+    let mut blocks = HashMap::new();
+    for holder in index.holders() {
+        *blocks.entry(engine_of(holder)).or_default() += index.engine_blocks(holder);
+    }
+    blocks
 }
 
 /// A batch from a rank the engine did not declare: indexing it would name a rank that does

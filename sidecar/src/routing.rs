@@ -166,6 +166,12 @@ mod tests {
         // One refused target refuses the header, counted.
         assert!(header_targets(&s.ctx, &s.prefills, None, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
         assert_eq!(s.ctx.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+        // A redirecting sidecar's rank for the one prefill it names; a client's is not read.
+        let mut named = with(ROUTING_HEADER, "10.0.0.1:8100");
+        named.insert(PREFILL_DP_RANK_HEADER, HeaderValue::from_static("2"));
+        assert_eq!(header_targets(&s.ctx, &s.prefills, None, &named)[0].dp_rank, None);
+        named.insert(REDIRECT_HEADER, HeaderValue::from_static("prefill"));
+        assert_eq!(header_targets(&s.ctx, &s.prefills, None, &named)[0].dp_rank, Some(2));
         let ignoring = app(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
         assert!(
             header_targets(&ignoring.ctx, &ignoring.prefills, None, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty()

@@ -196,13 +196,11 @@ impl Coordinator {
 
     pub fn list(&self) -> Vec<EngineView> {
         let inner = self.inner.lock();
+        let per_index: Vec<(&str, HashMap<usize, usize>)> =
+            inner.cluster.indexes().map(|(key, index)| (key_model(key), ranks::blocks_by_engine(index))).collect();
         let indexed = |engine: usize, model: &str| {
-            inner
-                .cluster
-                .indexes()
-                .filter(|(key, _)| key_model(key) == model)
-                .map(|(_, index)| ranks::engine_blocks(index, engine) as u64)
-                .sum()
+            let of_model = per_index.iter().filter(|(m, _)| *m == model);
+            of_model.map(|(_, blocks)| blocks.get(&engine).copied().unwrap_or(0) as u64).sum()
         };
         engines(&inner.cluster)
             .map(|(i, e)| EngineView {
@@ -353,8 +351,9 @@ impl Coordinator {
         let mut stats = IndexStats::default();
         for (model, index) in inner.cluster.indexes() {
             let mut entry = ModelStats { blocks: index.len() as u64, ..ModelStats::default() };
+            let blocks = ranks::blocks_by_engine(index);
             for (i, e) in engines(&inner.cluster).filter(|(_, e)| e.spec.model == key_model(model)) {
-                let n = ranks::engine_blocks(index, i) as u64;
+                let n = blocks.get(&i).copied().unwrap_or(0) as u64;
                 entry.entries += n;
                 entry.engines.insert(e.spec.id.clone(), n);
             }
@@ -377,7 +376,8 @@ impl Coordinator {
             gauges.handoffs_in_flight = inner.cluster.handoffs.len() as u64;
             gauges.pending_releases = inner.cluster.owed_releases() as u64;
             for (model, index) in inner.cluster.indexes() {
-                let entries = engines(&inner.cluster).map(|(i, _)| ranks::engine_blocks(index, i) as u64).sum();
+                let blocks = ranks::blocks_by_engine(index);
+                let entries = engines(&inner.cluster).map(|(i, _)| blocks.get(&i).copied().unwrap_or(0) as u64).sum();
                 gauges.index.push((model.to_string(), index.len() as u64, entries));
             }
         }
