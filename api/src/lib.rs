@@ -17,6 +17,10 @@ use serde_json::value::RawValue;
 pub const MAX_NAME: usize = 512;
 /// Largest block size accepted.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 20;
+/// Most data-parallel ranks an engine may declare.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+/// The header vLLM routes a request to one of its data-parallel ranks by (its value: the rank).
+pub const DATA_PARALLEL_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// What an engine does in a disaggregated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -63,6 +67,10 @@ pub struct EngineSpec {
     pub block_size: u32,
     #[serde(default, alias = "capacity", skip_serializing_if = "Option::is_none")]
     pub capacity_blocks: Option<u64>,
+    /// vLLM data parallel: ranks behind the one `engine_url`, each with its own KV cache and its
+    /// own KV-event stream (rank r publishes on the `kv_events`/`replay` ports + r). Absent: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u32>,
 }
 
 /// Why a declaration is refused (the coordinator answers it as a 400).
@@ -76,6 +84,8 @@ pub enum InvalidSpec {
     IdCharacters,
     #[error("'block_size' must be within 1..={MAX_BLOCK_SIZE}")]
     BlockSize,
+    #[error("'data_parallel_size' must be within 1..={MAX_DATA_PARALLEL_SIZE}")]
+    DataParallelSize,
     #[error("'{field}' must be a {schemes} URL")]
     Url { field: &'static str, schemes: &'static str },
 }
@@ -117,6 +127,9 @@ impl EngineSpec {
         }
         if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
             return Err(InvalidSpec::BlockSize);
+        }
+        if self.data_parallel_size.is_some_and(|n| n == 0 || n > MAX_DATA_PARALLEL_SIZE) {
+            return Err(InvalidSpec::DataParallelSize);
         }
         check_url("engine_url", &self.engine_url, HTTP)?;
         if let Some(url) = &self.sidecar_url {
@@ -283,6 +296,14 @@ pub struct PairDecision {
     pub decode_overlap_blocks: u64,
     pub prefill_overlap_blocks: u64,
     pub reason: PairReason,
+    /// The data-parallel rank of the decode engine holding the prefix, sent to it as
+    /// [`DATA_PARALLEL_RANK_HEADER`]; absent for an engine without data parallel, or when no
+    /// rank holds any of the prompt (the engine balances its ranks itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_dp_rank: Option<u32>,
+    /// The same for the prefill engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_dp_rank: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -27,7 +27,10 @@ fn engine_spec() {
     assert_eq!((spec.role, spec.capacity_blocks), (Role::Decode, Some(4096)));
     spec.validate().unwrap();
     let minimal: EngineSpec = pinned(MINIMAL_SPEC);
-    assert_eq!((minimal.sidecar_url, minimal.kv_events), (None, None));
+    assert_eq!((minimal.sidecar_url, minimal.kv_events, minimal.data_parallel_size), (None, None, None));
+    let ranked: EngineSpec =
+        pinned(&MINIMAL_SPEC.replace(r#""block_size":16"#, r#""block_size":16,"data_parallel_size":4"#));
+    assert_eq!(ranked.data_parallel_size, Some(4));
     // Cluster files say `capacity`; unknown fields are refused.
     let aliased: EngineSpec = serde_json::from_str(&SPEC.replace("capacity_blocks", "capacity")).unwrap();
     assert_eq!(aliased.capacity_blocks, Some(4096));
@@ -49,6 +52,9 @@ fn engine_spec_limits() {
     assert_eq!(check(&|s| s.id = "a b".into()), Err(InvalidSpec::IdCharacters));
     assert_eq!(check(&|s| s.block_size = 0), Err(InvalidSpec::BlockSize));
     assert_eq!(check(&|s| s.block_size = MAX_BLOCK_SIZE + 1), Err(InvalidSpec::BlockSize));
+    assert_eq!(check(&|s| s.data_parallel_size = Some(0)), Err(InvalidSpec::DataParallelSize));
+    assert_eq!(check(&|s| s.data_parallel_size = Some(MAX_DATA_PARALLEL_SIZE + 1)), Err(InvalidSpec::DataParallelSize));
+    assert_eq!(check(&|s| s.data_parallel_size = Some(MAX_DATA_PARALLEL_SIZE)), Ok(()));
     let http = Err(InvalidSpec::Url { field: "engine_url", schemes: "http/https" });
     assert_eq!(check(&|s| s.engine_url = "ftp://x".into()), http);
     assert_eq!(check(&|s| s.engine_url = "http://".into()), http);
@@ -137,6 +143,11 @@ fn pairing() {
         r#"{"request_id":"r1","decode":{"id":"d0","engine_url":"http://d:1","node":"n"},"prefill":null,"decode_overlap_blocks":9,"prefill_overlap_blocks":0,"reason":"local_prefill"}"#,
     );
     assert_eq!((local.reason.as_str(), local.prefill), ("local_prefill", None));
+    assert_eq!((local.decode_dp_rank, local.prefill_dp_rank), (None, None), "no rank unless named");
+    let ranked: PairDecision = pinned(
+        r#"{"request_id":"r1","decode":{"id":"d0","engine_url":"http://d:1","node":"n"},"prefill":{"id":"p0","engine_url":"http://p:1","node":"n"},"decode_overlap_blocks":0,"prefill_overlap_blocks":3,"reason":"disaggregated","prefill_dp_rank":1}"#,
+    );
+    assert_eq!((ranked.decode_dp_rank, ranked.prefill_dp_rank), (None, Some(1)));
 }
 
 #[test]

@@ -829,6 +829,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
                 xfer_side_channel: None,
                 block_size: BLOCK_SIZE as u32,
                 capacity_blocks: None,
+                data_parallel_size: None,
             },
             t0,
         );
@@ -837,7 +838,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
     let mut resident: Vec<(std::collections::VecDeque<u64>, BlockSet)> =
         (0..o.engines).map(|_| Default::default()).collect();
     for (engine, batch) in batches {
-        cluster.apply_events(*engine, batch);
+        cluster.apply_events(*engine, 0, batch).expect("engines without data parallel take every batch");
         for event in &batch.events {
             if let KvEvent::BlockStored { block_hashes, .. } = event {
                 let (order, set) = &mut resident[*engine];
@@ -949,7 +950,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
             }
             let batch = EventBatch { ts: 0.0, events: batch_events, dp_rank: Some(0) };
             let start = Instant::now();
-            cluster.apply_events(engine, &batch);
+            cluster.apply_events(engine, 0, &batch).expect("engines without data parallel take every batch");
             applying += start.elapsed();
             applied += block_events(&batch);
         }

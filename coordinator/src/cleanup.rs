@@ -138,6 +138,7 @@ mod tests {
             xfer_side_channel: None,
             block_size: 16,
             capacity_blocks: None,
+            data_parallel_size: None,
         }
     }
 

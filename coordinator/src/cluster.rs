@@ -15,6 +15,7 @@ use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
 use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, TierWeights, Weights};
+use crate::ranks::{self, UndeclaredRank};
 
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -100,6 +101,9 @@ pub struct Decision {
     pub prefill: Option<usize>,
     pub decode_overlap_blocks: u64,
     pub prefill_overlap_blocks: u64,
+    /// The decode engine's data-parallel rank holding the prefix ([`crate::ranks`]).
+    pub decode_rank: Option<u32>,
+    pub prefill_rank: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -137,15 +141,36 @@ pub struct Cluster {
 
 #[derive(Debug, Default)]
 struct Scratch {
+    /// (holder, blocks) of the lookup.
     overlaps: Vec<(usize, usize)>,
-    /// `overlaps` by engine number, and weighted by tier, zero elsewhere (the next decision
+    /// Each engine's best rank's overlap, by engine number, zero elsewhere (the next decision
     /// clears what it set).
-    overlap_of: Vec<(u64, f64)>,
+    overlap_of: Vec<Overlap>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
     /// The slots the lookup found, so that the speculative insert after it does not probe
     /// for them again (most of a decision's time is those probes' cache misses).
     probes: Probes,
+}
+
+/// What one engine (its best rank) holds of a request's prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Overlap {
+    blocks: u64,
+    /// The blocks each counted at its tier's weight.
+    weight: f64,
+    rank: u32,
+}
+
+impl Overlap {
+    /// The better of two ranks' overlaps: more weight, then more blocks, then the lower rank.
+    fn beats(&self, other: &Overlap) -> bool {
+        self.weight
+            .total_cmp(&other.weight)
+            .then(self.blocks.cmp(&other.blocks))
+            .then(other.rank.cmp(&self.rank))
+            .is_gt()
+    }
 }
 
 impl Cluster {
@@ -169,9 +194,7 @@ impl Cluster {
         match registered {
             Registered::New(engine) => self.cleanup.fresh(engine),
             Registered::Renewed { engine, changed: true, .. } | Registered::Renewed { engine, was_dead: true, .. } => {
-                for index in self.indexes.values_mut() {
-                    index.remove_engine(engine);
-                }
+                self.reset_index(engine);
                 self.cleanup.fresh(engine);
             }
             Registered::Renewed { .. } => {}
@@ -180,8 +203,12 @@ impl Cluster {
         registered
     }
 
-    pub fn apply_events(&mut self, engine: usize, batch: &EventBatch) {
-        let Some(model) = self.membership.get(engine).map(|e| e.spec.model.clone()) else { return };
+    /// Indexes a batch of `engine`'s events that came on rank `stream_rank`'s stream (0 for an
+    /// engine without data parallel, and in collector mode); see [`ranks::batch_rank`].
+    pub fn apply_events(&mut self, engine: usize, stream_rank: u32, batch: &EventBatch) -> Result<(), UndeclaredRank> {
+        let Some(spec) = self.membership.get(engine).map(|e| &e.spec) else { return Ok(()) };
+        let holder = ranks::holder(engine, ranks::batch_rank(spec.ranks(), stream_rank, batch.dp_rank)?);
+        let model = spec.model.clone();
         for event in &batch.events {
             match event {
                 // An adapter's blocks go to its own index; removals and clears name no adapter,
@@ -189,23 +216,34 @@ impl Cluster {
                 KvEvent::BlockStored { lora_name, lora_id, .. } => {
                     let key = adapter_key(&model, lora_name.as_deref(), *lora_id);
                     match self.indexes.get_mut(key.as_ref()) {
-                        Some(index) => index.apply(engine, event),
-                        None => self.indexes.entry(key.into_owned()).or_default().apply(engine, event),
+                        Some(index) => index.apply(holder, event),
+                        None => self.indexes.entry(key.into_owned()).or_default().apply(holder, event),
                     }
                 }
                 _ => {
                     for (_, index) in self.indexes.iter_mut().filter(|(key, _)| key_model(key) == model) {
-                        index.apply(engine, event);
+                        index.apply(holder, event);
                     }
                 }
             }
         }
+        Ok(())
     }
 
-    /// Forgets an engine's index entries (a sequence gap that replay could not fill).
+    /// Forgets an engine's index entries, every rank's.
     pub fn reset_index(&mut self, engine: usize) {
         for index in self.indexes.values_mut() {
-            index.remove_engine(engine);
+            for holder in ranks::holders_of(index, engine) {
+                index.remove_engine(holder);
+            }
+        }
+    }
+
+    /// Forgets one rank's index entries (a sequence gap on its stream that replay could not
+    /// fill); the engine's other ranks keep theirs.
+    pub fn reset_rank(&mut self, engine: usize, rank: u32) {
+        for index in self.indexes.values_mut() {
+            index.remove_engine(ranks::holder(engine, rank));
         }
     }
 
@@ -255,9 +293,9 @@ impl Cluster {
         scratch: &mut Scratch,
     ) -> Result<Decision, PairError> {
         let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
-        for &(engine, _) in overlaps.iter() {
-            if let Some(blocks) = overlap_of.get_mut(engine) {
-                *blocks = (0, 0.0); // the previous decision's
+        for &(holder, _) in overlaps.iter() {
+            if let Some(overlap) = overlap_of.get_mut(ranks::engine_of(holder)) {
+                *overlap = Overlap::default(); // the previous decision's
             }
         }
         let key = req.index_key();
@@ -266,19 +304,30 @@ impl Cluster {
             Some(index) => index.prefix_matches_probed(req.block_hashes, now, overlaps, probes),
             None => overlaps.clear(),
         }
-        for &(engine, blocks) in overlaps.iter() {
+        for &(holder, blocks) in overlaps.iter() {
+            let engine = ranks::engine_of(holder);
             if overlap_of.len() <= engine {
-                overlap_of.resize(engine + 1, (0, 0.0));
+                overlap_of.resize(engine + 1, Overlap::default());
             }
             let held = &req.block_hashes[..blocks.min(req.block_hashes.len())];
-            let weight = index.map_or(blocks as f64, |i| i.tier_weighted(engine, held, &self.settings.tier_weights));
-            overlap_of[engine] = (blocks as u64, weight);
+            let weight = index.map_or(blocks as f64, |i| i.tier_weighted(holder, held, &self.settings.tier_weights));
+            let overlap = Overlap { blocks: blocks as u64, weight, rank: ranks::rank_of(holder) };
+            if overlap.beats(&overlap_of[engine]) {
+                overlap_of[engine] = overlap;
+            }
         }
         let new_blocks = req.block_hashes.len() as u64;
         let overlap_of = &*overlap_of;
         let candidate = |engine: usize| {
-            let (overlap_blocks, overlap_weight) = overlap_of.get(engine).copied().unwrap_or((0, 0.0));
-            Candidate { engine, overlap_blocks, overlap_weight, load: self.load(engine) }
+            let Overlap { blocks, weight, .. } = overlap_of.get(engine).copied().unwrap_or_default();
+            Candidate { engine, overlap_blocks: blocks, overlap_weight: weight, load: self.load(engine) }
+        };
+        // The rank to name: the one holding the engine's overlap, on an engine with ranks; none
+        // when no rank holds any of the prompt (the engine balances its ranks itself).
+        let rank_of = |c: &Candidate| {
+            let has_ranks = self.membership.get(c.engine).is_some_and(|e| e.spec.has_ranks());
+            let overlap = overlap_of.get(c.engine).filter(|o| o.blocks > 0);
+            overlap.filter(|_| has_ranks).map(|o| o.rank)
         };
         decodes.clear();
         decodes.extend(self.membership.live_iter(req.model, Role::decodes).map(candidate));
@@ -309,6 +358,8 @@ impl Cluster {
             prefill: prefill.map(|p| p.engine),
             decode_overlap_blocks: decode.overlap_blocks,
             prefill_overlap_blocks: prefill.map_or(0, |p| p.overlap_blocks),
+            decode_rank: rank_of(&decode),
+            prefill_rank: prefill.as_ref().and_then(rank_of),
         };
         let uncached = new_blocks.saturating_sub(decision.prefill_overlap_blocks.max(decision.decode_overlap_blocks));
         self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
@@ -317,19 +368,23 @@ impl Cluster {
         // guess; one without events keeps its routed prefix fresh (TTL).
         let speculative_until = now + self.settings.speculative_ttl;
         let hashes = req.block_hashes.len();
-        let first_guess = |engine: usize, overlap: u64| {
-            let publishes = self.membership.get(engine).is_some_and(|e| e.spec.publishes_events());
-            if publishes {
-                (overlap as usize).min(hashes)
-            } else {
-                0
+        // (holder, first block to guess); none for an engine with ranks when no rank was named:
+        // the rank it picks itself is unknown here.
+        let guess = |engine: usize, rank: Option<u32>, overlap: u64| {
+            let spec = &self.membership.get(engine)?.spec;
+            if spec.has_ranks() && rank.is_none() {
+                return None;
             }
+            let first = if spec.publishes_events() { (overlap as usize).min(hashes) } else { 0 };
+            Some((ranks::holder(engine, rank.unwrap_or(0)), first))
         };
-        let mut guesses = [(decision.decode, first_guess(decision.decode, decision.decode_overlap_blocks)); 2];
-        let mut n = 1;
-        if let Some(p) = prefill {
-            guesses[1] = (p.engine, first_guess(p.engine, p.overlap_blocks));
-            n = 2;
+        let mut guesses = [(0, 0); 2];
+        let mut n = 0;
+        let decode_guess = guess(decision.decode, decision.decode_rank, decision.decode_overlap_blocks);
+        let prefill_guess = prefill.and_then(|p| guess(p.engine, decision.prefill_rank, p.overlap_blocks));
+        for g in decode_guess.into_iter().chain(prefill_guess) {
+            guesses[n] = g;
+            n += 1;
         }
         if guesses[..n].iter().any(|&(_, first)| first < hashes) {
             if !self.indexes.contains_key(key.as_ref()) {
@@ -394,7 +449,9 @@ impl Cluster {
     pub fn forget(&mut self, engine: usize) -> Option<crate::membership::Engine> {
         let forgotten = self.membership.forget(engine)?;
         for index in self.indexes.values_mut() {
-            index.forget_engine(engine);
+            for holder in ranks::holders_of(index, engine) {
+                index.forget_engine(holder);
+            }
         }
         if let Some(load) = self.reported.get_mut(engine) {
             *load = None;
@@ -484,6 +541,7 @@ mod tests {
             xfer_side_channel: None,
             block_size: 16,
             capacity_blocks: None,
+            data_parallel_size: None,
         }
     }
 
@@ -533,9 +591,9 @@ mod tests {
         let hashes: Vec<u64> = (1..=20).collect();
         // The same ids (as if hashes collided) under adapter A on d0, the base on d1, an
         // unnamed adapter on d2.
-        c.apply_events(0, &stored_under(&hashes, Some("a"), None));
-        c.apply_events(1, &stored(&hashes));
-        c.apply_events(2, &stored_under(&hashes, None, Some(7)));
+        c.apply_events(0, 0, &stored_under(&hashes, Some("a"), None)).unwrap();
+        c.apply_events(1, 0, &stored(&hashes)).unwrap();
+        c.apply_events(2, 0, &stored_under(&hashes, None, Some(7))).unwrap();
         let under = |name| PairRequest { lora_name: name, ..req("r", &hashes) };
         let d = c.pair(PairRequest { request_id: "ra", ..under(Some("a")) }, now, [0.0; 2]).unwrap();
         assert_eq!((d.decode, d.decode_overlap_blocks), (0, 20));
@@ -551,7 +609,7 @@ mod tests {
             events: vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(1)], medium: None }],
             dp_rank: None,
         };
-        c.apply_events(0, &removed);
+        c.apply_events(0, 0, &removed).unwrap();
         let d = c.pair(PairRequest { request_id: "ra2", ..under(Some("a")) }, now, [0.0; 2]).unwrap();
         assert_eq!(d.decode_overlap_blocks, 0, "{d:?}");
     }
@@ -572,9 +630,9 @@ mod tests {
             }
             batch
         };
-        c.apply_events(0, &on("CPU"));
-        c.apply_events(1, &on("GPU"));
-        c.apply_events(1, &on("CPU")); // offloaded too: its GPU copy still counts
+        c.apply_events(0, 0, &on("CPU")).unwrap();
+        c.apply_events(1, 0, &on("GPU")).unwrap();
+        c.apply_events(1, 0, &on("CPU")).unwrap(); // offloaded too: its GPU copy still counts
         let d = c.pair(req("r1", &prompt), now, [0.0; 2]).unwrap();
         assert_eq!((d.decode, d.decode_overlap_blocks), (1, 20));
         // d1's GPU copies are evicted (removal names the tier): both hold CPU copies only,
@@ -587,12 +645,53 @@ mod tests {
             }],
             dp_rank: None,
         };
-        c.apply_events(1, &evicted);
+        c.apply_events(1, 0, &evicted).unwrap();
         c.handoffs.finished("r1");
         // After the decision's own guesses (counted as GPU) expire, within the lease.
         let later = now + Settings::default().speculative_ttl + Duration::from_millis(500);
         let d = c.pair(req("r2", &prompt), later, [0.0; 2]).unwrap();
         assert_eq!((d.decode, d.decode_overlap_blocks), (0, 20), "{d:?}");
+    }
+
+    #[test]
+    fn the_rank_holding_the_prefix_is_named() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        let publishing = |id| EngineSpec { kv_events: Some("tcp://h:5557".into()), ..spec(id, Role::Decode) };
+        c.register(EngineSpec { data_parallel_size: Some(2), ..publishing("d0") }, now);
+        c.register(publishing("d1"), now);
+        // A prompt of 60 blocks: the overlap credit never covers it, so more cached blocks win.
+        let hashes: Vec<u64> = (1..=60).collect();
+        let on_rank = |rank, n| EventBatch { dp_rank: Some(rank), ..stored(&hashes[..n]) };
+        // Rank 1 holds 10 blocks (told by the batch, whatever stream it came on).
+        c.apply_events(0, 0, &on_rank(1, 10)).unwrap();
+        let d = c.pair(req("r1", &hashes), now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_rank, d.decode_overlap_blocks), (0, Some(1), 10), "{d:?}");
+        c.handoffs.finished("r1");
+        // Rank 0 (its own stream, no dp_rank in the batch) comes to hold more: it is named.
+        let later = now + Settings::default().speculative_ttl + Duration::from_millis(500);
+        c.apply_events(0, 0, &EventBatch { dp_rank: None, ..stored(&hashes[..15]) }).unwrap();
+        let d = c.pair(req("r2", &hashes), later, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_rank, d.decode_overlap_blocks), (0, Some(0), 15), "{d:?}");
+        c.handoffs.finished("r2");
+        // A rank the engine did not declare is refused; one rank's reset leaves the other's.
+        assert_eq!(c.apply_events(0, 0, &on_rank(2, 20)), Err(UndeclaredRank { rank: 2, declared: 2 }));
+        c.reset_rank(0, 0);
+        let d = c.pair(req("r3", &hashes), later, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_rank, d.decode_overlap_blocks), (0, Some(1), 10), "{d:?}");
+        c.handoffs.finished("r3");
+        // An engine without data parallel is never given a rank, whatever its batches say.
+        // (after r3's guesses on rank 1 expire)
+        let later = later + Settings::default().speculative_ttl + Duration::from_millis(500);
+        c.apply_events(1, 0, &on_rank(5, 20)).unwrap();
+        let d = c.pair(req("r4", &hashes), later, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_rank, d.decode_overlap_blocks), (1, None, 20), "{d:?}");
+        c.handoffs.finished("r4");
+        // No rank holds any of a fresh prompt: none is named (the engine balances itself).
+        c.engine_died(1, later);
+        let fresh: Vec<u64> = (100..=120).collect();
+        let d = c.pair(req("r5", &fresh), later, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.decode_rank), (0, None), "{d:?}");
     }
 
     #[test]
@@ -602,10 +701,18 @@ mod tests {
         c.register(spec("p0", Role::Prefill), now);
         c.register(spec("p1", Role::Prefill), now);
         c.register(spec("d0", Role::Decode), now);
-        c.apply_events(1, &stored(&[1, 2, 3]));
+        c.apply_events(1, 0, &stored(&[1, 2, 3])).unwrap();
         let hashes: Vec<u64> = (1..=200).collect();
         let d = c.pair(req("r1", &hashes), now, [0.0, 0.0]).unwrap();
-        assert_eq!(d, Decision { decode: 2, prefill: Some(1), decode_overlap_blocks: 0, prefill_overlap_blocks: 3 });
+        let expected = Decision {
+            decode: 2,
+            prefill: Some(1),
+            decode_overlap_blocks: 0,
+            prefill_overlap_blocks: 3,
+            decode_rank: None,
+            prefill_rank: None,
+        };
+        assert_eq!(d, expected);
         assert_eq!(c.handoffs.len(), 1);
     }
 
@@ -617,7 +724,7 @@ mod tests {
         assert!(matches!(c.pair(req("r0", &[1]), now, [0.0; 2]), Err(PairError::NoDecode(_))));
         c.register(spec("d0", Role::Decode), now);
         let hashes: Vec<u64> = (1..=200).collect();
-        c.apply_events(1, &stored(&hashes[..190]));
+        c.apply_events(1, 0, &stored(&hashes[..190])).unwrap();
         let d = c.pair(req("r1", &hashes), now, [0.0; 2]).unwrap();
         assert_eq!(d.prefill, None, "10 uncached blocks = 160 tokens, 5 %");
     }
@@ -652,11 +759,11 @@ mod tests {
         c.register(spec("d0", Role::Decode), now);
         c.register(spec("d1", Role::Decode), now);
         let hashes: Vec<u64> = (1..=100).collect();
-        c.apply_events(0, &stored(&hashes[..20]));
+        c.apply_events(0, 0, &stored(&hashes[..20])).unwrap();
         let prefer = |engine| Some(Preference { engine, max_cost_ratio: 1.5 });
         assert_eq!(c.pair(req("r0", &hashes), now, [0.0; 2]).unwrap().decode, 0);
         assert_eq!(c.pair_preferring(req("r1", &hashes), prefer(1), now, [0.0; 2]).unwrap().decode, 1);
-        c.apply_events(0, &stored(&hashes));
+        c.apply_events(0, 0, &stored(&hashes)).unwrap();
         c.handoffs.finished("r0");
         c.handoffs.finished("r1");
         c.reset_index(1);

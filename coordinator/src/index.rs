@@ -714,6 +714,11 @@ impl PrefixIndex {
             .sum()
     }
 
+    /// Every engine number this index has seen and not forgotten.
+    pub fn holders(&self) -> impl Iterator<Item = usize> + '_ {
+        self.engines.local.keys().copied()
+    }
+
     /// Blocks indexed for an engine (approximate entries count until `expire` drops them).
     pub fn engine_blocks(&self, engine: usize) -> usize {
         self.known(engine).map_or(0, |l| self.engines.exact[l as usize] + self.engines.approx[l as usize])

@@ -20,5 +20,6 @@ pub mod membership;
 pub mod metrics;
 pub mod pairing;
 pub mod prompt;
+pub mod ranks;
 pub mod store;
 pub mod topic;

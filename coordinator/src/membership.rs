@@ -23,6 +23,8 @@ pub struct EngineSpec {
     pub xfer_side_channel: Option<String>,
     pub block_size: u32,
     pub capacity_blocks: Option<u64>,
+    /// vLLM data-parallel ranks behind `engine_url` (`None`: no data parallel).
+    pub data_parallel_size: Option<u32>,
 }
 
 impl EngineSpec {
@@ -31,6 +33,16 @@ impl EngineSpec {
     /// until it does, so its routed prefixes are guessed like those of an engine without events.
     pub fn publishes_events(&self) -> bool {
         self.kv_events.is_some() || self.kv_events_topic.is_some()
+    }
+
+    /// Ranks with a KV cache of their own: 1 without data parallel.
+    pub fn ranks(&self) -> u32 {
+        self.data_parallel_size.unwrap_or(1).max(1)
+    }
+
+    /// Whether requests are sent to a rank by header (the engine runs data parallel).
+    pub fn has_ranks(&self) -> bool {
+        self.ranks() > 1
     }
 }
 
@@ -274,6 +286,7 @@ mod tests {
             xfer_side_channel: None,
             block_size: 16,
             capacity_blocks: None,
+            data_parallel_size: None,
         }
     }
 

@@ -24,6 +24,7 @@ fn spec(id: &str, role: Role) -> EngineSpec {
         xfer_side_channel: Some("127.0.0.1:5600".into()),
         block_size: 16,
         capacity_blocks: Some(1024),
+        data_parallel_size: None,
     }
 }
 

@@ -185,11 +185,13 @@ async fn approximate_mode_remembers_routed_prompts() {
 }
 
 /// An engine's KV-event publisher in vLLM's wire format (PUB socket, tagged-map batches), for
-/// events pd-sim does not produce (adapters).
+/// events pd-sim does not produce (adapters, data-parallel ranks).
 struct EventPublisher {
     socket: zmq::Socket,
     endpoint: String,
     seq: u64,
+    /// The `dp_rank` its batches carry.
+    dp_rank: i64,
 }
 
 impl EventPublisher {
@@ -197,7 +199,25 @@ impl EventPublisher {
         let socket = ctx.socket(zmq::PUB).unwrap();
         let endpoint = format!("tcp://127.0.0.1:{}", common::free_port());
         socket.bind(&endpoint).unwrap();
-        EventPublisher { socket, endpoint, seq: 0 }
+        EventPublisher { socket, endpoint, seq: 0, dp_rank: 0 }
+    }
+
+    /// The publishers of a vLLM engine's data-parallel ranks 0 and 1: each its own PUB socket,
+    /// rank r on the configured port + r.
+    fn bind_ranks(ctx: &zmq::Context) -> [EventPublisher; 2] {
+        for _ in 0..20 {
+            let base = common::free_port();
+            let Some(next) = base.checked_add(1) else { continue };
+            let bound = [(0, base), (1, next)].map(|(rank, port)| {
+                let socket = ctx.socket(zmq::PUB).unwrap();
+                let endpoint = format!("tcp://127.0.0.1:{port}");
+                socket.bind(&endpoint).ok().map(|()| EventPublisher { socket, endpoint, seq: 0, dp_rank: rank })
+            });
+            if let [Some(rank0), Some(rank1)] = bound {
+                return [rank0, rank1];
+            }
+        }
+        panic!("no two adjacent free loopback ports for data-parallel ranks");
     }
 
     fn spec(&self, id: &str) -> serde_json::Value {
@@ -224,7 +244,7 @@ impl EventPublisher {
                 medium: Some(medium.into()),
                 lora_name: lora_name.map(str::to_owned),
             }],
-            dp_rank: Some(0),
+            dp_rank: Some(self.dp_rank),
         };
         let payload = encode_batch(&batch, EventFormat::TaggedMap);
         let seq = pd_protocols::zmq_frames::seq_frame(self.seq).to_vec();
@@ -302,4 +322,59 @@ async fn a_gpu_copy_beats_a_cpu_copy() {
     let (status, d) = coord.pair(&json!({"request_id": "tiers", "model": MODEL, "token_ids": prompt})).await;
     assert_eq!(status, 200, "{d}");
     assert_eq!((d["decode"]["id"].as_str(), d["decode_overlap_blocks"].as_u64()), (Some("d1"), Some(10)), "{d}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_are_paired_by_rank() {
+    let ctx = zmq::Context::new();
+    let [mut rank0, mut rank1] = EventPublisher::bind_ranks(&ctx);
+    let mut plain = EventPublisher::bind(&ctx);
+    let coord = Coord::start(&[]).await;
+    // One registration for the engine (rank 0's endpoint, as vLLM is configured): the
+    // coordinator subscribes to rank 1 on the next port by itself.
+    let mut dp = rank0.spec("dp");
+    dp["data_parallel_size"] = 2.into();
+    coord.register(&dp).await;
+    coord.register(&plain.spec("plain")).await;
+    let (on_rank0, on_rank1, on_plain) = (tokens(11_000, 160), tokens(12_000, 160), tokens(13_000, 160));
+    eventually(Duration::from_secs(10), "every rank's blocks indexed", || {
+        rank0.store(&on_rank0, None, "GPU");
+        rank1.store(&on_rank1, None, "GPU");
+        plain.store(&on_plain, None, "GPU");
+        let coord = &coord;
+        async move { coord.indexed("dp").await == 20 && coord.indexed("plain").await == 10 }
+    })
+    .await;
+
+    // A prompt whose 10-block prefix only rank 1 holds names rank 1; rank 0's names rank 0.
+    let pair = |id: &str, cached: &[u32]| {
+        let mut prompt = cached.to_vec();
+        prompt.extend(tokens(20_000, 320));
+        json!({"request_id": id, "model": MODEL, "token_ids": prompt})
+    };
+    for (id, cached, rank) in [("on-rank-1", &on_rank1, 1), ("on-rank-0", &on_rank0, 0)] {
+        let (status, d) = coord.pair(&pair(id, cached)).await;
+        assert_eq!(status, 200, "{d}");
+        assert_eq!(d["decode"]["id"], "dp", "{d}");
+        assert_eq!((d["decode_dp_rank"].as_u64(), d["decode_overlap_blocks"].as_u64()), (Some(rank), Some(10)), "{d}");
+        coord.post("/v1/report", &json!({"request_id": id, "event": "finished"})).await;
+    }
+    // An engine without data parallel gets no rank (its batches' dp_rank 0 notwithstanding).
+    let (status, d) = coord.pair(&pair("plain", &on_plain)).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!((d["decode"]["id"].as_str(), d["decode_overlap_blocks"].as_u64()), (Some("plain"), Some(10)), "{d}");
+    let fields = d.as_object().unwrap();
+    assert!(!fields.contains_key("decode_dp_rank") && !fields.contains_key("prefill_dp_rank"), "{d}");
+
+    // A batch naming a rank the engine did not declare is refused and counted, not indexed.
+    let malformed = coord.metric("pd_coordinator_kv_events_malformed_total").await;
+    rank1.dp_rank = 2;
+    let undeclared = tokens(30_000, 160);
+    rank1.store(&undeclared, None, "GPU");
+    eventually(Duration::from_secs(5), "the undeclared rank's batch counted", || async {
+        coord.metric("pd_coordinator_kv_events_malformed_total").await > malformed
+    })
+    .await;
+    let (_, d) = coord.pair(&pair("undeclared", &undeclared)).await;
+    assert_eq!(d["decode_overlap_blocks"], 0, "{d}");
 }

@@ -4,6 +4,8 @@
 //! PUB message: `[topic, sequence (u64 big-endian, from 0 per publisher), msgpack batch]`.
 //! Replay (ROUTER): the client sends the start sequence (8 bytes big-endian); the publisher
 //! answers `[seq, payload]` for each buffered batch from there on, then `[ff × 8, empty]`.
+//! Data parallel: each rank has its own publisher (own sequence, own replay buffer) on the
+//! configured endpoints offset by its rank ([`rank_endpoint`]).
 
 use std::collections::VecDeque;
 
@@ -113,6 +115,40 @@ impl SeqTracker {
     }
 }
 
+/// Why an endpoint has no form for a data-parallel rank.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RankEndpointError {
+    #[error("{endpoint:?} has no port to offset by data-parallel rank {rank}")]
+    NoPort { endpoint: String, rank: u32 },
+    #[error("{endpoint:?} offset by data-parallel rank {rank} passes port 65535")]
+    PortOverflow { endpoint: String, rank: u32 },
+    #[error("{endpoint:?}: vLLM offsets only tcp and inproc endpoints by data-parallel rank")]
+    Unsupported { endpoint: String },
+}
+
+/// The endpoint data-parallel rank `rank` of a vLLM engine publishes on (or serves replay on)
+/// when configured with `endpoint`: vLLM adds the rank to a tcp port (bind and connect forms
+/// alike) and appends `_dp{rank}` to an inproc name; rank 0 keeps the endpoint as it is.
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, RankEndpointError> {
+    if rank == 0 {
+        return Ok(endpoint.to_string());
+    }
+    if endpoint.starts_with("inproc://") {
+        return Ok(format!("{endpoint}_dp{rank}"));
+    }
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return Err(RankEndpointError::Unsupported { endpoint: endpoint.to_string() });
+    };
+    let no_port = || RankEndpointError::NoPort { endpoint: endpoint.to_string(), rank };
+    let (host, port) = rest.rsplit_once(':').ok_or_else(no_port)?;
+    let port: u16 = port.parse().map_err(|_| no_port())?;
+    let offset = u16::try_from(rank)
+        .ok()
+        .and_then(|r| port.checked_add(r))
+        .ok_or_else(|| RankEndpointError::PortOverflow { endpoint: endpoint.to_string(), rank })?;
+    Ok(format!("tcp://{host}:{offset}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +184,20 @@ mod tests {
         assert_eq!(tracker.observe(0), SeqCheck::Restarted { got: 0 });
         let mut late = SeqTracker::default();
         assert_eq!(late.observe(7), SeqCheck::Gap { expected: 0, got: 7 });
+    }
+
+    #[test]
+    fn rank_endpoints_follow_vllm() {
+        assert_eq!(rank_endpoint("tcp://*:5557", 0).unwrap(), "tcp://*:5557");
+        assert_eq!(rank_endpoint("tcp://*:5557", 3).unwrap(), "tcp://*:5560");
+        assert_eq!(rank_endpoint("tcp://[::1]:5557", 1).unwrap(), "tcp://[::1]:5558");
+        assert_eq!(rank_endpoint("tcp://collector:6000", 2).unwrap(), "tcp://collector:6002");
+        assert_eq!(rank_endpoint("inproc://cache", 2).unwrap(), "inproc://cache_dp2");
+        assert_eq!(rank_endpoint("ipc:///tmp/e", 0).unwrap(), "ipc:///tmp/e");
+        assert!(matches!(rank_endpoint("ipc:///tmp/e", 1), Err(RankEndpointError::Unsupported { .. })));
+        assert!(matches!(rank_endpoint("tcp://host", 1), Err(RankEndpointError::NoPort { .. })));
+        assert!(matches!(rank_endpoint("tcp://host:x", 1), Err(RankEndpointError::NoPort { .. })));
+        assert!(matches!(rank_endpoint("tcp://h:65535", 1), Err(RankEndpointError::PortOverflow { .. })));
+        assert!(matches!(rank_endpoint("tcp://h:1", 70_000), Err(RankEndpointError::PortOverflow { .. })));
     }
 }

@@ -99,6 +99,7 @@ impl Coordinator {
             xfer_side_channel: cfg.xfer_side_channel.clone(),
             block_size: u32::try_from(cfg.block_size).unwrap_or(u32::MAX),
             capacity_blocks: cfg.capacity_blocks,
+            data_parallel_size: cfg.data_parallel_size,
         };
         let (tx, rx) = mpsc::channel(4096);
         Ok(Coordinator {
@@ -292,13 +293,14 @@ fn decision(d: PairDecision, scheme: &str, bootstrap_port: u16, own: &str) -> Pa
     let prefill = d.prefill.filter(|_| !local).and_then(|p| {
         let mut t = Target::parse(&p.engine_url, scheme, Some(bootstrap_port)).ok()?;
         t.id = Some(p.id);
+        t.dp_rank = d.prefill_dp_rank;
         Some(t)
     });
     let remote_decode = Some(d.decode).filter(|e| e.id != own).map(|e| RemoteDecode {
         sidecar: e.sidecar_url.as_deref().and_then(|u| Target::parse(u, "http", None).ok()),
         id: e.id,
     });
-    Pairing { prefill, remote_decode }
+    Pairing { prefill, remote_decode, decode_rank: d.decode_dp_rank }
 }
 
 /// The link's background work: register, heartbeat with load, act on notices, refresh the
@@ -533,7 +535,7 @@ mod tests {
                 "decode_overlap_blocks": 0, "prefill_overlap_blocks": 3, "reason": "disaggregated"}"#,
         )
         .unwrap();
-        let Pairing { prefill: Some(t), remote_decode: None } = decision(d, "http", 8998, "d0") else { panic!() };
+        let Pairing { prefill: Some(t), remote_decode: None, .. } = decision(d, "http", 8998, "d0") else { panic!() };
         assert_eq!(
             (t.base.as_str(), t.id.as_deref(), t.bootstrap_port),
             ("http://10.0.0.5:8100", Some("p0"), Some(8998))
@@ -543,7 +545,7 @@ mod tests {
                 "decode_overlap_blocks": 9, "prefill_overlap_blocks": 0, "reason": "local_prefill"}"#,
         )
         .unwrap();
-        assert_eq!(decision(local, "http", 1, "d0"), Pairing { prefill: None, remote_decode: None });
+        assert_eq!(decision(local, "http", 1, "d0"), Pairing { prefill: None, remote_decode: None, decode_rank: None });
         // Another decode chosen: its sidecar is where the request goes.
         let other: PairDecision = serde_json::from_str(
             r#"{"request_id": "r", "decode": {"id": "d1", "engine_url": "http://d:1", "sidecar_url": "http://d:8000/", "node": "n"},

@@ -31,6 +31,8 @@ pub struct Pairing {
     pub prefill: Option<Target>,
     /// The decode engine the coordinator chose when it is another than this sidecar's.
     pub remote_decode: Option<RemoteDecode>,
+    /// The decode engine's data-parallel rank holding the prompt, when the coordinator named one.
+    pub decode_rank: Option<u32>,
 }
 
 /// Another engine chosen as decode, and its sidecar (where the request can be redirected).
@@ -48,7 +50,8 @@ pub enum PairingAnswer {
     NotAsked,
     /// Asked, no decision (pairing off, coordinator down or without an answer).
     Unavailable,
-    Decided(Pairing),
+    /// (boxed: a decision is much larger than the other answers)
+    Decided(Box<Pairing>),
 }
 
 /// Everything a route is decided from, gathered by the edge.
@@ -97,6 +100,8 @@ pub struct Redirect {
     pub sidecar: Target,
     /// The chosen decode engine's id.
     pub decode: String,
+    /// Its data-parallel rank, when the coordinator named one (passed on as the rank header).
+    pub decode_rank: Option<u32>,
     /// The chosen prefill; `None`: the decode engine computes the prompt itself.
     pub prefill: Option<Target>,
     /// Serving the request here after all: its prefill, then the view and the static list —
@@ -152,31 +157,37 @@ pub fn plan(inputs: &Inputs) -> Route {
     }
     let header = inputs.header.as_slice();
     match &inputs.pairing {
-        PairingAnswer::Decided(Pairing { prefill, remote_decode: Some(RemoteDecode { id, sidecar }) }) => {
-            let prefill_list = prefill.as_slice();
-            let fallback = inputs.candidates(&[prefill_list, &inputs.view, &inputs.statics]);
-            match sidecar {
-                Some(sidecar) => Route::Redirect(Redirect {
-                    sidecar: sidecar.clone(),
-                    decode: id.clone(),
-                    prefill: prefill.clone(),
-                    fallback,
-                }),
-                None => Route::NoSidecar { decode: id.clone(), plan: fallback },
-            }
-        }
-        PairingAnswer::Decided(Pairing { prefill: None, remote_decode: None }) => {
-            Route::Here(Plan::Local(LocalReason::Coordinator))
-        }
-        PairingAnswer::Decided(Pairing { prefill: Some(p), remote_decode: None }) => {
-            Route::Here(inputs.candidates(&[header, std::slice::from_ref(p), &inputs.statics]))
-        }
+        PairingAnswer::Decided(pairing) => follow(inputs, header, pairing),
         PairingAnswer::Unavailable => Route::Here(inputs.candidates(&[header, &inputs.view, &inputs.statics])),
         // A redirected request whose named prefill was refused: the view vouches for others.
         PairingAnswer::NotAsked if inputs.redirected.is_some() => {
             Route::Here(inputs.candidates(&[header, &inputs.view, &inputs.statics]))
         }
         PairingAnswer::NotAsked => Route::Here(inputs.candidates(&[header, &inputs.statics])),
+    }
+}
+
+/// The route of a coordinator's decision.
+fn follow(inputs: &Inputs, header: &[Target], pairing: &Pairing) -> Route {
+    match pairing {
+        Pairing { prefill, remote_decode: Some(RemoteDecode { id, sidecar }), decode_rank } => {
+            let prefill_list = prefill.as_slice();
+            let fallback = inputs.candidates(&[prefill_list, &inputs.view, &inputs.statics]);
+            match sidecar {
+                Some(sidecar) => Route::Redirect(Redirect {
+                    sidecar: sidecar.clone(),
+                    decode: id.clone(),
+                    decode_rank: *decode_rank,
+                    prefill: prefill.clone(),
+                    fallback,
+                }),
+                None => Route::NoSidecar { decode: id.clone(), plan: fallback },
+            }
+        }
+        Pairing { prefill: None, remote_decode: None, .. } => Route::Here(Plan::Local(LocalReason::Coordinator)),
+        Pairing { prefill: Some(p), remote_decode: None, .. } => {
+            Route::Here(inputs.candidates(&[header, std::slice::from_ref(p), &inputs.statics]))
+        }
     }
 }
 

@@ -42,7 +42,9 @@ pub async fn run(
         &[],
     );
     legs.run(candidates, |target| {
-        let (headers, body) = (headers.clone(), body.clone());
+        let (mut headers, body) = (headers.clone(), body.clone());
+        // The client's rank header names a rank of the engine it addressed, not of this one.
+        upstream::set_dp_rank(&mut headers, target.dp_rank);
         async move {
             match legs.attempt(target, path, headers, body, MAX_PREFILL_BODY).await {
                 Attempted::Answer(bytes) => Ok(read_params(&legs.ctx.metrics, target, &bytes)),

@@ -26,7 +26,7 @@ use crate::release::{ReleaseGuard, Releaser};
 use crate::rewrite::{self, Api};
 use crate::routing;
 use crate::target::Target;
-use crate::upstream::REQUEST_ID;
+use crate::upstream::{self, REQUEST_ID};
 use crate::App;
 
 /// The client's `X-Request-Id` when it is usable, else a fresh one.
@@ -55,6 +55,20 @@ pub(crate) struct Disaggregation<'a> {
     /// Prefill candidates in the order to try them.
     pub candidates: Vec<Target>,
     pub fin: Finish,
+    /// The local engine's data-parallel rank the coordinator named for the decode leg.
+    pub decode_rank: Option<u32>,
+}
+
+/// The client's headers with the decode leg's data-parallel rank, when the coordinator named one.
+fn with_decode_rank(headers: &HeaderMap, rank: Option<u32>) -> std::borrow::Cow<'_, HeaderMap> {
+    match rank {
+        Some(rank) => {
+            let mut ranked = headers.clone();
+            upstream::set_dp_rank(&mut ranked, Some(rank));
+            std::borrow::Cow::Owned(ranked)
+        }
+        None => std::borrow::Cow::Borrowed(headers),
+    }
 }
 
 /// Parses the body, routes the request, and serves it when no prefill leg is needed here.
@@ -71,7 +85,8 @@ pub(crate) async fn route<'a>(
         return Routed::Served(local(app, path, headers, rid, body, None, fin, None).await);
     };
     let coordinator = app.coordinator.as_deref();
-    let plan = match routing::route(&app.ctx, &app.prefills, coordinator, headers, &object, api, rid).await {
+    let (route, decode_rank) = routing::route(&app.ctx, &app.prefills, coordinator, headers, &object, api, rid).await;
+    let plan = match route {
         Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
         Route::Redirect(r) => match redirect::open(&app.ctx, &r, path, headers, rid, body).await {
             Ok(opened) => return Routed::Served(redirect::relay(&app.ctx, opened, fin)),
@@ -80,9 +95,10 @@ pub(crate) async fn route<'a>(
     };
     match plan {
         Plan::Local(reason) => {
-            Routed::Served(local(app, path, headers, rid, body, Some(&object), fin, Some(reason)).await)
+            let headers = with_decode_rank(headers, decode_rank);
+            Routed::Served(local(app, path, &headers, rid, body, Some(&object), fin, Some(reason)).await)
         }
-        Plan::Prefill(candidates) => Routed::Disaggregate(Disaggregation { object, candidates, fin }),
+        Plan::Prefill(candidates) => Routed::Disaggregate(Disaggregation { object, candidates, fin, decode_rank }),
     }
 }
 
@@ -95,10 +111,12 @@ pub(crate) async fn vllm(
     body: Bytes,
     fin: Finish,
 ) -> Response<Body> {
-    let Disaggregation { object, candidates, mut fin } = match route(app, api, path, headers, rid, &body, fin).await {
-        Routed::Disaggregate(d) => d,
-        Routed::Served(response) => return response,
-    };
+    let Disaggregation { object, candidates, mut fin, decode_rank } =
+        match route(app, api, path, headers, rid, &body, fin).await {
+            Routed::Disaggregate(d) => d,
+            Routed::Served(response) => return response,
+        };
+    let headers = &*with_decode_rank(headers, decode_rank);
     let cfg = &app.ctx.cfg;
     let prefilled = prefill_detached(app, candidates, path, headers, rid, &object, &body).await;
     let prefilled_at = Instant::now();

@@ -17,7 +17,7 @@ use crate::finish::Finish;
 use crate::handoff::{Plan, Redirect, Redirected};
 use crate::metrics::RedirectOutcome;
 use crate::routing::redirect_mark;
-use crate::upstream::{self, LegHeaders, REDIRECT_HEADER, ROUTING_HEADER};
+use crate::upstream::{self, LegHeaders, PREFILL_DP_RANK_HEADER, REDIRECT_HEADER, ROUTING_HEADER};
 
 /// The headers of the redirected leg: the client's (routing headers it sent stripped), the
 /// request id, and the decision.
@@ -31,6 +31,12 @@ fn headers(client: &HeaderMap, request_id: &str, r: &Redirect) -> HeaderMap {
     out.insert(HeaderName::from_static(REDIRECT_HEADER), HeaderValue::from_static(redirect_mark(mark)));
     if let Some(p) = prefill {
         out.insert(HeaderName::from_static(ROUTING_HEADER), p);
+    }
+    // The ranks named for the other sidecar's engine and its prefill; the client's rank header
+    // named one of this engine's.
+    upstream::set_dp_rank(&mut out, r.decode_rank);
+    if let Some(rank) = r.prefill.as_ref().and_then(|p| p.dp_rank) {
+        out.insert(HeaderName::from_static(PREFILL_DP_RANK_HEADER), HeaderValue::from(rank));
     }
     out
 }
@@ -90,11 +96,13 @@ mod tests {
     use crate::handoff::Plan;
     use crate::metrics::LocalReason;
     use crate::target::Target;
+    use crate::upstream::DP_RANK_HEADER;
 
     fn redirect(prefill: Option<&str>) -> Redirect {
         Redirect {
             sidecar: Target::parse("d:8000", "http", None).unwrap(),
             decode: "d1".into(),
+            decode_rank: None,
             prefill: prefill.map(|p| Target::parse(p, "http", None).unwrap()),
             fallback: Plan::Local(LocalReason::NoCandidate),
         }
@@ -111,8 +119,17 @@ mod tests {
         assert_eq!(out[ROUTING_HEADER], "10.0.0.5:8100");
         assert_eq!(out["x-request-id"], "r1");
         assert_eq!(out["authorization"], "Bearer t", "the client's authorization passes");
+        assert!(out.get(DP_RANK_HEADER).is_none() && out.get(PREFILL_DP_RANK_HEADER).is_none());
         let out = headers(&client, "r1", &redirect(None));
         assert_eq!(out[REDIRECT_HEADER], "local");
         assert!(out.get(ROUTING_HEADER).is_none(), "the client's routing header never passes");
+        // Ranks named by the coordinator travel; the client's own rank header does not.
+        client.insert(DP_RANK_HEADER, HeaderValue::from_static("3"));
+        assert!(headers(&client, "r1", &redirect(None)).get(DP_RANK_HEADER).is_none());
+        let mut ranked = redirect(Some("10.0.0.5:8100"));
+        ranked.decode_rank = Some(1);
+        ranked.prefill.as_mut().unwrap().dp_rank = Some(2);
+        let out = headers(&client, "r1", &ranked);
+        assert_eq!((out[DP_RANK_HEADER].to_str().unwrap(), out[PREFILL_DP_RANK_HEADER].to_str().unwrap()), ("1", "2"));
     }
 }

@@ -14,7 +14,7 @@ use crate::json::Object;
 use crate::metrics::{inc, RedirectOutcome};
 use crate::rewrite::{self, Api};
 use crate::target::Target;
-use crate::upstream::{REDIRECT_HEADER, ROUTING_HEADER};
+use crate::upstream::{PREFILL_DP_RANK_HEADER, REDIRECT_HEADER, ROUTING_HEADER};
 
 /// Reads the redirect mark ([`REDIRECT_HEADER`]): `local`, anything else reads as `prefill`.
 pub fn redirected(headers: &HeaderMap) -> Option<Redirected> {
@@ -46,17 +46,25 @@ pub fn header_targets(
     let Some(value) = headers.get(ROUTING_HEADER) else { return Vec::new() };
     let text = value.to_str().unwrap_or_default();
     let vouched = |hp: &_| coordinator.and_then(|c| c.view_target(hp));
+    // A redirecting sidecar names the one prefill's data-parallel rank beside it.
+    let rank =
+        redirected(headers).and(headers.get(PREFILL_DP_RANK_HEADER)).and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
     match validate_header(text, |hp| prefills.allowlist.allows(hp) || vouched(hp).is_some()) {
-        Ok(targets) => targets
-            .into_iter()
-            .map(|hp| {
-                // A listed static entry keeps its scheme and bootstrap port; a view entry its id.
-                let listed = prefills.listed(&hp);
-                listed
-                    .or_else(|| vouched(&hp))
-                    .unwrap_or_else(|| Target::from_host_port(hp, &cfg.prefill_scheme, Some(cfg.bootstrap_port)))
-            })
-            .collect(),
+        Ok(targets) => {
+            let single = targets.len() == 1;
+            targets
+                .into_iter()
+                .map(|hp| {
+                    // A listed static entry keeps its scheme and bootstrap port; a view entry its id.
+                    let listed = prefills.listed(&hp);
+                    let mut target = listed
+                        .or_else(|| vouched(&hp))
+                        .unwrap_or_else(|| Target::from_host_port(hp, &cfg.prefill_scheme, Some(cfg.bootstrap_port)));
+                    target.dp_rank = rank.filter(|_| single);
+                    target
+                })
+                .collect()
+        }
         Err(e) => {
             inc(&ctx.metrics.routing_header_rejected);
             tracing::warn!(%e, "ignoring a routing header the allowlist refuses");
@@ -66,7 +74,8 @@ pub fn header_targets(
 }
 
 /// Gathers the inputs of [`handoff::plan`] — asking the coordinator to pair when the core
-/// wants it — and returns its route.
+/// wants it — and returns its route, with the local engine's data-parallel rank when the
+/// coordinator kept the decode here and named one.
 pub async fn route(
     ctx: &Context,
     prefills: &Prefills,
@@ -75,7 +84,7 @@ pub async fn route(
     body: &Object<'_>,
     api: Api,
     request_id: &str,
-) -> Route {
+) -> (Route, Option<u32>) {
     let threshold = ctx.cfg.local_prefill_below_tokens;
     let redirected = redirected(headers);
     if redirected.is_some() {
@@ -96,7 +105,7 @@ pub async fn route(
     if let Some(c) = coordinator.filter(|_| handoff::wants_pairing(&inputs)) {
         let model: Option<String> = body.parsed("model");
         inputs.pairing = match c.pair(&ctx.client, &ctx.metrics, request_id, model.as_deref(), prompt.as_ref()).await {
-            Some(pairing) => PairingAnswer::Decided(pairing),
+            Some(pairing) => PairingAnswer::Decided(Box::new(pairing)),
             None => PairingAnswer::Unavailable,
         };
     }
@@ -105,7 +114,11 @@ pub async fn route(
         ctx.metrics.redirect(RedirectOutcome::NoSidecarUrl);
         tracing::debug!(%decode, "the chosen decode has no sidecar_url; decoding here");
     }
-    route
+    let own_rank = match &inputs.pairing {
+        PairingAnswer::Decided(p) if p.remote_decode.is_none() => p.decode_rank,
+        _ => None,
+    };
+    (route, own_rank)
 }
 
 #[cfg(test)]
@@ -153,6 +166,12 @@ mod tests {
         // One refused target refuses the header, counted.
         assert!(header_targets(&s.ctx, &s.prefills, None, &with(ROUTING_HEADER, "10.9.1.2:7000,1.2.3.4:1")).is_empty());
         assert_eq!(s.ctx.metrics.routing_header_rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+        // A redirecting sidecar's rank for the one prefill it names; a client's is not read.
+        let mut named = with(ROUTING_HEADER, "10.0.0.1:8100");
+        named.insert(PREFILL_DP_RANK_HEADER, HeaderValue::from_static("2"));
+        assert_eq!(header_targets(&s.ctx, &s.prefills, None, &named)[0].dp_rank, None);
+        named.insert(REDIRECT_HEADER, HeaderValue::from_static("prefill"));
+        assert_eq!(header_targets(&s.ctx, &s.prefills, None, &named)[0].dp_rank, Some(2));
         let ignoring = app(&["--prefill", "10.0.0.1:8100", "--ignore-routing-header"]);
         assert!(
             header_targets(&ignoring.ctx, &ignoring.prefills, None, &with(ROUTING_HEADER, "10.0.0.1:8100")).is_empty()
@@ -164,18 +183,18 @@ mod tests {
         let s = app(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
         let body = Object::parse(br#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "max_tokens": 1}"#).unwrap();
         let Route::Here(Plan::Prefill(c)) =
-            route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &body, Api::Completions, "r").await
+            route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &body, Api::Completions, "r").await.0
         else {
             panic!("expected the static prefill")
         };
         assert_eq!(c[0].base, "http://10.0.0.1:8100");
         let short = Object::parse(br#"{"prompt": [1, 2, 3], "max_tokens": 1}"#).unwrap();
-        let short_route = route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &short, Api::Completions, "r").await;
+        let (short_route, _) = route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &short, Api::Completions, "r").await;
         assert_eq!(short_route, Route::Here(Plan::Local(LocalReason::Threshold)));
         let received = with(REDIRECT_HEADER, "local");
         let body =
             Object::parse(br#"{"prompt": "a much longer prompt than ten tokens, surely", "max_tokens": 1}"#).unwrap();
-        let marked = route(&s.ctx, &s.prefills, None, &received, &body, Api::Completions, "r").await;
+        let (marked, _) = route(&s.ctx, &s.prefills, None, &received, &body, Api::Completions, "r").await;
         assert_eq!(marked, Route::Here(Plan::Local(LocalReason::Coordinator)));
     }
 }

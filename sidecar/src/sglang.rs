@@ -76,7 +76,7 @@ pub async fn run(
     body: Bytes,
     fin: Finish,
 ) -> Response<Body> {
-    let Disaggregation { object, candidates, fin } =
+    let Disaggregation { object, candidates, fin, .. } =
         match crate::proxy::route(app, api, path, headers, rid, &body, fin).await {
             Routed::Disaggregate(d) => d,
             Routed::Served(response) => return response,

@@ -18,6 +18,9 @@ pub struct Target {
     pub bootstrap_port: Option<u16>,
     /// The coordinator's engine id, when it named this target.
     pub id: Option<String>,
+    /// The engine's vLLM data-parallel rank the coordinator named (sent as
+    /// `X-data-parallel-rank`); never set otherwise.
+    pub dp_rank: Option<u32>,
 }
 
 impl Target {
@@ -51,6 +54,7 @@ impl Target {
             host_port,
             bootstrap_port,
             id: None,
+            dp_rank: None,
         })
     }
 
@@ -61,6 +65,7 @@ impl Target {
             host_port: hp,
             bootstrap_port,
             id: None,
+            dp_rank: None,
         }
     }
 

@@ -26,6 +26,25 @@ pub const REQUEST_ID: &str = "x-request-id";
 /// `prefill` (the prefill is named in [`ROUTING_HEADER`]) or `local` (decode without a prefill
 /// leg). A request carrying it is never paired or redirected again.
 pub const REDIRECT_HEADER: &str = "x-pd-redirected";
+/// vLLM's data-parallel rank header ([`pd_api::DATA_PARALLEL_RANK_HEADER`]). The sidecar owns
+/// it on its legs: it carries the rank the coordinator named for that leg's engine, and a
+/// client's own reaches only the engine the client addressed (the local decode).
+pub const DP_RANK_HEADER: &str = pd_api::DATA_PARALLEL_RANK_HEADER;
+/// On a redirect: the data-parallel rank of the prefill named in [`ROUTING_HEADER`].
+pub const PREFILL_DP_RANK_HEADER: &str = "x-pd-prefill-dp-rank";
+
+/// Sets (or, with `None`, removes) the data-parallel rank of a leg's headers.
+pub fn set_dp_rank(headers: &mut HeaderMap, rank: Option<u32>) {
+    let name = HeaderName::from_static(DP_RANK_HEADER);
+    match rank {
+        Some(rank) => {
+            headers.insert(name, HeaderValue::from(rank));
+        }
+        None => {
+            headers.remove(name);
+        }
+    }
+}
 
 pub fn client(connect_timeout: Duration, tls: rustls::ClientConfig) -> HttpClient {
     let mut http = HttpConnector::new();
@@ -122,6 +141,7 @@ pub fn leg_headers(client: &HeaderMap, leg: LegHeaders<'_>, strip: &[HeaderName]
             || name == header::EXPECT
             || name.as_str() == ROUTING_HEADER
             || name.as_str() == REDIRECT_HEADER
+            || name.as_str() == PREFILL_DP_RANK_HEADER
             || name.as_str() == REQUEST_ID
             || strip.contains(name)
             || (leg.rewritten && name == header::CONTENT_LENGTH)

@@ -22,6 +22,8 @@ struct Fake {
     reports: Mutex<Vec<Value>>,
     /// `None`: answer local_prefill; else the prefill's (id, url).
     pair_with: Mutex<Option<(String, String)>>,
+    /// The data-parallel ranks a decision names: (decode, prefill).
+    pair_ranks: Mutex<(Option<u32>, Option<u32>)>,
     notices: Mutex<Option<Value>>,
     forget_once: AtomicBool,
     beats: AtomicU32,
@@ -59,12 +61,19 @@ async fn fake_coordinator() -> (String, Arc<Fake>) {
                 let rid = req["request_id"].clone();
                 f.pairs.lock().unwrap().push(req);
                 let decode = json!({"id": "dec-1", "engine_url": "http://unused:1", "node": "n"});
-                Json(match f.pair_with.lock().unwrap().clone() {
+                let mut decision = match f.pair_with.lock().unwrap().clone() {
                     Some((id, url)) => json!({"request_id": rid, "decode": decode, "prefill": {"id": id, "engine_url": url, "node": "n"},
                                               "decode_overlap_blocks": 0, "prefill_overlap_blocks": 0, "reason": "disaggregated"}),
                     None => json!({"request_id": rid, "decode": decode, "prefill": null,
                                    "decode_overlap_blocks": 3, "prefill_overlap_blocks": 0, "reason": "local_prefill"}),
-                })
+                };
+                let (decode_rank, prefill_rank) = *f.pair_ranks.lock().unwrap();
+                for (field, rank) in [("decode_dp_rank", decode_rank), ("prefill_dp_rank", prefill_rank)] {
+                    if let Some(rank) = rank {
+                        decision[field] = rank.into();
+                    }
+                }
+                Json(decision)
             }),
         )
         .route(
@@ -269,4 +278,70 @@ async fn with_the_real_coordinator() {
     assert_eq!(ds.metric("pd_sidecar_disaggregated_total").await, 1.0);
     assert_eq!(d.leaks().await["pulls"], 1);
     p.leaks_until("prefill released", Duration::from_secs(1), |r| r["held_blocks"] == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_named_data_parallel_rank_reaches_its_engine() {
+    // Engines that record the headers of every request: a prefill answering with the params a
+    // decode pulls with, and a decode answering a completion.
+    let params = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p",
+                        "remote_block_ids": [1, 2], "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1});
+    let prefilled = json!({"id": "p", "object": "text_completion", "kv_transfer_params": params,
+                           "choices": [{"index": 0, "text": "a", "finish_reason": "length"}]})
+    .to_string();
+    let (prefill, prefill_seen) = common::fake(move |_| (200, "application/json", prefilled.clone())).await;
+    let decoded =
+        json!({"id": "d", "object": "text_completion", "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]})
+            .to_string();
+    let (decode, decode_seen) = common::fake(move |_| (200, "application/json", decoded.clone())).await;
+    let (url, fake) = fake_coordinator().await;
+    *fake.pair_with.lock().unwrap() = Some(("pre-1".into(), format!("http://{prefill}")));
+    let s = Sidecar::start(&[
+        "--engine",
+        &decode,
+        "--coordinator",
+        &url,
+        "--engine-id",
+        "dec-1",
+        "--role",
+        "decode",
+        "--model",
+        "sim-model",
+        "--data-parallel-size",
+        "2",
+    ])
+    .await;
+    let spec =
+        until("registration", Duration::from_secs(5), || fake.registrations.lock().unwrap().first().cloned()).await;
+    assert_eq!(spec["data_parallel_size"], 2, "{spec}");
+
+    // The rank header each engine's completion call carried, request by request.
+    let ranks_seen = |seen: &common::Log| -> Vec<Option<String>> {
+        let seen = seen.lock().unwrap();
+        let completions = seen.iter().filter(|s| s.path == "/v1/completions");
+        completions.map(|s| s.headers.get("x-data-parallel-rank").map(|v| v.to_str().unwrap().to_string())).collect()
+    };
+    let complete = |client_rank: Option<&'static str>| {
+        let mut r = common::client().post(format!("{}/v1/completions", s.url));
+        if let Some(rank) = client_rank {
+            r = r.header("x-data-parallel-rank", rank);
+        }
+        async move {
+            let r = r.json(&json!({"model": "sim-model", "prompt": words(40, "dp"), "max_tokens": 2})).send().await;
+            assert_eq!(r.unwrap().status(), 200);
+        }
+    };
+    // Ranks named: each leg carries its own engine's.
+    *fake.pair_ranks.lock().unwrap() = (Some(1), Some(0));
+    complete(None).await;
+    // None named: no leg carries one; a client's own reaches only the engine it addressed.
+    *fake.pair_ranks.lock().unwrap() = (None, None);
+    complete(None).await;
+    complete(Some("5")).await;
+    // Only the prefill's named; the client's rank never goes to the prefill.
+    *fake.pair_ranks.lock().unwrap() = (None, Some(1));
+    complete(Some("5")).await;
+    let some = |r: &str| Some(r.to_string());
+    assert_eq!(ranks_seen(&prefill_seen), [some("0"), None, None, some("1")]);
+    assert_eq!(ranks_seen(&decode_seen), [some("1"), None, some("5"), some("5")]);
 }

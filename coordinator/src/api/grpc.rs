@@ -89,6 +89,7 @@ impl TryFrom<proto::EngineSpec> for EngineSpecJson {
             xfer_side_channel: spec.xfer_side_channel,
             block_size: spec.block_size,
             capacity_blocks: spec.capacity_blocks,
+            data_parallel_size: spec.data_parallel_size,
         })
     }
 }
@@ -113,6 +114,7 @@ impl From<EngineSpecJson> for proto::EngineSpec {
             xfer_side_channel: spec.xfer_side_channel,
             block_size: spec.block_size,
             capacity_blocks: spec.capacity_blocks,
+            data_parallel_size: spec.data_parallel_size,
         }
     }
 }
@@ -156,6 +158,8 @@ impl From<PairDecisionJson> for proto::PairDecision {
             decode_overlap_blocks: d.decode_overlap_blocks,
             prefill_overlap_blocks: d.prefill_overlap_blocks,
             reason: d.reason.as_str().into(),
+            decode_dp_rank: d.decode_dp_rank,
+            prefill_dp_rank: d.prefill_dp_rank,
         }
     }
 }

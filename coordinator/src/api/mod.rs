@@ -42,6 +42,7 @@ impl From<&EngineSpecJson> for EngineSpec {
             xfer_side_channel: spec.xfer_side_channel.clone(),
             block_size: spec.block_size,
             capacity_blocks: spec.capacity_blocks,
+            data_parallel_size: spec.data_parallel_size,
         }
     }
 }
@@ -61,6 +62,7 @@ impl From<&EngineSpec> for EngineSpecJson {
             xfer_side_channel: spec.xfer_side_channel.clone(),
             block_size: spec.block_size,
             capacity_blocks: spec.capacity_blocks,
+            data_parallel_size: spec.data_parallel_size,
         }
     }
 }

@@ -1,10 +1,14 @@
-//! One KV-event ingester thread per engine that publishes events on its own endpoint, and in
+//! One KV-event ingester thread per engine that publishes events on its own endpoint (per rank
+//! for an engine running data parallel: rank r publishes on the endpoints offset by r), and in
 //! collector mode one more for the bound socket that engines connect to: batches go into the
-//! index while the engine is alive and the same incarnation; a reset drops its entries.
+//! index while the engine is alive and the same incarnation; a reset drops the entries of the
+//! stream's rank.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use pd_protocols::zmq_frames::rank_endpoint;
 
 use crate::ingest::{self, Route, Source, Update};
 use crate::metrics::inc;
@@ -16,7 +20,8 @@ use super::state::{Coordinator, IngestHandle, Inner};
 const RETRY: Duration = Duration::from_secs(1);
 
 impl Coordinator {
-    /// Stops the engine's ingester, if any, and starts a new one when it publishes events.
+    /// Stops the engine's ingesters, if any, and starts new ones when it publishes events: one
+    /// per data-parallel rank.
     pub(crate) fn restart_ingest(self: &Arc<Self>, inner: &mut Inner, engine: usize) {
         if let Some(old) = inner.meta[engine].ingest.take() {
             old.stop.store(true, Ordering::Release);
@@ -24,25 +29,43 @@ impl Coordinator {
         let Some(entry) = inner.cluster.membership.get(engine) else { return };
         let Some(endpoint) = entry.spec.kv_events.clone() else { return };
         let topic = entry.spec.kv_events_topic.clone().unwrap_or_else(|| self.config.kv_events_topic.clone());
-        let source = Source { endpoint, replay: entry.spec.replay.clone(), topic };
         let incarnation = entry.incarnation;
         let id = entry.spec.id.clone();
+        let (replay, ranks) = (entry.spec.replay.clone(), entry.spec.ranks());
         let stop = Arc::new(AtomicBool::new(false));
         inner.meta[engine].ingest = Some(IngestHandle { stop: Arc::clone(&stop) });
-        let this = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name(format!("kv-events-{engine}"))
-            .spawn(move || this.ingest_loop(engine, incarnation, &id, &source, &stop));
-        if let Err(err) = spawned {
-            tracing::error!(%err, "cannot start a KV-event ingester thread");
+        for rank in 0..ranks {
+            let offset = |e: &str| rank_endpoint(e, rank);
+            let source = match (offset(&endpoint), replay.as_deref().map(offset).transpose()) {
+                (Ok(endpoint), Ok(replay)) => Source { endpoint, replay, topic: topic.clone() },
+                (Err(err), _) | (_, Err(err)) => {
+                    tracing::error!(engine = id, rank, %err, "no KV events from this data-parallel rank");
+                    continue;
+                }
+            };
+            let (this, id, stop) = (Arc::clone(self), id.clone(), Arc::clone(&stop));
+            let spawned = std::thread::Builder::new()
+                .name(format!("kv-events-{engine}-{rank}"))
+                .spawn(move || this.ingest_loop(engine, rank, incarnation, &id, &source, &stop));
+            if let Err(err) = spawned {
+                tracing::error!(%err, "cannot start a KV-event ingester thread");
+            }
         }
     }
 
-    fn ingest_loop(&self, engine: usize, incarnation: u64, id: &str, source: &Source, stop: &Arc<AtomicBool>) {
-        tracing::info!(engine = id, endpoint = %source.endpoint, replay = ?source.replay, "ingesting KV events");
+    fn ingest_loop(
+        &self,
+        engine: usize,
+        rank: u32,
+        incarnation: u64,
+        id: &str,
+        source: &Source,
+        stop: &Arc<AtomicBool>,
+    ) {
+        tracing::info!(engine = id, rank, endpoint = %source.endpoint, replay = ?source.replay, "ingesting KV events");
         while !stop.load(Ordering::Acquire) {
             let result = ingest::run_counted(&self.zmq, source, stop, &self.ingest_counters, |update| {
-                self.deliver(engine, incarnation, update);
+                self.deliver(engine, Some(rank), incarnation, update);
             });
             match result {
                 Ok(()) => break,
@@ -55,7 +78,9 @@ impl Coordinator {
         tracing::debug!(engine = id, "KV-event ingester stopped");
     }
 
-    fn deliver(&self, engine: usize, incarnation: u64, update: Update) {
+    /// `stream`: the data-parallel rank whose stream brought `update` (`None` in collector
+    /// mode, where a batch names its rank itself).
+    fn deliver(&self, engine: usize, stream: Option<u32>, incarnation: u64, update: Update) {
         if let Update::Malformed(reason) = &update {
             self.malformed(Some(engine), reason);
             return;
@@ -80,9 +105,15 @@ impl Coordinator {
                     })
                     .sum();
                 self.metrics.block_events.fetch_add(blocks as u64, Ordering::Relaxed);
-                inner.cluster.apply_events(engine, &batch);
+                if let Err(err) = inner.cluster.apply_events(engine, stream.unwrap_or(0), &batch) {
+                    drop(inner);
+                    self.malformed(Some(engine), &err.to_string());
+                }
             }
-            Update::Reset => inner.cluster.reset_index(engine),
+            Update::Reset => match stream {
+                Some(rank) => inner.cluster.reset_rank(engine, rank),
+                None => inner.cluster.reset_index(engine),
+            },
             Update::Malformed(_) => {}
         }
     }
@@ -102,7 +133,7 @@ impl Coordinator {
                     &this.ingest_counters,
                     |topic| this.route(topic, &pattern, &mut unknown),
                     |route, update| match (route, update) {
-                        (Some(route), update) => this.deliver(route.engine, route.epoch.0, update),
+                        (Some(route), update) => this.deliver(route.engine, None, route.epoch.0, update),
                         (None, Update::Malformed(reason)) => this.malformed(None, &reason),
                         (None, _) => {}
                     },

@@ -13,6 +13,7 @@ use crate::cluster::{adapter_key, key_model, PairError, PairRequest, Preference}
 use crate::membership::EngineSpec;
 use crate::metrics::{inc, DeathCause, Gauges};
 use crate::prompt::Precision;
+use crate::ranks;
 
 use super::load::{reported_load, EngineFacts};
 use super::state::{endpoint, engines, Coordinator, Origin};
@@ -195,13 +196,11 @@ impl Coordinator {
 
     pub fn list(&self) -> Vec<EngineView> {
         let inner = self.inner.lock();
+        let per_index: Vec<(&str, HashMap<usize, usize>)> =
+            inner.cluster.indexes().map(|(key, index)| (key_model(key), ranks::blocks_by_engine(index))).collect();
         let indexed = |engine: usize, model: &str| {
-            inner
-                .cluster
-                .indexes()
-                .filter(|(key, _)| key_model(key) == model)
-                .map(|(_, index)| index.engine_blocks(engine) as u64)
-                .sum()
+            let of_model = per_index.iter().filter(|(m, _)| *m == model);
+            of_model.map(|(_, blocks)| blocks.get(&engine).copied().unwrap_or(0) as u64).sum()
         };
         engines(&inner.cluster)
             .map(|(i, e)| EngineView {
@@ -295,10 +294,18 @@ impl Coordinator {
         // Where events cannot confirm what was routed, remember it for longer.
         let index_key = adapter_key(&req.model, lora, None);
         let approx_until = now + Duration::from_secs_f64(self.config.approx_ttl_secs);
-        for engine in std::iter::once(decision.decode).chain(decision.prefill) {
-            let without_events = inner.cluster.membership.get(engine).is_some_and(|e| e.spec.kv_events.is_none());
+        let routed = std::iter::once((decision.decode, decision.decode_rank))
+            .chain(decision.prefill.map(|engine| (engine, decision.prefill_rank)));
+        for (engine, rank) in routed {
+            let Some(spec) = inner.cluster.membership.get(engine).map(|e| &e.spec) else { continue };
+            // On an engine with ranks and none named, which rank serves it is not known here.
+            if spec.has_ranks() && rank.is_none() {
+                continue;
+            }
+            let without_events = spec.kv_events.is_none();
             if precision == Precision::Approximate || without_events {
-                inner.cluster.model_index_mut(&index_key).insert_approximate(engine, &hashes, approx_until);
+                let holder = ranks::holder(engine, rank.unwrap_or(0));
+                inner.cluster.model_index_mut(&index_key).insert_approximate(holder, &hashes, approx_until);
             }
         }
         let spec_of = |engine: usize| inner.cluster.membership.get(engine).map(|e| endpoint(&e.spec));
@@ -306,12 +313,15 @@ impl Coordinator {
             spec_of(decision.decode).ok_or_else(|| ApiError::Internal("decision names an unknown engine".into()))?;
         let prefill = decision.prefill.and_then(spec_of);
         let reason = if prefill.is_some() { PairReason::Disaggregated } else { PairReason::LocalPrefill };
+        let prefill_dp_rank = decision.prefill_rank.filter(|_| prefill.is_some());
         Ok(PairDecisionJson {
             request_id: req.request_id,
             decode,
             prefill,
             decode_overlap_blocks: decision.decode_overlap_blocks,
             prefill_overlap_blocks: decision.prefill_overlap_blocks,
+            decode_dp_rank: decision.decode_rank,
+            prefill_dp_rank,
             reason,
         })
     }
@@ -341,8 +351,9 @@ impl Coordinator {
         let mut stats = IndexStats::default();
         for (model, index) in inner.cluster.indexes() {
             let mut entry = ModelStats { blocks: index.len() as u64, ..ModelStats::default() };
+            let blocks = ranks::blocks_by_engine(index);
             for (i, e) in engines(&inner.cluster).filter(|(_, e)| e.spec.model == key_model(model)) {
-                let n = index.engine_blocks(i) as u64;
+                let n = blocks.get(&i).copied().unwrap_or(0) as u64;
                 entry.entries += n;
                 entry.engines.insert(e.spec.id.clone(), n);
             }
@@ -365,7 +376,8 @@ impl Coordinator {
             gauges.handoffs_in_flight = inner.cluster.handoffs.len() as u64;
             gauges.pending_releases = inner.cluster.owed_releases() as u64;
             for (model, index) in inner.cluster.indexes() {
-                let entries = engines(&inner.cluster).map(|(i, _)| index.engine_blocks(i) as u64).sum();
+                let blocks = ranks::blocks_by_engine(index);
+                let entries = engines(&inner.cluster).map(|(i, _)| blocks.get(&i).copied().unwrap_or(0) as u64).sum();
                 gauges.index.push((model.to_string(), index.len() as u64, entries));
             }
         }

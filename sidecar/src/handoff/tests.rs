@@ -38,10 +38,11 @@ fn bases(plan: &Plan) -> Plan {
 }
 
 fn decided(prefill: Option<&str>, remote: Option<(&str, Option<&str>)>) -> PairingAnswer {
-    PairingAnswer::Decided(Pairing {
+    PairingAnswer::Decided(Box::new(Pairing {
         prefill: prefill.map(|hp| with_id(hp, "paired")),
         remote_decode: remote.map(|(id, sidecar)| RemoteDecode { id: id.into(), sidecar: sidecar.map(t) }),
-    })
+        decode_rank: None,
+    }))
 }
 
 #[test]
