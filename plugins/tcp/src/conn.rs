@@ -10,8 +10,13 @@ use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 
+use crate::spin::SpinBudget;
+
 /// How often a blocked call wakes to check the stop flag and the progress deadline.
 const POLL: Duration = Duration::from_millis(200);
+/// Polls while spinning before each further poll also yields the CPU (to a peer thread on the
+/// same core, when CPUs are short).
+const POLLS_BEFORE_YIELD: u32 = 8;
 /// Linux refuses more iovecs than this in one call.
 const IOV_MAX: usize = 1024;
 
@@ -108,6 +113,8 @@ pub struct Conn {
     stream: Stream,
     timeout: Duration,
     stop: Arc<AtomicBool>,
+    /// How long a wait for a frame or an answer polls before it sleeps ([`crate::spin`]).
+    spin: SpinBudget,
 }
 
 impl Conn {
@@ -115,7 +122,12 @@ impl Conn {
         let poll = Some(POLL.min(timeout).max(Duration::from_millis(1)));
         stream.set_read_timeout(poll)?;
         stream.set_write_timeout(poll)?;
-        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop })
+        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop, spin: SpinBudget::new(Duration::ZERO) })
+    }
+
+    /// Lets waits for a frame or an answer poll for up to `max` before they sleep.
+    pub fn set_spin(&mut self, max: Duration) {
+        self.spin = SpinBudget::new(max);
     }
 
     /// Runs the client side of a TLS handshake; every later read and write is encrypted.
@@ -225,21 +237,72 @@ impl Conn {
     /// close or a stop while idle. Idle time before the frame is unbounded (a pooled connection
     /// may wait for work); once a frame has started, the progress bound applies.
     pub fn read_frame_start(&mut self, buf: &mut [u8]) -> Result<bool, ConnError> {
-        loop {
-            if self.stopped() {
-                return Ok(false);
-            }
-            match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
-                Ok(0) => return Ok(false),
-                Ok(n) => {
-                    self.read_exact(&mut buf[n..])?;
-                    return Ok(true);
+        let started = Instant::now();
+        let first = match self.spin(buf)? {
+            Some(n) => n,
+            None => loop {
+                if self.stopped() {
+                    return Ok(false);
                 }
-                Err(e) if is_timeout(&e) => continue,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.into()),
-            }
+                match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
+                    Ok(n) => break n,
+                    Err(e) if is_retry(&e) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            },
+        };
+        self.spin.after_wait(started.elapsed());
+        if first == 0 {
+            return Ok(false);
         }
+        self.read_exact(&mut buf[first..])?;
+        Ok(true)
+    }
+
+    /// Reads an answer the peer is about to send (polling first, see [`crate::spin`]), bounded
+    /// like [`Conn::read_exact`].
+    pub fn read_answer(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
+        let started = Instant::now();
+        let first = match self.spin(buf)? {
+            Some(0) => return Err(ConnError::Eof),
+            Some(n) => n,
+            None => 0,
+        };
+        self.read_exact(&mut buf[first..])?;
+        self.spin.after_wait(started.elapsed());
+        Ok(())
+    }
+
+    /// Polls the socket without sleeping for up to the spin budget: `Some(n)` once `n` bytes
+    /// were read into `buf` (0: the peer closed), `None` when nothing came (or spinning is off).
+    fn spin(&mut self, buf: &mut [u8]) -> Result<Option<usize>, ConnError> {
+        let budget = self.spin.current();
+        if budget.is_zero() || buf.is_empty() {
+            return Ok(None);
+        }
+        self.stream.tcp.set_nonblocking(true)?;
+        let started = Instant::now();
+        let mut polls = 0u32;
+        let result = loop {
+            match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
+                Ok(n) => break Ok(Some(n)),
+                Err(e) if is_retry(&e) => {}
+                Err(e) => break Err(ConnError::from(e)),
+            }
+            if started.elapsed() >= budget || self.stopped() {
+                break Ok(None);
+            }
+            polls += 1;
+            if polls >= POLLS_BEFORE_YIELD {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        };
+        let restored = self.stream.tcp.set_nonblocking(false);
+        let got = result?;
+        restored?;
+        Ok(got)
     }
 
     pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {

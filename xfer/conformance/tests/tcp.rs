@@ -23,6 +23,7 @@ xfer_conformance::conformance_tests!(
         dereg_target_races_transfers,
         grants,
         late_read_storm,
+        completion_styles,
     ]
 );
 
@@ -47,6 +48,7 @@ mod tls {
             notif_once_across_stall,
             dereg_initiator_races_transfers,
             dereg_target_races_transfers,
+            completion_styles,
         ]
     );
 }
