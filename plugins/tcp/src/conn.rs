@@ -10,13 +10,12 @@ use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 
-use crate::spin::SpinBudget;
+use crate::spin::{SpinBudget, Spun};
 
 /// How often a blocked call wakes to check the stop flag and the progress deadline.
 const POLL: Duration = Duration::from_millis(200);
-/// Polls while spinning before each further poll also yields the CPU (to a peer thread on the
-/// same core, when CPUs are short).
-const POLLS_BEFORE_YIELD: u32 = 8;
+/// A gap this long between two polls of a spin means another thread had the CPU meanwhile.
+const PREEMPTED_GAP: Duration = Duration::from_micros(20);
 /// Linux refuses more iovecs than this in one call.
 const IOV_MAX: usize = 1024;
 
@@ -237,8 +236,9 @@ impl Conn {
     /// close or a stop while idle. Idle time before the frame is unbounded (a pooled connection
     /// may wait for work); once a frame has started, the progress bound applies.
     pub fn read_frame_start(&mut self, buf: &mut [u8]) -> Result<bool, ConnError> {
-        let started = Instant::now();
-        let first = match self.spin(buf)? {
+        let (got, spun) = self.spin(buf)?;
+        self.spin.after_wait(spun);
+        let first = match got {
             Some(n) => n,
             None => loop {
                 if self.stopped() {
@@ -251,7 +251,6 @@ impl Conn {
                 }
             },
         };
-        self.spin.after_wait(started.elapsed());
         if first == 0 {
             return Ok(false);
         }
@@ -262,42 +261,40 @@ impl Conn {
     /// Reads an answer the peer is about to send (polling first, see [`crate::spin`]), bounded
     /// like [`Conn::read_exact`].
     pub fn read_answer(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
-        let started = Instant::now();
-        let first = match self.spin(buf)? {
+        let (got, spun) = self.spin(buf)?;
+        self.spin.after_wait(spun);
+        let first = match got {
             Some(0) => return Err(ConnError::Eof),
             Some(n) => n,
             None => 0,
         };
-        self.read_exact(&mut buf[first..])?;
-        self.spin.after_wait(started.elapsed());
-        Ok(())
+        self.read_exact(&mut buf[first..])
     }
 
     /// Polls the socket without sleeping for up to the spin budget: `Some(n)` once `n` bytes
-    /// were read into `buf` (0: the peer closed), `None` when nothing came (or spinning is off).
-    fn spin(&mut self, buf: &mut [u8]) -> Result<Option<usize>, ConnError> {
+    /// were read into `buf` (0: the peer closed), `None` when nothing came (or spinning is
+    /// off); and how the spin went. A spin that lost its CPU stops at once.
+    fn spin(&mut self, buf: &mut [u8]) -> Result<(Option<usize>, Spun), ConnError> {
         let budget = self.spin.current();
         if budget.is_zero() || buf.is_empty() {
-            return Ok(None);
+            return Ok((None, Spun::No));
         }
         self.stream.tcp.set_nonblocking(true)?;
         let started = Instant::now();
-        let mut polls = 0u32;
+        let mut last_poll = started;
         let result = loop {
             match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
-                Ok(n) => break Ok(Some(n)),
+                Ok(n) => break Ok((Some(n), Spun::Caught)),
                 Err(e) if is_retry(&e) => {}
                 Err(e) => break Err(ConnError::from(e)),
             }
-            if started.elapsed() >= budget || self.stopped() {
-                break Ok(None);
+            let now = Instant::now();
+            let preempted = now.saturating_duration_since(last_poll) >= PREEMPTED_GAP;
+            if preempted || now.saturating_duration_since(started) >= budget || self.stopped() {
+                break Ok((None, Spun::Missed));
             }
-            polls += 1;
-            if polls >= POLLS_BEFORE_YIELD {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            last_poll = now;
+            std::hint::spin_loop();
         };
         let restored = self.stream.tcp.set_nonblocking(false);
         let got = result?;

@@ -2,49 +2,67 @@
 //! the kernel. A sleeping thread is woken by the kernel when bytes arrive, which on a busy or
 //! virtualised machine costs tens of microseconds per wake-up; polling for a short while
 //! catches an answer that is about to arrive without that wake-up, at the price of the CPU it
-//! burns. The budget adapts so that waits that spinning would not have caught (an idle
-//! connection, a large transfer) stop costing CPU.
+//! burns. Spinning pays only while it catches answers: when CPUs are short, a spinning thread
+//! takes the CPU the peer needs to send the answer it waits for, and is itself descheduled
+//! instead of woken. So the budget is judged by what spins achieve:
+//! - a spin that caught its bytes keeps spinning on;
+//! - a spin that ran out of budget, or lost its CPU meanwhile, stops spinning for the next
+//!   waits, twice as many each time it happens again (up to [`MAX_PAUSE`]); then one wait
+//!   spins again to probe. An idle connection or a large transfer thus costs almost nothing.
 //!
-//! Pure: the connection reports how long each wait took, [`SpinBudget::after_wait`] decides the
-//! next budget.
+//! Pure: the connection reports how each wait went, [`SpinBudget::after_wait`] decides.
 
 use std::time::Duration;
 
-/// Below this the budget is zero: a spin this short catches nothing.
-const MIN_SPIN: Duration = Duration::from_micros(2);
+/// Most waits without spinning between two probes.
+const MAX_PAUSE: u32 = 1024;
 
-/// The spin budget of one connection: at most `max`, halved after every wait that spinning
-/// `max` would not have caught, back to `max` after one it would have.
+/// How one wait went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spun {
+    /// No spin (off, or pausing).
+    No,
+    /// The spin caught the first bytes.
+    Caught,
+    /// The spin ran out of budget, or lost its CPU, before any byte came.
+    Missed,
+}
+
+/// The spin budget of one connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpinBudget {
     max: Duration,
-    current: Duration,
+    /// Waits left that do not spin.
+    pause: u32,
+    /// The pause the next miss starts.
+    next_pause: u32,
 }
 
 impl SpinBudget {
-    /// A budget of at most `max` (zero turns spinning off).
+    /// A budget of `max` (zero turns spinning off).
     pub fn new(max: Duration) -> SpinBudget {
-        SpinBudget { max, current: max }
+        SpinBudget { max, pause: 0, next_pause: 1 }
     }
 
     /// How long the next wait may poll before it sleeps.
     pub fn current(&self) -> Duration {
-        self.current
+        if self.pause > 0 {
+            Duration::ZERO
+        } else {
+            self.max
+        }
     }
 
-    /// Adapts to a wait that took `waited` until the first bytes arrived (spinning and
-    /// sleeping together).
-    pub fn after_wait(&mut self, waited: Duration) {
-        self.current = if waited <= self.max {
-            self.max
-        } else {
-            let half = self.current / 2;
-            if half < MIN_SPIN {
-                Duration::ZERO
-            } else {
-                half
+    /// Adapts to how a wait went.
+    pub fn after_wait(&mut self, spun: Spun) {
+        match spun {
+            Spun::No => self.pause = self.pause.saturating_sub(1),
+            Spun::Caught => self.next_pause = 1,
+            Spun::Missed => {
+                self.pause = self.next_pause;
+                self.next_pause = (self.next_pause * 2).min(MAX_PAUSE);
             }
-        };
+        }
     }
 }
 
@@ -54,29 +72,47 @@ mod tests {
 
     const MAX: Duration = Duration::from_micros(64);
 
-    #[test]
-    fn long_waits_turn_spinning_off_and_a_short_one_restores_it() {
-        let mut budget = SpinBudget::new(MAX);
-        budget.after_wait(Duration::from_micros(10));
-        assert_eq!(budget.current(), MAX, "a caught wait keeps the budget");
-        let mut halvings = 0;
-        while budget.current() > Duration::ZERO {
-            budget.after_wait(Duration::from_secs(1));
-            halvings += 1;
-            assert!(halvings < 10, "the budget never reached zero: {budget:?}");
+    /// Waits until the budget spins again; how many did not.
+    fn pause_length(budget: &mut SpinBudget) -> u32 {
+        let mut waits = 0;
+        while budget.current() == Duration::ZERO {
+            budget.after_wait(Spun::No);
+            waits += 1;
+            assert!(waits <= MAX_PAUSE, "never spins again: {budget:?}");
         }
-        assert_eq!(halvings, 6, "64 → 32 → 16 → 8 → 4 → 2 → 0 µs");
-        budget.after_wait(MAX);
-        assert_eq!(budget.current(), MAX, "a wait spinning would have caught brings it back");
+        waits
+    }
+
+    #[test]
+    fn catches_keep_spinning() {
+        let mut budget = SpinBudget::new(MAX);
+        for _ in 0..100 {
+            assert_eq!(budget.current(), MAX);
+            budget.after_wait(Spun::Caught);
+        }
+    }
+
+    #[test]
+    fn misses_pause_spinning_longer_each_time_and_a_catch_resets() {
+        let mut budget = SpinBudget::new(MAX);
+        let mut pauses = Vec::new();
+        for _ in 0..12 {
+            budget.after_wait(Spun::Missed);
+            pauses.push(pause_length(&mut budget));
+        }
+        assert_eq!(pauses, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1024]);
+        assert_eq!(budget.current(), MAX, "a probe after the pause");
+        budget.after_wait(Spun::Caught);
+        budget.after_wait(Spun::Missed);
+        assert_eq!(pause_length(&mut budget), 1, "a catch forgets earlier misses");
     }
 
     #[test]
     fn zero_never_spins() {
         let mut budget = SpinBudget::new(Duration::ZERO);
-        assert_eq!(budget.current(), Duration::ZERO);
-        budget.after_wait(Duration::ZERO);
-        assert_eq!(budget.current(), Duration::ZERO);
-        budget.after_wait(Duration::from_secs(1));
-        assert_eq!(budget.current(), Duration::ZERO);
+        for spun in [Spun::No, Spun::Caught, Spun::Missed, Spun::No] {
+            budget.after_wait(spun);
+            assert_eq!(budget.current(), Duration::ZERO);
+        }
     }
 }
