@@ -47,7 +47,7 @@ nixl_once() {
   local dir=$WORK/nixl.$1 pid
   mkdir -p "$dir"
   UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$VENV/bin/python" -X faulthandler bench/peers/nixl_bench.py target \
-    --dir "$dir" --max-bytes "$(bytes "${SIZES##* }")" >"$dir/target.log" 2>&1 &
+    --dir "$dir" --max-bytes "$(bytes "${SIZES##* }")" --timeout 280 >"$dir/target.log" 2>&1 &
   pid=$!
   if ! UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$VENV/bin/python" -X faulthandler bench/peers/nixl_bench.py \
     initiator --dir "$dir" --sizes "$sizes_csv_bytes" --op read,write >"$dir/rows.jsonl" 2>"$dir/init.log"; then

@@ -116,7 +116,8 @@ def main():
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--max-total", type=int, default=512, help="MiB moved per (op, size) at most")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="initiator: bound on each request; target: on the whole run (until 'done')")
     p.add_argument("--json")
     p.add_argument("--progress-thread", action="store_true",
                    help="initiator: NIXL's progress thread instead of progress on status checks")
