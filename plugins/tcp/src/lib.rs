@@ -33,7 +33,7 @@
 //! | `staging_slots` | 2 | host slots per staging lane (2 or more overlap copy and wire) |
 //! | `staging_bytes` | 1048576 | bytes per staging slot |
 //! | `tls` | `off` | `on`: every data connection runs TLS 1.3 ([`tls`]), both ways |
-//! | `spin_us` | 50 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
+//! | `spin_us` | 0 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
 //! | `inline_bytes` | 262144 | single-chunk requests of host memory up to this size are sent by the caller's thread and their answer read by the waiting thread ([`inline`]); 0 = never |
 
 // Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
@@ -75,8 +75,10 @@ use xfer_core::staging::StagingConfig;
 /// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
 const STAGED: [MemType; 3] = [MemType::Dram, MemType::Vram, MemType::File];
 
-/// Default of `spin_us` (bench/README.md, "Small transfers", shows how it was chosen).
-const DEFAULT_SPIN_US: u64 = 50;
+/// Default of `spin_us`: off, as measured on a 2-core machine shared with other work, where
+/// spinning did not lower latency and raised CPU per request (bench/README.md, "Small
+/// transfers: spin and CPU").
+const DEFAULT_SPIN_US: u64 = 0;
 
 /// Registers the TCP backend under the name `tcp`.
 #[derive(Clone, Copy, Debug, Default)]
