@@ -6,13 +6,15 @@
 # plot: $OUT/peers.{md,json,svg,png} (OUT=bench/results by default; then bench/README.md's block
 # is updated too, bench/update-readme.sh).
 #
-#   bench/peers/compare.sh                       # 64K 1M 16M, READ and WRITE, median of 3
-#   SIZES="64K 1M" REPEAT=5 OUT=/tmp/peers bench/peers/compare.sh
+#   bench/peers/compare.sh                       # 4K 16K 64K 1M 16M, READ and WRITE, median of 3
+#   SIZES="4K 64K" REPEAT=5 OUT=/tmp/peers bench/peers/compare.sh
+#   PARAMS=spin_us=0 ... passes backend parameters to ours (xferbench --params)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 load_start=$(bench/machine.sh --load)
-SIZES=${SIZES:-"64K 1M 16M"}
+SIZES=${SIZES:-"4K 16K 64K 1M 16M"}
+PARAMS=${PARAMS:-}
 REPEAT=${REPEAT:-3}
 OUT=${OUT:-bench/results}
 XFERBENCH=${XFERBENCH:-target/release/xferbench}
@@ -31,13 +33,13 @@ fi
 
 bytes() { case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac; }
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print 0 }'; }
-row() { printf '{"backend":"%s","op":"%s","block_size":%s,"gbps":%s,"repeat":%s}\n' "$1" "$2" "$3" "$4" "$REPEAT"; }
+row() { printf '{"backend":"%s","op":"%s","block_size":%s,"gbps":%s,"repeat":%s%s}\n' "$1" "$2" "$3" "$4" "$REPEAT" "${5:-}"; }
 sizes_csv=$(echo "$SIZES" | tr ' ' ',')
 sizes_csv_bytes=$(for s in $SIZES; do bytes "$s"; done | paste -sd,)
 port=$((20000 + RANDOM % 20000))
 
 echo "== ours: xferbench --backend tcp --compare (raw-tcp baseline in the same processes)" >&2
-"$XFERBENCH" --backend tcp --compare --op both --block-sizes "$sizes_csv" --repeat "$REPEAT" \
+"$XFERBENCH" --backend tcp ${PARAMS:+--params "$PARAMS"} --compare --op both --block-sizes "$sizes_csv" --repeat "$REPEAT" \
   --warmup 3 --no-progress --json "$WORK/ours.json" >&2
 
 echo "== NIXL 1.5.1 Python agent, UCX backend, UCX_TLS=tcp" >&2
@@ -45,7 +47,7 @@ nixl_once() {
   local dir=$WORK/nixl.$1 pid
   mkdir -p "$dir"
   UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$VENV/bin/python" -X faulthandler bench/peers/nixl_bench.py target \
-    --dir "$dir" --max-bytes "$(bytes "${SIZES##* }")" >"$dir/target.log" 2>&1 &
+    --dir "$dir" --max-bytes "$(bytes "${SIZES##* }")" --timeout 280 >"$dir/target.log" 2>&1 &
   pid=$!
   if ! UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 300 "$VENV/bin/python" -X faulthandler bench/peers/nixl_bench.py \
     initiator --dir "$dir" --sizes "$sizes_csv_bytes" --op read,write >"$dir/rows.jsonl" 2>"$dir/init.log"; then
@@ -57,9 +59,10 @@ nixl_once() {
 for i in $(seq "$REPEAT"); do nixl_once "$i"; done
 for size in $SIZES; do
   for op in read write; do
-    gbps=$(cat "$WORK"/nixl.*/rows.jsonl | grep "\"op\": \"$op\", \"bytes\": $(bytes "$size")," |
-      sed 's/.*"gbps": \([0-9.e+-]*\).*/\1/' | median)
-    row nixl-ucx-tcp "$op" "$(bytes "$size")" "$gbps"
+    runs=$(cat "$WORK"/nixl.*/rows.jsonl | grep "\"op\": \"$op\", \"bytes\": $(bytes "$size"),")
+    field() { echo "$runs" | sed "s/.*\"$1\": \([0-9.e+-]*\).*/\1/" | median; }
+    # Each figure is its own median over the runs.
+    row nixl-ucx-tcp "$op" "$(bytes "$size")" "$(field gbps)" ",\"p50_us\":$(field p50_us),\"p99_us\":$(field p99_us)"
   done
 done >"$WORK/nixl.jsonl"
 cat "$WORK/nixl.jsonl" >&2

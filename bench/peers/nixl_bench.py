@@ -3,8 +3,9 @@
 Run as two processes sharing a scratch directory (metadata is exchanged through files):
     nixl_bench.py target    --dir D --max-bytes N
     nixl_bench.py initiator --dir D --sizes 65536,1048576 --op read --iters 50 --json out.json
-The initiator prints one JSON line per (op, size) with GB/s (10^9 bytes/s), then tells the target
-to exit with a notification. Every wait is bounded (--timeout).
+The initiator prints one JSON line per (op, size) with GB/s (10^9 bytes/s) and the p50/p99 latency
+of one request in microseconds, then tells the target to exit with a notification. Every wait is
+bounded (--timeout).
 """
 
 import argparse
@@ -84,13 +85,17 @@ def initiator(args):
 
             for _ in range(args.warmup):
                 once()
+            latencies = []
             start = time.perf_counter()
             for _ in range(iters):
+                posted = time.perf_counter()
                 once()
+                latencies.append(time.perf_counter() - posted)
             elapsed = time.perf_counter() - start
             handle.release()
+            p50, p99 = np.percentile(latencies, [50, 99]) * 1e6
             row = {"peer": "nixl-ucx", "op": op, "bytes": size, "iters": iters,
-                   "gbps": size * iters / elapsed / 1e9}
+                   "gbps": size * iters / elapsed / 1e9, "p50_us": round(p50, 1), "p99_us": round(p99, 1)}
             print(json.dumps(row), flush=True)
             results.append(row)
     if op == "read" and not (local[: sizes[-1]] == 0x5A).all():
@@ -108,10 +113,11 @@ def main():
     p.add_argument("--max-bytes", type=int, default=16 << 20)
     p.add_argument("--sizes", default="65536,1048576,16777216")
     p.add_argument("--op", default="read,write")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--max-total", type=int, default=2048, help="MiB moved per (op, size) at most")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--max-total", type=int, default=512, help="MiB moved per (op, size) at most")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="initiator: bound on each request; target: on the whole run (until 'done')")
     p.add_argument("--json")
     p.add_argument("--progress-thread", action="store_true",
                    help="initiator: NIXL's progress thread instead of progress on status checks")

@@ -1,7 +1,9 @@
-"""Merges the comparison's result rows and prints ours ÷ each peer as a markdown table.
+"""Merges the comparison's result rows and prints ours ÷ each peer as a markdown table, then the
+latency of one request (p50/p99) of those that measure it.
 
-Inputs: xferbench --json arrays and JSON-lines files of rows {backend, op, block_size, gbps}.
-Writes the merged rows (--json) and the markdown report (--markdown); prints the report.
+Inputs: xferbench --json arrays and JSON-lines files of rows {backend, op, block_size, gbps} (with
+p50_us and p99_us where measured). Writes the merged rows (--json) and the markdown report
+(--markdown); prints the report.
 """
 
 import argparse
@@ -13,6 +15,8 @@ from datetime import datetime, timezone
 OURS, RAW = "tcp", "raw-tcp"
 PEERS = [(RAW, "raw TCP"), ("nixl-ucx-tcp", "NIXL (UCX tcp)"), ("mooncake-tcp", "Mooncake (tcp)"),
          ("iperf3-stream", "iperf3 stream")]
+# Those whose rows carry per-request latency.
+TIMED = [(OURS, "ours"), (RAW, "raw TCP"), ("nixl-ucx-tcp", "NIXL (UCX tcp)")]
 
 
 def load(path):
@@ -53,6 +57,8 @@ def main():
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
     gbps = {(r["backend"], r["op"], int(r["block_size"])): float(r["gbps"]) for r in rows}
+    latency = {(r["backend"], r["op"], int(r["block_size"])): (float(r["p50_us"]), float(r["p99_us"]))
+               for r in rows if "p50_us" in r and "p99_us" in r}
     sizes = sorted({int(r["block_size"]) for r in rows if r["backend"] == OURS})
     head = ["op", "size", "ours GB/s"]
     for _, label in PEERS:
@@ -68,6 +74,15 @@ def main():
                 peer = gbps.get((backend, op, size))
                 cells += ["-", "-"] if not peer else [f"{peer:.3f}", f"{ours / peer:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
+    head = ["op", "size"] + [f"{label} p50 / p99 µs" for _, label in TIMED]
+    latency_lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in ("read", "write"):
+        for size in sizes:
+            cells = [op.upper(), size_label(size)]
+            for backend, _ in TIMED:
+                pair = latency.get((backend, op, size))
+                cells.append("-" if pair is None else f"{pair[0]:.1f} / {pair[1]:.1f}")
+            latency_lines.append("| " + " | ".join(cells) + " |")
     repeat = max((int(r.get("repeat", 1)) for r in rows), default=1)
     report = "\n".join([
         args.machine or machine(),
@@ -79,6 +94,11 @@ def main():
         "--backend tcp (default 2 streams); raw TCP: xferbench's request/ack baseline between the same processes.",
         "",
         *lines,
+        "",
+        "Latency of one request (µs, from posting to completion; the run whose GB/s is the median,",
+        "for NIXL the median of the runs' quantiles):",
+        "",
+        *latency_lines,
         "",
         "![GB/s by block size](peers.svg)",
         "",

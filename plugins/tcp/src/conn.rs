@@ -10,8 +10,12 @@ use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 
+use crate::spin::{SpinBudget, Spun};
+
 /// How often a blocked call wakes to check the stop flag and the progress deadline.
 const POLL: Duration = Duration::from_millis(200);
+/// A gap this long between two polls of a spin means another thread had the CPU meanwhile.
+const PREEMPTED_GAP: Duration = Duration::from_micros(20);
 /// Linux refuses more iovecs than this in one call.
 const IOV_MAX: usize = 1024;
 
@@ -108,6 +112,8 @@ pub struct Conn {
     stream: Stream,
     timeout: Duration,
     stop: Arc<AtomicBool>,
+    /// How long a wait for a frame or an answer polls before it sleeps ([`crate::spin`]).
+    spin: SpinBudget,
 }
 
 impl Conn {
@@ -115,7 +121,12 @@ impl Conn {
         let poll = Some(POLL.min(timeout).max(Duration::from_millis(1)));
         stream.set_read_timeout(poll)?;
         stream.set_write_timeout(poll)?;
-        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop })
+        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop, spin: SpinBudget::new(Duration::ZERO) })
+    }
+
+    /// Lets waits for a frame or an answer poll for up to `max` before they sleep.
+    pub fn set_spin(&mut self, max: Duration) {
+        self.spin = SpinBudget::new(max);
     }
 
     /// Runs the client side of a TLS handshake; every later read and write is encrypted.
@@ -225,21 +236,70 @@ impl Conn {
     /// close or a stop while idle. Idle time before the frame is unbounded (a pooled connection
     /// may wait for work); once a frame has started, the progress bound applies.
     pub fn read_frame_start(&mut self, buf: &mut [u8]) -> Result<bool, ConnError> {
-        loop {
-            if self.stopped() {
-                return Ok(false);
-            }
-            match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
-                Ok(0) => return Ok(false),
-                Ok(n) => {
-                    self.read_exact(&mut buf[n..])?;
-                    return Ok(true);
+        let (got, spun) = self.spin(buf)?;
+        self.spin.after_wait(spun);
+        let first = match got {
+            Some(n) => n,
+            None => loop {
+                if self.stopped() {
+                    return Ok(false);
                 }
-                Err(e) if is_timeout(&e) => continue,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.into()),
-            }
+                match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
+                    Ok(n) => break n,
+                    Err(e) if is_retry(&e) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            },
+        };
+        if first == 0 {
+            return Ok(false);
         }
+        self.read_exact(&mut buf[first..])?;
+        Ok(true)
+    }
+
+    /// Reads an answer the peer is about to send (polling first, see [`crate::spin`]), bounded
+    /// like [`Conn::read_exact`].
+    pub fn read_answer(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
+        let (got, spun) = self.spin(buf)?;
+        self.spin.after_wait(spun);
+        let first = match got {
+            Some(0) => return Err(ConnError::Eof),
+            Some(n) => n,
+            None => 0,
+        };
+        self.read_exact(&mut buf[first..])
+    }
+
+    /// Polls the socket without sleeping for up to the spin budget: `Some(n)` once `n` bytes
+    /// were read into `buf` (0: the peer closed), `None` when nothing came (or spinning is
+    /// off); and how the spin went. A spin that lost its CPU stops at once.
+    fn spin(&mut self, buf: &mut [u8]) -> Result<(Option<usize>, Spun), ConnError> {
+        let budget = self.spin.current();
+        if budget.is_zero() || buf.is_empty() {
+            return Ok((None, Spun::No));
+        }
+        self.stream.tcp.set_nonblocking(true)?;
+        let started = Instant::now();
+        let mut last_poll = started;
+        let result = loop {
+            match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
+                Ok(n) => break Ok((Some(n), Spun::Caught)),
+                Err(e) if is_retry(&e) => {}
+                Err(e) => break Err(ConnError::from(e)),
+            }
+            let now = Instant::now();
+            let preempted = now.saturating_duration_since(last_poll) >= PREEMPTED_GAP;
+            if preempted || now.saturating_duration_since(started) >= budget || self.stopped() {
+                break Ok((None, Spun::Missed));
+            }
+            last_poll = now;
+            std::hint::spin_loop();
+        };
+        let restored = self.stream.tcp.set_nonblocking(false);
+        let got = result?;
+        restored?;
+        Ok(got)
     }
 
     pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {

@@ -33,6 +33,8 @@
 //! | `staging_slots` | 2 | host slots per staging lane (2 or more overlap copy and wire) |
 //! | `staging_bytes` | 1048576 | bytes per staging slot |
 //! | `tls` | `off` | `on`: every data connection runs TLS 1.3 ([`tls`]), both ways |
+//! | `spin_us` | 0 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
+//! | `inline_bytes` | 262144 | single-chunk requests of host memory up to this size are sent by the caller's thread and their answer read by the waiting thread ([`inline`]); 0 = never |
 
 // Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
 #![deny(unsafe_code)]
@@ -41,10 +43,12 @@ mod conn;
 mod fence;
 pub mod frame;
 mod grants;
+mod inline;
 mod keys;
 mod memio;
 mod pool;
 mod server;
+mod spin;
 mod staged;
 mod tls;
 
@@ -70,6 +74,11 @@ use xfer_core::staging::StagingConfig;
 
 /// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
 const STAGED: [MemType; 3] = [MemType::Dram, MemType::Vram, MemType::File];
+
+/// Default of `spin_us`: off, as measured on a 2-core machine shared with other work, where
+/// spinning did not lower latency and raised CPU per request (bench/README.md, "Small
+/// transfers: spin and CPU").
+const DEFAULT_SPIN_US: u64 = 0;
 
 /// Registers the TCP backend under the name `tcp`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -122,6 +131,8 @@ impl TcpBackend {
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
         let socket_buffer: usize = params.take_parsed("socket_buffer", 4 << 20)?;
+        let spin = Duration::from_micros(params.take_parsed("spin_us", DEFAULT_SPIN_US)?);
+        let inline_bytes: u64 = params.take_parsed("inline_bytes", 256 << 10)?;
         let staging_config = StagingConfig::take(&mut params)?;
         let tls = match params.take("tls").as_deref() {
             None | Some("off") => None,
@@ -137,6 +148,9 @@ impl TcpBackend {
         }
         if timeout.is_zero() || connect_timeout.is_zero() {
             return Err(invalid("timeout_ms", "timeouts must be positive"));
+        }
+        if spin >= timeout {
+            return Err(invalid("spin_us", "must be shorter than timeout_ms"));
         }
         let tuning = SocketTuning { buffer_bytes: (socket_buffer > 0).then_some(socket_buffer) };
         let listener = TcpListener::bind(&listen).map_err(|e| invalid("listen", format!("{listen}: {e}")))?;
@@ -167,6 +181,7 @@ impl TcpBackend {
             staging: Arc::clone(&staging),
             staging_config,
             tls: tls.clone(),
+            spin,
         };
         let server = Server::start(listener, shared)?;
         tracing::debug!(agent = %agent_name, %advertised, "tcp backend serving");
@@ -185,6 +200,8 @@ impl TcpBackend {
                 connect_timeout,
                 tuning,
                 staging: staging_config,
+                spin,
+                inline_bytes,
             },
             staging,
             server: Mutex::new(Some(server)),

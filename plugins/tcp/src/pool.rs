@@ -4,7 +4,9 @@
 //! next chunk, so large requests spread over the parallel streams and small ones go out as one
 //! frame. Each chunk is one exchange on one connection; the request completes when the last
 //! chunk does, and only then is its notification sent, on a separate control connection, so
-//! the peer sees the data before the notification.
+//! the peer sees the data before the notification. A small single-chunk request of host memory
+//! skips the queue: the caller's thread sends it and its waiter reads the answer
+//! ([`crate::inline`]).
 
 use std::io::IoSlice;
 use std::net::SocketAddr;
@@ -22,6 +24,7 @@ use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, RemoteAgent,
 
 use crate::conn::{Conn, ConnError, SocketTuning};
 use crate::frame::{self, Kind, WireDesc};
+use crate::inline::{self, Inline};
 use crate::keys::TcpRemoteKey;
 use crate::memio;
 use crate::staged::Lanes;
@@ -38,16 +41,22 @@ pub struct PoolConfig {
     pub connect_timeout: Duration,
     pub tuning: SocketTuning,
     pub staging: StagingConfig,
+    /// How long a wait for an answer polls before it sleeps ([`crate::spin`]).
+    pub spin: Duration,
+    /// Single-chunk requests of host memory up to this size go inline (0: never).
+    pub inline_bytes: u64,
 }
 
 /// Most descriptors per chunk, so frames stay far below the protocol limit.
 const MAX_CHUNK_DESCS: usize = 8192;
+/// Idle inline connections kept per peer (one per thread that posts small requests at once).
+const MAX_IDLE_INLINE: usize = 16;
 
-struct PoolShared {
+pub(crate) struct PoolShared {
     local_name: String,
     peer: String,
     addr: SocketAddr,
-    config: PoolConfig,
+    pub(crate) config: PoolConfig,
     staging: Arc<dyn Staging>,
     /// With a credential, every connection proves it in the hello.
     credential: Option<Arc<ClusterCredential>>,
@@ -65,12 +74,23 @@ struct PoolShared {
     started: Instant,
     failed_at: AtomicU64,
     failed_by_timeout: AtomicBool,
+    pub(crate) queue: Sender<Work>,
+    /// Connections for inline requests, idle.
+    idle: Mutex<Vec<Pooled>>,
+    /// Inline requests not finished yet, for the workers to adopt those nobody waits for.
+    pub(crate) inline: Mutex<Vec<Arc<Inline>>>,
+}
+
+/// What the stream workers take from the queue.
+pub(crate) enum Work {
+    Chunk(Chunk),
+    /// An inline request whose answer nobody on the caller's side will read.
+    Adopt(Arc<Inline>),
 }
 
 pub struct PeerPool {
     shared: Arc<PoolShared>,
-    queue: Sender<Chunk>,
-    receiver: Receiver<Chunk>,
+    receiver: Receiver<Work>,
     workers: OnceLock<()>,
 }
 
@@ -102,8 +122,10 @@ impl PeerPool {
                 started: Instant::now(),
                 failed_at: AtomicU64::new(0),
                 failed_by_timeout: AtomicBool::new(false),
+                queue,
+                idle: Mutex::new(Vec::new()),
+                inline: Mutex::new(Vec::new()),
             }),
-            queue,
             receiver,
             workers: OnceLock::new(),
         }
@@ -141,14 +163,21 @@ impl RemoteAgent for PeerPool {
             job.done.complete(Err(self.shared.disconnected("connection pool closed")));
             return;
         }
-        let chunks = match plan(job, &self.shared.config) {
+        let mut chunks = match plan(job, &self.shared.config) {
             Ok(chunks) => chunks,
             Err((done, err)) => return done.complete(Err(err)),
         };
         self.start_workers();
+        if let [chunk] = &chunks[..] {
+            if inline::eligible(chunk, &self.shared.config) {
+                let chunk = chunks.pop().expect("one chunk");
+                return inline::post(&self.shared, chunk);
+            }
+        }
         for chunk in chunks {
-            if let Err(unsent) = self.queue.send(chunk) {
-                unsent.0.tracker.finish_chunk(&self.shared, Err(self.shared.disconnected("pool closed")));
+            if let Err(unsent) = self.shared.queue.send(Work::Chunk(chunk)) {
+                let Work::Chunk(chunk) = unsent.0 else { continue };
+                chunk.tracker.finish_chunk(&self.shared, Err(self.shared.disconnected("pool closed")));
             }
         }
     }
@@ -162,24 +191,27 @@ impl RemoteAgent for PeerPool {
         if let Some(pooled) = self.shared.control.lock().take() {
             pooled.conn.shutdown();
         }
+        for pooled in self.shared.idle.lock().drain(..) {
+            pooled.conn.shutdown();
+        }
     }
 }
 
 /// One exchange's worth of a request.
-struct Chunk {
+pub(crate) struct Chunk {
     op: Op,
-    local: Vec<LocalMem>,
+    pub(crate) local: Vec<LocalMem>,
     remote: Vec<WireDesc>,
-    bytes: u64,
-    queued_at: Instant,
-    tracker: Arc<Tracker>,
+    pub(crate) bytes: u64,
+    pub(crate) queued_at: Instant,
+    pub(crate) tracker: Arc<Tracker>,
 }
 
 /// Completion bookkeeping shared by a request's chunks.
-struct Tracker {
+pub(crate) struct Tracker {
     remaining: AtomicUsize,
     error: Mutex<Option<BackendError>>,
-    done: Mutex<Option<Completer>>,
+    pub(crate) done: Mutex<Option<Completer>>,
     notif: Option<Vec<u8>>,
 }
 
@@ -192,7 +224,7 @@ impl Tracker {
         self.error.lock().is_some()
     }
 
-    fn finish_chunk(&self, pool: &PoolShared, result: Result<(), BackendError>) {
+    pub(crate) fn finish_chunk(&self, pool: &PoolShared, result: Result<(), BackendError>) {
         if let Err(err) = result {
             self.error.lock().get_or_insert(err);
         }
@@ -295,20 +327,32 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
 }
 
 /// A connection and the epoch it was opened in.
-struct Pooled {
+pub(crate) struct Pooled {
     epoch: u64,
-    conn: Conn,
+    pub(crate) conn: Conn,
 }
 
-fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
+fn worker(shared: Arc<PoolShared>, receiver: Receiver<Work>) {
     let mut conn: Option<Pooled> = None;
     let mut lanes = Lanes::default();
     loop {
-        let mut chunk = match receiver.recv_timeout(Duration::from_millis(250)) {
-            Ok(chunk) => chunk,
-            Err(RecvTimeoutError::Timeout) if shared.closed.load(Ordering::Acquire) => return,
-            Err(RecvTimeoutError::Timeout) => continue,
+        let work = match receiver.recv_timeout(Duration::from_millis(250)) {
+            Ok(work) => work,
+            Err(RecvTimeoutError::Timeout) if shared.closed.load(Ordering::Acquire) => {
+                return inline::adopt_unclaimed(&shared, Duration::ZERO);
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                inline::adopt_unclaimed(&shared, inline::ADOPT_AFTER);
+                continue;
+            }
             Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let mut chunk = match work {
+            Work::Chunk(chunk) => chunk,
+            Work::Adopt(inline) => {
+                inline.finish();
+                continue;
+            }
         };
         let result = if shared.closed.load(Ordering::Acquire) {
             Err(shared.disconnected("connection pool closed"))
@@ -328,6 +372,7 @@ fn worker(shared: Arc<PoolShared>, receiver: Receiver<Chunk>) {
         // Release the pins before completing, so a waiter that deregisters next never waits.
         drop(local);
         tracker.finish_chunk(&shared, result);
+        inline::adopt_unclaimed(&shared, inline::ADOPT_AFTER);
     }
 }
 
@@ -351,13 +396,7 @@ fn run_chunk(
 }
 
 fn exchange(shared: &PoolShared, conn: &mut Conn, lanes: &mut Lanes, chunk: &mut Chunk) -> Result<(), BackendError> {
-    let request_id = shared.next_request.fetch_add(1, Ordering::Relaxed);
-    let kind = match chunk.op {
-        Op::Write => Kind::Write,
-        Op::Read => Kind::Read,
-    };
-    let mut head = Vec::new();
-    frame::encode_request(kind, request_id, &chunk.remote, chunk.bytes, &mut head);
+    let (request_id, head) = request_head(shared, chunk);
     let io = |e: ConnError| shared.conn_error(e);
     let staging = &*shared.staging;
     let config = shared.config.staging;
@@ -374,21 +413,56 @@ fn exchange(shared: &PoolShared, conn: &mut Conn, lanes: &mut Lanes, chunk: &mut
             read_response(shared, conn, request_id, chunk.bytes)?;
             lanes.run(staging, config, Flow::FromWire, &mut chunk.local, conn, &io)?;
         }
-        Op::Write => {
-            let mut iov = Vec::with_capacity(chunk.local.len() + 1);
-            iov.push(IoSlice::new(&head));
-            iov.extend(memio::send_from(&chunk.local));
-            conn.write_all_vectored(&mut iov).map_err(io)?;
-            read_response(shared, conn, request_id, 0)?;
-        }
-        Op::Read => {
-            conn.write_all(&head).map_err(io)?;
-            read_response(shared, conn, request_id, chunk.bytes)?;
-            let mut iov = memio::receive_into(&mut chunk.local);
-            conn.read_exact_vectored(&mut iov).map_err(io)?;
+        Op::Write | Op::Read => {
+            send_host(shared, conn, chunk, &head)?;
+            receive_host(shared, conn, chunk, request_id)?;
         }
     }
     Ok(())
+}
+
+/// Sends a request of host memory (a WRITE with its payload); the answer is read by
+/// [`receive_host`].
+pub(crate) fn send_host(shared: &PoolShared, conn: &mut Conn, chunk: &Chunk, head: &[u8]) -> Result<(), BackendError> {
+    let io = |e: ConnError| shared.conn_error(e);
+    match chunk.op {
+        Op::Write => {
+            let mut iov = Vec::with_capacity(chunk.local.len() + 1);
+            iov.push(IoSlice::new(head));
+            iov.extend(memio::send_from(&chunk.local));
+            conn.write_all_vectored(&mut iov).map_err(io)
+        }
+        Op::Read => conn.write_all(head).map_err(io),
+    }
+}
+
+/// Reads the answer to a request of host memory (a READ's payload into its memory).
+pub(crate) fn receive_host(
+    shared: &PoolShared,
+    conn: &mut Conn,
+    chunk: &mut Chunk,
+    request_id: u64,
+) -> Result<(), BackendError> {
+    match chunk.op {
+        Op::Write => read_response(shared, conn, request_id, 0),
+        Op::Read => {
+            read_response(shared, conn, request_id, chunk.bytes)?;
+            let mut iov = memio::receive_into(&mut chunk.local);
+            conn.read_exact_vectored(&mut iov).map_err(|e| shared.conn_error(e))
+        }
+    }
+}
+
+/// A request's frame header, with a fresh request id.
+pub(crate) fn request_head(shared: &PoolShared, chunk: &Chunk) -> (u64, Vec<u8>) {
+    let request_id = shared.next_request.fetch_add(1, Ordering::Relaxed);
+    let kind = match chunk.op {
+        Op::Write => Kind::Write,
+        Op::Read => Kind::Read,
+    };
+    let mut head = Vec::new();
+    frame::encode_request(kind, request_id, &chunk.remote, chunk.bytes, &mut head);
+    (request_id, head)
 }
 
 /// Reads a response header; a refusal becomes an error, a mismatched one breaks the stream.
@@ -399,7 +473,7 @@ fn read_response(
     expect_payload: u64,
 ) -> Result<(), BackendError> {
     let mut buf = [0u8; frame::RESPONSE_LEN];
-    conn.read_exact(&mut buf).map_err(|e| shared.conn_error(e))?;
+    conn.read_answer(&mut buf).map_err(|e| shared.conn_error(e))?;
     let response = frame::decode_response(&buf).map_err(|e| BackendError::Protocol(e.to_string()))?;
     let mut tail = vec![0u8; response.tail_len()];
     conn.read_exact(&mut tail).map_err(|e| shared.conn_error(e))?;
@@ -440,8 +514,26 @@ impl PoolShared {
         }
     }
 
+    /// An idle inline connection of the current epoch, else a new one.
+    pub(crate) fn check_out(&self) -> Result<Pooled, BackendError> {
+        let mut slot = self.idle.lock().pop();
+        self.current(&mut slot)?;
+        slot.ok_or_else(|| self.disconnected("no connection"))
+    }
+
+    /// Returns an inline connection after a complete exchange (or a refusal, which leaves the
+    /// stream in step).
+    pub(crate) fn check_in(&self, pooled: Pooled) {
+        let mut idle = self.idle.lock();
+        if self.closed.load(Ordering::Acquire) || idle.len() >= MAX_IDLE_INLINE {
+            pooled.conn.shutdown();
+        } else {
+            idle.push(pooled);
+        }
+    }
+
     /// Gives up a connection mid-exchange: a new epoch, so the target fences the old one.
-    fn abandon(&self, slot: &mut Option<Pooled>) {
+    pub(crate) fn abandon(&self, slot: &mut Option<Pooled>) {
         if let Some(pooled) = slot.take() {
             self.epoch.fetch_max(pooled.epoch + 1, Ordering::AcqRel);
             pooled.conn.shutdown();
@@ -449,7 +541,7 @@ impl PoolShared {
     }
 
     /// Remembers that the peer failed an exchange by timeout or disconnection.
-    fn record_failure(&self, err: &BackendError) {
+    pub(crate) fn record_failure(&self, err: &BackendError) {
         let by_timeout = match err {
             BackendError::TimedOut(_) => true,
             BackendError::PeerDisconnected { .. } => false,
@@ -461,7 +553,7 @@ impl PoolShared {
     }
 
     /// The error for a chunk queued at `queued_at` if the peer has failed since.
-    fn failed_since(&self, queued_at: Instant) -> Option<BackendError> {
+    pub(crate) fn failed_since(&self, queued_at: Instant) -> Option<BackendError> {
         let failed_at = self.failed_at.load(Ordering::Acquire);
         let queued = queued_at.saturating_duration_since(self.started).as_micros() as u64 + 1;
         if failed_at == 0 || failed_at < queued {
@@ -474,7 +566,11 @@ impl PoolShared {
         })
     }
 
-    fn disconnected(&self, reason: impl Into<String>) -> BackendError {
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn disconnected(&self, reason: impl Into<String>) -> BackendError {
         BackendError::PeerDisconnected { peer: self.peer.clone(), reason: reason.into() }
     }
 
@@ -533,6 +629,7 @@ impl PoolShared {
                 message: String::from_utf8_lossy(&message).into_owned(),
             });
         }
+        conn.set_spin(self.config.spin);
         Ok(conn)
     }
 

@@ -19,6 +19,7 @@ use crate::grants::{Grant, GrantTable, Refusal};
 use crate::keys::KeyTable;
 use crate::memio;
 use crate::staged::Lanes;
+use parking_lot::RwLockReadGuard;
 
 /// What every connection thread shares.
 pub struct ServerShared {
@@ -38,6 +39,8 @@ pub struct ServerShared {
     pub staging_config: StagingConfig,
     /// With `tls=on`: every connection must start TLS.
     pub tls: Option<Arc<crate::tls::TlsIdentity>>,
+    /// How long a connection polls for the next frame before it sleeps ([`crate::spin`]).
+    pub spin: Duration,
 }
 
 pub struct Server {
@@ -148,6 +151,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
         }
     }
     let Some((peer, session, fence)) = handshake(&mut conn, shared, peer_addr)? else { return Ok(()) };
+    conn.set_spin(shared.spin);
     let mut header_buf = [0u8; frame::HEADER_LEN];
     let mut table = Vec::new();
     let mut descs = Vec::new();
@@ -169,20 +173,9 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
             return Err(ServeError::Superseded);
         }
         // Memory requests: every descriptor checked, and the grants they use held against
-        // revocation (checked live under the guard) until the frame is done with the memory.
-        let (resolved, held) = match header.kind {
-            Kind::Notif => (Ok(Vec::new()), Vec::new()),
-            _ => match resolve(&shared.keys, &shared.grants, &peer, &descs) {
-                Ok((pieces, held)) => (Ok(pieces), held),
-                Err(refusal) => (Err(refusal), Vec::new()),
-            },
-        };
-        let now = Instant::now();
-        let guards = held.iter().map(|grant| grant.hold(now)).collect::<Result<Vec<_>, _>>();
-        let (resolved, guards) = match guards {
-            Ok(guards) => (resolved, guards),
-            Err(refusal) => (Err(refusal), Vec::new()),
-        };
+        // revocation (checked live under the guard) until the frame is done with the memory
+        // (the end of the match on the resolution).
+        let mut grants_used = Vec::new();
         match header.kind {
             Kind::Notif => {
                 let mut message = vec![0u8; header.payload_len as usize];
@@ -192,8 +185,8 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 frame::encode_response(0, header.request_id, 0, "", &mut out);
                 conn.write_all(&out)?;
             }
-            Kind::Write => match resolved {
-                Ok(mut pieces) if needs_staging(&pieces) => {
+            Kind::Write => match resolve(&shared.keys, &shared.grants, &peer, &descs, &mut grants_used) {
+                Ok(Resolved { mut pieces, .. }) if needs_staging(&pieces) => {
                     let staged = match check_files(Flow::FromWire, &pieces) {
                         // Refused before any byte moved: the payload is read and dropped.
                         Err(err) => {
@@ -218,7 +211,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                         }
                     }
                 }
-                Ok(mut slices) => {
+                Ok(Resolved { pieces: mut slices, .. }) => {
                     let mut iov = memio::receive_into(&mut slices);
                     conn.read_exact_vectored(&mut iov)?;
                     drop(iov);
@@ -232,8 +225,8 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     refuse(&mut conn, &header, code, &msg, &mut out)?;
                 }
             },
-            Kind::Read => match resolved {
-                Ok(mut pieces) if needs_staging(&pieces) => match check_files(Flow::ToWire, &pieces) {
+            Kind::Read => match resolve(&shared.keys, &shared.grants, &peer, &descs, &mut grants_used) {
+                Ok(Resolved { mut pieces, .. }) if needs_staging(&pieces) => match check_files(Flow::ToWire, &pieces) {
                     Err(err) => {
                         let msg = format!("reading staged memory: {err}");
                         refuse(&mut conn, &header, RefusalCode::BadRequest, &msg, &mut out)?;
@@ -248,7 +241,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                             .map_err(ServeError::Staging)?;
                     }
                 },
-                Ok(slices) => {
+                Ok(Resolved { pieces: slices, .. }) => {
                     frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
                     let mut iov = Vec::with_capacity(slices.len() + 1);
                     iov.push(IoSlice::new(&out));
@@ -258,7 +251,6 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 Err((code, msg)) => refuse(&mut conn, &header, code, &msg, &mut out)?,
             },
         }
-        drop(guards);
     }
 }
 
@@ -370,17 +362,25 @@ fn authenticate(
     }
 }
 
+/// A memory frame's pieces, and the grants it uses held against revocation while it touches
+/// them (dropped with this).
+struct Resolved<'g> {
+    pieces: Vec<LocalMem>,
+    _holds: Vec<RwLockReadGuard<'g, bool>>,
+}
+
 /// Checks every descriptor before any byte moves: known key (a region's, or a grant's for
-/// this initiator and inside its ranges), live region, within bounds. Returns the pieces and
-/// the grants used, which the caller holds while it touches the pieces.
-fn resolve(
+/// this initiator and inside its ranges), live region, within bounds; then holds the grants
+/// used (`held` keeps them for the guards), live and unexpired. The clock is read only when a
+/// grant is used.
+fn resolve<'g>(
     keys: &KeyTable,
     grants: &GrantTable,
     initiator: &str,
     descs: &[WireDesc],
-) -> Result<(Vec<LocalMem>, Vec<Arc<Grant>>), Refusal> {
+    held: &'g mut Vec<Arc<Grant>>,
+) -> Result<Resolved<'g>, Refusal> {
     let mut slices = Vec::with_capacity(descs.len());
-    let mut held: Vec<Arc<Grant>> = Vec::new();
     let mut pinned: Option<(frame::Key, Pin, Option<Arc<Grant>>)> = None;
     for (index, desc) in descs.iter().enumerate() {
         let (pin, grant) = match &pinned {
@@ -424,5 +424,13 @@ fn resolve(
         })?;
         slices.push(slice);
     }
-    Ok((slices, held))
+    let held: &'g [Arc<Grant>] = held;
+    let holds = match held {
+        [] => Vec::new(),
+        used => {
+            let now = Instant::now();
+            used.iter().map(|grant| grant.hold(now)).collect::<Result<_, _>>()?
+        }
+    };
+    Ok(Resolved { pieces: slices, _holds: holds })
 }

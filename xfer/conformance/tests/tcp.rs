@@ -23,6 +23,7 @@ xfer_conformance::conformance_tests!(
         dereg_target_races_transfers,
         grants,
         late_read_storm,
+        completion_styles,
     ]
 );
 
@@ -47,6 +48,17 @@ mod tls {
             notif_once_across_stall,
             dereg_initiator_races_transfers,
             dereg_target_races_transfers,
+            completion_styles,
         ]
+    );
+}
+
+/// The parts of the suite that cross the busy-polling waits (`spin_us`, off by default): data,
+/// notifications, every way of waiting, and a peer killed mid-transfer.
+mod spin {
+    xfer_conformance::conformance_tests!(
+        "tcp",
+        "listen=127.0.0.1:0,spin_us=50",
+        [transfer_matrix, notifications, completion_styles, sigkill_mid_transfer]
     );
 }

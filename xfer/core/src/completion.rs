@@ -3,8 +3,9 @@
 //! A backend whose progress can run on any thread (e.g. a UCX worker) attaches a [`Progress`]
 //! hook to its completions: a thread that waits then drives the backend itself instead of
 //! sleeping until the backend's own thread finishes the request and wakes it (two cross-thread
-//! wake-ups per request, which cost more than moving a megabyte through shared memory).
-//! Backends without a hook (TCP) are unaffected.
+//! wake-ups per request, which cost more than moving a megabyte through shared memory). The
+//! TCP backend attaches one to small requests its caller's thread sent (the waiter reads the
+//! answer, a poller hands it to the backend's threads).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -154,8 +155,14 @@ impl Completion {
         state.status.clone()
     }
 
-    /// Async readiness: `Ready` with the final status once finished.
+    /// Async readiness: `Ready` with the final status once finished. Runs the backend's
+    /// [`Progress::progress`] first, as [`Completion::progress_and_status`] does.
     pub fn poll_finished(&self, cx: &mut Context<'_>) -> Poll<Status> {
+        if !self.is_finished() {
+            if let Some(hook) = self.progress.get() {
+                hook.progress();
+            }
+        }
         let mut state = self.state.lock();
         if state.status.is_finished() {
             return Poll::Ready(state.status.clone());

@@ -28,6 +28,7 @@ mod protocol;
 mod stall;
 mod tls_tcp;
 mod transfers;
+mod waits;
 pub mod wire_tcp;
 
 pub use auth::strangers_are_refused;
@@ -42,6 +43,7 @@ pub use protocol::peer_protocol;
 pub use stall::{notif_once_across_stall, stalled_peer_times_out};
 pub use tls_tcp::tls_mismatch_and_pinning;
 pub use transfers::{transfer_large, transfer_matrix};
+pub use waits::completion_styles;
 pub use wire_tcp::bad_frames;
 
 /// Bound on one ordinary request.
