@@ -20,7 +20,7 @@ use crate::frame::Key;
 pub struct Grant {
     pub region: Arc<LocalRegion>,
     peer: String,
-    /// `(offset, len)` relative to the region's base.
+    /// `(offset, len)` relative to the region's base, sorted and merged (see [`merge_ranges`]).
     ranges: Vec<(u64, u64)>,
     expires: Instant,
     live: RwLock<bool>,
@@ -31,7 +31,7 @@ pub type Refusal = (RefusalCode, String);
 
 impl Grant {
     pub fn new(region: Arc<LocalRegion>, peer: &str, ranges: Vec<(u64, u64)>, expires: Instant) -> Self {
-        Grant { region, peer: peer.to_string(), ranges, expires, live: RwLock::new(true) }
+        Grant { region, peer: peer.to_string(), ranges: merge_ranges(ranges), expires, live: RwLock::new(true) }
     }
 
     /// Holds the grant against revocation while a frame touches its memory; refuses when it
@@ -65,15 +65,37 @@ pub fn check_live(live: bool, expires: Instant, now: Instant) -> Result<(), Refu
     Ok(())
 }
 
-/// Pure: the granted peer, and a descriptor inside one granted range.
+/// Pure: sorts ranges by offset and joins those that overlap or touch, so that a descriptor
+/// inside the granted bytes lies inside exactly one range, found by binary search.
+pub fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.retain(|&(_, len)| len > 0);
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (start, len) in ranges {
+        let end = start.saturating_add(len);
+        match merged.last_mut() {
+            Some((last_start, last_len)) if start <= last_start.saturating_add(*last_len) => {
+                *last_len = end.max(last_start.saturating_add(*last_len)) - *last_start;
+            }
+            _ => merged.push((start, len)),
+        }
+    }
+    merged
+}
+
+/// Pure: the granted peer, and a descriptor inside one granted range. `ranges` are sorted and
+/// merged ([`merge_ranges`]): a KV-shaped request checks thousands of descriptors against
+/// thousands of ranges, so the containing range is found by binary search.
 pub fn check_range(peer: &str, ranges: &[(u64, u64)], initiator: &str, offset: u64, len: u64) -> Result<(), Refusal> {
     if peer != initiator {
         // Told like an unknown key: a stranger learns nothing about the grant.
         return Err((RefusalCode::UnknownKey, "key is not granted to this initiator".into()));
     }
+    let candidate = ranges.partition_point(|&(start, _)| start <= offset).checked_sub(1).map(|i| ranges[i]);
     let inside = offset
         .checked_add(len)
-        .is_some_and(|end| ranges.iter().any(|&(start, n)| offset >= start && end <= start.saturating_add(n)));
+        .zip(candidate)
+        .is_some_and(|(end, (start, n))| offset >= start && end <= start.saturating_add(n));
     if !inside {
         return Err((RefusalCode::OutOfBounds, format!("offset {offset} + {len} bytes is outside the grant")));
     }
@@ -136,6 +158,24 @@ mod tests {
         assert_eq!(check_live(true, expires, expires).unwrap_err().0, RefusalCode::Revoked);
         assert_eq!(check_live(true, expires, t0 + Duration::from_secs(1)).unwrap_err().0, RefusalCode::Revoked);
         assert_eq!(check_live(false, expires, t0).unwrap_err().0, RefusalCode::Revoked);
+    }
+
+    #[test]
+    fn merged_ranges_answer_like_a_scan_of_the_raw_ranges() {
+        assert_eq!(merge_ranges(vec![(100, 10), (0, 50), (50, 10), (105, 20), (300, 0)]), vec![(0, 60), (100, 25)]);
+        assert_eq!(merge_ranges(vec![(u64::MAX - 1, 5), (u64::MAX - 3, 2)]), vec![(u64::MAX - 3, 3)]);
+        // Scattered, adjacent and overlapping blocks: binary search over the merged ranges
+        // admits a descriptor exactly when it lies inside the union of the raw ranges.
+        let raw: Vec<(u64, u64)> = (0..64u64).map(|i| ((i * 37) % 50 * 16, 16 + (i % 3) * 8)).collect();
+        let merged = merge_ranges(raw.clone());
+        let covered = |b: u64| raw.iter().any(|&(s, n)| b >= s && b < s + n);
+        for offset in 0..900u64 {
+            for len in [1u64, 7, 16, 40] {
+                let expected = (offset..offset + len).all(covered);
+                let got = check_range("d", &merged, "d", offset, len).is_ok();
+                assert_eq!(got, expected, "offset {offset} len {len}");
+            }
+        }
     }
 
     #[test]
