@@ -9,14 +9,12 @@
 //!
 //! Without `PD_VLLM_VENV` every test prints a loud SKIPPED line and passes.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use pd_e2e::*;
 use pd_protocols::hash::{block_hashes, event_id, none_hash};
-use pd_protocols::kv_events::{decode_batch, EventBatch, KvEvent};
-use pd_protocols::zmq_frames::parse_pub;
 use serde_json::{json, Value};
 
 const MODEL: &str = "tiny-llama";
