@@ -18,9 +18,9 @@ step() {
 step "system packages"
 ci/install-deps.sh
 
-# The Python caches (peers, real vLLM, aiperf) are downloads, not builds: on a fresh machine they
-# install in the background while the builds below use the cores, and each step that needs one
-# waits for it. Their output goes to a log, printed when the step waits.
+# The Python caches (peers, real vLLM, real SGLang, aiperf) are downloads, not builds: on a fresh
+# machine they install in the background while the builds below use the cores, and each step that
+# needs one waits for it. Their output goes to a log, printed when the step waits.
 install_logs=$(mktemp -d)
 declare -A install_pids
 install_in_background() {
@@ -53,6 +53,7 @@ stop_installs() {
 trap stop_installs EXIT
 install_in_background peers bench/peers/install.sh
 install_in_background vllm ci/vllm/install.sh
+install_in_background sglang ci/sglang/install.sh
 install_in_background aiperf ci/aiperf/install.sh
 
 # First, as a new user runs it: the README's main command with no system package to lean on.
@@ -118,6 +119,10 @@ PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XF
 step "real vLLM with XferConnector over xfer's UCX backend: P/D by hand and through the sidecar"
 PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=UCX \
   cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture t0_ t1_
+
+step "real SGLang (CPU): installed once into the cache, then the end-to-end suite (2 prefills, a decode and a plain server over Mooncake TCP)"
+await_install sglang
+PD_SGLANG_VENV="$venv" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
 
 # The test build above made target/debug/xferbench (with UCX).
 step "UCX benchmark smoke run (consistency-checked, shared memory)"

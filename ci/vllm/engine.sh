@@ -34,37 +34,14 @@ usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 (($# >= 2)) || usage
 cmd="$1" name="$2"
 shift 2
-[[ "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "bad instance name: $name" >&2; exit 2; }
-pid_file="$run_dir/$name.pid"
-log_file="$run_dir/$name.log"
-
-alive() { [ -f "$pid_file" ] && kill -0 -- "-$(cat "$pid_file")" 2>/dev/null; }
-
-stop() {
-  if ! [ -f "$pid_file" ]; then
-    echo "$name: not running" >&2
-    return 0
-  fi
-  local pgid
-  pgid="$(cat "$pid_file")"
-  if kill -TERM -- "-$pgid" 2>/dev/null; then
-    for _ in $(seq 1 150); do
-      kill -0 -- "-$pgid" 2>/dev/null || break
-      sleep 0.1
-    done
-    if kill -0 -- "-$pgid" 2>/dev/null; then
-      echo "$name: still running after 15 s, SIGKILL" >&2
-      kill -KILL -- "-$pgid" 2>/dev/null || true
-    fi
-  fi
-  rm -f "$pid_file"
-  echo "$name: stopped" >&2
-}
+# shellcheck source=../engine-lib.sh
+source "$here/../engine-lib.sh"
+engine_init "$name" "$run_dir"
 
 case "$cmd" in
-  stop) stop; exit 0 ;;
+  stop) engine_stop; exit 0 ;;
   status)
-    if alive; then echo "$name: running (pgid $(cat "$pid_file"))"; else echo "$name: not running"; exit 1; fi
+    if engine_alive; then echo "$name: running (pgid $(cat "$pid_file"))"; else echo "$name: not running"; exit 1; fi
     exit 0 ;;
   start|run) ;;
   *) usage ;;
@@ -132,38 +109,4 @@ if [ "$cmd" = run ]; then
   exec "${engine_env[@]}" "$venv/bin/vllm" "${args[@]}"
 fi
 
-mkdir -p "$run_dir"
-if alive; then
-  echo "$name: already running (pgid $(cat "$pid_file")); stop it first" >&2
-  exit 1
-fi
-start=$(date +%s)
-# The engine's new session writes its own group id: `$!` is not it when setsid has to fork (it
-# does when it starts as a process group leader), and a wrong id made `start` report a running
-# engine as exited and leave it behind, its worker busy on a core.
-rm -f "$pid_file"
-setsid bash -c 'echo $$ >"$0"; exec "$@"' "$pid_file" "${engine_env[@]}" "$venv/bin/vllm" "${args[@]}" \
-  >"$log_file" 2>&1 < /dev/null &
-for _ in $(seq 1 100); do
-  [ -s "$pid_file" ] && break
-  sleep 0.05
-done
-[ -s "$pid_file" ] || { echo "$name: the engine's session did not start" >&2; exit 1; }
-trap 'echo "$name: start interrupted" >&2; stop; exit 130' INT TERM
-deadline=$((start + timeout))
-until curl -fsS -m 2 "http://127.0.0.1:$port/health" >/dev/null 2>&1; do
-  if ! alive; then
-    echo "$name: exited during start; last log lines ($log_file):" >&2
-    tail -n 40 "$log_file" >&2
-    rm -f "$pid_file"
-    exit 1
-  fi
-  if (($(date +%s) >= deadline)); then
-    echo "$name: no /health within ${timeout} s; last log lines ($log_file):" >&2
-    tail -n 40 "$log_file" >&2
-    stop
-    exit 1
-  fi
-  sleep 1
-done
-echo "$name: healthy on :$port after $(( $(date +%s) - start )) s (pgid $(cat "$pid_file"), log $log_file)" >&2
+engine_start "http://127.0.0.1:$port/health" "$timeout" "${engine_env[@]}" "$venv/bin/vllm" "${args[@]}"

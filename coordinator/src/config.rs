@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::api::EngineSpecJson;
 use crate::cluster::Settings;
 use crate::pairing::{LocalPrefillPolicy, TierWeights, Weights};
+use crate::prompt::BlockHashScheme;
 use crate::topic::TopicPattern;
 
 #[derive(Clone, Debug, Parser)]
@@ -85,6 +86,10 @@ pub struct Config {
     /// /v1/completions.
     #[arg(long, env = "PD_COORDINATOR_TOKENIZER_ADD_SPECIAL_TOKENS")]
     pub tokenizer_add_special_tokens: bool,
+    /// Whose block hashes the engines' KV events carry: vllm (sha256_cbor) or sglang (its
+    /// radix-cache page chain).
+    #[arg(long, env = "PD_COORDINATOR_BLOCK_HASH", value_enum, default_value_t = BlockHashScheme::Vllm)]
+    pub block_hash: BlockHashScheme,
     /// Seeds vLLM's NONE_HASH (set it when the engines run with PYTHONHASHSEED).
     #[arg(long, env = "PYTHONHASHSEED")]
     pub pythonhashseed: Option<String>,

@@ -1,11 +1,23 @@
-//! A pair request's prompt → the block hashes the index is keyed by: token ids → vLLM's
-//! `sha256_cbor` chain (exact: the engines' events carry the same ids); prompt text → a
-//! tokenizer.json when one is configured (exact), else a chain over text chunks
-//! (approximate: only the coordinator's own routing records can match it).
+//! A pair request's prompt → the block hashes the index is keyed by: token ids → the engines'
+//! own chain (exact: their events carry the same ids) — vLLM's `sha256_cbor` or SGLang's page
+//! hashes, as `--block-hash` says; prompt text → a tokenizer.json when one is configured
+//! (exact), else a chain over text chunks (approximate: only the coordinator's own routing
+//! records can match it).
 
 use std::path::Path;
 
-use pd_protocols::hash::{block_hashes_with, event_id, none_hash, BlockDigest, ExtraKey};
+use pd_protocols::hash::{block_hashes_with, event_id, none_hash, sglang, BlockDigest, ExtraKey};
+
+/// Whose block hashes the engines' KV events carry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BlockHashScheme {
+    /// vLLM's `sha256_cbor` chain (`--prefix-caching-hash-algo sha256_cbor`).
+    #[default]
+    Vllm,
+    /// SGLang's radix-cache page chain (signed 64-bit ids; adapters and cache salts, which
+    /// SGLang namespaces, are not modelled: such prompts simply find no overlap).
+    Sglang,
+}
 
 /// How a request's hashes were obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +46,7 @@ pub enum PromptError {
 #[derive(Debug)]
 pub struct PromptHasher {
     root: BlockDigest,
+    scheme: BlockHashScheme,
     tokenizer: Option<Box<tokenizers::Tokenizer>>,
     add_special_tokens: bool,
     chars_per_token: usize,
@@ -63,21 +76,34 @@ impl PromptHasher {
             .transpose()?;
         Ok(PromptHasher {
             root: none_hash(pythonhashseed),
+            scheme: BlockHashScheme::Vllm,
             tokenizer,
             add_special_tokens,
             chars_per_token: chars_per_token.max(1),
         })
     }
 
+    /// Hashes token ids the way `scheme`'s engines do.
+    pub fn with_scheme(mut self, scheme: BlockHashScheme) -> PromptHasher {
+        self.scheme = scheme;
+        self
+    }
+
     pub fn has_tokenizer(&self) -> bool {
         self.tokenizer.is_some()
     }
 
-    /// The vLLM block ids of every full block of `tokens`. Under a LoRA adapter vLLM puts the
-    /// adapter's name first in every block's extra keys (the only key for a text prompt).
+    /// The engines' block ids of every full block of `tokens`. Under a LoRA adapter vLLM puts
+    /// the adapter's name first in every block's extra keys (the only key for a text prompt).
     pub fn token_hashes(&self, tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
-        let extra = |_| lora_name.map(|name| vec![ExtraKey::Text(name.to_owned())]);
-        block_hashes_with(&self.root, tokens, block_size.max(1) as usize, extra).iter().map(event_id).collect()
+        let block_size = block_size.max(1) as usize;
+        match self.scheme {
+            BlockHashScheme::Vllm => {
+                let extra = |_| lora_name.map(|name| vec![ExtraKey::Text(name.to_owned())]);
+                block_hashes_with(&self.root, tokens, block_size, extra).iter().map(event_id).collect()
+            }
+            BlockHashScheme::Sglang => sglang::page_hashes(tokens, block_size).iter().map(sglang::event_id).collect(),
+        }
     }
 
     /// Hashes for a prompt given as text.
@@ -139,6 +165,25 @@ mod tests {
         assert_eq!(adapted, vec![event_id(&first), event_id(&second)]);
         assert_ne!(adapted[0], hashes[0]);
         assert_ne!(hasher.token_hashes(&tokens, 16, Some("other"))[0], adapted[0]);
+    }
+
+    /// The ids a real SGLang 0.5.23 (page size 1) published for tokens 11..=15 (e2e/tests/sglang.rs
+    /// checks the same against the live engine).
+    #[test]
+    fn token_ids_hash_like_sglang() {
+        let hasher = PromptHasher::new(None, None, false, 4).unwrap().with_scheme(BlockHashScheme::Sglang);
+        let ids: Vec<i64> = hasher.token_hashes(&[11, 12, 13, 14, 15], 1, None).iter().map(|&h| h as i64).collect();
+        assert_eq!(
+            ids,
+            [
+                -3805285395451375351,
+                7506513167249350507,
+                -3077916588206928548,
+                -1670714019215540768,
+                -3183329780511295086
+            ]
+        );
+        assert_eq!(hasher.token_hashes(&[11, 12, 13], 2, None).len(), 1, "only full pages");
     }
 
     #[test]

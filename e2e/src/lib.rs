@@ -1,5 +1,6 @@
 //! Harness for the end-to-end suites against real engines: starting and stopping vLLM instances
-//! through `ci/vllm/engine.sh`, binaries of this workspace, HTTP helpers and Prometheus parsing.
+//! through `ci/vllm/engine.sh` (SGLang servers through `ci/sglang/engine.sh`: [`sglang`]),
+//! binaries of this workspace, HTTP helpers and Prometheus parsing.
 //!
 //! Every process started here runs under a small guardian shell that leads its own process group
 //! and holds a pipe from the test process: when the test process goes away in any way (even
@@ -12,10 +13,15 @@ use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdin, Command, Stdio};
-use std::sync::{mpsc, Mutex, Once};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
+use pd_protocols::kv_events::{decode_batch, EventBatch, KvEvent};
+use pd_protocols::zmq_frames::parse_pub;
 use serde_json::Value;
+
+pub mod sglang;
 
 /// The repository root (this crate lives in `e2e/`).
 pub fn repo_root() -> PathBuf {
@@ -542,6 +548,42 @@ pub fn sse_text(body: &str) -> Result<String, String> {
     }
 }
 
+/// Written straight to stderr: libtest's capture only hooks the print macros, so these lines
+/// show even for passing tests.
+pub fn loud(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The suites' runtime: two workers, like the 2-core machines they run on.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+}
+
+/// A client that opens a fresh connection per request (no reuse across engines' restarts).
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().pool_max_idle_per_host(0).build().expect("client")
+}
+
+/// Polls a metric until `pred` holds (bounded), returning the last value.
+pub async fn wait_metric(
+    client: &reqwest::Client,
+    base: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+    timeout: Duration,
+    pred: impl Fn(f64) -> bool,
+) -> f64 {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let v = metric(client, base, name, labels).await;
+        if pred(v) || Instant::now() > deadline {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// POSTs JSON and returns (status, body as text).
 pub async fn post_json(
     client: &reqwest::Client,
@@ -597,6 +639,73 @@ pub fn fresh_prompt(tag: &str, words: usize) -> String {
         out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
     }
     out
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV events
+
+/// Subscribes to an engine's KV events (a ZMQ SUB socket on a thread, batches decoded by
+/// pd_protocols).
+#[derive(Debug)]
+pub struct Subscription {
+    stop: Arc<AtomicBool>,
+    rx: mpsc::Receiver<EventBatch>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Subscription {
+    pub fn new(endpoint: String) -> Subscription {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let ctx = zmq::Context::new();
+            let sub = ctx.socket(zmq::SUB).expect("SUB");
+            sub.set_rcvtimeo(200).expect("rcvtimeo");
+            sub.set_linger(0).expect("linger");
+            sub.set_subscribe(b"kv-events").expect("subscribe");
+            sub.connect(&endpoint).expect("connect");
+            while !flag.load(Ordering::Acquire) {
+                let Ok(frames) = sub.recv_multipart(0) else { continue };
+                let (_, _, payload) = parse_pub(&frames).expect("3-frame PUB message");
+                let _ = tx.send(decode_batch(payload).expect("event batch decodes"));
+            }
+        });
+        Subscription { stop, rx, thread: Some(thread) }
+    }
+
+    /// Stored block hashes (in order) and their token ids seen until `enough` holds or timeout.
+    pub fn stored_until(
+        &self,
+        timeout: Duration,
+        enough: impl Fn(&[u64]) -> bool,
+    ) -> (Vec<u64>, Vec<u32>, Option<u64>) {
+        let deadline = Instant::now() + timeout;
+        let (mut hashes, mut tokens, mut first_parent) = (Vec::new(), Vec::new(), None);
+        while !enough(&hashes) && Instant::now() < deadline {
+            if let Ok(batch) = self.rx.recv_timeout(Duration::from_millis(200)) {
+                for ev in batch.events {
+                    if let KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } = ev {
+                        if hashes.is_empty() {
+                            first_parent = parent_block_hash.map(|h| h.as_u64());
+                        }
+                        hashes.extend(block_hashes.iter().map(|h| h.as_u64()));
+                        tokens.extend(token_ids);
+                    }
+                }
+            }
+        }
+        (hashes, tokens, first_parent)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -9,27 +9,18 @@
 //!
 //! Without `PD_VLLM_VENV` every test prints a loud SKIPPED line and passes.
 
-use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use pd_e2e::*;
 use pd_protocols::hash::{block_hashes, event_id, none_hash};
-use pd_protocols::kv_events::{decode_batch, EventBatch, KvEvent};
-use pd_protocols::zmq_frames::parse_pub;
 use serde_json::{json, Value};
 
 const MODEL: &str = "tiny-llama";
 const BLOCK_SIZE: u32 = 32; // the CPU attention backend needs a multiple of 32
 const START_TIMEOUT: Duration = Duration::from_secs(420);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Written straight to stderr: libtest's capture only hooks the print macros, so these lines
-/// show even for passing tests.
-fn loud(line: &str) {
-    let _ = writeln!(std::io::stderr(), "{line}");
-}
 
 fn timing(what: &str, d: Duration) {
     loud(&format!("TIMING vllm-e2e: {what}: {:.2} s", d.as_secs_f64()));
@@ -176,33 +167,6 @@ fn cluster(test: &str) -> Option<&'static Cluster> {
     match CLUSTER.get_or_init(start_cluster) {
         Ok(c) => Some(c),
         Err(e) => panic!("real vLLM cluster did not start: {e}"),
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().pool_max_idle_per_host(0).build().expect("client")
-}
-
-/// Polls a metric until `pred` holds (bounded), returning the last value.
-async fn wait_metric(
-    client: &reqwest::Client,
-    base: &str,
-    name: &str,
-    labels: &[(&str, &str)],
-    timeout: Duration,
-    pred: impl Fn(f64) -> bool,
-) -> f64 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let v = metric(client, base, name, labels).await;
-        if pred(v) || Instant::now() > deadline {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -380,65 +344,6 @@ fn t1_pd_through_sidecar_completions_and_chat_streaming_and_not() {
             );
         }
     });
-}
-
-/// Subscribes to an engine's KV events (a ZMQ SUB socket on a thread, batches decoded by
-/// pd_protocols).
-struct Subscription {
-    stop: Arc<AtomicBool>,
-    rx: mpsc::Receiver<EventBatch>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Subscription {
-    fn new(endpoint: String) -> Subscription {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
-        let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let ctx = zmq::Context::new();
-            let sub = ctx.socket(zmq::SUB).expect("SUB");
-            sub.set_rcvtimeo(200).expect("rcvtimeo");
-            sub.set_linger(0).expect("linger");
-            sub.set_subscribe(b"kv-events").expect("subscribe");
-            sub.connect(&endpoint).expect("connect");
-            while !flag.load(Ordering::Acquire) {
-                let Ok(frames) = sub.recv_multipart(0) else { continue };
-                let (_, _, payload) = parse_pub(&frames).expect("3-frame PUB message");
-                let _ = tx.send(decode_batch(payload).expect("event batch decodes"));
-            }
-        });
-        Subscription { stop, rx, thread: Some(thread) }
-    }
-
-    /// Stored block hashes (in order) and their token ids seen until `enough` holds or timeout.
-    fn stored_until(&self, timeout: Duration, enough: impl Fn(&[u64]) -> bool) -> (Vec<u64>, Vec<u32>, Option<u64>) {
-        let deadline = Instant::now() + timeout;
-        let (mut hashes, mut tokens, mut first_parent) = (Vec::new(), Vec::new(), None);
-        while !enough(&hashes) && Instant::now() < deadline {
-            if let Ok(batch) = self.rx.recv_timeout(Duration::from_millis(200)) {
-                for ev in batch.events {
-                    if let KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } = ev {
-                        if hashes.is_empty() {
-                            first_parent = parent_block_hash.map(|h| h.as_u64());
-                        }
-                        hashes.extend(block_hashes.iter().map(|h| h.as_u64()));
-                        tokens.extend(token_ids);
-                    }
-                }
-            }
-        }
-        (hashes, tokens, first_parent)
-    }
-}
-
-impl Drop for Subscription {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 #[test]

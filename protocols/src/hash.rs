@@ -9,6 +9,8 @@ use sha2::{Digest, Sha256};
 
 use crate::cbor::{self, Item};
 
+pub mod sglang;
+
 pub type BlockDigest = [u8; 32];
 
 /// A per-block extra key (LoRA name, multimodal hash, cache salt), hashed as given.

@@ -35,7 +35,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         config.tokenizer.as_deref(),
         config.tokenizer_add_special_tokens,
         config.approx_chars_per_token,
-    )?;
+    )?
+    .with_scheme(config.block_hash);
     let cluster = config.cluster.as_deref().map(ClusterFile::load).transpose()?.unwrap_or_default();
     let store = match config.store_url()? {
         StoreUrl::Memory => None,
