@@ -2,7 +2,7 @@
 # Installs the system packages the build and tests need (idempotent; quiet when present).
 set -euo pipefail
 
-packages=(pkg-config libucx-dev libclang-dev ucx-utils libfabric-dev libfabric-bin etcd-server fonts-dejavu-core iperf3 iproute2 prometheus)
+packages=(pkg-config libucx-dev libclang-dev ucx-utils libfabric-dev libfabric-bin etcd-server fonts-dejavu-core iperf3 iproute2 nftables prometheus)
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -34,7 +34,8 @@ enum Cmd {
         /// Only these scenarios (e.g. `--only 1,3`).
         #[arg(long, value_delimiter = ',')]
         only: Vec<u8>,
-        /// Fail scenario 6 instead of skipping it when the kernel has no netem.
+        /// Fail scenario 6 instead of skipping it when neither netem nor the nftables + tbf
+        /// fallback can degrade a link.
         #[arg(long)]
         require_netem: bool,
     },

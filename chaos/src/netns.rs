@@ -1,7 +1,9 @@
 //! A private network of "nodes": one Linux network namespace per node, each joined to a bridge
 //! (in a namespace of its own) by a veth pair. Addresses come from 10.77.0.0/24 and exist only
 //! inside these namespaces. Links are cut by setting the bridge's end of a node's veth down, and
-//! degraded with `tc netem` on the node's end.
+//! degraded on the node's end: with `tc netem` where the kernel has it, else with an nftables
+//! random-drop rule (loss) and a `tc tbf` token bucket (a slow link, no fixed delay).
+//! The nftables table lives in the node's namespace and goes with it at teardown.
 //!
 //! Namespaces are named `pdc-<harness pid>-<node>`. Dropping the [`Net`] kills whatever still
 //! runs in them and deletes them; [`remove_stale`] does the same for the namespaces of harnesses
@@ -27,10 +29,15 @@ pub enum NetError {
     Ip { args: String, stderr: String },
     #[error("running `{program}`: {source} (is iproute2 installed?)")]
     Spawn { program: String, source: std::io::Error },
-    #[error("this kernel has no netem queueing discipline (CONFIG_NET_SCH_NETEM): {stderr}")]
-    NetemUnavailable { stderr: String },
+    #[error(
+        "this kernel has no netem queueing discipline (CONFIG_NET_SCH_NETEM): {netem}; \
+         and the nftables + tbf fallback failed: {fallback}"
+    )]
+    NoImpairment { netem: String, fallback: String },
     #[error("`tc {args}` failed: {stderr}")]
     Tc { args: String, stderr: String },
+    #[error("`nft {args}` failed: {stderr} (is nftables installed?)")]
+    Nft { args: String, stderr: String },
     #[error("entering network namespace {name}: {reason}")]
     Enter { name: String, reason: String },
     #[error("no node named {0}")]
@@ -51,6 +58,43 @@ pub struct Net {
     id: String,
     bridge_ns: String,
     pub nodes: Vec<Node>,
+}
+
+/// The impairment [`Net::degrade`] really applied to a node's link.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Impairment {
+    /// `tc netem`: random loss and a fixed delay on every packet the node sends.
+    Netem { loss_percent: f64, delay_ms: u32 },
+    /// The kernel has no netem: random loss by an nftables `numgen` rule on the node's output
+    /// hook and a `tc tbf` rate limit on its `eth0`; no fixed delay.
+    NftTbf { loss_percent: f64, rate_mbit: u32 },
+}
+
+impl std::fmt::Display for Impairment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Impairment::Netem { loss_percent, delay_ms } => {
+                write!(f, "netem {loss_percent} % loss + {delay_ms} ms delay")
+            }
+            Impairment::NftTbf { loss_percent, rate_mbit } => {
+                write!(f, "nft {loss_percent} % loss + tbf {rate_mbit} Mbit; no fixed delay: kernel lacks netem")
+            }
+        }
+    }
+}
+
+/// The nftables table the fallback loss rule lives in (one per node namespace).
+const NFT_TABLE: &str = "pdchaos";
+
+/// The `numgen random mod 10000 < N` threshold that drops `loss_percent` % of packets.
+pub fn loss_threshold(loss_percent: f64) -> u32 {
+    (loss_percent * 100.0).round().clamp(0.0, 10_000.0) as u32
+}
+
+/// The packet count of the first `counter` in `nft list` output.
+pub fn counter_packets(listing: &str) -> Option<u64> {
+    let rest = &listing[listing.find("counter packets ")? + "counter packets ".len()..];
+    rest.split_whitespace().next()?.parse().ok()
 }
 
 /// Runs `program args`, mapping a failure to its stderr.
@@ -143,18 +187,48 @@ impl Net {
         ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port(node), "up"])
     }
 
-    /// Every packet the node sends is delayed by `delay_ms` and dropped with `loss_percent`.
-    pub fn degrade(&self, node: &str, loss_percent: f64, delay_ms: u32) -> Result<(), NetError> {
+    /// Every packet the node sends is dropped with `loss_percent` and delayed by `delay_ms`
+    /// (netem). On a kernel without netem, the loss comes from an nftables rule on the node's
+    /// output hook and the link is slowed to `fallback_rate_mbit` by `tc tbf` instead of being
+    /// delayed. Returns what was applied.
+    pub fn degrade(
+        &self,
+        node: &str,
+        loss_percent: f64,
+        delay_ms: u32,
+        fallback_rate_mbit: u32,
+    ) -> Result<Impairment, NetError> {
         let ns = self.node(node)?.netns.clone();
         let (loss, delay) = (format!("{loss_percent}%"), format!("{delay_ms}ms"));
         let args = ["-n", &ns, "qdisc", "replace", "dev", NODE_IF, "root", "netem", "loss", &loss, "delay", &delay];
-        run("tc", &args).map_err(|(args, stderr)| {
-            if stderr.contains("Specified qdisc kind is unknown") {
-                NetError::NetemUnavailable { stderr }
-            } else {
-                NetError::Tc { args, stderr }
+        match run("tc", &args) {
+            Ok(()) => Ok(Impairment::Netem { loss_percent, delay_ms }),
+            Err((_, stderr)) if stderr.contains("Specified qdisc kind is unknown") => {
+                match degrade_without_netem(&ns, loss_percent, fallback_rate_mbit) {
+                    Ok(()) => Ok(Impairment::NftTbf { loss_percent, rate_mbit: fallback_rate_mbit }),
+                    Err(e) => Err(NetError::NoImpairment { netem: stderr, fallback: e.to_string() }),
+                }
             }
-        })
+            Err((args, stderr)) if args.is_empty() => {
+                Err(NetError::Spawn { program: "tc".into(), source: std::io::Error::other(stderr) })
+            }
+            Err((args, stderr)) => Err(NetError::Tc { args, stderr }),
+        }
+    }
+
+    /// The packets the nftables fallback dropped on the node so far; `None` where it has no
+    /// such rule (netem, or not degraded).
+    pub fn nft_dropped(&self, node: &str) -> Result<Option<u64>, NetError> {
+        let ns = &self.node(node)?.netns;
+        let args = ["netns", "exec", ns, "nft", "list", "table", "inet", NFT_TABLE];
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .map_err(|source| NetError::Spawn { program: "ip".into(), source })?;
+        if !out.status.success() {
+            return Ok(None);
+        }
+        Ok(counter_packets(&String::from_utf8_lossy(&out.stdout)))
     }
 
     /// Moves the calling thread into the node's namespace: sockets it (and threads it starts)
@@ -182,6 +256,28 @@ impl Drop for Net {
             remove_namespace(&ns);
         }
     }
+}
+
+/// Random loss with nftables in the namespace (output hook: like netem, only what the node
+/// sends) and a token-bucket rate limit on its `eth0`.
+fn degrade_without_netem(ns: &str, loss_percent: f64, rate_mbit: u32) -> Result<(), NetError> {
+    let nft = |args: &[&str]| {
+        let mut full = vec!["netns", "exec", ns, "nft"];
+        full.extend_from_slice(args);
+        run("ip", &full).map_err(|(_, stderr)| NetError::Nft { args: args.join(" "), stderr })
+    };
+    nft(&["add", "table", "inet", NFT_TABLE])?;
+    nft(&["add", "chain", "inet", NFT_TABLE, "out", "{ type filter hook output priority 0; policy accept; }"])?;
+    let threshold = loss_threshold(loss_percent).to_string();
+    nft(&[
+        "add", "rule", "inet", NFT_TABLE, "out", "numgen", "random", "mod", "10000", "lt", &threshold, "counter",
+        "drop",
+    ])?;
+    let rate = format!("{rate_mbit}mbit");
+    let args = [
+        "-n", ns, "qdisc", "replace", "dev", NODE_IF, "root", "tbf", "rate", &rate, "burst", "64kb", "latency", "50ms",
+    ];
+    run("tc", &args).map_err(|(args, stderr)| NetError::Tc { args, stderr })
 }
 
 /// The bridge's end of a node's link (interface names are at most 15 bytes).
@@ -256,5 +352,20 @@ mod tests {
         assert_eq!(bridge_port("n1"), "p-n1");
         assert_eq!(bridge_port("a-very-long-node-name").len(), 15);
         assert_eq!(node_ip(0), Ipv4Addr::new(10, 77, 0, 10));
+    }
+
+    #[test]
+    fn impairments_say_what_was_applied() {
+        assert_eq!(loss_threshold(2.0), 200);
+        assert_eq!(loss_threshold(0.5), 50);
+        assert_eq!(loss_threshold(150.0), 10_000);
+        let listing = "table inet pdchaos {\n\tchain out {\n\t\tnumgen random mod 10000 < 200 counter packets 42 bytes 6000 drop\n\t}\n}\n";
+        assert_eq!(counter_packets(listing), Some(42));
+        assert_eq!(counter_packets("table inet pdchaos {}"), None);
+        assert_eq!(Impairment::Netem { loss_percent: 2.0, delay_ms: 5 }.to_string(), "netem 2 % loss + 5 ms delay");
+        assert_eq!(
+            Impairment::NftTbf { loss_percent: 2.0, rate_mbit: 200 }.to_string(),
+            "nft 2 % loss + tbf 200 Mbit; no fixed delay: kernel lacks netem"
+        );
     }
 }

@@ -373,21 +373,23 @@ async fn set_faults(c: &Cluster, engine_url: &str, delay_ms: u64) -> Result<(), 
     r.status().is_success().then_some(()).ok_or_else(|| format!("status {}", r.status()))
 }
 
+/// The rate scenario 6 limits n1 and n3 to when the kernel has no netem (tbf instead of a delay).
+const LOSSY_FALLBACK_RATE_MBIT: u32 = 200;
+
 /// 6. A lossy, slow link between a prefill and a decode node.
 pub async fn lossy_link(c: Cluster, shape: LoadShape) -> Row {
     let mut bars = Bars::default();
+    let mut applied = Vec::new();
     for node in ["n1", "n3"] {
-        match c.net.degrade(node, 2.0, 5) {
-            Ok(()) => {}
-            Err(NetError::NetemUnavailable { stderr }) => {
-                return Row::skipped(
-                    "6 lossy link",
-                    format!("this kernel has no netem (CONFIG_NET_SCH_NETEM): {stderr}"),
-                )
-            }
+        match c.net.degrade(node, 2.0, 5, LOSSY_FALLBACK_RATE_MBIT) {
+            Ok(impairment) => applied.push(impairment),
+            Err(e @ NetError::NoImpairment { .. }) => return Row::skipped("6 lossy link", e.to_string()),
             Err(e) => bars.check(false, || e.to_string()),
         }
     }
+    applied.dedup();
+    let note = applied.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+    eprintln!("6 lossy link: n1 and n3 degraded with {note}");
     let before = c.sim_counters().await;
     let load = Load::start(c.http.clone(), &entry_urls(&c), shape);
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -405,6 +407,13 @@ pub async fn lossy_link(c: Cluster, shape: LoadShape) -> Row {
     row.leaked_blocks = leaked;
     bars.check(leaked == 0, || format!("{leaked} blocks still held"));
     row.kv_bytes = bytes_since(&before, &after);
+    let dropped: Vec<String> =
+        ["n1", "n3"].iter().filter_map(|n| Some(format!("{n} {}", c.net.nft_dropped(n).ok()??))).collect();
+    row.note = Some(if dropped.is_empty() {
+        format!("n1 and n3: {note}")
+    } else {
+        format!("n1 and n3: {note} (packets dropped by nft: {})", dropped.join(", "))
+    });
     finish(&c, row, bars)
 }
 

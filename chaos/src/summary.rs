@@ -31,6 +31,8 @@ pub struct Row {
     pub detection: Option<Duration>,
     /// KV bytes pulled (and verified) during the scenario.
     pub kv_bytes: u64,
+    /// What the scenario really did where that can differ by machine (scenario 6's impairment).
+    pub note: Option<String>,
     pub verdict: Verdict,
 }
 
@@ -45,6 +47,7 @@ impl Row {
             leaked_blocks: 0,
             detection: None,
             kv_bytes: 0,
+            note: None,
             verdict: Verdict::Pass,
         }
     }
@@ -122,6 +125,9 @@ pub fn render(rows: &[Row]) -> String {
         );
     }
     for r in rows {
+        if let Some(note) = &r.note {
+            let _ = writeln!(out, "NOTE {}: {note}", r.scenario);
+        }
         match &r.verdict {
             Verdict::Fail(missed) => {
                 for m in missed {
@@ -190,13 +196,17 @@ mod tests {
         fail.leaked_blocks = 3;
         fail.verdict = Verdict::Fail(vec!["3 blocks still held".into()]);
         let skip = Row::skipped("6 lossy link", "no netem".into());
-        let text = render(&[pass.clone(), fail.clone(), skip.clone()]);
+        let mut noted = Row::new("6 lossy link", &[]);
+        noted.note = Some("nft 2 % loss + tbf 200 Mbit".into());
+        let text = render(&[pass.clone(), fail.clone(), skip.clone(), noted]);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[2], "| 1 kill prefill | 1 | 0 | 1.50 s | 0 | 1.23 s | 4096 | pass |");
         assert_eq!(lines[3], "| 2 kill decode | 1 | connect: 1 | 0.01 s | 3 | - | 0 | FAIL |");
         assert_eq!(lines[4], "| 6 lossy link | 0 | 0 | 0.00 s | 0 | - | 0 | SKIPPED |");
-        assert_eq!(lines[5], "FAIL 2 kill decode: 3 blocks still held");
-        assert_eq!(lines[6], "SKIPPED 6 lossy link: no netem");
+        assert_eq!(lines[5], "| 6 lossy link | 0 | 0 | 0.00 s | 0 | - | 0 | pass |");
+        assert_eq!(lines[6], "FAIL 2 kill decode: 3 blocks still held");
+        assert_eq!(lines[7], "SKIPPED 6 lossy link: no netem");
+        assert_eq!(lines[8], "NOTE 6 lossy link: nft 2 % loss + tbf 200 Mbit");
         assert!(all_passed(&[pass.clone(), skip.clone()], true));
         assert!(!all_passed(&[pass.clone(), skip], false));
         assert!(!all_passed(&[pass, fail], true));
