@@ -53,7 +53,8 @@ stop_installs() {
 trap stop_installs EXIT
 install_in_background peers bench/peers/install.sh
 install_in_background vllm ci/vllm/install.sh
-install_in_background sglang ci/sglang/install.sh
+# SGLang links torch from the vLLM venv when that is there: its install starts when vLLM's ends.
+install_in_background sglang bash -c "tail --pid=${install_pids[vllm]} -f /dev/null; exec ci/sglang/install.sh"
 install_in_background aiperf ci/aiperf/install.sh
 
 # First, as a new user runs it: the README's main command with no system package to lean on.

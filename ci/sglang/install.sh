@@ -12,7 +12,7 @@
 # Not installed: `sgl-kernel`/`sglang-kernel` (CUDA-only); ci/sglang/sgl_kernel is our stand-in.
 # Facts followed: ../shared/SGLANG_CPU.md.
 set -euo pipefail
-export PIP_NO_CACHE_DIR=1
+source "$(dirname "$0")/../lib/pip-venv.sh"
 
 SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
@@ -22,7 +22,7 @@ MOONCAKE_VERSION=0.3.13.post1
 # it pins); the CUDA kernels, flash-attn, DeepEP and friends are left out.
 REQUIREMENTS=(
   aiohttp anthropic blobfile==3.0.0 "compressed-tensors==0.18.0" datasets dill distro easydict
-  einops fastapi gguf interegular IPython "llguidance>=1.7.6,<2.0.0" msgspec ninja numpy
+  einops fastapi gguf interegular IPython jsonschema "llguidance>=1.7.6,<2.0.0" msgspec ninja numpy
   "openai==2.8.0" "openai-harmony==0.0.4" orjson packaging partial_json_parser pillow
   "prometheus-client>=0.20.0" psutil pybase64 pydantic python-dateutil python-multipart
   "pyzmq>=25.1.2" regex requests scipy "sentencepiece==0.2.1" setproctitle "soundfile==0.13.1"
@@ -30,37 +30,12 @@ REQUIREMENTS=(
   "xgrammar==0.2.7" xxhash zstandard nvidia-ml-py
 )
 STAMP="sglang==$SGLANG_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION mooncake==$MOONCAKE_VERSION reqs=$(printf '%s ' "${REQUIREMENTS[@]}" | md5sum | cut -c1-8)"
-
-cache="${PD_CACHE_DIR:-$HOME/.cache/pd-suite}"
-venv="$cache/sglang-venv"
-marker="$venv/.pd-suite-installed"
-python="${PD_PYTHON:-python3}"
-vllm_venv="${PD_VLLM_VENV:-$cache/vllm-venv}"
-
-if [ -f "$marker" ] && [ "$(cat "$marker")" = "$STAMP" ] && [ -x "$venv/bin/python" ]; then
-  echo "SGLang venv present (reused): $venv" >&2
+vllm_venv="${PD_VLLM_VENV:-$pd_cache/vllm-venv}"
+if venv_open sglang "$STAMP" bin/python; then
   echo "$venv"
   exit 0
 fi
-
-start=$(date +%s)
-echo "installing SGLang $SGLANG_VERSION (CPU) into $venv" >&2
-mkdir -p "$cache"
-rm -rf "$venv"
-"$python" -m venv "$venv"
-py="$venv/bin/python"
-pip_install() {
-  local attempt
-  for attempt in 1 2 3; do
-    if "$py" -m pip install --disable-pip-version-check --no-input --retries 10 --timeout 60 \
-      --progress-bar off -q "$@"; then
-      return 0
-    fi
-    echo "pip install failed (attempt $attempt of 3), retrying" >&2
-    sleep $((attempt * 10))
-  done
-  return 1
-}
+venv_create
 pip_install --upgrade pip
 site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
@@ -119,11 +94,10 @@ pip_install --no-deps "sglang==$SGLANG_VERSION"
 here="$(cd "$(dirname "$0")" && pwd)"
 SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$here" "$py" -c '
 import importlib.metadata as m, torch, sgl_kernel, mooncake.engine, sglang.launch_server
-import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler
+import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, sglang.srt.entrypoints.openai.serving_chat
 import sglang.srt.disaggregation.prefill, sglang.srt.disaggregation.decode
 import sglang.srt.disaggregation.mooncake.conn
 print("sglang", m.version("sglang"), "torch", torch.__version__)' >&2
 
-echo "$STAMP" >"$marker"
-echo "SGLang installed in $(( $(date +%s) - start )) s (torch linked from vLLM: $linked): $venv ($(du -sh "$venv" | cut -f1))" >&2
-echo "$venv"
+echo "torch linked from the vLLM venv: $linked" >&2
+venv_close
