@@ -80,9 +80,11 @@ export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 step "tests (unit, in-process, two-process conformance over TCP, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
 cargo test --workspace --all-features --locked
 
-# Needs root and network namespaces (fails loudly without them); about a minute. Scenario 6 is
-# skipped, loudly, on a kernel without netem.
+# Needs root and network namespaces (fails loudly without them); about a minute. Without netem,
+# scenario 6 degrades the link with nftables loss and a tbf rate instead (its NOTE line says so).
+# pd-chaos has no integration test, so the test build above did not link its binary.
 step "chaos: a cluster in network namespaces under kill -9, partition, coordinator restart, disconnect storm, lossy link"
+cargo build --workspace --all-features --locked --bin pd-chaos
 if [ "$(id -u)" = 0 ]; then target/debug/pd-chaos run --log-dir target/pd-chaos
 else sudo target/debug/pd-chaos run --log-dir target/pd-chaos; fi
 

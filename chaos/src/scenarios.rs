@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 
-use crate::cluster::{Binaries, Cluster, EngineState, Role, SimCounters, Timing, CLIENT_NODE, COORDINATOR_NODE, MODEL};
+use crate::cluster::{
+    Binaries, Cluster, ClusterError, EngineState, Role, SimCounters, Timing, CLIENT_NODE, COORDINATOR_NODE, MODEL,
+};
 use crate::load::{Load, LoadShape, Record};
 use crate::netns::{Net, NetError};
 use crate::summary::{Bars, Row, Verdict};
@@ -16,6 +18,27 @@ use crate::summary::{Bars, Row, Verdict};
 /// The engine nodes: two prefills, two decodes.
 pub const ENGINES: [(&str, Role); 4] =
     [("n1", Role::Prefill), ("n2", Role::Prefill), ("n3", Role::Decode), ("n4", Role::Decode)];
+
+/// Why a scenario's cluster could not start, or a step a scenario takes failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    #[error("starting the client node's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error("{url}: {source}")]
+    Http {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{url} answered {status}")]
+    Status { url: String, status: reqwest::StatusCode },
+    #[error("the cluster has no decode node")]
+    NoDecode,
+}
 
 /// What every scenario runs with.
 #[derive(Debug, Clone)]
@@ -46,11 +69,12 @@ where
     }
     let (timing, bins, logs) = (setup.timing.clone(), setup.bins.clone(), log_dir.clone());
     let result = std::thread::scope(|s| {
-        s.spawn(move || -> Result<Row, String> {
-            net.enter(CLIENT_NODE).map_err(|e| e.to_string())?;
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+        s.spawn(move || -> Result<Row, ScenarioError> {
+            net.enter(CLIENT_NODE)?;
+            let rt =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ScenarioError::Runtime)?;
             rt.block_on(async {
-                let cluster = Cluster::start(net, &ENGINES, timing, bins, &logs).await.map_err(|e| e.to_string())?;
+                let cluster = Cluster::start(net, &ENGINES, timing, bins, &logs).await?;
                 Ok(body(cluster).await)
             })
         })
@@ -242,7 +266,7 @@ pub async fn partition(c: Cluster, shape: LoadShape) -> Row {
         (Some(a), Some(b)) => b.leases_started - a,
         _ => 0.0,
     };
-    bars.check(served == Ok(4) && served_after >= 4.0, || {
+    bars.check(matches!(served, Ok(4)) && served_after >= 4.0, || {
         format!("after healing, requests sent to n2's prefill: {served:?} answered, {served_after} leases started")
     });
     let bound = c.timing.request_bound();
@@ -341,36 +365,41 @@ pub async fn disconnect_storm(c: Cluster, shape: LoadShape) -> Row {
 
 /// Sends `n` requests through the first decode sidecar with the prefill named by the routing
 /// header; how many succeeded.
-async fn prefill_through(c: &Cluster, prefill: &str, n: usize) -> Result<usize, String> {
-    let target = c.engine(prefill).map_err(|e| e.to_string())?.engine_url.trim_start_matches("http://").to_string();
-    let entry = entry_urls(c).into_iter().next().ok_or("no decode")?;
+async fn prefill_through(c: &Cluster, prefill: &str, n: usize) -> Result<usize, ScenarioError> {
+    let target = c.engine(prefill)?.engine_url.trim_start_matches("http://").to_string();
+    let entry = entry_urls(c).into_iter().next().ok_or(ScenarioError::NoDecode)?;
     let mut ok = 0;
     for i in 0..n {
         let body = serde_json::json!({"model": MODEL, "prompt": format!("rejoin {i} {}", "word ".repeat(64)), "max_tokens": 4});
+        let url = format!("{entry}/v1/completions");
         let r = c
             .http
-            .post(format!("{entry}/v1/completions"))
+            .post(&url)
             .header("x-prefiller-host-port", &target)
             .json(&body)
             .timeout(Duration::from_secs(10))
             .send()
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|source| ScenarioError::Http { url, source })?;
         ok += usize::from(r.status().is_success());
     }
     Ok(ok)
 }
 
-async fn set_faults(c: &Cluster, engine_url: &str, delay_ms: u64) -> Result<(), String> {
+async fn set_faults(c: &Cluster, engine_url: &str, delay_ms: u64) -> Result<(), ScenarioError> {
+    let url = format!("{engine_url}/admin/faults");
     let r = c
         .http
-        .post(format!("{engine_url}/admin/faults"))
+        .post(&url)
         .json(&serde_json::json!({"delay_ms": delay_ms}))
         .timeout(Duration::from_secs(2))
         .send()
         .await
-        .map_err(|e| e.to_string())?;
-    r.status().is_success().then_some(()).ok_or_else(|| format!("status {}", r.status()))
+        .map_err(|source| ScenarioError::Http { url: url.clone(), source })?;
+    match r.status() {
+        status if status.is_success() => Ok(()),
+        status => Err(ScenarioError::Status { url, status }),
+    }
 }
 
 /// The rate scenario 6 limits n1 and n3 to when the kernel has no netem (tbf instead of a delay).
