@@ -10,34 +10,49 @@ pub const GIB: u64 = 1 << 30;
 pub const MIN_BLOCK: u64 = 4 * KIB;
 pub const MAX_BLOCK: u64 = 64 * MIB;
 
+/// Why a size on the command line was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("{0:?} is not a size (expected e.g. 4096, 64K, 1M)")]
+    NotASize(String),
+    #[error("{text:?}: unknown size suffix {suffix:?} (use K, M or G)")]
+    UnknownSuffix { text: String, suffix: String },
+    #[error("{0:?} is too large")]
+    TooLarge(String),
+    #[error("block size {text} ({bytes} bytes) is outside {min}..{max}")]
+    BlockOutOfRange { text: String, bytes: u64, min: String, max: String },
+}
+
 /// Parses `4096`, `64K`, `1M`, `2G` (binary multiples; `KiB`/`KB`/`MiB`/... also accepted).
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
+pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
     let text = text.trim();
     let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (number, suffix) = text.split_at(digits);
     if number.is_empty() {
-        return Err(format!("{text:?} is not a size (expected e.g. 4096, 64K, 1M)"));
+        return Err(SizeError::NotASize(text.into()));
     }
     let unit = match suffix.trim().to_ascii_uppercase().as_str() {
         "" | "B" => 1,
         "K" | "KB" | "KIB" => KIB,
         "M" | "MB" | "MIB" => MIB,
         "G" | "GB" | "GIB" => GIB,
-        other => return Err(format!("{text:?}: unknown size suffix {other:?} (use K, M or G)")),
+        other => return Err(SizeError::UnknownSuffix { text: text.into(), suffix: other.into() }),
     };
-    let number: u64 = number.parse().map_err(|e| format!("{text:?}: {e}"))?;
-    number.checked_mul(unit).ok_or_else(|| format!("{text:?} is too large"))
+    // Only digits remain, so the parse fails on overflow alone.
+    let number: u64 = number.parse().map_err(|_| SizeError::TooLarge(text.into()))?;
+    number.checked_mul(unit).ok_or_else(|| SizeError::TooLarge(text.into()))
 }
 
 /// Parses a block size and checks it lies in `4K ..= 64M`.
-pub fn parse_block_size(text: &str) -> Result<u64, String> {
+pub fn parse_block_size(text: &str) -> Result<u64, SizeError> {
     let bytes = parse_bytes(text)?;
     if !(MIN_BLOCK..=MAX_BLOCK).contains(&bytes) {
-        return Err(format!(
-            "block size {text} ({bytes} bytes) is outside {}..{}",
-            format_size(MIN_BLOCK),
-            format_size(MAX_BLOCK)
-        ));
+        return Err(SizeError::BlockOutOfRange {
+            text: text.into(),
+            bytes,
+            min: format_size(MIN_BLOCK),
+            max: format_size(MAX_BLOCK),
+        });
     }
     Ok(bytes)
 }
@@ -96,11 +111,12 @@ mod tests {
         assert_eq!(parse_bytes("1M"), Ok(MIB));
         assert_eq!(parse_bytes("16MiB"), Ok(16 * MIB));
         assert_eq!(parse_bytes(" 2G "), Ok(2 * GIB));
-        assert!(parse_bytes("").is_err());
-        assert!(parse_bytes("K").is_err());
-        assert!(parse_bytes("1T").is_err());
-        assert!(parse_bytes("1.5M").is_err());
-        assert!(parse_bytes("99999999999999999999G").is_err());
+        assert_eq!(parse_bytes(""), Err(SizeError::NotASize("".into())));
+        assert_eq!(parse_bytes("K"), Err(SizeError::NotASize("K".into())));
+        assert!(matches!(parse_bytes("1T"), Err(SizeError::UnknownSuffix { .. })));
+        assert!(matches!(parse_bytes("1.5M"), Err(SizeError::UnknownSuffix { .. })));
+        assert!(matches!(parse_bytes("99999999999999999999G"), Err(SizeError::TooLarge(_))));
+        assert!(matches!(parse_bytes("17179869184G"), Err(SizeError::TooLarge(_))));
     }
 
     #[test]
@@ -108,7 +124,7 @@ mod tests {
         assert_eq!(parse_block_size("4K"), Ok(4096));
         assert_eq!(parse_block_size("64M"), Ok(64 * MIB));
         assert_eq!(parse_block_size("32M"), Ok(32 * MIB));
-        let err = parse_block_size("2K").unwrap_err();
+        let err = parse_block_size("2K").unwrap_err().to_string();
         assert!(err.contains("outside 4K..64M"), "{err}");
         assert!(parse_block_size("128M").is_err());
         assert!(parse_block_size("4095").is_err());

@@ -8,13 +8,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use anyhow::Context;
+
 /// Two namespaces and their veth pair; removed on drop (removing a namespace removes its veth).
 struct Hosts {
     names: [String; 2],
 }
 
 impl Hosts {
-    fn create() -> Result<Hosts, String> {
+    fn create() -> anyhow::Result<Hosts> {
         let id = std::process::id();
         let hosts = Hosts { names: [format!("xb{id}a"), format!("xb{id}b")] };
         let [a, b] = &hosts.names;
@@ -44,13 +46,10 @@ impl Drop for Hosts {
     }
 }
 
-fn ip(line: &str) -> Result<(), String> {
-    let out = Command::new("ip").args(line.split_whitespace()).output().map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ip {line}: {}", String::from_utf8_lossy(&out.stderr).trim()))
-    }
+fn ip(line: &str) -> anyhow::Result<()> {
+    let out = Command::new("ip").args(line.split_whitespace()).output().context("running ip")?;
+    anyhow::ensure!(out.status.success(), "ip {line}: {}", String::from_utf8_lossy(&out.stderr).trim());
+    Ok(())
 }
 
 /// Kills the target if the test fails before it closes its stdin.

@@ -233,7 +233,7 @@ fn stored(hashes: &[u64], medium: Option<&str>) -> KvEvent {
 }
 
 /// Runs `ops` on a fresh index and the reference; the first disagreement, if any.
-fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
+fn check(ops: &[Op], profile: &Profile) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let mut now_ms = 0u64;
     let (mut index, mut reference) = (PrefixIndex::default(), Reference::default());
@@ -317,7 +317,7 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                 let got = index.overlaps(hashes, now);
                 let want = reference.overlaps(hashes, now_ms);
                 if got != want {
-                    return Err(format!("step {step}: overlaps({hashes:?}) = {got:?}, reference {want:?}"));
+                    anyhow::bail!("step {step}: overlaps({hashes:?}) = {got:?}, reference {want:?}");
                 }
                 std::mem::swap(&mut probes, &mut older);
                 index.prefix_matches_probed(hashes, now, &mut matches, &mut probes);
@@ -325,13 +325,13 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
                 let mut sorted: Vec<_> = want.into_iter().collect();
                 sorted.sort_unstable();
                 if matches != sorted {
-                    return Err(format!("step {step}: prefix_matches {matches:?}, reference {sorted:?}"));
+                    anyhow::bail!("step {step}: prefix_matches {matches:?}, reference {sorted:?}");
                 }
                 for &engine in profile.engines.iter().take(3) {
                     for h in hashes.iter().take(4) {
                         let (got, want) = (index.holds(engine, *h, now), reference.holds(engine, *h, now_ms));
                         if got != want {
-                            return Err(format!("step {step}: holds({engine}, {h}) = {got:?}, reference {want:?}"));
+                            anyhow::bail!("step {step}: holds({engine}, {h}) = {got:?}, reference {want:?}");
                         }
                     }
                 }
@@ -340,20 +340,20 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
         for &engine in profile.engines {
             let want = reference.held.get(&engine).map_or(0, HashMap::len);
             if index.engine_blocks(engine) != want {
-                return Err(format!(
+                anyhow::bail!(
                     "step {step}: engine_blocks({engine}) = {}, reference {want}",
                     index.engine_blocks(engine)
-                ));
+                );
             }
         }
         let entries: usize = reference.held.values().map(HashMap::len).sum();
         if index.entries() != entries {
-            return Err(format!("step {step}: entries() = {}, reference {entries}", index.entries()));
+            anyhow::bail!("step {step}: entries() = {}, reference {entries}", index.entries());
         }
         if step % 16 == 0 || matches!(op, Op::Cleared { .. } | Op::RemoveEngine { .. } | Op::Expire) {
             let (len, want) = (index.len(), reference.len());
             if len != want || index.is_empty() != (want == 0) {
-                return Err(format!("step {step}: len() = {len}, reference {want}"));
+                anyhow::bail!("step {step}: len() = {len}, reference {want}");
             }
         }
     }
@@ -361,7 +361,7 @@ fn check(ops: &[Op], profile: &Profile) -> Result<(), String> {
 }
 
 /// Removes operations while the sequence still fails: halves, then quarters, ..., then singles.
-fn shrink(mut ops: Vec<Op>, profile: &Profile) -> (Vec<Op>, String) {
+fn shrink(mut ops: Vec<Op>, profile: &Profile) -> (Vec<Op>, anyhow::Error) {
     let mut error = check(&ops, profile).expect_err("shrink a failing sequence");
     let mut chunk = ops.len() / 2;
     while chunk > 0 {

@@ -24,7 +24,13 @@ pub struct Row {
     pub kind: SetupKind,
     pub name: String,
     pub rep: usize,
-    pub outcome: Result<Measured, String>,
+    pub outcome: Outcome,
+}
+
+/// A setup either ran and was measured, or could not run (the reason is shown in its row).
+pub enum Outcome {
+    Measured(Measured),
+    Skipped { why: String },
 }
 
 pub struct Measured {
@@ -38,7 +44,7 @@ pub struct Measured {
 
 impl Row {
     pub fn skipped(kind: SetupKind, name: &str, rep: usize, why: String) -> Row {
-        Row { kind, name: name.to_string(), rep, outcome: Err(why) }
+        Row { kind, name: name.to_string(), rep, outcome: Outcome::Skipped { why } }
     }
 
     pub fn measured(
@@ -50,15 +56,20 @@ impl Row {
         per_engine: Vec<KvReport>,
         decisions: Option<Decisions>,
     ) -> Row {
-        Row { kind, name: name.to_string(), rep, outcome: Ok(Measured { summary, kv, per_engine, decisions }) }
+        Row {
+            kind,
+            name: name.to_string(),
+            rep,
+            outcome: Outcome::Measured(Measured { summary, kv, per_engine, decisions }),
+        }
     }
 
     pub fn to_json(&self) -> Value {
         // `setup` keeps the variant name earlier versions wrote; `name` is the flag's spelling.
         let mut v = json!({"setup": format!("{:?}", self.kind), "name": self.name, "run": self.rep});
         match &self.outcome {
-            Err(why) => v["skipped"] = json!(why),
-            Ok(m) => {
+            Outcome::Skipped { why } => v["skipped"] = json!(why),
+            Outcome::Measured(m) => {
                 v["summary"] = json!(m.summary);
                 v["kv"] = json!(m.kv);
                 v["kv_per_engine"] = json!(m.per_engine);
@@ -71,7 +82,10 @@ impl Row {
     }
 
     fn mean_ttft(&self) -> Option<f64> {
-        self.outcome.as_ref().ok().filter(|m| m.summary.ok > 0).map(|m| m.summary.ttft_ms.mean)
+        match &self.outcome {
+            Outcome::Measured(m) if m.summary.ok > 0 => Some(m.summary.ttft_ms.mean),
+            _ => None,
+        }
     }
 }
 
@@ -186,10 +200,10 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
     );
     for r in rows {
         match &r.outcome {
-            Err(why) => {
+            Outcome::Skipped { why } => {
                 let _ = writeln!(out, "{:>3} {:<26} skipped: {why}", r.rep, r.name);
             }
-            Ok(m) => {
+            Outcome::Measured(m) => {
                 let t = &m.summary.ttft_ms;
                 let _ = writeln!(
                     out,
@@ -252,10 +266,10 @@ pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
     );
     for r in rows {
         match &r.outcome {
-            Err(why) => {
+            Outcome::Skipped { why } => {
                 let _ = writeln!(md, "| {} | {} | skipped: {} ||||||||", r.rep, r.name, why.replace('|', "/"));
             }
-            Ok(m) => {
+            Outcome::Measured(m) => {
                 let t = &m.summary.ttft_ms;
                 let _ = writeln!(
                     md,

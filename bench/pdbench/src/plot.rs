@@ -11,8 +11,17 @@ use plotters::prelude::*;
 pub enum PlotError {
     #[error("no TrueType font found (set PDBENCH_FONT to a .ttf file)")]
     NoFont,
-    #[error("drawing {path}: {msg}")]
-    Draw { path: PathBuf, msg: String },
+    #[error("drawing {path}: {source}")]
+    Draw { path: PathBuf, source: DrawFailed },
+}
+
+/// A plotters failure, kept as its message: its error type depends on the drawing backend.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DrawFailed(String);
+
+fn drawn<E: std::fmt::Display>(e: E) -> DrawFailed {
+    DrawFailed(e.to_string())
 }
 
 const FONT_PATHS: &[&str] = &[
@@ -75,8 +84,12 @@ pub fn histogram(samples: &[f64], bins: usize) -> (f64, Vec<u64>) {
 
 const COLORS: [RGBColor; 4] = [BLUE, RED, GREEN, MAGENTA];
 
-fn draw_cdf<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, series: &[Series]) -> Result<(), String> {
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
+fn draw_cdf<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    title: &str,
+    series: &[Series],
+) -> Result<(), DrawFailed> {
+    root.fill(&WHITE).map_err(drawn)?;
     let xmax = series.iter().flat_map(|s| s.samples.iter().copied()).fold(0.0f64, f64::max).max(1e-3) * 1.05;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
@@ -84,13 +97,13 @@ fn draw_cdf<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, serie
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..xmax, 0.0..1.0)
-        .map_err(|e| e.to_string())?;
-    chart.configure_mesh().x_desc("latency (ms)").y_desc("fraction of requests").draw().map_err(|e| e.to_string())?;
+        .map_err(drawn)?;
+    chart.configure_mesh().x_desc("latency (ms)").y_desc("fraction of requests").draw().map_err(drawn)?;
     for (i, s) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         chart
             .draw_series(LineSeries::new(cdf_points(s.samples), color.stroke_width(2)))
-            .map_err(|e| e.to_string())?
+            .map_err(drawn)?
             .label(s.name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
     }
@@ -100,12 +113,12 @@ fn draw_cdf<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, serie
         .border_style(BLACK)
         .position(SeriesLabelPosition::LowerRight)
         .draw()
-        .map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())
+        .map_err(drawn)?;
+    root.present().map_err(drawn)
 }
 
-fn draw_hist<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, samples: &[f64]) -> Result<(), String> {
-    root.fill(&WHITE).map_err(|e| e.to_string())?;
+fn draw_hist<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, samples: &[f64]) -> Result<(), DrawFailed> {
+    root.fill(&WHITE).map_err(drawn)?;
     let bins = 40;
     let (width, counts) = histogram(samples, bins);
     let ymax = counts.iter().copied().max().unwrap_or(1).max(1) as f64 * 1.1;
@@ -115,15 +128,15 @@ fn draw_hist<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, samp
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..width * bins as f64, 0.0..ymax)
-        .map_err(|e| e.to_string())?;
-    chart.configure_mesh().x_desc("TTFT (ms)").y_desc("requests").draw().map_err(|e| e.to_string())?;
+        .map_err(drawn)?;
+    chart.configure_mesh().x_desc("TTFT (ms)").y_desc("requests").draw().map_err(drawn)?;
     chart
         .draw_series(counts.iter().enumerate().map(|(i, &c)| {
             let x0 = i as f64 * width;
             Rectangle::new([(x0, 0.0), (x0 + width, c as f64)], BLUE.mix(0.6).filled())
         }))
-        .map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())
+        .map_err(drawn)?;
+    root.present().map_err(drawn)
 }
 
 /// Writes `{prefix}-cdf.{svg,png}` and `{prefix}-ttft-hist.{svg,png}`; returns the paths.
@@ -138,7 +151,7 @@ pub fn write_plots(prefix: &Path, series: &[Series], ttft: &[f64]) -> Result<Vec
     };
     let size = (900, 560);
     let mut written = Vec::new();
-    let err = |path: &Path, msg: String| PlotError::Draw { path: path.to_path_buf(), msg };
+    let err = |path: &Path, source: DrawFailed| PlotError::Draw { path: path.to_path_buf(), source };
     let p = name("-cdf.svg");
     draw_cdf(SVGBackend::new(&p, size).into_drawing_area(), "Latency CDF", series).map_err(|m| err(&p, m))?;
     written.push(p);

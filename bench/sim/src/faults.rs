@@ -9,6 +9,13 @@ use tokio::sync::Notify;
 /// The longest a hung request hangs when nobody clears the hang (every wait is bounded).
 const MAX_HANG: Duration = Duration::from_secs(3600);
 
+/// A fault setting the admin endpoint refuses.
+#[derive(Debug, thiserror::Error)]
+pub enum FaultError {
+    #[error("error_rate must be within 0..=1, got {0}")]
+    ErrorRateOutOfRange(f64),
+}
+
 #[derive(Debug, Default)]
 pub struct Faults {
     error_rate_bits: AtomicU64,
@@ -56,10 +63,10 @@ impl Faults {
     }
 
     /// Applies the given settings; an out-of-range error rate is refused.
-    pub fn apply(&self, s: &FaultSettings) -> Result<(), String> {
+    pub fn apply(&self, s: &FaultSettings) -> Result<(), FaultError> {
         if let Some(rate) = s.error_rate {
             if !(0.0..=1.0).contains(&rate) {
-                return Err("error_rate must be within 0..=1".into());
+                return Err(FaultError::ErrorRateOutOfRange(rate));
             }
             self.error_rate_bits.store(rate.to_bits(), Relaxed);
         }
@@ -114,7 +121,10 @@ mod tests {
         assert_eq!(f.before_request().await, Verdict::Fail);
         f.apply(&FaultSettings { error_rate: Some(0.0), ..Default::default() }).unwrap();
         assert_eq!(f.before_request().await, Verdict::Proceed);
-        assert!(f.apply(&FaultSettings { error_rate: Some(1.5), ..Default::default() }).is_err());
+        assert!(matches!(
+            f.apply(&FaultSettings { error_rate: Some(1.5), ..Default::default() }),
+            Err(FaultError::ErrorRateOutOfRange(r)) if r == 1.5
+        ));
         let half = Faults::new(0.5, 0);
         let mut fails = 0;
         for _ in 0..1000 {

@@ -88,7 +88,7 @@ async fn set_faults(State(engine): State<Arc<Engine>>, body: Bytes) -> Response 
     }
     match engine.faults.apply(&settings) {
         Ok(()) => Json(engine.faults.settings()).into_response(),
-        Err(e) => ApiError::bad_request(e, None).into_response(),
+        Err(e) => ApiError::bad_request(e.to_string(), None).into_response(),
     }
 }
 
