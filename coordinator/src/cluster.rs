@@ -767,12 +767,14 @@ mod tests {
         c.register(spec("d0", Role::Decode), now);
         let hashes: Vec<u64> = (1..=200).collect();
         let params = || Some(RawValue::from_string(r#"{"remote_request_id": "x"}"#.to_string()).unwrap());
-        for id in ["ok", "failed"] {
-            c.pair(req(id, &hashes), now, [0.0; 2]).unwrap();
-            c.prefill_done(id, params(), now);
-        }
+        assert!(c.pair(req("ok", &hashes), now, [0.0; 2]).unwrap().prefill.is_some());
+        c.prefill_done("ok", params(), now);
         c.finished("ok");
         assert!(c.failed("ok").is_empty(), "already finished");
+        // Another prompt: the decode is now taken to hold the first one, which it would prefill.
+        let other: Vec<u64> = (1001..=1200).collect();
+        assert!(c.pair(req("failed", &other), now, [0.0; 2]).unwrap().prefill.is_some());
+        c.prefill_done("failed", params(), now);
         let actions = c.failed("failed");
         let [Action::Release { notice, .. }] = &actions[..] else { panic!("{actions:?}") };
         assert_eq!((notice.request_id.as_str(), notice.prefill.as_str()), ("failed", "p0"));

@@ -109,12 +109,13 @@ pub struct Config {
     /// P/D protocol.
     #[arg(long, env = "PD_SIDECAR_MODE", value_enum, default_value_t = Mode::Vllm, help_heading = "Serving")]
     pub mode: Mode,
-    /// The local engine's xfer/NIXL agent name, the one it reads KV blocks with (pd-sim: its
-    /// --engine-id; vLLM with XferConnector: its kv-transfer-config engine_id). Sent as
-    /// remote_engine_id in the prefill call, so a prefill that issues grants (pd-sim,
-    /// XferConnector) lets that agent alone read the held blocks, and only until it frees them
-    /// (a later read is refused rather than served from reused memory). vLLM's NixlConnector
-    /// ignores it. Unset: no reader named, the prefill holds the blocks without a grant.
+    /// The xfer agent name the local engine reads KV blocks with (pd-sim: its --engine-id). Sent
+    /// as remote_engine_id in the prefill call, so a prefill that issues grants (pd-sim) lets
+    /// that agent alone read the held blocks, and only until it frees them (a later read is
+    /// refused rather than served from reused memory). vLLM's connectors ignore it (their agents
+    /// are named by a random UUID per worker, so leave it unset for vLLM). Unset: no reader
+    /// named, the prefill holds the blocks without a grant. In sim-pull mode the sidecar names
+    /// its own agent instead.
     #[arg(long, env = "PD_SIDECAR_ENGINE_XFER_AGENT", help_heading = "Serving")]
     pub engine_xfer_agent: Option<String>,
     /// Largest request body accepted, bytes.

@@ -189,8 +189,10 @@ async fn prefill_detached(
     object: &Object<'_>,
     body: &Bytes,
 ) -> Legged<Prefilled> {
-    // With sim-pull the sidecar's own agent reads, without a grant: name no reader then.
-    let reader = app.ctx.cfg.engine_xfer_agent.as_deref().filter(|_| app.puller.is_none());
+    let reader = match &app.puller {
+        Some(puller) => puller.granted_reader(),
+        None => app.ctx.cfg.engine_xfer_agent.as_deref(),
+    };
     let prefill_body = Bytes::from(rewrite::prefill_body(object, reader));
     let releaser = Arc::clone(&app.releaser);
     let orphan = Orphan { releaser, rid: rid.to_string(), path: path.to_string(), body: body.clone() };

@@ -37,8 +37,8 @@ impl Api {
 }
 
 /// The `kv_transfer_params` of the prefill call. `reader` is the xfer agent that will read the
-/// blocks (the decode engine's), put in `remote_engine_id`: a prefill that issues grants (pd-sim,
-/// XferConnector) grants that agent alone the held blocks. vLLM's NixlConnector reads
+/// blocks (the decode engine's), put in `remote_engine_id`: a prefill that issues grants (pd-sim)
+/// grants that agent alone the held blocks. vLLM's NixlConnector reads
 /// `remote_engine_id` of a prefill request only together with `remote_block_ids`, which stays
 /// null here, so it accepts the body either way.
 pub fn prefill_kv_params(reader: Option<&str>) -> String {

@@ -154,3 +154,43 @@ async fn a_failed_decode_has_the_coordinator_release_the_prefills_blocks() {
     assert_eq!(common::metric(&coordinator.metrics().await, "pd_coordinator_releases_total{outcome=\"posted\"}"), 1.0);
     assert_eq!(d.leaks().await["pulls"], 0);
 }
+
+/// Sim-pull mode: once the sidecar mapped the engine's pool it names its own agent, and its
+/// pulls read under the prefill's grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sidecars_own_pulls_read_under_grants() {
+    let path = std::env::temp_dir().join(format!("pd-sidecar-grant-pull-{}", std::process::id()));
+    let p = Sim::start(&[]).await;
+    let d = Sim::start(&["--shm-path", path.to_str().unwrap(), "--kv-load-failure-policy", "fail"]).await;
+    let s = Sidecar::start(&[
+        "--mode",
+        "sim-pull",
+        "--engine",
+        &d.url,
+        "--prefill",
+        &p.addr(),
+        "--xfer-listen",
+        "127.0.0.1:0",
+    ])
+    .await;
+    let requests = 3;
+    for i in 0..requests {
+        let body = json!({"prompt": words(70 + i, &format!("sp{i}")), "max_tokens": 3});
+        let (status, out) = s.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["choices"][0]["text"], direct_text(&p, &body).await, "request {i}");
+    }
+    // The first request mapped the pool (no reader named yet); the others were granted.
+    let pl = p
+        .leaks_until("the prefill released every lease", Duration::from_secs(5), |r| {
+            r["held_blocks"] == 0 && r["grants_revoked"] == requests - 1
+        })
+        .await;
+    assert_eq!(pl["grants_issued"], requests - 1, "{pl}");
+    let m = s.metrics().await;
+    assert_eq!(common::metric(&m, "pd_sidecar_pulls_ok_total"), requests as f64);
+    let dl = d.leaks().await;
+    assert_eq!(counts(&dl, &["pulls", "verification_failures", "recomputed"]), [json!(0), json!(0), json!(0)], "{dl}");
+    drop(d);
+    let _ = std::fs::remove_file(&path);
+}
