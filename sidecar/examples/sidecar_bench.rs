@@ -187,7 +187,7 @@ async fn one(c: &HttpClient, route: &Route, body: Vec<u8>) -> anyhow::Result<Dur
         Route::Proxy(url) => post_timed(c, &format!("{url}/v1/completions"), body, t0).await.map(|(_, t)| t),
         Route::Direct(p, d) => {
             let object = Object::parse(&body)?;
-            let answer = post(c, &format!("{p}/v1/completions"), rewrite::prefill_body(&object)).await?;
+            let answer = post(c, &format!("{p}/v1/completions"), rewrite::prefill_body(&object, None)).await?;
             let answer = Object::parse(&answer)?;
             let params = answer.get("kv_transfer_params").context("no kv_transfer_params")?.get();
             post_timed(c, &format!("{d}/v1/completions"), rewrite::decode_body(&object, params), t0)

@@ -109,6 +109,15 @@ pub struct Config {
     /// P/D protocol.
     #[arg(long, env = "PD_SIDECAR_MODE", value_enum, default_value_t = Mode::Vllm, help_heading = "Serving")]
     pub mode: Mode,
+    /// The xfer agent name the local engine reads KV blocks with (pd-sim: its --engine-id). Sent
+    /// as remote_engine_id in the prefill call, so a prefill that issues grants (pd-sim) lets
+    /// that agent alone read the held blocks, and only until it frees them (a later read is
+    /// refused rather than served from reused memory). vLLM's connectors ignore it (their agents
+    /// are named by a random UUID per worker, so leave it unset for vLLM). Unset: no reader
+    /// named, the prefill holds the blocks without a grant. In sim-pull mode the sidecar names
+    /// its own agent instead.
+    #[arg(long, env = "PD_SIDECAR_ENGINE_XFER_AGENT", help_heading = "Serving")]
+    pub engine_xfer_agent: Option<String>,
     /// Largest request body accepted, bytes.
     #[arg(long, env = "PD_SIDECAR_MAX_BODY_BYTES", default_value_t = 64 << 20, help_heading = "Serving")]
     pub max_body_bytes: usize,
@@ -340,6 +349,9 @@ impl Config {
         }
         if self.block_size == 0 {
             return bad("block-size must be positive");
+        }
+        if self.engine_xfer_agent.as_deref().is_some_and(|a| a.trim().is_empty()) {
+            return bad("engine-xfer-agent must not be empty");
         }
         for d in [self.prefill_timeout, self.decode_first_byte_timeout, self.stream_idle_timeout, self.connect_timeout]
         {

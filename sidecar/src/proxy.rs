@@ -189,7 +189,11 @@ async fn prefill_detached(
     object: &Object<'_>,
     body: &Bytes,
 ) -> Legged<Prefilled> {
-    let prefill_body = Bytes::from(rewrite::prefill_body(object));
+    let reader = match &app.puller {
+        Some(puller) => puller.granted_reader(),
+        None => app.ctx.cfg.engine_xfer_agent.as_deref(),
+    };
+    let prefill_body = Bytes::from(rewrite::prefill_body(object, reader));
     let releaser = Arc::clone(&app.releaser);
     let orphan = Orphan { releaser, rid: rid.to_string(), path: path.to_string(), body: body.clone() };
     let (legs, path, headers, rid) = (Arc::clone(&app.legs), path.to_string(), headers.clone(), rid.to_string());

@@ -78,6 +78,9 @@ pub struct Puller {
     pool: OnceCell<Arc<LocalPool>>,
     /// Prefill pools as prepared descriptor lists, by engine id.
     peers: Mutex<HashMap<String, Arc<xfer::PreparedRemote>>>,
+    /// Held from loading a grant until the descriptors under it are prepared, so that another
+    /// request's grant over the same peer cannot slip in between.
+    grant_loading: Mutex<()>,
 }
 
 async fn engine_json<T: for<'de> Deserialize<'de>>(
@@ -103,7 +106,22 @@ async fn engine_json<T: for<'de> Deserialize<'de>>(
 
 impl Puller {
     pub fn new(link: Arc<XferLink>, engine: Target, releaser: Arc<Releaser>) -> Puller {
-        Puller { link, engine, releaser, pool: OnceCell::new(), peers: Mutex::default() }
+        Puller {
+            link,
+            engine,
+            releaser,
+            pool: OnceCell::new(),
+            peers: Mutex::default(),
+            grant_loading: Mutex::default(),
+        }
+    }
+
+    /// The agent the prefill call names as the reader, so the blocks are granted to it: this
+    /// sidecar's, once it has mapped the engine's pool. Before that (and for an engine without a
+    /// shared pool) none: the engine may have to pull itself, and it could not read under a
+    /// grant issued to another agent.
+    pub fn granted_reader(&self) -> Option<&str> {
+        self.pool.initialized().then(|| self.link.agent.name())
     }
 
     /// The local engine's pool, mapped and registered once.
@@ -253,11 +271,20 @@ fn read(
         .map(|&id| usize::try_from(id).ok().filter(|&i| i < remote.len()))
         .collect::<Option<Vec<usize>>>()
         .ok_or_else(|| LinkError::Params(format!("a block id is outside the prefill's {} blocks", remote.len())))?;
+    let granted = match &h.grant {
+        Some(token) => Some(under_grant(puller, link, h, token, remote_ids, pool.block_bytes)?),
+        None => None,
+    };
+    // Under a grant the prepared list holds exactly the blocks, in order.
+    let (remote, remote_idx) = match &granted {
+        Some(list) => (list, (0..remote_ids.len()).collect()),
+        None => (&*remote, remote_idx),
+    };
     let request = link.agent.make_request(
         xfer::Op::Read,
         &pool.prepared,
         local_idx,
-        &remote,
+        remote,
         &remote_idx,
         xfer::RequestOptions::notify(h.done_notification()),
     )?;
@@ -269,6 +296,34 @@ fn read(
         return Err(e.into());
     }
     Ok(request.bytes())
+}
+
+/// Loads the prefill's grant token and prepares the blocks under it: a prefill that already
+/// revoked the grant refuses the READ before any byte moves.
+fn under_grant(
+    puller: &Puller,
+    link: &XferLink,
+    h: &Handle,
+    token_hex: &str,
+    remote_ids: &[u64],
+    block_bytes: u64,
+) -> Result<xfer::PreparedRemote, LinkError> {
+    let token = xfer::grant::from_hex(token_hex)?;
+    let peer = link.peer(h, false)?;
+    let (_, region) = link
+        .agent
+        .remote_regions(&peer)?
+        .into_iter()
+        .find(|(t, d)| *t == xfer::MemType::Dram && d.len % block_bytes == 0)
+        .ok_or_else(|| LinkError::Other(format!("{peer} publishes no pool with {block_bytes}-byte blocks")))?;
+    let descs: Vec<xfer::Desc> =
+        remote_ids.iter().map(|&b| xfer::Desc::new(region.addr + b * block_bytes, block_bytes, 0)).collect();
+    let _loading = puller.grant_loading.lock();
+    let granter = link.agent.load_grant(&token)?;
+    if granter != peer {
+        return Err(LinkError::Params(format!("the grant is from {granter}, the blocks are {peer}'s")));
+    }
+    Ok(link.agent.prep_remote(&peer, xfer::MemType::Dram, &descs)?)
 }
 
 /// Makes the local engine drop a reservation it will not get a decode for (a one-token decode

@@ -1,6 +1,9 @@
 //! The request bodies of each leg, derived from the client's body (PROTOCOLS.md §1, §4). Pure
 //! functions over [`json::Object`]: every key the sidecar does not own keeps its exact text.
 
+use std::borrow::Cow;
+
+use pd_protocols::kv_params::GRANT_KEY;
 use serde_json::Value;
 
 use crate::json::{self, Edit, Object};
@@ -33,8 +36,17 @@ impl Api {
     }
 }
 
-/// The `kv_transfer_params` of the prefill call.
-pub const PREFILL_KV_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+/// The `kv_transfer_params` of the prefill call. `reader` is the xfer agent that will read the
+/// blocks (the decode engine's), put in `remote_engine_id`: a prefill that issues grants (pd-sim)
+/// grants that agent alone the held blocks. vLLM's NixlConnector reads
+/// `remote_engine_id` of a prefill request only together with `remote_block_ids`, which stays
+/// null here, so it accepts the body either way.
+pub fn prefill_kv_params(reader: Option<&str>) -> String {
+    let reader = reader.map_or_else(|| "null".to_string(), json::string);
+    format!(
+        r#"{{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":{reader},"remote_block_ids":null,"remote_host":null,"remote_port":null}}"#
+    )
+}
 
 /// Token limits, streaming and keys a one-token, non-streaming call changes.
 const ONE_TOKEN: [(&str, Edit<'static>); 7] = [
@@ -54,9 +66,9 @@ fn one_token_with(params: &str) -> [(&str, Edit<'_>); 8] {
 }
 
 /// The prefill call: one token, not streamed, asking the engine to hold the KV for a remote
-/// decode.
-pub fn prefill_body(client: &Object<'_>) -> Vec<u8> {
-    client.rewrite(&one_token_with(PREFILL_KV_PARAMS))
+/// decode (read by the agent `reader` when known).
+pub fn prefill_body(client: &Object<'_>, reader: Option<&str>) -> Vec<u8> {
+    client.rewrite(&one_token_with(&prefill_kv_params(reader)))
 }
 
 /// The decode call: the client's request as sent, plus the prefill's `kv_transfer_params`
@@ -78,7 +90,20 @@ pub fn local_body(client: &Object<'_>) -> Option<Vec<u8>> {
 /// A discarded one-token decode that makes the local engine pull (and so release) the blocks a
 /// prefill holds for `params`.
 pub fn release_body(client: &Object<'_>, params: &str) -> Vec<u8> {
-    client.rewrite(&one_token_with(params))
+    client.rewrite(&one_token_with(&ungranted(params)))
+}
+
+/// `params` without the prefill's grant token: the engine a release decode runs on may be the
+/// prefill itself (`/pd/release` on its sidecar), which is not the agent the blocks were granted
+/// to, and a read it cannot make never delivers the "done" that frees them. Its output is
+/// discarded, so reading without the fence is harmless. Other keys keep their exact text.
+fn ungranted(params: &str) -> Cow<'_, str> {
+    match Object::parse(params.as_bytes()) {
+        Ok(o) if o.contains(GRANT_KEY) => {
+            Cow::Owned(String::from_utf8_lossy(&o.rewrite(&[(GRANT_KEY, Edit::Remove)])).into_owned())
+        }
+        _ => Cow::Borrowed(params),
+    }
 }
 
 /// A release call when the original request is not known (`POST /pd/release`): a prompt of
@@ -99,7 +124,7 @@ pub fn synthetic_release_body(model: Option<&str>, tokens: usize, params: &str) 
         out.push('0');
     }
     out.push_str("],\"max_tokens\":1,\"stream\":false,\"kv_transfer_params\":");
-    out.push_str(params);
+    out.push_str(&ungranted(params));
     out.push('}');
     out.into_bytes()
 }
@@ -297,19 +322,23 @@ mod tests {
     fn prefill_call_follows_the_protocol() {
         let body = br#"{"model": "m", "prompt": "hi", "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 50, "min_tokens": 5, "temperature": 0.70000000000000001, "kv_transfer_params": {"evil": 1}}"#;
         let o = Object::parse(body).unwrap();
-        let p = s(prefill_body(&o));
+        let p = s(prefill_body(&o, None));
+        let unnamed = prefill_kv_params(None);
         assert_eq!(
             p,
             format!(
-                r#"{{"model":"m","prompt":"hi","stream":false,"max_tokens":1,"temperature":0.70000000000000001,"kv_transfer_params":{PREFILL_KV_PARAMS}}}"#
+                r#"{{"model":"m","prompt":"hi","stream":false,"max_tokens":1,"temperature":0.70000000000000001,"kv_transfer_params":{unnamed}}}"#
             )
         );
+        let named: Value = serde_json::from_slice(&prefill_body(&o, Some("decode-\"0\""))).unwrap();
+        assert_eq!(named["kv_transfer_params"]["remote_engine_id"], "decode-\"0\"");
+        assert_eq!(named["kv_transfer_params"]["remote_block_ids"], Value::Null, "NixlConnector ignores the name");
         let chat =
             Object::parse(br#"{"messages": [], "max_completion_tokens": 9, "min_completion_tokens": 2}"#).unwrap();
-        let v: Value = serde_json::from_slice(&prefill_body(&chat)).unwrap();
+        let v: Value = serde_json::from_slice(&prefill_body(&chat, None)).unwrap();
         assert_eq!((v["max_completion_tokens"].clone(), v["max_tokens"].clone()), (1.into(), 1.into()));
         assert!(v.get("min_completion_tokens").is_none() && v.get("stream_options").is_none());
-        assert_eq!(v["kv_transfer_params"], serde_json::from_str::<Value>(PREFILL_KV_PARAMS).unwrap());
+        assert_eq!(v["kv_transfer_params"], serde_json::from_str::<Value>(&unnamed).unwrap());
     }
 
     #[test]
@@ -343,6 +372,18 @@ mod tests {
         );
         let params: Value = serde_json::from_str(PARAMS).unwrap();
         assert_eq!(release_tokens(&params, 16), 710);
+        // A release reads without the grant; everything else stays verbatim.
+        let granted = format!("{}, \"{GRANT_KEY}\": \"58473100\"}}", PARAMS.trim_end_matches('}'));
+        let stripped = ungranted(&granted);
+        assert!(!stripped.contains(GRANT_KEY) && stripped.contains("18446744073709551617"), "{stripped}");
+        assert_eq!(serde_json::from_str::<Value>(&stripped).unwrap(), params);
+        for body in [
+            release_body(&Object::parse(br#"{"prompt": "x"}"#).unwrap(), &granted),
+            synthetic_release_body(None, 1, &granted),
+        ] {
+            assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["kv_transfer_params"], params);
+        }
+        assert!(matches!(ungranted(PARAMS), Cow::Borrowed(_)), "without a grant the text is kept as sent");
         assert_eq!(release_tokens(&serde_json::json!({"remote_block_ids": [4, 5]}), 16), 32);
         assert_eq!(release_tokens(&serde_json::json!({"remote_block_ids": [[4, 5, 6]]}), 16), 48);
     }

@@ -32,6 +32,10 @@ pub struct Handle {
     pub remote_port: u16,
     #[serde(default)]
     remote_block_ids: Option<serde_json::Value>,
+    /// The prefill's grant token (hex) when it granted the blocks to the reader the prefill call
+    /// named (`pd_protocols::kv_params::GRANT_KEY`).
+    #[serde(default, rename = "xfer_grant")]
+    pub grant: Option<String>,
 }
 
 impl Handle {
@@ -148,5 +152,11 @@ mod tests {
         let flat = Handle::parse(r#"{"remote_block_ids": [7], "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", "remote_port": 1}"#).unwrap();
         assert_eq!(flat.block_ids().unwrap(), vec![7]);
         assert!(Handle::parse(r#"{"remote_engine_id": "e"}"#).is_err());
+        assert_eq!(h.grant, None);
+        let granted = format!(
+            r#"{{"remote_block_ids": [7], "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", "remote_port": 1, "{}": "ab12"}}"#,
+            pd_protocols::kv_params::GRANT_KEY
+        );
+        assert_eq!(Handle::parse(&granted).unwrap().grant.as_deref(), Some("ab12"));
     }
 }

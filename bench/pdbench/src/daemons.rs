@@ -87,6 +87,8 @@ impl Daemons {
             let mut cmd = Command::new(&opts.sidecar_bin);
             cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--engine", &e.url, "--mode", &opts.sidecar_mode])
                 .args(["--coordinator", &coordinator_url, "--engine-id", &e.name, "--role", &e.role])
+                // pd-sim's agent is its engine id: prefills grant it the blocks it reads.
+                .args(["--engine-xfer-agent", &e.name])
                 .args(["--node", "local", "--model", &opts.model, "--advertise-url", &url, "--workers", "1"])
                 .env("RUST_LOG", child_log())
                 .env_remove("PD_SIDECAR_CONFIG");

@@ -60,6 +60,8 @@ pub struct Metrics {
     pub xfer_time: Histogram,
     pub bytes_pulled: AtomicU64,
     pub pulls_ok: AtomicU64,
+    /// Decode side: pulls that read under the prefill's grant (a subset of `pulls_ok`).
+    pub granted_pulls: AtomicU64,
     pub failed_pulls: AtomicU64,
     pub verification_failures: AtomicU64,
     pub invalid_params: AtomicU64,
@@ -95,6 +97,7 @@ impl Default for Metrics {
             xfer_time: Histogram::new(XFER_BUCKETS),
             bytes_pulled: z(),
             pulls_ok: z(),
+            granted_pulls: z(),
             failed_pulls: z(),
             verification_failures: z(),
             invalid_params: z(),
@@ -148,7 +151,7 @@ impl Metrics {
             "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\"}} 1",
             g.block_size
         );
-        let counters: [(&str, &AtomicU64); 23] = [
+        let counters: [(&str, &AtomicU64); 24] = [
             ("vllm:request_success", &self.requests_ok),
             ("pdsim:request_failed", &self.requests_failed),
             ("vllm:prompt_tokens", &self.prompt_tokens),
@@ -159,6 +162,7 @@ impl Metrics {
             ("vllm:nixl_num_failed_transfers", &self.failed_pulls),
             ("vllm:nixl_num_kv_expired_reqs", &self.expired_leases),
             ("pdsim:pulls", &self.pulls_ok),
+            ("pdsim:granted_pulls", &self.granted_pulls),
             ("pdsim:verification_failures", &self.verification_failures),
             ("pdsim:invalid_kv_transfer_params", &self.invalid_params),
             ("pdsim:recomputed_prompts", &self.recomputed),

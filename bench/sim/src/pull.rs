@@ -131,7 +131,8 @@ pub async fn read_blocks(
         .ok_or_else(|| PullError::BlockIds(format!("an id is outside the peer's {} blocks", remote.len())))?;
     let local_idx: Vec<usize> = local_ids.iter().map(|&id| id as usize).collect();
     let started = Instant::now();
-    let result = match grant.filter(|_| !engine.cfg.no_kv_grants && !remote_idx.is_empty()) {
+    let grant = grant.filter(|_| !engine.cfg.no_kv_grants && !remote_idx.is_empty());
+    let result = match grant {
         Some(token) => match under_grant(engine, remote, token, &remote_idx) {
             Ok(granted) => read(engine, &granted, &local_idx, &(0..granted.len()).collect::<Vec<_>>(), notif).await,
             Err(err) => Err(err),
@@ -143,6 +144,9 @@ pub async fn read_blocks(
             engine.metrics.xfer_time.observe(started.elapsed().as_secs_f64());
             add(&engine.metrics.bytes_pulled, *bytes);
             add(&engine.metrics.pulls_ok, 1);
+            if grant.is_some() {
+                add(&engine.metrics.granted_pulls, 1);
+            }
         }
         Err(err @ PullError::LateRead(_)) => {
             add(&engine.metrics.failed_pulls, 1);
