@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use xfer_core::{BackendError, Completer, LocalRegion, NotifSink, RefusalCode};
+use xfer_core::{BackendError, LocalRegion, NotifSink, RefusalCode};
 
 use crate::config::Settings;
 use crate::fabric::{CqError, Done, Endpoint, Rma, Waker};
+use crate::stripe::Finish;
 
 pub use crate::fabric::RmaPiece as Piece;
 
@@ -25,7 +26,7 @@ pub struct Job {
     pub notif: Option<Vec<u8>>,
     /// The peer's notification chunk.
     pub chunk: usize,
-    pub done: Completer,
+    pub done: Finish,
 }
 
 pub enum Cmd {

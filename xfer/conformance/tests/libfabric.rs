@@ -41,3 +41,11 @@ mod over_tcp {
 fn picks_by_capability_and_falls_back_to_tcp() {
     xfer_conformance::scenarios::picks_by_capability_and_falls_back_to_tcp("libfabric", TCP);
 }
+
+/// Two `tcp;ofi_rxm` rails, one per veth link between two network namespaces: bytes checked
+/// and both links' interface counters showing their share (skipped loudly without root).
+#[test]
+fn two_rails() {
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    xfer_conformance::scenarios::two_rails("libfabric", "provider=tcp;ofi_rxm,domains=eth0+eth1");
+}
