@@ -14,6 +14,14 @@
 //! address (`fi_getname`; peers insert it into their AV on connect) and, per registration, its
 //! key on every rail.
 //!
+//! Each peer address is in a rail's AV once, however many connections use it (a metadata
+//! reload connects before the old connection goes); the last disconnection (the agent
+//! invalidating the peer, or reloading it) fails what is still queued for it and removes it
+//! (`fi_av_remove`), and connections name peers by a handle the engine checks, so a request
+//! racing the disconnection fails as `PeerDisconnected` instead of reaching whichever peer the
+//! freed AV slot goes to next. Peers in the AV only to acknowledge their notifications leave it
+//! after 30 s unused.
+//!
 //! Multi-rail (`domains=a+b`): rail `i` of one agent talks to rail `i` of its peer (as many
 //! rails as the side with fewer has). A request is cut into about equal shares of consecutive
 //! bytes, one per rail (shares of at least 64 KiB, so small requests use fewer rails), each run
@@ -73,7 +81,6 @@
 //! - Over `tcp;ofi_rxm` a bad key or an address outside the peer's registration is refused by
 //!   the target's provider, which drops the connection: the request fails as
 //!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next.
-//! - The address vector keeps every peer ever connected (entries are not removed).
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;
@@ -266,6 +273,12 @@ impl LibfabricBackend {
         self.attrs().mr_mode
     }
 
+    /// How many peer addresses each rail's AV holds (connected peers, and for a while peers
+    /// whose notifications were acknowledged).
+    pub fn av_peers(&self) -> Result<Vec<usize>, BackendError> {
+        self.rails.iter().map(|rail| rail.engine.call(CALL_BOUND, Cmd::Peers)).collect()
+    }
+
     fn deregister_rails(&self, region: u64, rails: &[Rail]) {
         let answers: Vec<_> = rails
             .iter()
@@ -374,7 +387,7 @@ impl Drop for LibfabricBackend {
 /// A peer as one of our rails reaches it.
 struct PeerRail {
     engine: Arc<Handle>,
-    /// The peer's entry in this rail's AV.
+    /// The rail engine's handle on this connection (it maps it to the peer's AV entry).
     address: u64,
 }
 
@@ -568,7 +581,11 @@ impl RemoteAgent for FabricPeer {
     }
 
     fn disconnect(&self) {
-        self.closed.store(true, Ordering::Release);
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            for rail in &self.rails {
+                rail.engine.send(Cmd::Disconnect(rail.address));
+            }
+        }
     }
 }
 
@@ -620,5 +637,25 @@ mod tests {
         let peer = b.connect("self", &b.conn_info()).expect("connect to own address");
         assert!(peer.unpack_key(b"junk").is_err());
         b.shutdown();
+    }
+
+    #[test]
+    fn av_keeps_only_connected_peers() {
+        let a = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend a");
+        let b = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend b");
+        assert_eq!(a.av_peers().unwrap(), [0]);
+        let first = a.connect("b", &b.conn_info()).expect("connect");
+        let second = a.connect("b", &b.conn_info()).expect("connect again (a metadata reload)");
+        assert_eq!(a.av_peers().unwrap(), [1], "one entry per address");
+        first.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [1], "still used by the second connection");
+        second.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [0], "the last disconnection removes the address");
+        assert!(matches!(second.notify(b"late"), Err(BackendError::PeerDisconnected { .. })));
+        let again = a.connect("b", &b.conn_info()).expect("reconnect");
+        assert_eq!(a.av_peers().unwrap(), [1]);
+        again.notify(b"after reconnecting").expect("a notification after reconnecting");
+        again.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [0]);
     }
 }

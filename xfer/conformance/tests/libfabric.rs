@@ -31,6 +31,7 @@ mod over_tcp {
             sigkill_mid_transfer,
             sigstop_mid_transfer,
             stalled_peer_times_out,
+            reconnect_cycles,
         ]
     );
 }
