@@ -385,7 +385,7 @@ impl Engine {
                         break 'jobs;
                     }
                     Err(err) => {
-                        failed.push((id, BackendError::Protocol(err.to_string())));
+                        failed.push((id, post_failed(&active.job.peer_name, err)));
                         break;
                     }
                 }
@@ -629,6 +629,21 @@ impl Engine {
         }
         // Dropping the endpoint closes it; operations still in flight let go of their memory.
         tracing::debug!(in_flight = self.ep.in_flight(), "libfabric engine stopped");
+    }
+}
+
+/// A post the provider refused outright. `sockets` answers a post to a peer whose connection
+/// is gone with ENOENT or a connection error.
+fn post_failed(peer: &str, err: crate::fabric::FabricError) -> BackendError {
+    match err.code {
+        libc::ENOENT
+        | libc::ECONNREFUSED
+        | libc::ECONNRESET
+        | libc::ECONNABORTED
+        | libc::ENOTCONN
+        | libc::EPIPE
+        | libc::EHOSTUNREACH => BackendError::PeerDisconnected { peer: peer.to_string(), reason: err.to_string() },
+        _ => BackendError::Protocol(err.to_string()),
     }
 }
 

@@ -80,7 +80,16 @@
 //!   waits for that) or the backend shuts down.
 //! - Over `tcp;ofi_rxm` a bad key or an address outside the peer's registration is refused by
 //!   the target's provider, which drops the connection: the request fails as
-//!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next.
+//!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next (a message sent
+//!   right after may still meet the broken connection and fail the same way). A target
+//!   deregistering while transfers run is thus seen as `PeerDisconnected` by them (tested:
+//!   `dereg_target_races_transfers_disconnecting`). `sockets` refuses such keys as unknown
+//!   (`Refused`), connection intact.
+//! - Providers here (libfabric 1.17, `fi_info -c FI_RMA -t FI_EP_RDM`): `tcp;ofi_rxm` (the
+//!   default, whole suite), `sockets` (RDM + RMA; transfers, notifications, bad keys, the
+//!   target-side deregistration race and a killed peer are tested on it; its progress
+//!   threads spin, so it is not the default) and `shm` (listed with RMA, but not working with
+//!   this backend yet, see the conformance test file).
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;

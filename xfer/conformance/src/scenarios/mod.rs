@@ -35,7 +35,9 @@ pub mod wire_tcp;
 
 pub use auth::strangers_are_refused;
 pub use choice::picks_by_capability_and_falls_back_to_tcp;
-pub use dereg::{dereg_initiator_races_transfers, dereg_target_races_transfers};
+pub use dereg::{
+    dereg_initiator_races_transfers, dereg_target_races_transfers, dereg_target_races_transfers_disconnecting,
+};
 pub use errors::api_errors;
 pub use faults::{sigkill_mid_transfer, sigstop_mid_transfer};
 pub use grants::{grants, late_read_storm};
