@@ -15,6 +15,8 @@ use crate::peer::Peer;
 const PIECE: u64 = 2 << 20;
 /// How long a racing thread may go on before it must have seen the deregistration.
 const RACE_LIMIT: Duration = Duration::from_secs(60);
+/// How long a provider that dropped a connection may take to carry messages again.
+const RECONNECT: Duration = Duration::from_secs(5);
 
 /// Waits (bounded) until `counter` reaches `n`.
 fn await_count(counter: &AtomicUsize, n: usize, what: &str) {
@@ -143,8 +145,8 @@ pub fn dereg_target_races_transfers_disconnecting(backend: &str, params: &str) {
 const WRITE_SEED: u64 = 0x5eed;
 const READ_SEED: u64 = 0xbead;
 
-/// `disconnects`: the target refuses by dropping the connection, so the first message after a
-/// refusal may still meet the broken connection (the provider reconnects for the next one).
+/// `disconnects`: the target refuses by dropping the connection, so messages sent right after a
+/// refusal may still meet the broken connection, until the provider connects anew (bounded).
 fn target_races(backend: &str, params: &str, refused: fn(&XferError) -> bool, disconnects: bool) {
     let init = Initiator::new("dereg-remote-init", backend, params, 2 * PIECE);
     let mut peer = spawn_peer("dereg-remote-peer", backend, params, 2 * PIECE);
@@ -219,8 +221,11 @@ fn after_target_dereg(
         stale.as_ref().err().is_some_and(|e| !matches!(e, XferError::Deregistered) && refused(e)),
         "stale key after deregistration: {stale:?}"
     );
+    // A provider that dropped the connection needs a moment to notice and connect anew.
+    let started = Instant::now();
     let mut sent = init.agent.send_notif(name, b"still-here");
-    if disconnects && matches!(sent, Err(XferError::PeerDisconnected { .. })) {
+    while disconnects && matches!(sent, Err(XferError::PeerDisconnected { .. })) && started.elapsed() < RECONNECT {
+        std::thread::sleep(Duration::from_millis(100));
         sent = init.agent.send_notif(name, b"still-here");
     }
     sent.expect("notification after deregistration");
