@@ -44,12 +44,14 @@ pub enum NetError {
     UnknownNode(String),
 }
 
-/// One node: its namespace and address.
+/// One node: its namespace and address (on its first link, `eth0`).
 #[derive(Debug, Clone)]
 pub struct Node {
     pub name: String,
     pub netns: String,
     pub ip: Ipv4Addr,
+    /// The node's address on every link, `eth0` first ([`Net::create_with_links`]).
+    pub ips: Vec<Ipv4Addr>,
 }
 
 /// The namespaces of one harness run; removed on drop.
@@ -128,44 +130,80 @@ fn ip_output(args: &[&str]) -> Result<String, NetError> {
 
 /// The address of the `index`-th node (0-based).
 pub fn node_ip(index: usize) -> Ipv4Addr {
-    Ipv4Addr::new(10, 77, 0, 10 + index as u8)
+    link_ip(0, index)
+}
+
+/// The address of the `index`-th node on link `link` (10.77.<link>.0/24).
+pub fn link_ip(link: usize, index: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, link as u8, 10 + index as u8)
+}
+
+/// A node's interface on link `link`: `eth0`, `eth1`, ...
+pub fn link_if(link: usize) -> String {
+    format!("eth{link}")
 }
 
 impl Net {
     /// Creates the bridge and one namespace per name, each linked to the bridge and up.
     pub fn create(node_names: &[&str]) -> Result<Net, NetError> {
+        Net::create_with_links(node_names, 1)
+    }
+
+    /// The same with `links` separate networks (for multi-rail transports): link `k` is a
+    /// bridge `br<k>` and, in every node, an interface `eth<k>` with address 10.77.<k>.x/24.
+    /// Cutting and degrading act on link 0.
+    pub fn create_with_links(node_names: &[&str], links: usize) -> Result<Net, NetError> {
         let id = std::process::id().to_string();
         let bridge_ns = format!("{PREFIX}{id}-{BRIDGE_NODE}");
         // Registered before anything exists, so a failure half-way still removes what was made.
         let mut net = Net { id, bridge_ns: bridge_ns.clone(), nodes: Vec::new() };
         ip(&["netns", "add", &bridge_ns])?;
-        ip(&["-n", &bridge_ns, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &bridge_ns, "link", "set", "br0", "up"])?;
+        for link in 0..links.max(1) {
+            let bridge = format!("br{link}");
+            ip(&["-n", &bridge_ns, "link", "add", &bridge, "type", "bridge"])?;
+            ip(&["-n", &bridge_ns, "link", "set", &bridge, "up"])?;
+        }
         for (i, name) in node_names.iter().enumerate() {
-            let node = Node { name: name.to_string(), netns: net.netns_of(name), ip: node_ip(i) };
+            let ips: Vec<Ipv4Addr> = (0..links.max(1)).map(|link| link_ip(link, i)).collect();
+            let node = Node { name: name.to_string(), netns: net.netns_of(name), ip: ips[0], ips: ips.clone() };
             ip(&["netns", "add", &node.netns])?;
             net.nodes.push(node.clone());
-            let port = bridge_port(name);
-            ip(&[
-                "link",
-                "add",
-                NODE_IF,
-                "netns",
-                &node.netns,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &port,
-                "netns",
-                &bridge_ns,
-            ])?;
-            ip(&["-n", &bridge_ns, "link", "set", &port, "master", "br0", "up"])?;
-            ip(&["-n", &node.netns, "addr", "add", &format!("{}/24", node.ip), "dev", NODE_IF])?;
-            ip(&["-n", &node.netns, "link", "set", NODE_IF, "up"])?;
+            for (link, addr) in ips.iter().enumerate() {
+                let (port, iface, bridge) = (bridge_port_on(link, name), link_if(link), format!("br{link}"));
+                ip(&[
+                    "link",
+                    "add",
+                    &iface,
+                    "netns",
+                    &node.netns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &port,
+                    "netns",
+                    &bridge_ns,
+                ])?;
+                ip(&["-n", &bridge_ns, "link", "set", &port, "master", &bridge, "up"])?;
+                ip(&["-n", &node.netns, "addr", "add", &format!("{addr}/24"), "dev", &iface])?;
+                ip(&["-n", &node.netns, "link", "set", &iface, "up"])?;
+            }
             ip(&["-n", &node.netns, "link", "set", "lo", "up"])?;
         }
         Ok(net)
+    }
+
+    /// Bytes the node's interface on link `link` received and sent so far (its
+    /// `/sys/class/net/eth<k>/statistics`, read inside the namespace).
+    pub fn link_bytes(&self, node: &str, link: usize) -> Result<(u64, u64), NetError> {
+        let ns = &self.node(node)?.netns;
+        let iface = link_if(link);
+        let read = |counter: &str| -> Result<u64, NetError> {
+            let path = format!("/sys/class/net/{iface}/statistics/{counter}");
+            let out = ip_output(&["netns", "exec", ns, "cat", &path])?;
+            out.trim().parse().map_err(|_| NetError::Ip { args: format!("netns exec {ns} cat {path}"), stderr: out })
+        };
+        Ok((read("rx_bytes")?, read("tx_bytes")?))
     }
 
     fn netns_of(&self, node: &str) -> String {
@@ -282,7 +320,12 @@ fn degrade_without_netem(ns: &str, loss_percent: f64, rate_mbit: u32) -> Result<
 
 /// The bridge's end of a node's link (interface names are at most 15 bytes).
 fn bridge_port(node: &str) -> String {
-    let mut name = format!("p-{node}");
+    bridge_port_on(0, node)
+}
+
+/// The bridge's end of a node's link `link`: `p-<node>` for link 0, `p<k>-<node>` beyond.
+fn bridge_port_on(link: usize, node: &str) -> String {
+    let mut name = if link == 0 { format!("p-{node}") } else { format!("p{link}-{node}") };
     name.truncate(15);
     name
 }
@@ -351,7 +394,9 @@ mod tests {
     fn bridge_ports_fit_an_interface_name() {
         assert_eq!(bridge_port("n1"), "p-n1");
         assert_eq!(bridge_port("a-very-long-node-name").len(), 15);
+        assert_eq!(bridge_port_on(1, "n1"), "p1-n1");
         assert_eq!(node_ip(0), Ipv4Addr::new(10, 77, 0, 10));
+        assert_eq!((link_ip(1, 2), link_if(1)), (Ipv4Addr::new(10, 77, 1, 12), "eth1".to_string()));
     }
 
     #[test]

@@ -8,7 +8,8 @@ use xfer_core::{BackendError, BackendParams};
 pub struct Settings {
     /// `None`: the best available ([`PREFERENCE`]).
     pub provider: Option<String>,
-    pub domain: Option<String>,
+    /// One domain (NIC) per rail; empty: the provider's first, one rail.
+    pub domains: Vec<String>,
     pub timeout: Duration,
     pub max_in_flight: usize,
     pub max_op_bytes: usize,
@@ -28,6 +29,7 @@ impl Settings {
     pub fn parse(mut params: BackendParams) -> Result<Settings, BackendError> {
         let provider = params.take("provider").filter(|p| !p.is_empty() && p != "auto");
         let domain = params.take("domain").filter(|d| !d.is_empty());
+        let domains = params.take("domains").filter(|d| !d.is_empty());
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let max_in_flight = params.take_parsed("max_in_flight", 16usize)?;
         let max_op_bytes = params.take_parsed("max_op_bytes", 4usize << 20)?;
@@ -56,9 +58,20 @@ impl Settings {
         }
         // A provider name with a comma cannot come through `k=v,k=v`; `+` stands for it there.
         let provider = provider.map(|p| p.replace('+', ","));
+        let domains = match (domain, domains) {
+            (Some(_), Some(_)) => {
+                return Err(BackendError::InvalidParam {
+                    name: "domains".into(),
+                    reason: "give either `domain` or `domains`, not both".into(),
+                })
+            }
+            (Some(one), None) => vec![one],
+            (None, Some(list)) => parse_domains(&list)?,
+            (None, None) => Vec::new(),
+        };
         Ok(Settings {
             provider,
-            domain,
+            domains,
             timeout,
             max_in_flight,
             max_op_bytes,
@@ -69,6 +82,11 @@ impl Settings {
         })
     }
 
+    /// How many rails (domains) the backend opens.
+    pub fn rails(&self) -> usize {
+        self.domains.len().max(1)
+    }
+
     /// Index of the best candidate provider (first of its kind in libfabric's order).
     pub fn pick(&self, providers: &[String]) -> Option<usize> {
         if self.provider.is_some() {
@@ -76,6 +94,25 @@ impl Settings {
         }
         PREFERENCE.iter().find_map(|want| providers.iter().position(|p| p == want))
     }
+}
+
+/// Most rails one backend drives (each is an endpoint with its own engine thread).
+pub const MAX_RAILS: usize = 8;
+
+/// `a+b+c` (the list separator `+`, since `,` separates parameters): distinct, non-empty names.
+fn parse_domains(list: &str) -> Result<Vec<String>, BackendError> {
+    let bad = |reason: String| BackendError::InvalidParam { name: "domains".into(), reason };
+    let names: Vec<String> = list.split('+').map(str::to_string).collect();
+    if names.iter().any(String::is_empty) {
+        return Err(bad(format!("{list:?} has an empty name (separate domains with `+`)")));
+    }
+    if names.len() > MAX_RAILS {
+        return Err(bad(format!("{} domains: at most {MAX_RAILS}", names.len())));
+    }
+    if let Some(twice) = names.iter().enumerate().find_map(|(i, n)| names[..i].contains(n).then_some(n)) {
+        return Err(bad(format!("{twice} is listed twice")));
+    }
+    Ok(names)
 }
 
 #[cfg(test)]
@@ -89,11 +126,23 @@ mod tests {
         let s =
             Settings::parse(BackendParams::parse("provider=tcp;ofi_rxm,domain=lo,timeout_ms=250").unwrap()).unwrap();
         assert_eq!(s.provider.as_deref(), Some("tcp;ofi_rxm"));
-        assert_eq!(s.domain.as_deref(), Some("lo"));
+        assert_eq!((s.domains.clone(), s.rails()), (vec!["lo".to_string()], 1));
         assert_eq!(s.timeout, Duration::from_millis(250));
         assert!(Settings::parse(BackendParams::new().with("timout_ms", "5")).is_err());
         assert!(Settings::parse(BackendParams::new().with("max_in_flight", "0")).is_err());
         assert!(Settings::parse(BackendParams::new().with("notif_chunk", "99999999")).is_err());
+    }
+
+    #[test]
+    fn domains_list_the_rails() {
+        let s = Settings::parse(BackendParams::parse("domains=eth0+eth1").unwrap()).unwrap();
+        assert_eq!((s.domains.clone(), s.rails()), (vec!["eth0".to_string(), "eth1".to_string()], 2));
+        assert_eq!(Settings::parse(BackendParams::new()).unwrap().rails(), 1);
+        for bad in ["domains=eth0++eth1", "domains=eth0+eth0", "domains=a+b+c+d+e+f+g+h+i", "domain=lo,domains=lo+eth0"]
+        {
+            let err = Settings::parse(BackendParams::parse(bad).unwrap());
+            assert!(matches!(err, Err(BackendError::InvalidParam { .. })), "{bad}: {err:?}");
+        }
     }
 
     #[test]

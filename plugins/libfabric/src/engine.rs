@@ -8,16 +8,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use xfer_core::{BackendError, Completer, LocalRegion, NotifSink, RefusalCode};
+use xfer_core::{BackendError, LocalRegion, NotifSink, RefusalCode};
 
 use crate::config::Settings;
 use crate::fabric::{CqError, Done, Endpoint, Rma, Waker};
+use crate::stripe::Finish;
 
 pub use crate::fabric::RmaPiece as Piece;
 
 /// A transfer as the engine runs it.
 #[derive(Debug)]
 pub struct Job {
+    /// The connection ([`Cmd::Connect`]'s answer); the engine swaps in its AV entry on intake.
     pub peer: u64,
     pub peer_name: String,
     pub op: Rma,
@@ -25,15 +27,27 @@ pub struct Job {
     pub notif: Option<Vec<u8>>,
     /// The peer's notification chunk.
     pub chunk: usize,
-    pub done: Completer,
+    pub done: Finish,
 }
 
 pub enum Cmd {
     Register(Arc<LocalRegion>, Sender<Result<u64, BackendError>>),
     Deregister(u64, Sender<()>),
+    /// Inserts a peer's address (once, however many connections use it); answers a
+    /// connection handle.
     Connect(Vec<u8>, Sender<Result<u64, BackendError>>),
+    /// Ends a connection; the last one to an address fails its jobs and removes it from the AV.
+    Disconnect(u64),
+    /// How many peer addresses the AV holds.
+    Peers(Sender<Result<usize, BackendError>>),
     Post(Job),
-    Notify { peer: u64, peer_name: String, chunk: usize, message: Vec<u8>, reply: Sender<Result<(), BackendError>> },
+    Notify {
+        peer: u64,
+        peer_name: String,
+        chunk: usize,
+        message: Vec<u8>,
+        reply: Sender<Result<(), BackendError>>,
+    },
     Stop,
 }
 
@@ -87,6 +101,10 @@ impl Handle {
     }
 }
 
+fn gone(peer: &str) -> BackendError {
+    BackendError::PeerDisconnected { peer: peer.to_string(), reason: "disconnected by the agent".into() }
+}
+
 fn stopped() -> BackendError {
     BackendError::Unsupported("the libfabric backend has shut down".into())
 }
@@ -117,7 +135,9 @@ pub fn start(
         rma_in_flight: 0,
         waiters: HashMap::new(),
         next_seq: 1,
-        senders: HashMap::new(),
+        conns: HashMap::new(),
+        next_conn: 1,
+        av: HashMap::new(),
         partial: HashMap::new(),
         outbox: VecDeque::new(),
     };
@@ -142,6 +162,17 @@ struct Partial {
 
 /// A notification whose chunks stopped arriving (its sender died) is dropped after this.
 const PARTIAL_BOUND: Duration = Duration::from_secs(60);
+/// A peer in the AV only to acknowledge its notifications (no connection of ours) is removed
+/// once unused this long.
+const SENDER_IDLE: Duration = Duration::from_secs(30);
+
+/// A peer address in the AV.
+struct AvEntry {
+    addr: u64,
+    /// Connections using it; 0: inserted to acknowledge its notifications.
+    conns: usize,
+    last_used: Instant,
+}
 
 enum Waiter {
     Job(u64),
@@ -169,8 +200,11 @@ struct Engine {
     /// Notifications waiting for the peer's acknowledgement, by sequence number.
     waiters: HashMap<u64, Pending>,
     next_seq: u64,
-    /// Notifying peers' addresses, as inserted for the acknowledgements.
-    senders: HashMap<Vec<u8>, u64>,
+    /// Connections' peer addresses, by connection handle.
+    conns: HashMap<u64, Vec<u8>>,
+    next_conn: u64,
+    /// The AV's entries by peer address: connected peers and notifying ones.
+    av: HashMap<Vec<u8>, AvEntry>,
     /// Notifications of several chunks still arriving, by (sender's address, seq).
     partial: HashMap<(Vec<u8>, u64), Partial>,
     /// Messages the provider had no room for: (peer, bytes, token).
@@ -242,16 +276,40 @@ impl Engine {
                 let _ = reply.send(());
             }
             Cmd::Connect(address, reply) => {
-                let result = self.ep.insert(&address).map_err(|e| BackendError::Protocol(e.to_string()));
+                let result = self.av_entry(&address).map(|entry| entry.conns += 1).map(|()| {
+                    let conn = self.next_conn;
+                    self.next_conn += 1;
+                    self.conns.insert(conn, address);
+                    conn
+                });
                 let _ = reply.send(result);
             }
-            Cmd::Post(job) => {
+            Cmd::Disconnect(conn) => {
+                let Some(address) = self.conns.remove(&conn) else { return };
+                let last = self.av.get_mut(&address).is_some_and(|entry| {
+                    entry.conns = entry.conns.saturating_sub(1);
+                    entry.conns == 0
+                });
+                if last {
+                    self.remove_peer(&address);
+                }
+            }
+            Cmd::Peers(reply) => _ = reply.send(Ok(self.av.len())),
+            Cmd::Post(mut job) => {
+                match self.resolve(job.peer) {
+                    Some(addr) => job.peer = addr,
+                    None => return job.done.complete(Err(gone(&job.peer_name))),
+                }
                 let id = self.next_job;
                 self.next_job += 1;
                 self.jobs.insert(id, Active { job, in_flight: 0, last_progress: Instant::now(), notif_seq: None });
                 self.maybe_finish(id);
             }
             Cmd::Notify { peer, peer_name, chunk, message, reply } => {
+                let Some(peer) = self.resolve(peer) else {
+                    let _ = reply.send(Err(gone(&peer_name)));
+                    return;
+                };
                 let seq = self.send_notif(peer, &message, chunk);
                 let deadline = Instant::now() + self.settings.timeout;
                 self.waiters.insert(seq, Pending { waiter: Waiter::Caller(reply, peer_name), deadline });
@@ -327,7 +385,7 @@ impl Engine {
                         break 'jobs;
                     }
                     Err(err) => {
-                        failed.push((id, BackendError::Protocol(err.to_string())));
+                        failed.push((id, post_failed(&active.job.peer_name, err)));
                         break;
                     }
                 }
@@ -399,18 +457,12 @@ impl Engine {
                     let Some(partial) = self.partial.remove(&key) else { return };
                     partial.chunks.into_iter().flatten().flatten().collect()
                 };
-                let peer = match self.senders.get(address) {
-                    Some(&peer) => Some(peer),
-                    None => match self.ep.insert(address) {
-                        Ok(peer) => {
-                            self.senders.insert(address.to_vec(), peer);
-                            Some(peer)
-                        }
-                        Err(err) => {
-                            tracing::warn!(%err, from = %name, "libfabric: cannot acknowledge a notification");
-                            None
-                        }
-                    },
+                let peer = match self.av_entry(address) {
+                    Ok(entry) => Some(entry.addr),
+                    Err(err) => {
+                        tracing::warn!(%err, from = %name, "libfabric: cannot acknowledge a notification");
+                        None
+                    }
                 };
                 (self.notifs)(&name, payload);
                 if let Some(peer) = peer {
@@ -429,6 +481,48 @@ impl Engine {
                 None => {}
             },
             Err(err) => tracing::warn!(%err, "libfabric: a message that is not ours"),
+        }
+    }
+
+    /// The AV entry of `address`, inserted if new.
+    fn av_entry(&mut self, address: &[u8]) -> Result<&mut AvEntry, BackendError> {
+        if !self.av.contains_key(address) {
+            let addr = self.ep.insert(address).map_err(|e| BackendError::Protocol(e.to_string()))?;
+            self.av.insert(address.to_vec(), AvEntry { addr, conns: 0, last_used: Instant::now() });
+        }
+        let entry = self.av.get_mut(address).ok_or_else(|| BackendError::Protocol("lost an AV entry".into()))?;
+        entry.last_used = Instant::now();
+        Ok(entry)
+    }
+
+    /// The AV entry of a live connection.
+    fn resolve(&mut self, conn: u64) -> Option<u64> {
+        let entry = self.av.get_mut(self.conns.get(&conn)?)?;
+        entry.last_used = Instant::now();
+        Some(entry.addr)
+    }
+
+    /// Fails what is queued for the peer and takes it out of the AV (its `fi_addr_t` may be
+    /// handed to another peer afterwards, so nothing may name it any more).
+    fn remove_peer(&mut self, address: &[u8]) {
+        let Some(entry) = self.av.remove(address) else { return };
+        let doomed: Vec<(u64, String)> = self
+            .jobs
+            .iter()
+            .filter(|(_, a)| a.job.peer == entry.addr)
+            .map(|(&id, a)| (id, a.job.peer_name.clone()))
+            .collect();
+        for (id, name) in doomed {
+            self.fail_job(id, gone(&name));
+        }
+        let (dropped, kept): (VecDeque<_>, VecDeque<_>) =
+            std::mem::take(&mut self.outbox).into_iter().partition(|(peer, ..)| *peer == entry.addr);
+        self.outbox = kept;
+        for (_, _, token) in dropped {
+            self.fail_waiter(token, |peer| gone(&peer));
+        }
+        if let Err(err) = self.ep.remove(entry.addr) {
+            tracing::warn!(%err, "libfabric: removing a peer from the address vector");
         }
     }
 
@@ -498,6 +592,16 @@ impl Engine {
             self.fail_job(id, err);
         }
         self.partial.retain(|_, p| now.duration_since(p.since) < PARTIAL_BOUND);
+        let idle: Vec<Vec<u8>> = self
+            .av
+            .iter()
+            .filter(|(_, e)| e.conns == 0 && now.duration_since(e.last_used) > SENDER_IDLE)
+            .filter(|(_, e)| !self.outbox.iter().any(|(peer, ..)| *peer == e.addr))
+            .map(|(address, _)| address.clone())
+            .collect();
+        for address in idle {
+            self.remove_peer(&address);
+        }
         let late: Vec<u64> = self.waiters.iter().filter(|(_, p)| now > p.deadline).map(|(&s, _)| s).collect();
         for seq in late {
             self.fail_waiter(seq, |_| BackendError::TimedOut(timeout));
@@ -525,6 +629,21 @@ impl Engine {
         }
         // Dropping the endpoint closes it; operations still in flight let go of their memory.
         tracing::debug!(in_flight = self.ep.in_flight(), "libfabric engine stopped");
+    }
+}
+
+/// A post the provider refused outright. `sockets` answers a post to a peer whose connection
+/// is gone with ENOENT or a connection error.
+fn post_failed(peer: &str, err: crate::fabric::FabricError) -> BackendError {
+    match err.code {
+        libc::ENOENT
+        | libc::ECONNREFUSED
+        | libc::ECONNRESET
+        | libc::ECONNABORTED
+        | libc::ENOTCONN
+        | libc::EPIPE
+        | libc::EHOSTUNREACH => BackendError::PeerDisconnected { peer: peer.to_string(), reason: err.to_string() },
+        _ => BackendError::Protocol(err.to_string()),
     }
 }
 

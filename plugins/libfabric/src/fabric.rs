@@ -502,6 +502,13 @@ impl Endpoint {
         Ok(addr)
     }
 
+    /// Takes a peer out of the AV (`fi_av_remove`); its handle is invalid afterwards.
+    pub fn remove(&mut self, addr: u64) -> Result<(), FabricError> {
+        let mut addr = addr;
+        // SAFETY: one handle this AV returned, not used again by the caller.
+        check("fi_av_remove", unsafe { sys::xf_av_remove(self.av, &mut addr, 1, 0) } as isize)
+    }
+
     /// Registers a DRAM region for local and remote access; returns its key for peers.
     pub fn register(&mut self, region: &LocalRegion) -> Result<u64, FabricError> {
         let desc = region.desc();

@@ -3,22 +3,24 @@
 //! without lengths of its own):
 //!
 //! ```text
-//! connection info: "XLF1" | crc32 of the rest u32 | flags u32 | max notification u32
-//!                  | notification chunk u32
-//!                  | provider len u16 | provider | address len u16 | address (fi_getname)
-//! remote key:      "XLK1" | crc32 of the rest u32 | key u64 | base u64 | len u64
+//! connection info: "XLF2" | crc32 of the rest u32 | flags u32 | max notification u32
+//!                  | notification chunk u32 | provider len u16 | provider
+//!                  | rails u8 | rails × (address len u16 | address (fi_getname))
+//! remote key:      "XLK2" | crc32 of the rest u32 | base u64 | len u64 | rails u8
+//!                  | rails × key u64
 //! ```
 //! `flags` bit 0: the peer's provider addresses remote memory by virtual address
-//! (FI_MR_VIRT_ADDR); otherwise by offset from the registration's `base`.
+//! (FI_MR_VIRT_ADDR); otherwise by offset from the registration's `base`. Rail `i` of one side
+//! talks to rail `i` of the other; a key holds the registration's key on every rail.
 
 use xfer_core::BackendError;
 
-const CONN_MAGIC: [u8; 4] = *b"XLF1";
-const KEY_MAGIC: [u8; 4] = *b"XLK1";
-const KEY_LEN: usize = 4 + 4 + 8 + 8 + 8;
+const CONN_MAGIC: [u8; 4] = *b"XLF2";
+const KEY_MAGIC: [u8; 4] = *b"XLK2";
 /// Far above any provider name or endpoint address (sockaddr_in6 is 28 bytes, shm names 256).
 pub const MAX_FIELD: usize = 4096;
 pub const FLAG_VIRT_ADDR: u32 = 1;
+pub use crate::config::MAX_RAILS;
 
 fn bad(what: &str) -> BackendError {
     BackendError::InvalidMetadata(format!("libfabric {what}"))
@@ -32,7 +34,8 @@ pub struct ConnInfo {
     /// Payload bytes per notification message this side receives.
     pub chunk: u32,
     pub provider: String,
-    pub address: Vec<u8>,
+    /// Every rail's endpoint address, rail 0 first.
+    pub addresses: Vec<Vec<u8>>,
 }
 
 impl ConnInfo {
@@ -45,9 +48,11 @@ impl ConnInfo {
         rest.extend_from_slice(&self.flags.to_le_bytes());
         rest.extend_from_slice(&self.max_notif.to_le_bytes());
         rest.extend_from_slice(&self.chunk.to_le_bytes());
-        for field in [self.provider.as_bytes(), &self.address] {
-            rest.extend_from_slice(&(field.len().min(MAX_FIELD) as u16).to_le_bytes());
-            rest.extend_from_slice(&field[..field.len().min(MAX_FIELD)]);
+        put_field(&mut rest, self.provider.as_bytes());
+        let rails = self.addresses.len().min(MAX_RAILS);
+        rest.push(rails as u8);
+        for address in &self.addresses[..rails] {
+            put_field(&mut rest, address);
         }
         framed(CONN_MAGIC, &rest)
     }
@@ -58,20 +63,28 @@ impl ConnInfo {
         let max_notif = take_u32(&mut rest).ok_or_else(|| bad("connection info: truncated"))?;
         let chunk = take_u32(&mut rest).filter(|&c| c > 0).ok_or_else(|| bad("connection info: chunk size"))?;
         let provider = take_field(&mut rest).ok_or_else(|| bad("connection info: truncated provider"))?;
-        let address = take_field(&mut rest).ok_or_else(|| bad("connection info: truncated address"))?;
-        if !rest.is_empty() || address.is_empty() {
+        let rails = take_rails(&mut rest).ok_or_else(|| bad("connection info: rail count"))?;
+        let mut addresses = Vec::with_capacity(rails);
+        for _ in 0..rails {
+            let address = take_field(&mut rest).ok_or_else(|| bad("connection info: truncated address"))?;
+            if address.is_empty() {
+                return Err(bad("connection info: empty address"));
+            }
+            addresses.push(address.to_vec());
+        }
+        if !rest.is_empty() {
             return Err(bad("connection info: bad length"));
         }
         let provider = String::from_utf8(provider.to_vec()).map_err(|_| bad("connection info: provider name"))?;
-        Ok(ConnInfo { flags, max_notif, chunk, provider, address: address.to_vec() })
+        Ok(ConnInfo { flags, max_notif, chunk, provider, addresses })
     }
 }
 
 /// A peer's registration as its key names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FabricRemoteKey {
-    /// The provider's key (`fi_mr_key`).
-    pub key: u64,
+    /// The provider's key (`fi_mr_key`) on each of the peer's rails, rail 0 first.
+    pub keys: Vec<u64>,
     /// The registration's address in the peer's address space.
     pub base: u64,
     pub len: u64,
@@ -79,30 +92,50 @@ pub struct FabricRemoteKey {
 
 impl FabricRemoteKey {
     pub fn encode(&self) -> Vec<u8> {
-        let mut rest = Vec::with_capacity(24);
-        for v in [self.key, self.base, self.len] {
+        let rails = self.keys.len().min(MAX_RAILS);
+        let mut rest = Vec::with_capacity(17 + 8 * rails);
+        for v in [self.base, self.len] {
             rest.extend_from_slice(&v.to_le_bytes());
+        }
+        rest.push(rails as u8);
+        for key in &self.keys[..rails] {
+            rest.extend_from_slice(&key.to_le_bytes());
         }
         framed(KEY_MAGIC, &rest)
     }
 
     pub fn decode(bytes: &[u8]) -> Result<FabricRemoteKey, BackendError> {
-        if bytes.len() != KEY_LEN {
+        let mut rest = unframe(KEY_MAGIC, bytes, "remote key")?;
+        let truncated = || bad("remote key: truncated");
+        let base = take_u64(&mut rest).ok_or_else(truncated)?;
+        let len = take_u64(&mut rest).ok_or_else(truncated)?;
+        let rails = take_rails(&mut rest).ok_or_else(|| bad("remote key: rail count"))?;
+        let keys = (0..rails).map(|_| take_u64(&mut rest).ok_or_else(truncated)).collect::<Result<Vec<_>, _>>()?;
+        if !rest.is_empty() {
             return Err(bad("remote key: bad length"));
         }
-        let mut rest = unframe(KEY_MAGIC, bytes, "remote key")?;
-        let mut next = || take_u64(&mut rest).ok_or_else(|| bad("remote key: truncated"));
-        let (key, base, len) = (next()?, next()?, next()?);
         if base.checked_add(len).is_none() {
             return Err(bad("remote key: range wraps"));
         }
-        Ok(FabricRemoteKey { key, base, len })
+        Ok(FabricRemoteKey { keys, base, len })
     }
 
     /// Whether `addr .. addr + len` lies inside the registration.
     pub fn covers(&self, addr: u64, len: u64) -> bool {
         addr >= self.base && addr.checked_add(len).is_some_and(|end| end <= self.base + self.len)
     }
+}
+
+fn put_field(out: &mut Vec<u8>, field: &[u8]) {
+    let field = &field[..field.len().min(MAX_FIELD)];
+    out.extend_from_slice(&(field.len() as u16).to_le_bytes());
+    out.extend_from_slice(field);
+}
+
+/// A rail count: 1 ..= [`MAX_RAILS`].
+fn take_rails(rest: &mut &[u8]) -> Option<usize> {
+    let rails = *take(rest, 1)?.first()? as usize;
+    (1..=MAX_RAILS).contains(&rails).then_some(rails)
 }
 
 fn framed(magic: [u8; 4], rest: &[u8]) -> Vec<u8> {
@@ -161,7 +194,7 @@ mod tests {
             max_notif: 16384,
             chunk: 4096,
             provider: "tcp;ofi_rxm".into(),
-            address: vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1],
+            addresses: vec![vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1], vec![2, 0, 0x1f, 0x91, 10, 0, 0, 2]],
         };
         let bytes = info.encode();
         assert_eq!(ConnInfo::decode(&bytes).unwrap(), info);
@@ -177,11 +210,13 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert!(ConnInfo::decode(&longer).is_err());
+        let none = ConnInfo { addresses: Vec::new(), ..info };
+        assert!(ConnInfo::decode(&none.encode()).is_err(), "a peer without rails accepted");
     }
 
     #[test]
     fn key_round_trip_bounds_and_corruption() {
-        let key = FabricRemoteKey { key: 7, base: 0x1000, len: 0x2000 };
+        let key = FabricRemoteKey { keys: vec![7, 9], base: 0x1000, len: 0x2000 };
         let bytes = key.encode();
         assert_eq!(FabricRemoteKey::decode(&bytes).unwrap(), key);
         assert!(key.covers(0x1000, 0x2000) && key.covers(0x2fff, 1) && key.covers(0x1800, 0));
@@ -191,9 +226,12 @@ mod tests {
             bad[at] ^= 0x5a;
             assert!(FabricRemoteKey::decode(&bad).is_err(), "flip at {at} accepted");
         }
-        assert!(FabricRemoteKey::decode(&bytes[..bytes.len() - 1]).is_err());
-        assert!(FabricRemoteKey::decode(&[]).is_err());
-        let wraps = FabricRemoteKey { key: 1, base: u64::MAX, len: 2 }.encode();
+        for len in 0..bytes.len() {
+            assert!(FabricRemoteKey::decode(&bytes[..len]).is_err(), "truncated to {len} accepted");
+        }
+        let no_rails = FabricRemoteKey { keys: Vec::new(), ..key.clone() }.encode();
+        assert!(FabricRemoteKey::decode(&no_rails).is_err());
+        let wraps = FabricRemoteKey { keys: vec![1], base: u64::MAX, len: 2 }.encode();
         assert!(FabricRemoteKey::decode(&wraps).is_err());
     }
 }

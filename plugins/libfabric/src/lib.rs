@@ -1,17 +1,33 @@
 //! libfabric backend of `xfer`, over the system libfabric (OFI): AWS EFA, verbs, and on plain
 //! machines `tcp;ofi_rxm` and `shm`, through one plugin.
 //!
-//! Each backend instance opens one reliable-datagram (FI_EP_RDM) endpoint with FI_RMA and
-//! FI_MSG on the chosen provider, with its fabric, domain, address vector and completion queue
-//! ([`fabric`], the only module that calls libfabric). One engine thread ([`engine`]) drives
-//! it: callers hand it jobs and registrations over a channel and wake it with `fi_cq_signal`;
+//! Each backend instance opens, per rail (one domain: a NIC or interface), a reliable-datagram
+//! (FI_EP_RDM) endpoint with FI_RMA and FI_MSG on the chosen provider, with its own fabric,
+//! domain, address vector and completion queue ([`fabric`], the only module that calls
+//! libfabric). One engine thread per rail ([`engine`]) drives its endpoint: callers hand it jobs and registrations over a channel and wake it with `fi_cq_signal`;
 //! it posts each job's `fi_readmsg`/`fi_writemsg` operations (consecutive descriptor pieces
 //! as one vectored operation, up to the provider's iovec limits and `max_op_bytes`; 4 iovecs
 //! with `tcp;ofi_rxm`), at most `max_in_flight` per job
 //! and no more than the provider's transmit queue holds, reads the CQ (errors from
 //! `fi_cq_readerr`), and, idle, blocks in `fi_cq_sread`, which keeps the provider's progress
-//! (and so its service of peers' RMA) going. The agent metadata carries the endpoint's address
-//! (`fi_getname`; peers insert it into their AV on connect) and, per registration, the key.
+//! (and so its service of peers' RMA) going. The agent metadata carries every rail's endpoint
+//! address (`fi_getname`; peers insert it into their AV on connect) and, per registration, its
+//! key on every rail.
+//!
+//! Each peer address is in a rail's AV once, however many connections use it (a metadata
+//! reload connects before the old connection goes); the last disconnection (the agent
+//! invalidating the peer, or reloading it) fails what is still queued for it and removes it
+//! (`fi_av_remove`), and connections name peers by a handle the engine checks, so a request
+//! racing the disconnection fails as `PeerDisconnected` instead of reaching whichever peer the
+//! freed AV slot goes to next. Peers in the AV only to acknowledge their notifications leave it
+//! after 30 s unused.
+//!
+//! Multi-rail (`domains=a+b`): rail `i` of one agent talks to rail `i` of its peer (as many
+//! rails as the side with fewer has). A request is cut into about equal shares of consecutive
+//! bytes, one per rail (shares of at least 64 KiB, so small requests use fewer rails), each run
+//! by its rail's engine; the request completes when all shares have, with the first share's
+//! error if one failed (the others then stop posting), and its notification goes on rail 0
+//! once every share's data has completed ([`stripe`]).
 //!
 //! Memory registration honours the provider's `mr_mode`, asking for what the backend handles
 //! (`FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT`):
@@ -34,6 +50,7 @@
 //! |---|---|---|
 //! | `provider` | the best available | libfabric provider, e.g. `tcp;ofi_rxm`, `verbs;ofi_rxm`, `efa`, `shm`, `sockets`; the default is the first of `efa`, `cxi`, `opx`, `psm3`, `psm2`, `verbs;ofi_rxm`, `verbs`, `tcp;ofi_rxm`, `tcp`, `sockets` that offers RDM with RMA (`tcp;ofi_rxm` on a plain Linux host) |
 //! | `domain` | the provider's first | domain (NIC or interface), e.g. `lo`, `eth0`, `mlx5_0`, `rdmap0s6` |
+//! | `domains` | one rail on `domain` | several domains, one rail each, separated by `+` (e.g. `eth0+eth1`, at most 8); requests are striped across them. Not together with `domain` |
 //! | `timeout_ms` | 5000 | a request with no completion for this long fails (TimedOut), as does a notification not acknowledged within it |
 //! | `max_in_flight` | 16 | operations one request keeps posted at once |
 //! | `max_op_bytes` | 4194304 | longer descriptor pieces go as several operations; shorter consecutive ones are joined into one vectored operation up to this many bytes |
@@ -55,15 +72,24 @@
 //! - DRAM only. GPU memory is refused with the reason (`register` fails with `Unsupported`):
 //!   FI_HMEM registration (`fi_mr_regattr` with `FI_HMEM_CUDA`) is not written yet, and the
 //!   providers here (`tcp`, `shm`) lack FI_HMEM anyway. Files are not moved either.
-//! - One domain (NIC) per backend: multi-rail striping across domains is not done yet;
-//!   attach one backend per NIC.
+//! - Rails pair by index: rail `i` must reach the peer's rail `i` (same network); rails are
+//!   not matched by reachability, and a rail that fails fails the shares posted on it (no
+//!   failover to the other rails).
 //! - A request that failed (timeout, dead peer) may still have operations in the provider;
 //!   they keep their local memory pinned until the provider reports them (a deregistration
 //!   waits for that) or the backend shuts down.
 //! - Over `tcp;ofi_rxm` a bad key or an address outside the peer's registration is refused by
 //!   the target's provider, which drops the connection: the request fails as
-//!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next.
-//! - The address vector keeps every peer ever connected (entries are not removed).
+//!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next (a message sent
+//!   right after may still meet the broken connection and fail the same way). A target
+//!   deregistering while transfers run is thus seen as `PeerDisconnected` by them (tested:
+//!   `dereg_target_races_transfers_disconnecting`). `sockets` refuses such keys as unknown
+//!   (`Refused`), connection intact.
+//! - Providers here (libfabric 1.17, `fi_info -c FI_RMA -t FI_EP_RDM`): `tcp;ofi_rxm` (the
+//!   default, whole suite), `sockets` (RDM + RMA; transfers, notifications, bad keys, the
+//!   target-side deregistration race and a killed peer are tested on it; its progress
+//!   threads spin, so it is not the default) and `shm` (listed with RMA, but not working with
+//!   this backend yet, see the conformance test file).
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;
@@ -71,6 +97,7 @@ mod engine;
 mod fabric;
 mod keys;
 mod msg;
+mod stripe;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -87,6 +114,7 @@ pub use keys::FabricRemoteKey;
 
 use engine::{Cmd, Handle, Job, Piece};
 use fabric::{Attrs, Rma};
+use stripe::{Finish, NotifyAfter, Stripe};
 
 /// Registers the libfabric backend under the name `libfabric`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -136,19 +164,26 @@ fn unavailable(err: fabric::FabricError) -> BackendError {
 pub struct LibfabricBackend {
     agent_name: String,
     settings: Settings,
-    attrs: Attrs,
+    /// Every rail's endpoint, rail 0 first: each its own fabric, domain, AV, CQ and engine
+    /// thread.
+    rails: Vec<Rail>,
     conn_info: Vec<u8>,
-    engine: Arc<Handle>,
     stopped: AtomicBool,
+}
+
+/// One domain (NIC) of the backend.
+struct Rail {
+    attrs: Attrs,
+    engine: Arc<Handle>,
 }
 
 impl std::fmt::Debug for LibfabricBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LibfabricBackend")
             .field("agent", &self.agent_name)
-            .field("provider", &self.attrs.provider)
-            .field("domain", &self.attrs.domain)
-            .field("mr_mode", &format_args!("{:#x}", self.attrs.mr_mode))
+            .field("provider", &self.attrs().provider)
+            .field("domains", &self.domains())
+            .field("mr_mode", &format_args!("{:#x}", self.attrs().mr_mode))
             .finish_non_exhaustive()
     }
 }
@@ -156,51 +191,116 @@ impl std::fmt::Debug for LibfabricBackend {
 /// Bound on calls into the engine that do no I/O (registration, AV insertion).
 const CALL_BOUND: Duration = Duration::from_secs(10);
 
+/// Striped requests are cut into pieces of at least this many bytes per rail (smaller
+/// requests go over fewer rails).
+const MIN_STRIPE: u64 = 64 << 10;
+
 impl LibfabricBackend {
     pub fn new(ctx: BackendContext) -> Result<Self, BackendError> {
         let BackendContext { agent_name, params, notifs, .. } = ctx;
         let settings = Settings::parse(params)?;
-        // The domain is matched here too: rxm does not filter on the hints' domain name.
-        let info = fabric::Info::choose(settings.provider.as_deref(), settings.domain.as_deref(), |all| {
-            let fits: Vec<usize> =
-                (0..all.len()).filter(|&i| settings.domain.as_ref().is_none_or(|d| all[i].domain == *d)).collect();
-            let names: Vec<String> = fits.iter().map(|&i| all[i].provider.clone()).collect();
-            settings.pick(&names).map(|at| fits[at])
-        })
-        .map_err(unavailable)?;
-        let recv_len = settings.notif_chunk + msg::NOTIF_OVERHEAD + 2 * keys::MAX_FIELD;
-        let ep = fabric::Endpoint::open(info, settings.recv_buffers, recv_len).map_err(unavailable)?;
-        let attrs = ep.attrs().clone();
-        let address = ep.name().map_err(unavailable)?;
+        let wanted: Vec<Option<&str>> = if settings.domains.is_empty() {
+            vec![None]
+        } else {
+            settings.domains.iter().map(|d| Some(d.as_str())).collect()
+        };
+        let mut rails: Vec<Rail> = Vec::with_capacity(wanted.len());
+        let mut addresses = Vec::with_capacity(wanted.len());
+        for domain in wanted {
+            // Every rail takes the provider rail 0 settled on.
+            let provider = rails.first().map(|r| r.attrs.provider.clone()).or_else(|| settings.provider.clone());
+            match Self::open_rail(&settings, provider.as_deref(), domain, &agent_name, &notifs) {
+                Ok((rail, address)) => {
+                    rails.push(rail);
+                    addresses.push(address);
+                }
+                Err(err) => {
+                    for rail in &rails {
+                        rail.engine.stop();
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        let attrs = &rails[0].attrs;
         let flags = if attrs.virt_addr() { keys::FLAG_VIRT_ADDR } else { 0 };
         let conn_info = keys::ConnInfo {
             flags,
             max_notif: settings.max_notif_bytes as u32,
             chunk: settings.notif_chunk as u32,
             provider: attrs.provider.clone(),
-            address: address.clone(),
+            addresses,
         }
         .encode();
-        tracing::debug!(agent = %agent_name, provider = %attrs.provider, domain = %attrs.domain, mr_mode = attrs.mr_mode, prov_key = attrs.prov_key(), "libfabric backend started");
-        let engine = engine::start(ep, agent_name.clone(), address, settings.clone(), notifs)?;
-        Ok(LibfabricBackend {
-            agent_name,
-            settings,
-            attrs,
-            conn_info,
-            engine: Arc::new(engine),
-            stopped: AtomicBool::new(false),
-        })
+        Ok(LibfabricBackend { agent_name, settings, rails, conn_info, stopped: AtomicBool::new(false) })
     }
 
-    /// The provider and domain in use.
+    /// Opens one domain's endpoint and starts its engine; returns the rail and its address.
+    fn open_rail(
+        settings: &Settings,
+        provider: Option<&str>,
+        domain: Option<&str>,
+        agent_name: &str,
+        notifs: &xfer_core::NotifSink,
+    ) -> Result<(Rail, Vec<u8>), BackendError> {
+        // The domain is matched here too: rxm does not filter on the hints' domain name.
+        let info = fabric::Info::choose(provider, domain, |all| {
+            let fits: Vec<usize> = (0..all.len()).filter(|&i| domain.is_none_or(|d| all[i].domain == d)).collect();
+            let names: Vec<String> = fits.iter().map(|&i| all[i].provider.clone()).collect();
+            let pick = if provider.is_some() { (!names.is_empty()).then_some(0) } else { settings.pick(&names) };
+            pick.map(|at| fits[at])
+        })
+        .map_err(|err| match domain {
+            Some(d) => BackendError::Unsupported(format!("libfabric domain {d}: {err}")),
+            None => unavailable(err),
+        })?;
+        let recv_len = settings.notif_chunk + msg::NOTIF_OVERHEAD + 2 * keys::MAX_FIELD;
+        let ep = fabric::Endpoint::open(info, settings.recv_buffers, recv_len).map_err(unavailable)?;
+        let attrs = ep.attrs().clone();
+        let address = ep.name().map_err(unavailable)?;
+        tracing::debug!(agent = %agent_name, provider = %attrs.provider, domain = %attrs.domain, mr_mode = attrs.mr_mode, prov_key = attrs.prov_key(), "libfabric rail started");
+        let engine = engine::start(ep, agent_name.to_string(), address.clone(), settings.clone(), Arc::clone(notifs))?;
+        Ok((Rail { attrs, engine: Arc::new(engine) }, address))
+    }
+
+    fn attrs(&self) -> &Attrs {
+        &self.rails[0].attrs
+    }
+
+    /// The provider and rail 0's domain.
     pub fn provider(&self) -> (&str, &str) {
-        (&self.attrs.provider, &self.attrs.domain)
+        (&self.attrs().provider, &self.attrs().domain)
+    }
+
+    /// Every rail's domain, rail 0 first.
+    pub fn domains(&self) -> Vec<&str> {
+        self.rails.iter().map(|r| r.attrs.domain.as_str()).collect()
     }
 
     /// The provider's `FI_MR_*` mode bits.
     pub fn mr_mode(&self) -> u32 {
-        self.attrs.mr_mode
+        self.attrs().mr_mode
+    }
+
+    /// How many peer addresses each rail's AV holds (connected peers, and for a while peers
+    /// whose notifications were acknowledged).
+    pub fn av_peers(&self) -> Result<Vec<usize>, BackendError> {
+        self.rails.iter().map(|rail| rail.engine.call(CALL_BOUND, Cmd::Peers)).collect()
+    }
+
+    fn deregister_rails(&self, region: u64, rails: &[Rail]) {
+        let answers: Vec<_> = rails
+            .iter()
+            .filter_map(|rail| {
+                let (reply, answer) = crossbeam_channel::bounded(1);
+                rail.engine.send(Cmd::Deregister(region, reply)).then_some(answer)
+            })
+            .collect();
+        for answer in answers {
+            if answer.recv_timeout(CALL_BOUND).is_err() {
+                tracing::warn!(region, "libfabric deregistration did not finish in time");
+            }
+        }
     }
 }
 
@@ -221,55 +321,68 @@ impl Backend for LibfabricBackend {
         match region.mem_type() {
             MemType::Dram => {}
             MemType::Vram => {
-                let why = if self.attrs.hmem {
+                let why = if self.rails.iter().all(|r| r.attrs.hmem) {
                     "this backend does not register device memory (FI_HMEM) yet"
                 } else {
                     "the provider has no FI_HMEM"
                 };
                 return Err(BackendError::Unsupported(format!(
                     "libfabric provider {} cannot take GPU memory: {why}",
-                    self.attrs.provider
+                    self.attrs().provider
                 )));
             }
             other => return Err(BackendError::MemoryNotMoved { backend: "libfabric", mem_type: other }),
         }
-        let key = self.engine.call(CALL_BOUND, |reply| Cmd::Register(Arc::clone(region), reply))?;
+        let mut keys = Vec::with_capacity(self.rails.len());
+        for (at, rail) in self.rails.iter().enumerate() {
+            match rail.engine.call(CALL_BOUND, |reply| Cmd::Register(Arc::clone(region), reply)) {
+                Ok(key) => keys.push(key),
+                Err(err) => {
+                    self.deregister_rails(region.id(), &self.rails[..at]);
+                    return Err(err);
+                }
+            }
+        }
         let desc = region.desc();
-        Ok(FabricRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+        Ok(FabricRemoteKey { keys, base: desc.addr, len: desc.len }.encode())
     }
 
     fn deregister(&self, region: &LocalRegion) {
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        if self.engine.send(Cmd::Deregister(region.id(), reply)) && answer.recv_timeout(CALL_BOUND).is_err() {
-            tracing::warn!(region = region.id(), "libfabric deregistration did not finish in time");
-        }
+        self.deregister_rails(region.id(), &self.rails);
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
         let info = keys::ConnInfo::decode(conn_info)?;
-        if info.provider != self.attrs.provider {
+        if info.provider != self.attrs().provider {
             return Err(BackendError::Unsupported(format!(
                 "connecting to {peer}: it uses libfabric provider {}, this side {}",
-                info.provider, self.attrs.provider
+                info.provider,
+                self.attrs().provider
             )));
         }
-        let address = self.engine.call(CALL_BOUND, |reply| Cmd::Connect(info.address.clone(), reply))?;
+        // Rail i meets the peer's rail i; extra rails on either side stay idle for this peer.
+        let mut rails = Vec::with_capacity(self.rails.len().min(info.addresses.len()));
+        for (rail, address) in self.rails.iter().zip(&info.addresses) {
+            let at = rail.engine.call(CALL_BOUND, |reply| Cmd::Connect(address.clone(), reply))?;
+            rails.push(PeerRail { engine: Arc::clone(&rail.engine), address: at });
+        }
         Ok(Arc::new(FabricPeer {
             name: peer.to_string(),
-            address,
+            rails,
             virt_addr: info.virt_addr(),
             max_notif: info.max_notif as usize,
             chunk: info.chunk as usize,
             max_op_bytes: self.settings.max_op_bytes,
             notify_bound: self.settings.timeout + Duration::from_secs(1),
-            engine: Arc::clone(&self.engine),
             closed: AtomicBool::new(false),
         }))
     }
 
     fn shutdown(&self) {
         if !self.stopped.swap(true, Ordering::AcqRel) {
-            self.engine.stop();
+            for rail in &self.rails {
+                rail.engine.stop();
+            }
         }
     }
 }
@@ -280,23 +393,31 @@ impl Drop for LibfabricBackend {
     }
 }
 
-/// A connected peer: its AV entry and how it addresses memory.
+/// A peer as one of our rails reaches it.
+struct PeerRail {
+    engine: Arc<Handle>,
+    /// The rail engine's handle on this connection (it maps it to the peer's AV entry).
+    address: u64,
+}
+
+/// A connected peer: its AV entry on every rail both sides have, and how it addresses memory.
 struct FabricPeer {
     name: String,
-    address: u64,
+    /// At least one.
+    rails: Vec<PeerRail>,
     virt_addr: bool,
     max_notif: usize,
     /// The peer's notification chunk.
     chunk: usize,
     max_op_bytes: usize,
     notify_bound: Duration,
-    engine: Arc<Handle>,
     closed: AtomicBool,
 }
 
 impl std::fmt::Debug for FabricPeer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FabricPeer").field("peer", &self.name).field("address", &self.address).finish()
+        let addresses: Vec<u64> = self.rails.iter().map(|r| r.address).collect();
+        f.debug_struct("FabricPeer").field("peer", &self.name).field("addresses", &addresses).finish()
     }
 }
 
@@ -317,40 +438,81 @@ impl FabricPeer {
         Ok(())
     }
 
-    /// Matches the local and remote byte streams into operations of at most `max_op_bytes`.
-    fn job(&self, job: TransferJob) -> Result<Job, (BackendError, xfer_core::Completer)> {
-        let TransferJob { op, local, remote, notif, done } = job;
-        match self.pieces(local, &remote, notif.as_deref()) {
-            Ok(pieces) => Ok(Job {
-                peer: self.address,
-                peer_name: self.name.clone(),
-                op: match op {
-                    Op::Read => Rma::Read,
-                    Op::Write => Rma::Write,
-                },
-                pieces,
-                notif,
-                chunk: self.chunk,
-                done,
-            }),
-            Err(err) => Err((err, done)),
+    /// Hands a job to its rail's engine, failing it if the engine has stopped.
+    fn submit(&self, rail: usize, job: Job) {
+        if let Err(crossbeam_channel::SendError(Cmd::Post(job))) = self.rails[rail].engine.try_post(job) {
+            job.done.complete(Err(BackendError::Unsupported("the libfabric backend has shut down".into())));
         }
     }
 
+    /// Splits a request into one job per rail that carries bytes of it; several share a
+    /// [`Stripe`], which sends the notification after all of them.
+    fn run(&self, job: TransferJob) -> Result<(), (BackendError, xfer_core::Completer)> {
+        let TransferJob { op, local, remote, notif, done } = job;
+        if let Some(message) = notif.as_deref() {
+            if let Err(err) = self.check_notif(message) {
+                return Err((err, done));
+            }
+        }
+        let parts = match self.pieces(local, &remote) {
+            Ok(parts) => parts,
+            Err(err) => return Err((err, done)),
+        };
+        let op = match op {
+            Op::Read => Rma::Read,
+            Op::Write => Rma::Write,
+        };
+        let mut used: Vec<(usize, VecDeque<Piece>)> =
+            parts.into_iter().enumerate().filter(|(_, pieces)| !pieces.is_empty()).collect();
+        let job = |rail: usize, pieces, notif, done| Job {
+            peer: self.rails[rail].address,
+            peer_name: self.name.clone(),
+            op,
+            pieces,
+            notif,
+            chunk: self.chunk,
+            done,
+        };
+        if used.len() <= 1 {
+            let (rail, pieces) = used.pop().unwrap_or_default();
+            self.submit(rail, job(rail, pieces, notif, Finish::Request(done)));
+            return Ok(());
+        }
+        let notify = notif.map(|message| NotifyAfter {
+            rail0: Arc::clone(&self.rails[0].engine),
+            peer: self.rails[0].address,
+            peer_name: self.name.clone(),
+            message,
+            chunk: self.chunk,
+        });
+        let stripe = Stripe::new(used.len(), done, notify);
+        for (rail, pieces) in used {
+            self.submit(rail, job(rail, pieces, None, Finish::Part(Arc::clone(&stripe))));
+        }
+        Ok(())
+    }
+
+    /// Matches the local and remote byte streams into pieces of at most `max_op_bytes`, one
+    /// queue per rail: with several rails, the request is cut into about equal shares (of at
+    /// least [`MIN_STRIPE`] bytes), consecutive bytes on the same rail.
     fn pieces(
         &self,
         local: Vec<xfer_core::LocalMem>,
         remote: &[xfer_core::RemoteSeg],
-        notif: Option<&[u8]>,
-    ) -> Result<VecDeque<Piece>, BackendError> {
-        if let Some(message) = notif {
-            self.check_notif(message)?;
-        }
+    ) -> Result<Vec<VecDeque<Piece>>, BackendError> {
+        let rails = self.rails.len();
+        let total = remote.iter().fold(0u64, |sum, seg| sum.saturating_add(seg.len));
+        let op_limit = if rails > 1 {
+            (self.max_op_bytes as u64).min(total.div_ceil(rails as u64).max(MIN_STRIPE)) as usize
+        } else {
+            self.max_op_bytes
+        };
         let mut locals = VecDeque::with_capacity(local.len());
         for mem in local {
             locals.push_back(mem.into_host("libfabric")?);
         }
-        let mut pieces = VecDeque::new();
+        let mut parts: Vec<VecDeque<Piece>> = (0..rails).map(|_| VecDeque::new()).collect();
+        let mut before = 0u64;
         for seg in remote {
             let key = seg
                 .key
@@ -371,21 +533,30 @@ impl FabricPeer {
                 let front = locals.front_mut().ok_or_else(|| {
                     BackendError::Protocol("the local descriptors hold fewer bytes than the remote".into())
                 })?;
-                let n = (left.min(front.len() as u64) as usize).min(self.max_op_bytes);
+                let n = (left.min(front.len() as u64) as usize).min(op_limit);
                 let slice = if n == front.len() {
                     locals.pop_front().ok_or_else(|| BackendError::Protocol("lost a local piece".into()))?
                 } else {
                     front.split_front(n)
                 };
-                pieces.push_back(Piece { local: slice, remote: remote_at, key: key.key });
+                let rail = ((u128::from(before) * rails as u128 / u128::from(total.max(1))) as usize).min(rails - 1);
+                let rail_key = *key.keys.get(rail).ok_or_else(|| {
+                    BackendError::InvalidMetadata(format!(
+                        "a key for {} rails of peer {}, which has at least {rails}",
+                        key.keys.len(),
+                        self.name
+                    ))
+                })?;
+                parts[rail].push_back(Piece { local: slice, remote: remote_at, key: rail_key });
                 remote_at += n as u64;
                 left -= n as u64;
+                before += n as u64;
             }
         }
         if locals.iter().any(|l| !l.is_empty()) {
             return Err(BackendError::Protocol("the local descriptors hold more bytes than the remote".into()));
         }
-        Ok(pieces)
+        Ok(parts)
     }
 }
 
@@ -398,13 +569,8 @@ impl RemoteAgent for FabricPeer {
         if self.closed.load(Ordering::Acquire) {
             return job.done.complete(Err(self.disconnected()));
         }
-        match self.job(job) {
-            Ok(job) => {
-                if let Err(crossbeam_channel::SendError(Cmd::Post(job))) = self.engine.try_post(job) {
-                    job.done.complete(Err(BackendError::Unsupported("the libfabric backend has shut down".into())));
-                }
-            }
-            Err((err, done)) => done.complete(Err(err)),
+        if let Err((err, done)) = self.run(job) {
+            done.complete(Err(err));
         }
     }
 
@@ -413,8 +579,9 @@ impl RemoteAgent for FabricPeer {
             return Err(self.disconnected());
         }
         self.check_notif(message)?;
-        self.engine.call(self.notify_bound, |reply| Cmd::Notify {
-            peer: self.address,
+        let rail = &self.rails[0];
+        rail.engine.call(self.notify_bound, |reply| Cmd::Notify {
+            peer: rail.address,
             peer_name: self.name.clone(),
             chunk: self.chunk,
             message: message.to_vec(),
@@ -423,7 +590,11 @@ impl RemoteAgent for FabricPeer {
     }
 
     fn disconnect(&self) {
-        self.closed.store(true, Ordering::Release);
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            for rail in &self.rails {
+                rail.engine.send(Cmd::Disconnect(rail.address));
+            }
+        }
     }
 }
 
@@ -455,7 +626,8 @@ mod tests {
         assert!(caps.moves(MemType::Dram, MemType::Dram) && !caps.supports(MemType::Vram));
         let info = keys::ConnInfo::decode(&b.conn_info()).expect("own conn info");
         assert_eq!(info.provider, "tcp;ofi_rxm");
-        assert!(!info.address.is_empty());
+        assert_eq!(info.addresses.len(), 1);
+        assert!(!info.addresses[0].is_empty());
     }
 
     #[test]
@@ -474,5 +646,25 @@ mod tests {
         let peer = b.connect("self", &b.conn_info()).expect("connect to own address");
         assert!(peer.unpack_key(b"junk").is_err());
         b.shutdown();
+    }
+
+    #[test]
+    fn av_keeps_only_connected_peers() {
+        let a = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend a");
+        let b = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend b");
+        assert_eq!(a.av_peers().unwrap(), [0]);
+        let first = a.connect("b", &b.conn_info()).expect("connect");
+        let second = a.connect("b", &b.conn_info()).expect("connect again (a metadata reload)");
+        assert_eq!(a.av_peers().unwrap(), [1], "one entry per address");
+        first.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [1], "still used by the second connection");
+        second.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [0], "the last disconnection removes the address");
+        assert!(matches!(second.notify(b"late"), Err(BackendError::PeerDisconnected { .. })));
+        let again = a.connect("b", &b.conn_info()).expect("reconnect");
+        assert_eq!(a.av_peers().unwrap(), [1]);
+        again.notify(b"after reconnecting").expect("a notification after reconnecting");
+        again.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [0]);
     }
 }

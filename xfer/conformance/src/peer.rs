@@ -47,6 +47,10 @@ pub struct PeerConfig {
     pub backend_alloc: bool,
     /// The cluster secret file the peer authenticates with (`xfer-peer --credential`).
     pub credential: Option<PathBuf>,
+    /// The network namespace the peer runs in (`ip netns exec`); `None`: this one.
+    pub netns: Option<String>,
+    /// Where its side channel listens (`127.0.0.1:0` unless set).
+    pub side_channel: String,
 }
 
 impl PeerConfig {
@@ -58,7 +62,17 @@ impl PeerConfig {
             size,
             backend_alloc: false,
             credential: None,
+            netns: None,
+            side_channel: "127.0.0.1:0".into(),
         }
+    }
+
+    /// The same in network namespace `netns`, its side channel listening on `side_channel`
+    /// (an address of that namespace the initiator can reach).
+    pub fn in_netns(mut self, netns: &str, side_channel: &str) -> Self {
+        self.netns = Some(netns.into());
+        self.side_channel = side_channel.into();
+        self
     }
 
     /// The same with a cluster credential read from `file`.
@@ -114,9 +128,17 @@ pub struct Peer {
 impl Peer {
     /// Starts `exe` and waits (bounded) for its `READY` line.
     pub fn spawn(exe: &Path, config: &PeerConfig) -> Result<Peer, PeerError> {
-        let mut child = Command::new(exe)
+        let mut command = match &config.netns {
+            Some(ns) => {
+                let mut ip = Command::new("ip");
+                ip.args(["netns", "exec", ns]).arg(exe);
+                ip
+            }
+            None => Command::new(exe),
+        };
+        let mut child = command
             .args(["--name", &config.name, "--backend", &config.backend, "--params", &config.params])
-            .args(["--size", &config.size.to_string(), "--side-channel", "127.0.0.1:0"])
+            .args(["--size", &config.size.to_string(), "--side-channel", &config.side_channel])
             .args(["--alloc", if config.backend_alloc { "backend" } else { "host" }])
             .args(config.credential.iter().flat_map(|file| [std::ffi::OsStr::new("--credential"), file.as_os_str()]))
             // The peer's stdout is its answer protocol: UCX's own log lines (an error it prints

@@ -25,6 +25,8 @@ mod grants;
 mod keys;
 mod notifs;
 mod protocol;
+mod rails;
+mod reconnect;
 mod stall;
 mod tls_tcp;
 mod transfers;
@@ -33,13 +35,17 @@ pub mod wire_tcp;
 
 pub use auth::strangers_are_refused;
 pub use choice::picks_by_capability_and_falls_back_to_tcp;
-pub use dereg::{dereg_initiator_races_transfers, dereg_target_races_transfers};
+pub use dereg::{
+    dereg_initiator_races_transfers, dereg_target_races_transfers, dereg_target_races_transfers_disconnecting,
+};
 pub use errors::api_errors;
 pub use faults::{sigkill_mid_transfer, sigstop_mid_transfer};
 pub use grants::{grants, late_read_storm};
 pub use keys::bad_remote_key;
 pub use notifs::notifications;
 pub use protocol::peer_protocol;
+pub use rails::two_rails;
+pub use reconnect::reconnect_cycles;
 pub use stall::{notif_once_across_stall, stalled_peer_times_out};
 pub use tls_tcp::tls_mismatch_and_pinning;
 pub use transfers::{transfer_large, transfer_matrix};
