@@ -364,8 +364,8 @@ mod tests {
 
     #[test]
     fn a_release_of_an_impossible_prompt_is_refused() {
-        // Found through the sidecar_engine_json fuzz target: these params made the synthetic
-        // release body ask for 200 GB, and the allocation failure aborted the sidecar.
+        // Found writing the sidecar_engine_json fuzz target (its binary aborted on this input):
+        // the synthetic release body asked for 200 GB, and the failed allocation aborts.
         let huge = serde_json::json!({"remote_num_tokens": 100_000_000_000u64, "remote_block_ids": [1]});
         assert_eq!(release_tokens(&huge, 16), Err(TooManyTokens(100_000_000_000)));
         let many_blocks = serde_json::json!({"remote_block_ids": [1, 2]});

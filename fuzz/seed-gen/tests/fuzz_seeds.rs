@@ -89,7 +89,7 @@ fn committed_seeds_are_what_the_encoders_write() {
     let stale: Vec<_> = committed.keys().filter(|k| !generated.contains_key(*k)).collect();
     assert!(stale.is_empty(), "committed seeds no encoder writes: {stale:?}");
     for target in &targets {
-        let n = seeds.iter().filter(|s| &s.target == target).count();
+        let n = seeds.iter().filter(|s| *target == s.target).count();
         assert!(n >= 2, "{target} has {n} seeds");
     }
     for s in &seeds {
