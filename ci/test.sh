@@ -143,7 +143,7 @@ grep -q '| READ | 64K |' "$peers_out/peers.md" && test -s "$peers_out/peers.png"
 cat "$peers_out/peers.md"
 rm -rf "$peers_out"
 
-step "fuzzing: every fuzz target (each decoder of bytes from the network) for 10 s, stable toolchain"
+step "fuzzing: every fuzz target (each decoder of bytes from the network) for 10 s from its seeds, two at a time, stable toolchain"
 ci/fuzz.sh 10
 
 echo

@@ -57,8 +57,8 @@ pub async fn run(
     .await
 }
 
-/// The `kv_transfer_params` of a 2xx answer, verbatim.
-fn read_params(metrics: &Metrics, target: &Target, bytes: &[u8]) -> Prefilled {
+/// The `kv_transfer_params` of a 2xx answer, verbatim (public for the fuzz target).
+pub fn read_params(metrics: &Metrics, target: &Target, bytes: &[u8]) -> Prefilled {
     let bad_body = |reason: String| {
         metrics.attempt(Attempt::BadBody);
         Prefilled::Failed(LegError::PrefillBadBody { prefill: target.name().to_string(), reason })

@@ -111,6 +111,8 @@ pub enum ReleaseError {
     Notify(#[from] LinkError),
     #[error("kv_transfer_params: {0}")]
     Params(#[from] serde_json::Error),
+    #[error(transparent)]
+    TooManyTokens(#[from] rewrite::TooManyTokens),
     #[error("release decode answered {0}")]
     Status(StatusCode),
     #[error(transparent)]
@@ -182,7 +184,7 @@ impl Releaser {
             (Some(o), Some(p)) => (rewrite::release_body(o, params), p),
             _ => {
                 let v: serde_json::Value = serde_json::from_str(params)?;
-                let tokens = rewrite::release_tokens(&v, cfg.block_size);
+                let tokens = rewrite::release_tokens(&v, cfg.block_size)?;
                 (rewrite::synthetic_release_body(cfg.model.as_deref(), tokens, params), "/v1/completions")
             }
         };

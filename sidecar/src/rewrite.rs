@@ -129,20 +129,35 @@ pub fn synthetic_release_body(model: Option<&str>, tokens: usize, params: &str) 
     out.into_bytes()
 }
 
+/// Most prompt tokens a synthetic release names: far beyond any model's context, and a body of
+/// 32 MiB. `kv_transfer_params` asking for more are refused, not written out.
+pub const MAX_RELEASE_TOKENS: u64 = 1 << 24;
+
+/// `kv_transfer_params` naming a prompt longer than [`MAX_RELEASE_TOKENS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("kv_transfer_params name a prompt of {0} tokens (a release names at most {MAX_RELEASE_TOKENS})")]
+pub struct TooManyTokens(pub u64);
+
 /// How many prompt tokens a release must name: `remote_num_tokens`, else whole blocks.
-pub fn release_tokens(params: &Value, block_size: usize) -> usize {
-    if let Some(n) = params.get("remote_num_tokens").and_then(Value::as_u64) {
-        return n as usize;
-    }
-    let blocks = match params.get("remote_block_ids") {
-        Some(Value::Array(groups)) => match groups.first() {
-            Some(Value::Array(first)) => first.len(),
-            Some(_) => groups.len(),
-            None => 0,
-        },
-        _ => 0,
+pub fn release_tokens(params: &Value, block_size: usize) -> Result<usize, TooManyTokens> {
+    let tokens = match params.get("remote_num_tokens").and_then(Value::as_u64) {
+        Some(n) => n,
+        None => {
+            let blocks = match params.get("remote_block_ids") {
+                Some(Value::Array(groups)) => match groups.first() {
+                    Some(Value::Array(first)) => first.len(),
+                    Some(_) => groups.len(),
+                    None => 0,
+                },
+                _ => 0,
+            };
+            (blocks as u64).saturating_mul(block_size as u64)
+        }
     };
-    blocks * block_size
+    if tokens > MAX_RELEASE_TOKENS {
+        return Err(TooManyTokens(tokens));
+    }
+    Ok(tokens as usize)
 }
 
 /// SGLang: the bootstrap fields both legs carry; `rooms` has one room per batch item (a single
@@ -371,7 +386,7 @@ mod tests {
             format!(r#"{{"model":"m","prompt":[0,0,0],"max_tokens":1,"stream":false,"kv_transfer_params":{PARAMS}}}"#)
         );
         let params: Value = serde_json::from_str(PARAMS).unwrap();
-        assert_eq!(release_tokens(&params, 16), 710);
+        assert_eq!(release_tokens(&params, 16), Ok(710));
         // A release reads without the grant; everything else stays verbatim.
         let granted = format!("{}, \"{GRANT_KEY}\": \"58473100\"}}", PARAMS.trim_end_matches('}'));
         let stripped = ungranted(&granted);
@@ -384,8 +399,20 @@ mod tests {
             assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["kv_transfer_params"], params);
         }
         assert!(matches!(ungranted(PARAMS), Cow::Borrowed(_)), "without a grant the text is kept as sent");
-        assert_eq!(release_tokens(&serde_json::json!({"remote_block_ids": [4, 5]}), 16), 32);
-        assert_eq!(release_tokens(&serde_json::json!({"remote_block_ids": [[4, 5, 6]]}), 16), 48);
+        assert_eq!(release_tokens(&serde_json::json!({"remote_block_ids": [4, 5]}), 16), Ok(32));
+        assert_eq!(release_tokens(&serde_json::json!({"remote_block_ids": [[4, 5, 6]]}), 16), Ok(48));
+    }
+
+    #[test]
+    fn a_release_of_an_impossible_prompt_is_refused() {
+        // Found writing the sidecar_engine_json fuzz target (its binary aborted on this input):
+        // the synthetic release body asked for 200 GB, and the failed allocation aborts.
+        let huge = serde_json::json!({"remote_num_tokens": 100_000_000_000u64, "remote_block_ids": [1]});
+        assert_eq!(release_tokens(&huge, 16), Err(TooManyTokens(100_000_000_000)));
+        let many_blocks = serde_json::json!({"remote_block_ids": [1, 2]});
+        assert_eq!(release_tokens(&many_blocks, usize::MAX), Err(TooManyTokens(u64::MAX)));
+        let limit = serde_json::json!({"remote_num_tokens": MAX_RELEASE_TOKENS});
+        assert_eq!(release_tokens(&limit, 16), Ok(MAX_RELEASE_TOKENS as usize));
     }
 
     #[test]

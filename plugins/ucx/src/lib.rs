@@ -128,7 +128,11 @@ use xfer_core::{
 };
 
 pub use config::Settings;
-pub use keys::UcxRemoteKey;
+// The connection info and keys a peer's metadata carries, checked without the UCX library (the
+// fuzz targets reach them).
+pub use keys::{
+    decode_conn_info, encode_conn_info, segments_fit, ConnInfo, ProcessId, SegmentsMisfit, TcpSegments, UcxRemoteKey,
+};
 
 use conn::PeerInfo;
 use engine::Shared;
