@@ -112,6 +112,7 @@
 mod config;
 mod conn;
 mod engine;
+mod grants;
 mod keys;
 mod msg;
 mod peer;
@@ -120,7 +121,7 @@ mod ucp;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType,
@@ -166,6 +167,7 @@ pub struct UcxBackend {
     stager: Arc<Stager>,
     next_peer: AtomicU64,
     stopped: AtomicBool,
+    own_conn_info: Arc<[u8]>,
     /// This process as peers on this host recognise it.
     process: keys::ProcessId,
 }
@@ -195,11 +197,13 @@ impl UcxBackend {
             settings.timeout,
             settings.max_op_bytes,
         ));
+        let conn_info = keys::encode_conn_info(&started.address, process, segments);
         Ok(UcxBackend {
             agent_name,
             settings,
             engine: started.shared,
-            conn_info: keys::encode_conn_info(&started.address, process, segments),
+            own_conn_info: Arc::from(conn_info.as_slice()),
+            conn_info,
             segments,
             cuda: started.cuda,
             staging,
@@ -292,7 +296,57 @@ impl Backend for UcxBackend {
             notify_bound: self.settings.timeout + Duration::from_secs(1),
             cuda: self.cuda,
             stager: Arc::clone(&self.stager),
+            agent_name: self.agent_name.clone(),
+            own_conn_info: Arc::clone(&self.own_conn_info),
         }))
+    }
+
+    fn grant(
+        &self,
+        region: &Arc<LocalRegion>,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        expires: Instant,
+    ) -> Result<Vec<u8>, BackendError> {
+        if region.mem_type() == MemType::File || (region.mem_type() == MemType::Vram && !self.cuda) {
+            return Err(BackendError::Unsupported(format!("ucx cannot grant {} memory it stages", region.mem_type())));
+        }
+        let deadline_ms = grants::deadline_after(expires.saturating_duration_since(Instant::now()));
+        self.engine.with(|engine| engine.grant(region, peer, ranges, deadline_ms))?
+    }
+
+    /// Revokes with the exchange of module `grants`: returns once every holder acknowledged,
+    /// or failed, or after `timeout_ms` plus a second; the grant's handles are unmapped then.
+    fn revoke(&self, public: &[u8]) {
+        let Ok(key) = grants::UcxGrantKey::decode(public) else {
+            return tracing::warn!(agent = %self.agent_name, "ucx revoke: not a ucx grant key");
+        };
+        let grant_id = key.grant_id;
+        let (reply, answers) = crossbeam_channel::unbounded();
+        let expected = self.engine.with(|engine| engine.revoke_grant(grant_id, &reply)).unwrap_or(0);
+        drop(reply);
+        if expected > 0 {
+            self.engine.posted();
+            let bound = self.settings.timeout + Duration::from_secs(1);
+            let deadline = Instant::now() + bound;
+            self.engine.drive_until(|| answers.len() >= expected, deadline);
+            let mut unanswered = expected;
+            while unanswered > 0 {
+                match answers.recv_deadline(deadline) {
+                    Ok(Ok(())) => {}
+                    // A failed holder's endpoint is closed already (that is how it failed).
+                    Ok(Err(err)) => tracing::warn!(agent = %self.agent_name, peer = %key.peer, %err,
+                        "ucx revoke: a holder did not acknowledge; unmapping the grant's memory"),
+                    Err(_) => {
+                        tracing::warn!(agent = %self.agent_name, peer = %key.peer, ?bound,
+                            "ucx revoke: no answer from a holder within the bound; unmapping the grant's memory");
+                        break;
+                    }
+                }
+                unanswered -= 1;
+            }
+        }
+        let _ = self.engine.with(|engine| engine.release_grant(grant_id));
     }
 
     fn allocate(&self, len: usize, mem_type: MemType) -> Option<Result<BackendBuffer, BackendError>> {

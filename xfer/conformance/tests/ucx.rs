@@ -37,6 +37,9 @@ mod over_tcp {
             bad_remote_key,
             notif_once_across_stall,
             dereg_initiator_races_transfers,
+            grants,
+            grant_writes,
+            late_read_storm,
             // Killed or frozen peers: only over transports that detect failed peers.
             sigkill_mid_transfer,
             sigstop_mid_transfer,
@@ -58,6 +61,9 @@ mod over_shm {
             bad_remote_key,
             notif_once_across_stall,
             dereg_initiator_races_transfers,
+            grants,
+            grant_writes,
+            late_read_storm,
             // Frozen while idle: the receive-FIFO stall described above cannot happen.
             stalled_peer_times_out,
         ]

@@ -36,7 +36,7 @@ pub use choice::picks_by_capability_and_falls_back_to_tcp;
 pub use dereg::{dereg_initiator_races_transfers, dereg_target_races_transfers};
 pub use errors::api_errors;
 pub use faults::{sigkill_mid_transfer, sigstop_mid_transfer};
-pub use grants::{grants, late_read_storm};
+pub use grants::{grant_writes, grants, late_read_storm};
 pub use keys::bad_remote_key;
 pub use notifs::notifications;
 pub use protocol::peer_protocol;
