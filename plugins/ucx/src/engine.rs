@@ -25,9 +25,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
-use xfer_core::{
-    BackendError, Completion, Desc, LocalRegion, MemType, NotifSink, Progress, RefusalCode, TransferJob,
-};
+use xfer_core::{BackendError, Completion, Desc, LocalRegion, MemType, NotifSink, Progress, RefusalCode, TransferJob};
 
 use crate::config::{ErrorMode, Settings};
 use crate::conn::{Conn, Env, Finished, Job, PeerInfo, Waiter};
@@ -648,7 +646,9 @@ impl Engine {
         let mut env = env!(self);
         for holder in &holders {
             match conn_for(&mut self.conns, &mut self.by_ep, &self.worker, &mut self.settings.error_mode, holder) {
-                Ok(conn) => conn.request(|seq| Ok(msg::encode_revoke(seq, grant_id)), Waiter::Caller(reply.clone()), &mut env),
+                Ok(conn) => {
+                    conn.request(|seq| Ok(msg::encode_revoke(seq, grant_id)), Waiter::Caller(reply.clone()), &mut env)
+                }
                 Err(err) => _ = reply.send(Err(err)),
             }
         }

@@ -82,13 +82,34 @@
 //! first touched when the buffer is zeroed, and such a segment raises SIGBUS there, still at
 //! allocation rather than in the middle of a transfer.
 //!
+//! Grants (`Agent::grant`, module `grants`): each granted range gets a memory handle of its own
+//! (`ucp_mem_map` again, so an rkey of its own), published in the grant's key together with
+//! the grantee's name and a wall-clock deadline. A holder loading the grant announces itself
+//! to the target (`Hold`, answered before `load_grant` returns; unanswered within `timeout_ms`
+//! plus 1 s, the load fails). The holder checks every descriptor under the grant before it
+//! posts anything: another agent's grant is `UnknownKey`, a descriptor outside the granted
+//! ranges `OutOfBounds`, a revoked or expired grant `Revoked`, and no byte moves. `revoke`
+//! sends `Revoke` to every holder; a holder marks the grant revoked at once, acknowledges once
+//! its transfers in flight to the target are complete (their gets have landed, their puts are
+//! flushed), and destroys the grant's rkeys; `revoke` returns when every holder acknowledged
+//! or failed, and then unmaps the grant's handles.
+//!
+//! The bound: `revoke` waits at most `timeout_ms` plus 1 s. A holder that is dead (its endpoint
+//! fails, or over shared memory nothing completes for `timeout_ms`) sends nothing more, and its
+//! endpoint is force-closed; after the bound the handles are unmapped whatever the holders
+//! said, and the revocation is logged as unacknowledged. On InfiniBand/RoCE the unmap alone
+//! cuts every holder off. Over TCP and shared memory it does not (see the first limit): a holder
+//! that is alive but frozen through the whole bound (SIGSTOP), and later resumes operations it
+//! had posted before the revocation, can still reach the memory. Grant expiry is checked by the
+//! holder against the wall clock, so across hosts it is as exact as their clocks agree; a
+//! target that never revokes forgets the grant 60 s after its deadline.
+//!
 //! Limits:
 //! - Remote keys are not enforced over TCP or shared memory: UCX's emulated put/get write and
 //!   read the address a message names without checking it against a registration, so a peer
 //!   holding a stale key (or any address) still reaches memory the target deregistered; on
-//!   InfiniBand/RoCE the adapter refuses it. Closing that needs a key-revocation exchange
-//!   (the target tells its peers, and waits for their acknowledgement, before it unmaps), which
-//!   protects against stale keys of well-behaved peers only.
+//!   InfiniBand/RoCE the adapter refuses it. Grants close that for peers running this backend
+//!   (the revocation exchange above), not against a peer that ignores revocations.
 //! - UCX 1.13's shared-memory transports cannot detect a dead peer (`error_mode=auto` falls
 //!   back to `none`): requests to it end by `timeout_ms`, and UCX never completes the operations
 //!   it had queued to it. Their memory stays pinned (a deregistration waits) until the peer's

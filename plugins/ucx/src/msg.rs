@@ -38,13 +38,29 @@ pub enum MsgError {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Msg {
-    Notif { seq: u64, sender: String, message: Vec<u8> },
-    Ack { seq: u64 },
+    Notif {
+        seq: u64,
+        sender: String,
+        message: Vec<u8>,
+    },
+    Ack {
+        seq: u64,
+    },
     /// A holder announces itself for a grant (`conn_info`: where to send `Revoke`).
-    Hold { seq: u64, holder: String, grant_id: u64, conn_info: Vec<u8> },
+    Hold {
+        seq: u64,
+        holder: String,
+        grant_id: u64,
+        conn_info: Vec<u8>,
+    },
     /// The answer to a `Hold` for a grant that is unknown, revoked, expired or not the holder's.
-    Refused { seq: u64 },
-    Revoke { seq: u64, grant_id: u64 },
+    Refused {
+        seq: u64,
+    },
+    Revoke {
+        seq: u64,
+        grant_id: u64,
+    },
 }
 
 pub fn encode_notif(seq: u64, sender: &str, message: &[u8]) -> Result<Vec<u8>, MsgError> {

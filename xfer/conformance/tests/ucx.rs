@@ -6,7 +6,9 @@
 //! Not run here: `bad_frames` (TCP's wire format) and `dereg_target_races_transfers`: over TCP
 //! and shared memory UCX emulates put and get inside its own progress and never checks the
 //! address against a registration, so the target cannot refuse a stale key (InfiniBand/RoCE
-//! adapters do); see the crate docs of `xfer-ucx`.
+//! adapters do); see the crate docs of `xfer-ucx`. Grants (`grants`, `grant_writes`,
+//! `late_read_storm`) do run: the holder refuses a revoked grant before posting, and revoke
+//! waits for the holder's acknowledgement (the crate's revocation exchange).
 //!
 //! Over shared memory UCX 1.13's posix transport cannot detect a failed peer: requests to a
 //! killed or frozen peer end by `timeout_ms` (about 7 s, within the bound), and UCX never
