@@ -136,6 +136,9 @@ pub struct Conn {
     pending: VecDeque<Pending>,
     /// Revocations from the peer waiting for the jobs in flight to finish: `(seq, key ids)`.
     revocations: Vec<(u64, Vec<u64>)>,
+    /// Revocations whose jobs are done, waiting for a flush: a WRITE of staged memory
+    /// completes before its puts are visible at the target, the flush makes them so.
+    flushing: Option<(Flush, Vec<(u64, Vec<u64>)>)>,
     /// Acknowledgements of revocations, until UCX has sent them.
     acks: Vec<Send>,
     last_progress: Instant,
@@ -150,6 +153,7 @@ impl Conn {
             jobs: VecDeque::new(),
             pending: VecDeque::new(),
             revocations: Vec::new(),
+            flushing: None,
             acks: Vec::new(),
             last_progress: Instant::now(),
         }
@@ -161,7 +165,7 @@ impl Conn {
 
     /// Whether anything waits for the peer (what its silence times out).
     fn is_waiting(&self) -> bool {
-        !self.jobs.is_empty() || !self.pending.is_empty()
+        !self.jobs.is_empty() || !self.pending.is_empty() || self.flushing.is_some()
     }
 
     /// When the connection times out if nothing completes before.
@@ -349,13 +353,21 @@ impl Conn {
         self.revocations.push((seq, key_ids));
     }
 
-    /// Acknowledges the revocations waiting, once no job is in flight.
+    /// Acknowledges the revocations waiting, once no job is in flight and a flush after them
+    /// completed.
     fn answer_revocations(&mut self) {
         self.acks.retain_mut(|send| send.poll().is_none());
-        if !self.jobs.is_empty() {
+        if self.flushing.is_none() && self.jobs.is_empty() && !self.revocations.is_empty() {
+            self.flushing = Some((self.ep.flush(), std::mem::take(&mut self.revocations)));
+        }
+        let Some((flush, _)) = self.flushing.as_mut() else { return };
+        // A flush fails only with its endpoint: the acknowledgement then fails too, and the
+        // target sees the endpoint fail instead.
+        if flush.poll().is_none() {
             return;
         }
-        for (seq, key_ids) in std::mem::take(&mut self.revocations) {
+        let Some((_, done)) = self.flushing.take() else { return };
+        for (seq, key_ids) in done {
             for key_id in key_ids {
                 self.rkeys.remove(&key_id);
             }
@@ -427,6 +439,7 @@ impl Conn {
         self.rkeys.clear();
         // Their acknowledgements cannot go out now: the target sees this connection fail.
         self.revocations.clear();
+        self.flushing = None;
         self.jobs
             .drain(..)
             .map(|mut job| {
