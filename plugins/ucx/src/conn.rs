@@ -127,6 +127,12 @@ pub struct Env<'a> {
     pub held: &'a HashMap<u64, Held>,
 }
 
+/// A grant the peer revoked: the message to acknowledge (`seq`) and the grant's rkeys.
+struct Revocation {
+    seq: u64,
+    key_ids: Vec<u64>,
+}
+
 /// A live endpoint to one peer.
 pub struct Conn {
     pub peer: Arc<PeerInfo>,
@@ -134,11 +140,11 @@ pub struct Conn {
     rkeys: HashMap<u64, Rkey>,
     jobs: VecDeque<Job>,
     pending: VecDeque<Pending>,
-    /// Revocations from the peer waiting for the jobs in flight to finish: `(seq, key ids)`.
-    revocations: Vec<(u64, Vec<u64>)>,
+    /// Revocations from the peer waiting for the jobs in flight to finish.
+    revocations: Vec<Revocation>,
     /// Revocations whose jobs are done, waiting for a flush: a WRITE of staged memory
     /// completes before its puts are visible at the target, the flush makes them so.
-    flushing: Option<(Flush, Vec<(u64, Vec<u64>)>)>,
+    flushing: Option<(Flush, Vec<Revocation>)>,
     /// Acknowledgements of revocations, until UCX has sent them.
     acks: Vec<Send>,
     last_progress: Instant,
@@ -350,7 +356,7 @@ impl Conn {
     /// The peer revoked a grant whose rkeys are `key_ids`: acknowledged (message `seq`) once
     /// no job in flight on this connection can still be using them, the rkeys destroyed first.
     pub fn revoke_when_idle(&mut self, seq: u64, key_ids: Vec<u64>) {
-        self.revocations.push((seq, key_ids));
+        self.revocations.push(Revocation { seq, key_ids });
     }
 
     /// Acknowledges the revocations waiting, once no job is in flight and a flush after them
@@ -367,7 +373,7 @@ impl Conn {
             return;
         }
         let Some((_, done)) = self.flushing.take() else { return };
-        for (seq, key_ids) in done {
+        for Revocation { seq, key_ids } in done {
             for key_id in key_ids {
                 self.rkeys.remove(&key_id);
             }
