@@ -55,48 +55,16 @@ pub fn tune(stream: &TcpStream, tuning: SocketTuning) -> io::Result<()> {
 /// The byte every TLS connection starts with (a handshake record).
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
-/// Bytes of ciphertext read from the socket at once under TLS.
-const INBOUND_BATCH: usize = 256 << 10;
-
 /// The socket, and rustls over it once TLS has started.
 #[derive(Debug)]
 struct Stream {
     tcp: TcpStream,
     tls: Option<Box<rustls::Connection>>,
-    inbound: Inbound,
-}
-
-/// Ciphertext read from the socket in large batches and handed to rustls from memory: rustls
-/// reads a socket at most 4 KiB at a time (four system calls per 16 KiB record, which cost
-/// more than copying the bytes once more).
-#[derive(Debug, Default)]
-struct Inbound {
-    buf: Vec<u8>,
-    start: usize,
-    end: usize,
-}
-
-impl Inbound {
-    /// Gives rustls ciphertext, reading the socket when none is left; `Ok(0)` at end of stream.
-    fn feed(&mut self, tls: &mut rustls::Connection, tcp: &mut TcpStream) -> io::Result<usize> {
-        if self.start == self.end {
-            self.buf.resize(INBOUND_BATCH, 0);
-            let got = tcp.read(&mut self.buf)?;
-            (self.start, self.end) = (0, got);
-            if got == 0 {
-                return Ok(0);
-            }
-        }
-        let mut pending = &self.buf[self.start..self.end];
-        let taken = tls.read_tls(&mut pending)?;
-        self.start += taken;
-        Ok(taken)
-    }
 }
 
 impl Stream {
     fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        let Stream { tcp, tls: Some(tls), inbound } = self else { return self.tcp.read_vectored(bufs) };
+        let Stream { tcp, tls: Some(tls) } = self else { return self.tcp.read_vectored(bufs) };
         loop {
             match tls.reader().read_vectored(bufs) {
                 // Ok(0) is the peer's close_notify.
@@ -105,7 +73,7 @@ impl Stream {
                 Err(e) => return Err(e),
             }
             // No plaintext buffered: read records (a timeout here is the caller's poll).
-            let got = inbound.feed(tls, tcp)?;
+            let got = tls.read_tls(tcp)?;
             if let Err(err) = tls.process_new_packets() {
                 // Best effort: tell the peer why (the alert rustls queued).
                 let _ = tls.write_tls(tcp);
@@ -121,7 +89,7 @@ impl Stream {
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let Stream { tcp, tls: Some(tls), .. } = self else { return self.tcp.write_vectored(bufs) };
+        let Stream { tcp, tls: Some(tls) } = self else { return self.tcp.write_vectored(bufs) };
         // Earlier records go first, so the buffer limit admits new plaintext.
         while tls.wants_write() {
             tls.write_tls(tcp)?;
@@ -153,12 +121,7 @@ impl Conn {
         let poll = Some(POLL.min(timeout).max(Duration::from_millis(1)));
         stream.set_read_timeout(poll)?;
         stream.set_write_timeout(poll)?;
-        Ok(Conn {
-            stream: Stream { tcp: stream, tls: None, inbound: Inbound::default() },
-            timeout,
-            stop,
-            spin: SpinBudget::new(Duration::ZERO),
-        })
+        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop, spin: SpinBudget::new(Duration::ZERO) })
     }
 
     /// Lets waits for a frame or an answer poll for up to `max` before they sleep.
@@ -242,7 +205,7 @@ impl Conn {
 
     /// Sends the records rustls still holds (after a write, before waiting for the answer).
     fn flush_tls(&mut self, mut last_progress: Instant) -> Result<(), ConnError> {
-        let Stream { tcp, tls: Some(tls), .. } = &mut self.stream else { return Ok(()) };
+        let Stream { tcp, tls: Some(tls) } = &mut self.stream else { return Ok(()) };
         while tls.wants_write() {
             match tls.write_tls(tcp) {
                 Ok(_) => last_progress = Instant::now(),

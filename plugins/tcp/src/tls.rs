@@ -86,13 +86,8 @@ pub fn decode_conn_info(text: &str) -> Result<(&str, Option<Fingerprint>), TlsEr
     }
 }
 
-/// ring's provider with AES-128-GCM first: with AES instructions the fastest TLS 1.3 suite
-/// (ring's default order starts with AES-256-GCM, which runs 14 rounds to its 10). Both ends
-/// are this backend, and the client's order decides.
 fn provider() -> Arc<CryptoProvider> {
-    let mut provider = rustls::crypto::ring::default_provider();
-    provider.cipher_suites.sort_by_key(|suite| suite.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
-    Arc::new(provider)
+    Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// This backend's certificate and the server side of its TLS.
@@ -202,13 +197,6 @@ impl ServerCertVerifier for PinnedCert {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn aes_128_gcm_is_offered_first() {
-        let suites: Vec<_> = provider().cipher_suites.iter().map(|suite| suite.suite()).collect();
-        assert_eq!(suites.first(), Some(&rustls::CipherSuite::TLS13_AES_128_GCM_SHA256), "{suites:?}");
-        assert!(suites.contains(&rustls::CipherSuite::TLS13_AES_256_GCM_SHA384), "{suites:?}");
-    }
 
     #[test]
     fn conn_info_round_trips_and_rejects_bad_fingerprints() {
