@@ -836,7 +836,7 @@ type GrantRanges = Vec<(u64, u64)>;
 impl Agent {
     /// Grants `peer` alone access to `ranges` (each inside one registered region of
     /// `mem_type`) for `ttl`. Every attached backend holding those regions must issue it
-    /// (today only TCP does; others refuse with `Unsupported`). Send [`Grant::token`] to the
+    /// (TCP and UCX do; others refuse with `Unsupported`). Send [`Grant::token`] to the
     /// peer; revoke (or drop) the grant before reusing the memory.
     pub fn grant(&self, peer: &str, mem_type: MemType, ranges: &[Desc], ttl: Duration) -> Result<Grant, XferError> {
         if ranges.is_empty() {

@@ -14,6 +14,7 @@ use std::time::Instant;
 use crossbeam_channel::Sender;
 use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, TransferJob};
 
+use crate::grants::{Held, UcxGrantKey};
 use crate::keys::UcxRemoteKey;
 use crate::msg;
 use crate::ucp::{Endpoint, Flush, MemHandle, Rkey, Rma, Send, Status};
@@ -68,7 +69,7 @@ impl Waiter {
     }
 }
 
-/// A notification sent and not yet acknowledged.
+/// A message sent (a notification, a grant's hold or revocation) and not yet acknowledged.
 struct Pending {
     seq: u64,
     _send: Send,
@@ -122,6 +123,14 @@ pub struct Env<'a> {
     pub cuda: bool,
     pub next_seq: &'a mut u64,
     pub finished: &'a mut Finished,
+    /// Grants this side holds (module `grants`), by grant id.
+    pub held: &'a HashMap<u64, Held>,
+}
+
+/// A grant the peer revoked: the message to acknowledge (`seq`) and the grant's rkeys.
+struct Revocation {
+    seq: u64,
+    key_ids: Vec<u64>,
 }
 
 /// A live endpoint to one peer.
@@ -131,6 +140,13 @@ pub struct Conn {
     rkeys: HashMap<u64, Rkey>,
     jobs: VecDeque<Job>,
     pending: VecDeque<Pending>,
+    /// Revocations from the peer waiting for the jobs in flight to finish.
+    revocations: Vec<Revocation>,
+    /// Revocations whose jobs are done, waiting for a flush: a WRITE of staged memory
+    /// completes before its puts are visible at the target, the flush makes them so.
+    flushing: Option<(Flush, Vec<Revocation>)>,
+    /// Acknowledgements of revocations, until UCX has sent them.
+    acks: Vec<Send>,
     last_progress: Instant,
 }
 
@@ -142,21 +158,29 @@ impl Conn {
             rkeys: HashMap::new(),
             jobs: VecDeque::new(),
             pending: VecDeque::new(),
+            revocations: Vec::new(),
+            flushing: None,
+            acks: Vec::new(),
             last_progress: Instant::now(),
         }
     }
 
     pub fn is_busy(&self) -> bool {
-        !self.jobs.is_empty() || !self.pending.is_empty()
+        self.is_waiting() || !self.revocations.is_empty() || !self.acks.is_empty()
+    }
+
+    /// Whether anything waits for the peer (what its silence times out).
+    fn is_waiting(&self) -> bool {
+        !self.jobs.is_empty() || !self.pending.is_empty() || self.flushing.is_some()
     }
 
     /// When the connection times out if nothing completes before.
     pub fn deadline(&self, timeout: std::time::Duration) -> Option<Instant> {
-        self.is_busy().then(|| self.last_progress + timeout)
+        self.is_waiting().then(|| self.last_progress + timeout)
     }
 
     fn touch_if_idle(&mut self) {
-        if !self.is_busy() {
+        if !self.is_waiting() {
             self.last_progress = Instant::now();
         }
     }
@@ -178,7 +202,7 @@ impl Conn {
             let err = BackendError::MemoryNotMoved { backend: "ucx", mem_type: piece.mem_type() };
             return env.finished.push((done, Err(err)));
         }
-        let plan = match self.plan(&remote, &local) {
+        let plan = match self.plan(&remote, &local, env) {
             Ok(plan) => plan,
             Err(err) => return env.finished.push((done, Err(err))),
         };
@@ -243,10 +267,21 @@ impl Conn {
         &mut self,
         remote: &[xfer_core::RemoteSeg],
         local: &[LocalMem],
+        env: &Env<'_>,
     ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
         let mut plan = Vec::with_capacity(remote.len());
+        let now_ms = crate::grants::unix_ms(std::time::SystemTime::now());
         for seg in remote {
-            let Some(key) = seg.key.downcast_ref::<UcxRemoteKey>() else {
+            let key = if let Some(key) = seg.key.downcast_ref::<UcxRemoteKey>() {
+                key
+            } else if let Some(grant) = seg.key.downcast_ref::<UcxGrantKey>() {
+                // Checked here, before any operation is posted: over tcp and shared memory
+                // nothing on the target would refuse it (see module `grants`).
+                let revoked = env.held.get(&grant.grant_id).map(|held| held.revoked);
+                grant
+                    .admit(env.agent_name, revoked, now_ms, seg.addr, seg.len)
+                    .map_err(|(code, message)| BackendError::Refused { code, message })?
+            } else {
                 return Err(BackendError::InvalidMetadata("remote key is not a ucx key".into()));
             };
             if key.is_local_only() {
@@ -281,9 +316,21 @@ impl Conn {
 
     /// Sends a notification; `waiter` finishes when the peer acknowledges it.
     pub fn notify(&mut self, message: &[u8], waiter: Waiter, env: &mut Env<'_>) {
+        let agent_name = env.agent_name;
+        self.request(|seq| msg::encode_notif(seq, agent_name, message), waiter, env);
+    }
+
+    /// Sends the message `encode` makes with a fresh sequence number; `waiter` finishes when
+    /// the peer acknowledges it (or refuses, or the connection fails).
+    pub fn request(
+        &mut self,
+        encode: impl FnOnce(u64) -> Result<Vec<u8>, msg::MsgError>,
+        waiter: Waiter,
+        env: &mut Env<'_>,
+    ) {
         let seq = *env.next_seq;
         *env.next_seq += 1;
-        let payload = match msg::encode_notif(seq, env.agent_name, message) {
+        let payload = match encode(seq) {
             Ok(payload) => payload,
             Err(err) => return waiter.finish(Err(BackendError::Unsupported(err.to_string())), env.finished),
         };
@@ -292,14 +339,46 @@ impl Conn {
         self.pending.push_back(Pending { seq, _send: send, waiter });
     }
 
-    /// An acknowledgement arrived; `false` when it is not for this connection.
-    pub fn acknowledged(&mut self, seq: u64, finished: &mut Finished) -> bool {
-        let Some(index) = self.pending.iter().position(|p| p.seq == seq) else { return false };
+    /// Whether message `seq` was sent here and waits for its answer.
+    pub fn waits_for(&self, seq: u64) -> bool {
+        self.pending.iter().any(|p| p.seq == seq)
+    }
+
+    /// The answer to message `seq` arrived (an acknowledgement, or a refusal).
+    pub fn acknowledged(&mut self, seq: u64, result: Result<(), BackendError>, finished: &mut Finished) {
+        let Some(index) = self.pending.iter().position(|p| p.seq == seq) else { return };
         if let Some(pending) = self.pending.remove(index) {
-            pending.waiter.finish(Ok(()), finished);
+            pending.waiter.finish(result, finished);
         }
         self.last_progress = Instant::now();
-        true
+    }
+
+    /// The peer revoked a grant whose rkeys are `key_ids`: acknowledged (message `seq`) once
+    /// no job in flight on this connection can still be using them, the rkeys destroyed first.
+    pub fn revoke_when_idle(&mut self, seq: u64, key_ids: Vec<u64>) {
+        self.revocations.push(Revocation { seq, key_ids });
+    }
+
+    /// Acknowledges the revocations waiting, once no job is in flight and a flush after them
+    /// completed.
+    fn answer_revocations(&mut self) {
+        self.acks.retain_mut(|send| send.poll().is_none());
+        if self.flushing.is_none() && self.jobs.is_empty() && !self.revocations.is_empty() {
+            self.flushing = Some((self.ep.flush(), std::mem::take(&mut self.revocations)));
+        }
+        let Some((flush, _)) = self.flushing.as_mut() else { return };
+        // A flush fails only with its endpoint: the acknowledgement then fails too, and the
+        // target sees the endpoint fail instead.
+        if flush.poll().is_none() {
+            return;
+        }
+        let Some((_, done)) = self.flushing.take() else { return };
+        for Revocation { seq, key_ids } in done {
+            for key_id in key_ids {
+                self.rkeys.remove(&key_id);
+            }
+            self.acks.push(self.ep.send(msg::encode_ack(seq)));
+        }
     }
 
     /// Advances the jobs in order; returns whether anything completed.
@@ -347,6 +426,7 @@ impl Conn {
         if progressed {
             self.last_progress = Instant::now();
         }
+        self.answer_revocations();
         progressed
     }
 
@@ -363,6 +443,9 @@ impl Conn {
             pending.waiter.finish(Err(err()), finished);
         }
         self.rkeys.clear();
+        // Their acknowledgements cannot go out now: the target sees this connection fail.
+        self.revocations.clear();
+        self.flushing = None;
         self.jobs
             .drain(..)
             .map(|mut job| {

@@ -21,15 +21,16 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::{JoinHandle, Thread};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
-use xfer_core::{BackendError, Completion, Desc, LocalRegion, MemType, NotifSink, Progress, TransferJob};
+use xfer_core::{BackendError, Completion, Desc, LocalRegion, MemType, NotifSink, Progress, RefusalCode, TransferJob};
 
 use crate::config::{ErrorMode, Settings};
 use crate::conn::{Conn, Env, Finished, Job, PeerInfo, Waiter};
-use crate::keys::UcxRemoteKey;
+use crate::grants::{self, Held, UcxGrantKey, REMEMBER_AFTER_EXPIRY};
+use crate::keys::{self, ProcessId, UcxRemoteKey};
 use crate::msg::{self, Msg};
 use crate::ucp::{self, AllocatedRange, Close, Config, Context, Event, MemHandle, Signaler, Worker, WorkerCell};
 
@@ -52,6 +53,11 @@ const YIELD_AFTER_IDLE_PASSES: u32 = 16;
 /// event showing up in between.
 const MAX_REFUSED_ARMS: u32 = 100;
 const REFUSED_ARM_NAP: Duration = Duration::from_millis(1);
+/// How often the grant tables are swept of long-expired entries.
+const GRANT_SWEEP: Duration = Duration::from_secs(1);
+/// Peer ids of grant holders (peers known from their `Hold`, not through the agent) start
+/// here, apart from the backend's own.
+const HOLDER_IDS: u64 = 1 << 62;
 
 /// What the progress thread does instead of progressing.
 enum Sleep {
@@ -404,6 +410,14 @@ pub struct Engine {
     closing: Vec<Close>,
     acks: Vec<ucp::Send>,
     regions: HashMap<u64, Rc<MemHandle>>,
+    /// Grants this side issued, by grant id (their handles unmap when they go).
+    issued: HashMap<u64, Issued>,
+    /// Grants this side holds (or heard revoked), by grant id.
+    held: HashMap<u64, Held>,
+    /// Holders of our grants, by worker address: where revocations go.
+    holders: HashMap<Vec<u8>, Arc<PeerInfo>>,
+    grants_swept: Instant,
+    process: ProcessId,
     allocations: Allocations,
     next_key: u64,
     next_allocation: u64,
@@ -423,8 +437,22 @@ macro_rules! env {
             cuda: $engine.cuda,
             next_seq: &mut $engine.next_seq,
             finished: &mut $engine.finished,
+            held: &$engine.held,
         }
     };
+}
+
+/// A grant this side issued (module `grants`).
+struct Issued {
+    region_id: u64,
+    peer: String,
+    deadline_ms: u64,
+    /// One per granted range; dropping them unmaps the ranges' rkeys.
+    _memhs: Vec<MemHandle>,
+    /// Who announced itself as holding it (`Hold`).
+    holders: Vec<Arc<PeerInfo>>,
+    /// Being revoked: no new holder.
+    revoked: bool,
 }
 
 impl Engine {
@@ -449,6 +477,11 @@ impl Engine {
             closing: Vec::new(),
             acks: Vec::new(),
             regions: HashMap::new(),
+            issued: HashMap::new(),
+            held: HashMap::new(),
+            holders: HashMap::new(),
+            grants_swept: Instant::now(),
+            process: ProcessId::current(),
             allocations: Allocations::default(),
             next_key: 1,
             next_allocation: 1,
@@ -552,6 +585,176 @@ impl Engine {
 
     pub fn deregister(&mut self, region_id: u64) {
         self.regions.remove(&region_id);
+        // The region is closed and idle: its grants go without waiting for their holders.
+        let gone: Vec<u64> = self.issued.iter().filter(|(_, g)| g.region_id == region_id).map(|(id, _)| *id).collect();
+        let (ignored, _) = crossbeam_channel::unbounded();
+        for grant_id in gone {
+            self.revoke_grant(grant_id, &ignored);
+            self.release_grant(grant_id);
+        }
+    }
+
+    /// Issues a grant (module `grants`): each range (absolute, merged) mapped again for an
+    /// rkey of its own; returns the grant's key.
+    pub fn grant(
+        &mut self,
+        region: &LocalRegion,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        deadline_ms: u64,
+    ) -> Result<Vec<u8>, BackendError> {
+        if !self.regions.contains_key(&region.id()) {
+            return Err(BackendError::Unsupported("ucx grants only memory registered with ucx".into()));
+        }
+        if peer.len() > 255 || ranges.len() >= grants::MAX_PIECES {
+            return Err(BackendError::InvalidParam {
+                name: "grant".into(),
+                reason: "peer name over 255 bytes or too many ranges".into(),
+            });
+        }
+        let cuda = region.mem_type() == MemType::Vram;
+        let mut memhs = Vec::with_capacity(ranges.len());
+        let mut pieces = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            let memh = self.ctx.mem_map(addr, len, cuda).map_err(|s| ucx_error("mem_map (grant)", s))?;
+            let packed = memh.pack_rkey().map_err(|s| ucx_error("rkey_pack (grant)", s))?;
+            pieces.push(UcxRemoteKey { key_id: self.next_key, base: addr, len, packed });
+            self.next_key += 1;
+            memhs.push(memh);
+        }
+        let grant_id = grants::fresh_id(self.next_key);
+        let key = UcxGrantKey { grant_id, deadline_ms, peer: peer.to_string(), pieces };
+        let issued = Issued {
+            region_id: region.id(),
+            peer: peer.to_string(),
+            deadline_ms,
+            _memhs: memhs,
+            holders: Vec::new(),
+            revoked: false,
+        };
+        self.issued.insert(grant_id, issued);
+        Ok(key.encode())
+    }
+
+    /// Starts revoking a grant: it takes no new holder, and each holder is sent `Revoke`, its
+    /// answer going to `reply`. Returns how many answers to expect.
+    pub fn revoke_grant(&mut self, grant_id: u64, reply: &Sender<Result<(), BackendError>>) -> usize {
+        let Some(issued) = self.issued.get_mut(&grant_id).filter(|issued| !issued.revoked) else { return 0 };
+        issued.revoked = true;
+        let holders = issued.holders.clone();
+        self.posted = true;
+        let mut env = env!(self);
+        for holder in &holders {
+            match conn_for(&mut self.conns, &mut self.by_ep, &self.worker, &mut self.settings.error_mode, holder) {
+                Ok(conn) => {
+                    conn.request(|seq| Ok(msg::encode_revoke(seq, grant_id)), Waiter::Caller(reply.clone()), &mut env)
+                }
+                Err(err) => _ = reply.send(Err(err)),
+            }
+        }
+        holders.len()
+    }
+
+    /// Forgets a grant: its ranges' handles are unmapped.
+    pub fn release_grant(&mut self, grant_id: u64) {
+        self.issued.remove(&grant_id);
+    }
+
+    /// Announces this side to `peer` as the holder of `grant`; `reply` gets the answer.
+    pub fn hold(
+        &mut self,
+        peer: &Arc<PeerInfo>,
+        grant: &UcxGrantKey,
+        conn_info: &[u8],
+        reply: Sender<Result<(), BackendError>>,
+    ) {
+        self.posted = true;
+        let left = Duration::from_millis(grant.deadline_ms.saturating_sub(grants::unix_ms(SystemTime::now())));
+        let forget_after = Instant::now() + left + REMEMBER_AFTER_EXPIRY;
+        // Known already when a revocation overtook the hold, or the token loads again: a
+        // revoked grant stays revoked.
+        let held = self.held.entry(grant.grant_id).or_insert(Held {
+            peer_id: None,
+            key_ids: Vec::new(),
+            revoked: false,
+            forget_after,
+        });
+        held.peer_id = Some(peer.id);
+        held.key_ids = grant.key_ids();
+        let mut env = env!(self);
+        let holder = env.agent_name;
+        match conn_for(&mut self.conns, &mut self.by_ep, &self.worker, &mut self.settings.error_mode, peer) {
+            Ok(conn) => conn.request(
+                |seq| msg::encode_hold(seq, holder, grant.grant_id, conn_info),
+                Waiter::Caller(reply),
+                &mut env,
+            ),
+            Err(err) => _ = reply.send(Err(err)),
+        }
+    }
+
+    /// Marks a held grant revoked (its hold was refused or failed).
+    pub fn mark_revoked(&mut self, grant_id: u64) {
+        if let Some(held) = self.held.get_mut(&grant_id) {
+            held.revoked = true;
+        }
+    }
+
+    /// A `Hold` from a peer: admitted when the grant is live and the peer's name is the one it
+    /// was granted to; the peer is remembered as a holder, to be told of the revocation.
+    fn on_hold(&mut self, holder: String, grant_id: u64, conn_info: &[u8]) -> bool {
+        let now_ms = grants::unix_ms(SystemTime::now());
+        let Some(issued) = self.issued.get_mut(&grant_id) else { return false };
+        if issued.revoked || issued.peer != holder || now_ms >= issued.deadline_ms {
+            return false;
+        }
+        let Ok(info) = keys::decode_conn_info(conn_info) else { return false };
+        let next_id = HOLDER_IDS + self.holders.len() as u64;
+        let peer = self.holders.entry(info.address.clone()).or_insert_with(|| {
+            Arc::new(PeerInfo {
+                id: next_id,
+                name: holder,
+                address: info.address,
+                local_pid: info.process.local_pid(&self.process),
+                closed: AtomicBool::new(false),
+            })
+        });
+        if !issued.holders.iter().any(|known| Arc::ptr_eq(known, peer)) {
+            issued.holders.push(Arc::clone(peer));
+        }
+        true
+    }
+
+    /// A `Revoke` from the target of a grant this side holds: refused from now on, and
+    /// acknowledged once the connection's jobs in flight are done (or at once without one).
+    fn on_revoke(&mut self, seq: u64, grant_id: u64, reply: Option<ucp::ReplyTo>) {
+        let held = self.held.entry(grant_id).or_insert(Held {
+            peer_id: None,
+            key_ids: Vec::new(),
+            revoked: true,
+            forget_after: Instant::now() + REMEMBER_AFTER_EXPIRY,
+        });
+        held.revoked = true;
+        if let Some(conn) = held.peer_id.and_then(|id| self.conns.get_mut(&id)) {
+            return conn.revoke_when_idle(seq, held.key_ids.clone());
+        }
+        let Some(reply) = reply else { return tracing::warn!(grant_id, "cannot acknowledge a revocation") };
+        match self.worker.reply(&reply, msg::encode_ack(seq)) {
+            Ok(send) => self.acks.push(send),
+            Err(status) => tracing::warn!(%status, grant_id, "cannot acknowledge a revocation"),
+        }
+    }
+
+    /// Forgets grants long past their deadline: held ones refuse by then anyway; issued ones
+    /// the application never revoked go (their holders refuse them by their own clock).
+    fn sweep_grants(&mut self, now: Instant) {
+        if now.saturating_duration_since(self.grants_swept) < GRANT_SWEEP {
+            return;
+        }
+        self.grants_swept = now;
+        self.held.retain(|_, held| now < held.forget_after);
+        let forget_before = grants::unix_ms(SystemTime::now() - REMEMBER_AFTER_EXPIRY);
+        self.issued.retain(|_, issued| issued.deadline_ms > forget_before);
     }
 
     /// Has UCX allocate and register `len` bytes of host memory; returns the allocation's id
@@ -621,6 +824,23 @@ impl Engine {
                 }
             }
             Event::Message { payload, reply } => match msg::decode(&payload) {
+                Ok(Msg::Hold { seq, holder, grant_id, conn_info }) => {
+                    let admitted = self.on_hold(holder, grant_id, &conn_info);
+                    let answer = if admitted { msg::encode_ack(seq) } else { msg::encode_refused(seq) };
+                    let Some(reply) = reply else { return };
+                    match self.worker.reply(&reply, answer) {
+                        Ok(send) => self.acks.push(send),
+                        Err(status) => tracing::warn!(%status, grant_id, "cannot answer a grant's holder"),
+                    }
+                }
+                Ok(Msg::Revoke { seq, grant_id }) => self.on_revoke(seq, grant_id, reply),
+                Ok(Msg::Refused { seq }) => {
+                    let refused = || BackendError::Refused {
+                        code: RefusalCode::Revoked,
+                        message: "the grant is revoked, expired, or not granted to this agent".into(),
+                    };
+                    self.answered(seq, Err(refused()));
+                }
                 Ok(Msg::Notif { seq, sender, message }) => {
                     (self.notifs)(&sender, message);
                     let Some(reply) = reply else { return };
@@ -629,19 +849,23 @@ impl Engine {
                         Err(status) => tracing::warn!(%status, %sender, "cannot acknowledge a notification"),
                     }
                 }
-                Ok(Msg::Ack { seq }) => {
-                    let finished = &mut self.finished;
-                    if !self.conns.values_mut().any(|conn| conn.acknowledged(seq, finished)) {
-                        tracing::debug!(seq, "acknowledgement of a notification nobody waits for");
-                    }
-                }
+                Ok(Msg::Ack { seq }) => self.answered(seq, Ok(())),
                 Err(err) => tracing::warn!(%err, "ignoring a malformed ucx message"),
             },
         }
     }
 
+    /// An answer to one of our messages (a notification, hold or revocation) arrived.
+    fn answered(&mut self, seq: u64, result: Result<(), BackendError>) {
+        match self.conns.values_mut().find(|conn| conn.waits_for(seq)) {
+            Some(conn) => conn.acknowledged(seq, result, &mut self.finished),
+            None => tracing::debug!(seq, "an answer to a message nobody waits for"),
+        }
+    }
+
     /// Advances transfers, times out silent connections, finishes failed jobs and sends.
     fn poll_work(&mut self, now: Instant) -> bool {
+        self.sweep_grants(now);
         let mut progressed = false;
         let mut timed_out = Vec::new();
         let mut env = env!(self);

@@ -82,13 +82,34 @@
 //! first touched when the buffer is zeroed, and such a segment raises SIGBUS there, still at
 //! allocation rather than in the middle of a transfer.
 //!
+//! Grants (`Agent::grant`, module `grants`): each granted range gets a memory handle of its own
+//! (`ucp_mem_map` again, so an rkey of its own), published in the grant's key together with
+//! the grantee's name and a wall-clock deadline. A holder loading the grant announces itself
+//! to the target (`Hold`, answered before `load_grant` returns; unanswered within `timeout_ms`
+//! plus 1 s, the load fails). The holder checks every descriptor under the grant before it
+//! posts anything: another agent's grant is `UnknownKey`, a descriptor outside the granted
+//! ranges `OutOfBounds`, a revoked or expired grant `Revoked`, and no byte moves. `revoke`
+//! sends `Revoke` to every holder; a holder marks the grant revoked at once, acknowledges once
+//! its transfers in flight to the target are complete (their gets have landed, their puts are
+//! flushed), and destroys the grant's rkeys; `revoke` returns when every holder acknowledged
+//! or failed, and then unmaps the grant's handles.
+//!
+//! The bound: `revoke` waits at most `timeout_ms` plus 1 s. A holder that is dead (its endpoint
+//! fails, or over shared memory nothing completes for `timeout_ms`) sends nothing more, and its
+//! endpoint is force-closed; after the bound the handles are unmapped whatever the holders
+//! said, and the revocation is logged as unacknowledged. On InfiniBand/RoCE the unmap alone
+//! cuts every holder off. Over TCP and shared memory it does not (see the first limit): a holder
+//! that is alive but frozen through the whole bound (SIGSTOP), and later resumes operations it
+//! had posted before the revocation, can still reach the memory. Grant expiry is checked by the
+//! holder against the wall clock, so across hosts it is as exact as their clocks agree; a
+//! target that never revokes forgets the grant 60 s after its deadline.
+//!
 //! Limits:
 //! - Remote keys are not enforced over TCP or shared memory: UCX's emulated put/get write and
 //!   read the address a message names without checking it against a registration, so a peer
 //!   holding a stale key (or any address) still reaches memory the target deregistered; on
-//!   InfiniBand/RoCE the adapter refuses it. Closing that needs a key-revocation exchange
-//!   (the target tells its peers, and waits for their acknowledgement, before it unmaps), which
-//!   protects against stale keys of well-behaved peers only.
+//!   InfiniBand/RoCE the adapter refuses it. Grants close that for peers running this backend
+//!   (the revocation exchange above), not against a peer that ignores revocations.
 //! - UCX 1.13's shared-memory transports cannot detect a dead peer (`error_mode=auto` falls
 //!   back to `none`): requests to it end by `timeout_ms`, and UCX never completes the operations
 //!   it had queued to it. Their memory stays pinned (a deregistration waits) until the peer's
@@ -112,6 +133,7 @@
 mod config;
 mod conn;
 mod engine;
+mod grants;
 mod keys;
 mod msg;
 mod peer;
@@ -120,7 +142,7 @@ mod ucp;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType,
@@ -170,6 +192,7 @@ pub struct UcxBackend {
     stager: Arc<Stager>,
     next_peer: AtomicU64,
     stopped: AtomicBool,
+    own_conn_info: Arc<[u8]>,
     /// This process as peers on this host recognise it.
     process: keys::ProcessId,
 }
@@ -199,11 +222,13 @@ impl UcxBackend {
             settings.timeout,
             settings.max_op_bytes,
         ));
+        let conn_info = keys::encode_conn_info(&started.address, process, segments);
         Ok(UcxBackend {
             agent_name,
             settings,
             engine: started.shared,
-            conn_info: keys::encode_conn_info(&started.address, process, segments),
+            own_conn_info: Arc::from(conn_info.as_slice()),
+            conn_info,
             segments,
             cuda: started.cuda,
             staging,
@@ -296,7 +321,57 @@ impl Backend for UcxBackend {
             notify_bound: self.settings.timeout + Duration::from_secs(1),
             cuda: self.cuda,
             stager: Arc::clone(&self.stager),
+            agent_name: self.agent_name.clone(),
+            own_conn_info: Arc::clone(&self.own_conn_info),
         }))
+    }
+
+    fn grant(
+        &self,
+        region: &Arc<LocalRegion>,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        expires: Instant,
+    ) -> Result<Vec<u8>, BackendError> {
+        if region.mem_type() == MemType::File || (region.mem_type() == MemType::Vram && !self.cuda) {
+            return Err(BackendError::Unsupported(format!("ucx cannot grant {} memory it stages", region.mem_type())));
+        }
+        let deadline_ms = grants::deadline_after(expires.saturating_duration_since(Instant::now()));
+        self.engine.with(|engine| engine.grant(region, peer, ranges, deadline_ms))?
+    }
+
+    /// Revokes with the exchange of module `grants`: returns once every holder acknowledged,
+    /// or failed, or after `timeout_ms` plus a second; the grant's handles are unmapped then.
+    fn revoke(&self, public: &[u8]) {
+        let Ok(key) = grants::UcxGrantKey::decode(public) else {
+            return tracing::warn!(agent = %self.agent_name, "ucx revoke: not a ucx grant key");
+        };
+        let grant_id = key.grant_id;
+        let (reply, answers) = crossbeam_channel::unbounded();
+        let expected = self.engine.with(|engine| engine.revoke_grant(grant_id, &reply)).unwrap_or(0);
+        drop(reply);
+        if expected > 0 {
+            self.engine.posted();
+            let bound = self.settings.timeout + Duration::from_secs(1);
+            let deadline = Instant::now() + bound;
+            self.engine.drive_until(|| answers.len() >= expected, deadline);
+            let mut unanswered = expected;
+            while unanswered > 0 {
+                match answers.recv_deadline(deadline) {
+                    Ok(Ok(())) => {}
+                    // A failed holder's endpoint is closed already (that is how it failed).
+                    Ok(Err(err)) => tracing::warn!(agent = %self.agent_name, peer = %key.peer, %err,
+                        "ucx revoke: a holder did not acknowledge; unmapping the grant's memory"),
+                    Err(_) => {
+                        tracing::warn!(agent = %self.agent_name, peer = %key.peer, ?bound,
+                            "ucx revoke: no answer from a holder within the bound; unmapping the grant's memory");
+                        break;
+                    }
+                }
+                unanswered -= 1;
+            }
+        }
+        let _ = self.engine.with(|engine| engine.release_grant(grant_id));
     }
 
     fn allocate(&self, len: usize, mem_type: MemType) -> Option<Result<BackendBuffer, BackendError>> {

@@ -5,10 +5,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xfer_core::{BackendError, RemoteAgent, RemoteKey, TransferJob};
+use crossbeam_channel::Sender;
+use xfer_core::{BackendError, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
 
 use crate::conn::PeerInfo;
-use crate::engine::Shared;
+use crate::engine::{Engine, Shared};
+use crate::grants::{unix_ms, UcxGrantKey};
 use crate::keys::UcxRemoteKey;
 use crate::staged::{self, Stager};
 
@@ -20,6 +22,9 @@ pub struct UcxPeer {
     /// UCX takes device pointers (else GPU memory is staged, as files always are).
     pub(crate) cuda: bool,
     pub(crate) stager: Arc<Stager>,
+    /// This agent's name, and this backend's connection info (sent with a grant's `Hold`).
+    pub(crate) agent_name: String,
+    pub(crate) own_conn_info: Arc<[u8]>,
 }
 
 impl std::fmt::Debug for UcxPeer {
@@ -32,7 +37,16 @@ impl RemoteAgent for UcxPeer {
     fn unpack_key(&self, public: &[u8]) -> Result<RemoteKey, BackendError> {
         // UCX unpacks the key on the endpoint, which exists only once the peer is used; the
         // framing and checksum are checked now so a corrupt key never reaches UCX.
-        Ok(Arc::new(UcxRemoteKey::decode(public)?))
+        if !UcxGrantKey::is_grant_key(public) {
+            return Ok(Arc::new(UcxRemoteKey::decode(public)?));
+        }
+        let grant = UcxGrantKey::decode(public)?;
+        // A grant for another agent, or expired, loads but is refused at use; one for this
+        // agent is usable only once the peer knows this side holds it.
+        if grant.peer == self.agent_name && unix_ms(std::time::SystemTime::now()) < grant.deadline_ms {
+            self.hold(&grant)?;
+        }
+        Ok(Arc::new(grant))
     }
 
     fn post(&self, job: TransferJob) {
@@ -83,10 +97,43 @@ pub fn post(engine: &Arc<Shared>, info: &Arc<PeerInfo>, job: TransferJob, visibl
     }
 }
 
+impl UcxPeer {
+    /// Announces this side as the grant's holder (`Hold`, module `grants`) and waits, bounded,
+    /// for the peer's answer. Refused (revoked or expired meanwhile): the grant loads, revoked.
+    /// Unanswered: it fails, since the peer could not tell this side of a revocation.
+    fn hold(&self, grant: &UcxGrantKey) -> Result<(), BackendError> {
+        let info = &self.info;
+        let conn_info = &self.own_conn_info;
+        let answer =
+            round_trip(&self.engine, self.notify_bound, |engine, reply| engine.hold(info, grant, conn_info, reply));
+        let grant_id = grant.grant_id;
+        match answer {
+            Ok(()) => Ok(()),
+            Err(err) => {
+                self.engine.with(|engine| engine.mark_revoked(grant_id))?;
+                match err {
+                    BackendError::Refused { code: RefusalCode::Revoked, .. } => Ok(()),
+                    other => Err(other),
+                }
+            }
+        }
+    }
+}
+
 /// Sends a notification and waits, at most `bound`, for the peer's acknowledgement.
 pub fn notify(engine: &Shared, info: &Arc<PeerInfo>, message: &[u8], bound: Duration) -> Result<(), BackendError> {
+    round_trip(engine, bound, |engine, reply| engine.notify(info, message, reply))
+}
+
+/// Sends a message with `send` and waits, at most `bound`, for the peer's answer (driving the
+/// worker meanwhile).
+fn round_trip(
+    engine: &Shared,
+    bound: Duration,
+    send: impl FnOnce(&mut Engine, Sender<Result<(), BackendError>>) + std::marker::Send,
+) -> Result<(), BackendError> {
     let (reply, answer) = crossbeam_channel::bounded(1);
-    engine.with(|engine| engine.notify(info, message, reply))?;
+    engine.with(|engine| send(engine, reply))?;
     engine.posted();
     let deadline = Instant::now() + bound;
     engine.drive_until(|| !answer.is_empty(), deadline);

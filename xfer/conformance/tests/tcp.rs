@@ -22,6 +22,7 @@ xfer_conformance::conformance_tests!(
         dereg_initiator_races_transfers,
         dereg_target_races_transfers,
         grants,
+        grant_writes,
         late_read_storm,
         completion_styles,
     ]

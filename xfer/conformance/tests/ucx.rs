@@ -6,7 +6,9 @@
 //! Not run here: `bad_frames` (TCP's wire format) and `dereg_target_races_transfers`: over TCP
 //! and shared memory UCX emulates put and get inside its own progress and never checks the
 //! address against a registration, so the target cannot refuse a stale key (InfiniBand/RoCE
-//! adapters do); see the crate docs of `xfer-ucx`.
+//! adapters do); see the crate docs of `xfer-ucx`. Grants (`grants`, `grant_writes`,
+//! `late_read_storm`) do run: the holder refuses a revoked grant before posting, and revoke
+//! waits for the holder's acknowledgement (the crate's revocation exchange).
 //!
 //! Over shared memory UCX 1.13's posix transport cannot detect a failed peer: requests to a
 //! killed or frozen peer end by `timeout_ms` (about 7 s, within the bound), and UCX never
@@ -37,6 +39,9 @@ mod over_tcp {
             bad_remote_key,
             notif_once_across_stall,
             dereg_initiator_races_transfers,
+            grants,
+            grant_writes,
+            late_read_storm,
             // Killed or frozen peers: only over transports that detect failed peers.
             sigkill_mid_transfer,
             sigstop_mid_transfer,
@@ -58,6 +63,9 @@ mod over_shm {
             bad_remote_key,
             notif_once_across_stall,
             dereg_initiator_races_transfers,
+            grants,
+            grant_writes,
+            late_read_storm,
             // Frozen while idle: the receive-FIFO stall described above cannot happen.
             stalled_peer_times_out,
         ]
@@ -377,5 +385,40 @@ fn backend_allocation_outlives_its_agent() {
         buffer.read_at((3 << 20) - 4, &mut back);
         assert_eq!(back, [1, 2, 3, 4]);
         drop(buffer);
+    }
+}
+
+/// The bound on `revoke` when a holder is gone (its agent shut down after it loaded and used
+/// the grant): the revocation cannot be acknowledged, and `revoke` returns all the same, within
+/// `timeout_ms` plus 1 s, with the grant's memory unmapped. Both agents run in this process.
+#[test]
+fn revoke_with_a_gone_holder_returns_within_the_bound() {
+    use std::time::{Duration, Instant};
+    use xfer::{MemType, Op, RequestOptions};
+    use xfer_conformance::pattern::{check_pattern, write_pattern};
+    use xfer_conformance::scenarios::{Initiator, WAIT};
+
+    const TIMEOUT: Duration = Duration::from_millis(1000);
+    for (tag, transports) in [("tcp", TCP), ("shm", SHM)] {
+        let params = format!("{transports},timeout_ms={}", TIMEOUT.as_millis());
+        let target = Initiator::new(&format!("gone-target-{tag}"), "ucx", &params, 1 << 16);
+        let holder_name = format!("gone-holder-{tag}");
+        let holder = Initiator::new(&holder_name, "ucx", &params, 1 << 16);
+        let name = holder.agent.load_remote_metadata(&target.agent.local_metadata()).expect("metadata");
+        write_pattern(&target.buf, 0, 91, 0, 1 << 16);
+        let granted = target.desc(4096, 8192);
+        let grant =
+            target.agent.grant(&holder_name, MemType::Dram, &[granted], Duration::from_secs(20)).expect("grant");
+        holder.agent.load_grant(&grant.token()).expect("load grant");
+        holder
+            .transfer(Op::Read, &[holder.desc(0, 8192)], &name, &[granted], RequestOptions::default(), WAIT)
+            .unwrap_or_else(|e| panic!("{tag}: read under the grant: {e}"));
+        check_pattern(&holder.buf, 0, 91, 4096, 8192).unwrap_or_else(|at| panic!("{tag}: bytes differ at {at}"));
+        drop(holder);
+        let started = Instant::now();
+        grant.revoke();
+        let took = started.elapsed();
+        eprintln!("{tag}: revoke with the holder gone took {took:?}");
+        assert!(took < TIMEOUT + Duration::from_secs(3), "{tag}: revoke took {took:?}");
     }
 }

@@ -3,6 +3,9 @@
 //! - `grants`: a valid grant delivers checked bytes; a descriptor straddling the grant is
 //!   `OutOfBounds`; a grant for another peer is refused; after revoke or expiry, `Revoked`, and
 //!   no byte arrives.
+//! - `grant_writes`: a WRITE and a READ under a live grant move checked bytes; after revoke,
+//!   both are refused `Revoked`, the target's memory still holds what it held (no write landed)
+//!   and the initiator's buffer what it held (no read delivered).
 //! - `late_read_storm`: 200 grants of a few blocks each, read by 4 threads while the peer
 //!   revokes (and at once refills with other bytes) or lets them expire at random times: every
 //!   delivered block must carry its grant's bytes, every failure must be `Revoked`.
@@ -90,6 +93,41 @@ pub fn grants(backend: &str, params: &str) {
     let expired = read(&init, 0, &name, &peer, 32 * BLOCK, BLOCK);
     assert!(refused_with(&expired, RefusalCode::Revoked), "after expiry: {expired:?}");
     assert!(untouched(&init, BLOCK), "an expired grant delivered bytes");
+    peer.quit().expect("peer exits");
+}
+
+pub fn grant_writes(backend: &str, params: &str) {
+    const SIZE: u64 = 1 << 20;
+    const LEN: u64 = 4 * BLOCK;
+    let init = Initiator::new("grant-writes-init", backend, params, 2 * LEN);
+    let mut peer = spawn_peer("grant-writes-peer", backend, params, SIZE);
+    let name = init.connect(&peer);
+    peer.fill(0x71, 0, SIZE).expect("fill");
+    let (id, token) = grant(&mut peer, "grant-writes-init", 8 * BLOCK, LEN, 20_000);
+    init.agent.load_grant(&token).expect("load grant");
+    let target = peer.desc(8 * BLOCK, LEN);
+    let write = || {
+        let local = [init.desc(0, LEN)];
+        init.transfer(Op::Write, &local, &name, &[target], RequestOptions::default(), WAIT)
+    };
+
+    crate::pattern::write_pattern(&init.buf, 0, 0x72, 0, LEN);
+    write().unwrap_or_else(|e| panic!("write under a grant: {e}"));
+    let written = peer.hash(8 * BLOCK, LEN).expect("hash");
+    assert_eq!(written, crate::pattern::pattern_hash(0x72, 0, LEN), "the granted write did not land");
+    read(&init, LEN, &name, &peer, 8 * BLOCK, LEN).unwrap_or_else(|e| panic!("read under a grant: {e}"));
+    check_pattern(&init.buf, LEN, 0x72, 0, LEN).unwrap_or_else(|at| panic!("read back wrong at {at}"));
+    let before = peer.hash(0, SIZE).expect("hash");
+
+    peer.command(&format!("revoke {id}")).expect("revoke");
+    crate::pattern::write_pattern(&init.buf, 0, 0x73, 0, LEN);
+    let revoked = write();
+    assert!(refused_with(&revoked, RefusalCode::Revoked), "write after revoke: {revoked:?}");
+    mark(&init, LEN);
+    let revoked = read(&init, 0, &name, &peer, 8 * BLOCK, LEN);
+    assert!(refused_with(&revoked, RefusalCode::Revoked), "read after revoke: {revoked:?}");
+    assert!(untouched(&init, LEN), "a read under a revoked grant delivered bytes");
+    assert_eq!(peer.hash(0, SIZE).expect("hash"), before, "a write under a revoked grant landed");
     peer.quit().expect("peer exits");
 }
 

@@ -40,7 +40,7 @@ pub use dereg::{
 };
 pub use errors::api_errors;
 pub use faults::{sigkill_mid_transfer, sigstop_mid_transfer};
-pub use grants::{grants, late_read_storm};
+pub use grants::{grant_writes, grants, late_read_storm};
 pub use keys::bad_remote_key;
 pub use notifs::notifications;
 pub use protocol::peer_protocol;
