@@ -1,6 +1,12 @@
 # Supervision of one engine instance in its own session (process group), shared by
-# ci/vllm/engine.sh and ci/sglang/engine.sh. Source it, then call `engine_init NAME RUN_DIR`.
+# ci/vllm/engine.sh and ci/sglang/engine.sh. Source it, then call
+# `engine_dispatch USAGE_FN RUN_DIR "$@"` (or `engine_init NAME RUN_DIR` directly).
 #
+#   engine_dispatch USAGE_FN RUN_DIR CMD NAME ...
+#                                     # the scripts' shared `CMD NAME` front: `stop` and `status`
+#                                     # are done here (and exit); `start` and `run` return with
+#                                     # engine_cmd set and the instance initialised; anything
+#                                     # else calls USAGE_FN
 #   engine_alive                      # the instance's group exists
 #   engine_stop                       # SIGTERM to the group, SIGKILL after 15 s
 #   engine_start URL TIMEOUT CMD...   # starts CMD in a new session, waits (bounded) for URL
@@ -14,6 +20,23 @@ engine_init() {
   [[ "$engine_name" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "bad instance name: $engine_name" >&2; exit 2; }
   pid_file="$engine_run_dir/$engine_name.pid"
   log_file="$engine_run_dir/$engine_name.log"
+}
+
+engine_dispatch() {
+  local usage_fn="$1" run_dir="$2"
+  shift 2
+  (($# >= 2)) || "$usage_fn"
+  engine_cmd="$1"
+  engine_init "$2" "$run_dir"
+  case "$engine_cmd" in
+    stop) engine_stop; exit 0 ;;
+    status)
+      if engine_alive; then echo "$engine_name: running (pgid $(cat "$pid_file"))"; exit 0; fi
+      echo "$engine_name: not running"
+      exit 1 ;;
+    start|run) ;;
+    *) "$usage_fn" ;;
+  esac
 }
 
 engine_alive() { [ -f "$pid_file" ] && kill -0 -- "-$(cat "$pid_file")" 2>/dev/null; }

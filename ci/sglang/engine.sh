@@ -29,21 +29,11 @@ cache="${PD_CACHE_DIR:-$HOME/.cache/pd-suite}"
 run_dir="${PD_SGLANG_RUN_DIR:-$cache/run}"
 
 usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-(($# >= 2)) || usage
-cmd="$1" name="$2"
-shift 2
 # shellcheck source=../engine-lib.sh
 source "$here/../engine-lib.sh"
-engine_init "$name" "$run_dir"
-
-case "$cmd" in
-  stop) engine_stop; exit 0 ;;
-  status)
-    if engine_alive; then echo "$name: running (pgid $(cat "$pid_file"))"; else echo "$name: not running"; exit 1; fi
-    exit 0 ;;
-  start|run) ;;
-  *) usage ;;
-esac
+engine_dispatch usage "$run_dir" "$@"
+cmd="$engine_cmd"
+shift 2
 
 role="" port="" bootstrap_port=8998 events="" max_total_tokens=16384 model="" timeout=300
 venv="${PD_SGLANG_VENV:-$cache/sglang-venv}"

@@ -324,6 +324,7 @@ fn stored(blocks: &[u64], parent: Option<u64>, rng: &mut Rng) -> KvEvent {
         lora_id: None,
         medium: Some("GPU".into()),
         lora_name: None,
+        cache_salt: None,
     }
 }
 
@@ -705,6 +706,7 @@ fn main() {
             lora_id: None,
             medium: None,
             lora_name: None,
+            cache_salt: None,
         };
         single.apply(k % o.engines, &event);
     }
@@ -941,6 +943,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
                     lora_id: None,
                     medium: Some("GPU".into()),
                     lora_name: None,
+                    cache_salt: None,
                 });
             }
             while order.len() > capacity {

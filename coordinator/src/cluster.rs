@@ -16,6 +16,7 @@ use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
 use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, TierWeights, Weights};
 use crate::ranks::{self, UndeclaredRank};
+use crate::rekey::Rekeyer;
 
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -28,6 +29,9 @@ pub struct Settings {
     /// How long a routing decision counts as "the decode now holds this prefix" before the
     /// engine's own events confirm it.
     pub speculative_ttl: Duration,
+    /// Re-key adapter blocks as SGLang publishes them ([`crate::rekey`]): on with
+    /// `--block-hash sglang`.
+    pub rekey_sglang_adapters: bool,
 }
 
 impl Default for Settings {
@@ -39,6 +43,7 @@ impl Default for Settings {
             local_prefill: LocalPrefillPolicy::default(),
             handoff_max_age: Duration::from_secs(120),
             speculative_ttl: Duration::from_secs(2),
+            rekey_sglang_adapters: false,
         }
     }
 }
@@ -137,6 +142,7 @@ pub struct Cluster {
     /// Buffers every decision reuses (pairing allocates nothing in the steady state).
     scratch: Scratch,
     cleanup: Cleanup,
+    rekeyer: Rekeyer,
 }
 
 #[derive(Debug, Default)]
@@ -182,6 +188,7 @@ impl Cluster {
             reported: Vec::new(),
             scratch: Scratch::default(),
             cleanup: Cleanup::default(),
+            rekeyer: Rekeyer::default(),
             settings,
         }
     }
@@ -209,10 +216,21 @@ impl Cluster {
         let Some(spec) = self.membership.get(engine).map(|e| &e.spec) else { return Ok(()) };
         let holder = ranks::holder(engine, ranks::batch_rank(spec.ranks(), stream_rank, batch.dp_rank)?);
         let model = spec.model.clone();
+        let rekey = self.settings.rekey_sglang_adapters;
         for event in &batch.events {
             match event {
                 // An adapter's blocks go to its own index; removals and clears name no adapter,
                 // so they reach every index of the model (hashes differ between adapters).
+                KvEvent::BlockStored { lora_name: Some(name), .. } if rekey => {
+                    let key = adapter_key(&model, Some(name), None);
+                    match self.rekeyer.store(holder, &key, event) {
+                        Ok(rekeyed) => match self.indexes.get_mut(key.as_ref()) {
+                            Some(index) => index.apply(holder, &rekeyed),
+                            None => self.indexes.entry(key.into_owned()).or_default().apply(holder, &rekeyed),
+                        },
+                        Err(e) => tracing::debug!(engine, %e, "SGLang adapter blocks left out of the index"),
+                    }
+                }
                 KvEvent::BlockStored { lora_name, lora_id, .. } => {
                     let key = adapter_key(&model, lora_name.as_deref(), *lora_id);
                     match self.indexes.get_mut(key.as_ref()) {
@@ -220,18 +238,38 @@ impl Cluster {
                         None => self.indexes.entry(key.into_owned()).or_default().apply(holder, event),
                     }
                 }
-                _ => {
-                    for (_, index) in self.indexes.iter_mut().filter(|(key, _)| key_model(key) == model) {
-                        index.apply(holder, event);
+                KvEvent::BlockRemoved { block_hashes, medium } if rekey => {
+                    let removal = self.rekeyer.remove(holder, block_hashes);
+                    for (key, block_hashes) in removal.rekeyed {
+                        if let Some(index) = self.indexes.get_mut(&*key) {
+                            index.apply(holder, &KvEvent::BlockRemoved { block_hashes, medium: medium.clone() });
+                        }
                     }
+                    if !removal.published.is_empty() {
+                        let rest = KvEvent::BlockRemoved { block_hashes: removal.published, medium: medium.clone() };
+                        self.apply_to_model(&model, holder, &rest);
+                    }
+                }
+                _ => {
+                    if matches!(event, KvEvent::AllBlocksCleared) {
+                        self.rekeyer.clear(holder);
+                    }
+                    self.apply_to_model(&model, holder, event);
                 }
             }
         }
         Ok(())
     }
 
+    fn apply_to_model(&mut self, model: &str, holder: usize, event: &KvEvent) {
+        for (_, index) in self.indexes.iter_mut().filter(|(key, _)| key_model(key) == model) {
+            index.apply(holder, event);
+        }
+    }
+
     /// Forgets an engine's index entries, every rank's.
     pub fn reset_index(&mut self, engine: usize) {
+        self.rekeyer.clear_engine(engine);
         for index in self.indexes.values_mut() {
             for holder in ranks::holders_of(index, engine) {
                 index.remove_engine(holder);
@@ -242,6 +280,7 @@ impl Cluster {
     /// Forgets one rank's index entries (a sequence gap on its stream that replay could not
     /// fill); the engine's other ranks keep theirs.
     pub fn reset_rank(&mut self, engine: usize, rank: u32) {
+        self.rekeyer.clear(ranks::holder(engine, rank));
         for index in self.indexes.values_mut() {
             index.remove_engine(ranks::holder(engine, rank));
         }
@@ -565,6 +604,7 @@ mod tests {
                 lora_id: None,
                 medium: None,
                 lora_name: None,
+                cache_salt: None,
             }],
             dp_rank: None,
         }
@@ -621,6 +661,68 @@ mod tests {
         c.apply_events(0, 0, &removed).unwrap();
         let d = c.pair(PairRequest { request_id: "ra2", ..under(Some("a")) }, now, [0.0; 2]).unwrap();
         assert_eq!(d.decode_overlap_blocks, 0, "{d:?}");
+    }
+
+    /// Batches SGLang's own event recorder encoded (`ci/sglang/capture-lora-events.py`): the
+    /// prompt 100..=111 under adapter `sql-lora` in two batches (8 pages, then 4 linked to
+    /// them), the 4 removed, then the base model's and a cache-salted copy of the prompt.
+    const SGLANG_LORA_EVENTS: &[u8] = include_bytes!("../tests/data/sglang-lora-events.msgpack");
+
+    fn sglang_batches() -> Vec<EventBatch> {
+        let mut rest = SGLANG_LORA_EVENTS;
+        let mut out = Vec::new();
+        while let Some((len, tail)) = rest.split_first_chunk::<4>() {
+            let (payload, tail) = tail.split_at(u32::from_be_bytes(*len) as usize);
+            out.push(pd_protocols::kv_events::decode_batch(payload).expect("SGLang's batch decodes"));
+            rest = tail;
+        }
+        out
+    }
+
+    #[test]
+    fn sglang_adapter_blocks_are_rekeyed_to_the_prompts_chain() {
+        let now = Instant::now();
+        let settings = Settings { rekey_sglang_adapters: true, ..Settings::default() };
+        let mut c = Cluster::new(settings);
+        c.register(EngineSpec { block_size: 1, ..spec("d0", Role::Decode) }, now);
+        let prompt: Vec<u32> = (100..112).collect();
+        let hasher = crate::prompt::PromptHasher::new(None, None, false, 4)
+            .unwrap()
+            .with_scheme(crate::prompt::BlockHashScheme::Sglang);
+        let hashes = hasher.token_hashes(&prompt, 1, Some("sql-lora"));
+        let held = |c: &Cluster, key: &str| -> usize {
+            c.indexes()
+                .find(|(k, _)| *k == key)
+                .map_or(0, |(_, index)| index.overlaps(&hashes, now).get(&0).copied().unwrap_or(0))
+        };
+        let adapter = adapter_key("m", Some("sql-lora"), None).into_owned();
+        let batches = sglang_batches();
+        assert_eq!(batches.len(), 4);
+        // What SGLang published is no id a router can compute from the prompt.
+        let KvEvent::BlockStored { block_hashes, lora_name, lora_id, .. } = &batches[0].events[0] else { panic!() };
+        assert_eq!((lora_name.as_deref(), *lora_id), (Some("sql-lora"), None));
+        assert!(block_hashes.iter().all(|h| !hashes.contains(&h.as_u64())));
+        c.apply_events(0, 0, &batches[0]).unwrap();
+        c.apply_events(0, 0, &batches[1]).unwrap();
+        assert_eq!((held(&c, &adapter), held(&c, "m")), (12, 0), "the adapter's prompt hits, the bare one does not");
+        c.apply_events(0, 0, &batches[2]).unwrap();
+        assert_eq!(held(&c, &adapter), 8, "the removal reached the re-keyed blocks");
+        c.apply_events(0, 0, &batches[3]).unwrap();
+        assert_eq!((held(&c, &adapter), held(&c, "m")), (8, 12), "the base model's copy is the base model's");
+        // The salted copy went in as published: SGLang's salted chain, which no unsalted
+        // lookup matches.
+        let KvEvent::BlockStored { block_hashes, cache_salt, .. } = &batches[3].events[1] else { panic!() };
+        let salted = pd_protocols::hash::sglang::page_hashes_from(
+            Some(pd_protocols::hash::sglang::salt_root("tenant-a")),
+            &prompt,
+            1,
+        );
+        assert_eq!(cache_salt.as_deref(), Some("tenant-a"));
+        let salted: Vec<u64> = salted.iter().map(pd_protocols::hash::sglang::event_id).collect();
+        assert_eq!(block_hashes.iter().map(BlockHash::as_u64).collect::<Vec<_>>(), salted);
+        // The engine's reset forgets what was re-keyed.
+        c.reset_index(0);
+        assert!(c.rekeyer.is_empty());
     }
 
     #[test]

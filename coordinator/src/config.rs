@@ -307,6 +307,7 @@ impl Config {
             },
             handoff_max_age: Duration::from_secs_f64(self.handoff_max_age_secs),
             speculative_ttl: Duration::from_millis(self.speculative_ttl_ms),
+            rekey_sglang_adapters: self.block_hash == BlockHashScheme::Sglang,
         }
     }
 }

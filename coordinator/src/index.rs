@@ -1017,6 +1017,7 @@ mod tests {
             lora_id: None,
             medium: Some(medium.into()),
             lora_name: None,
+            cache_salt: None,
         }
     }
 

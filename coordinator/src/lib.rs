@@ -21,5 +21,6 @@ pub mod metrics;
 pub mod pairing;
 pub mod prompt;
 pub mod ranks;
+pub mod rekey;
 pub mod store;
 pub mod topic;

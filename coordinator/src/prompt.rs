@@ -14,8 +14,9 @@ pub enum BlockHashScheme {
     /// vLLM's `sha256_cbor` chain (`--prefix-caching-hash-algo sha256_cbor`).
     #[default]
     Vllm,
-    /// SGLang's radix-cache page chain (signed 64-bit ids; adapters and cache salts, which
-    /// SGLang namespaces, are not modelled: such prompts simply find no overlap).
+    /// SGLang's radix-cache page chain (signed 64-bit ids). An adapter's blocks, which SGLang
+    /// publishes under ids no router can compute, are re-keyed to this chain as they are indexed
+    /// ([`crate::rekey`]); prompts under a cache salt are not modelled (they find no overlap).
     Sglang,
 }
 

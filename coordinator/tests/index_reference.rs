@@ -229,6 +229,7 @@ fn stored(hashes: &[u64], medium: Option<&str>) -> KvEvent {
         lora_id: None,
         medium: medium.map(str::to_owned),
         lora_name: None,
+        cache_salt: None,
     }
 }
 

@@ -243,6 +243,7 @@ impl EventPublisher {
                 lora_id: None,
                 medium: Some(medium.into()),
                 lora_name: lora_name.map(str::to_owned),
+                cache_salt: None,
             }],
             dp_rank: Some(self.dp_rank),
         };

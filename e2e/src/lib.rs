@@ -21,6 +21,7 @@ use pd_protocols::kv_events::{decode_batch, EventBatch, KvEvent};
 use pd_protocols::zmq_frames::parse_pub;
 use serde_json::Value;
 
+pub mod outcome;
 pub mod sglang;
 
 /// The repository root (this crate lives in `e2e/`).

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use pd_e2e::outcome::{tally_after_kill, KillTally, Outcome};
 use pd_e2e::sglang::{SglangRole, SglangServer, SglangSettings, SglangSpec, SGLANG_SKIP_HOW};
 use pd_e2e::*;
 use pd_protocols::hash::sglang::{event_id, page_hashes};
@@ -53,6 +54,9 @@ struct Cluster {
     sidecar_url: String,
     _coordinator: Mutex<Proc>,
     coordinator_url: String,
+    /// The first of the 50 ports the suite holds (servers +0..3, bootstrap +10..11, events
+    /// +20..23, sidecars +30..32, ports nothing listens on +33..34, the coordinator +40).
+    port_base: u16,
 }
 
 impl Cluster {
@@ -196,6 +200,7 @@ fn start_cluster() -> Result<Cluster, String> {
         sidecar_url,
         _coordinator: Mutex::new(coordinator),
         coordinator_url,
+        port_base: base,
     })
 }
 
@@ -631,13 +636,91 @@ fn t6_client_gone_during_decode_frees_kv() {
     });
 }
 
-/// How one request through the sidecar ended.
-#[derive(Debug)]
-struct Outcome {
-    index: usize,
-    started: Duration,
-    took: Duration,
-    result: Result<(u16, String), String>,
+/// Starts one more `pd-sidecar --mode sglang` in front of the real decode, with `extra` flags.
+fn extra_sidecar(c: &Cluster, name: &str, port_offset: u16, extra: &[&str]) -> (Proc, String) {
+    let addr = format!("127.0.0.1:{}", c.port_base + port_offset);
+    let args: Vec<String> =
+        [["--listen", addr.as_str(), "--mode", "sglang", "--engine", &c.decode_url].as_slice(), extra]
+            .concat()
+            .into_iter()
+            .map(String::from)
+            .collect();
+    let bin = workspace_bin("pd-sidecar", "pd-sidecar").expect("pd-sidecar binary");
+    let mut proc = Proc::spawn(name, &bin, &args, &[("RUST_LOG", "info")]).expect("starting a sidecar");
+    let url = format!("http://{addr}");
+    wait_http_ok(&mut proc, &format!("{url}/ready"), Duration::from_secs(30)).expect("sidecar ready");
+    (proc, url)
+}
+
+/// Local decisions in front of a decode-mode SGLang (which refuses, 400, a body without
+/// `bootstrap_room`): the sidecar reads the engine's `disaggregation_mode` from its
+/// `/server_info`, runs a short prompt's "local" decision through a prefill it knows instead
+/// (same text as the plain server's, a KV transfer counted), and with `--fallback local` and
+/// its only prefill down answers a clear 503 within the bound, not SGLang's 400.
+#[test]
+fn t7_local_decisions_in_front_of_a_decode_only_engine() {
+    let Some(c) = cluster("t7_local_decisions_in_front_of_a_decode_only_engine") else { return };
+    runtime().block_on(async {
+        let client = client();
+        let t0 = Instant::now();
+        let info = client
+            .get(format!("{}/server_info", c.decode_url))
+            .timeout(REQUEST_TIMEOUT)
+            .send()
+            .await
+            .expect("the decode's /server_info");
+        let info: Value = info.json().await.expect("server info JSON");
+        assert_eq!(info["disaggregation_mode"], "decode", "the real decode's server info: {info}");
+
+        // Every prompt is "short": each request is decided local, and must be served through
+        // prefill B.
+        let prefill_b = format!("{}#bootstrap={}", c.prefill_url(1), c.bootstrap_port(1));
+        let (_short, short_url) = extra_sidecar(
+            c,
+            "pd-sidecar-sglang-short",
+            31,
+            &["--prefill", &prefill_b, "--local-prefill-below-tokens", "100000", "--fallback", "local"],
+        );
+        for api in [Api::Completions, Api::Generate] {
+            let prompt = fresh_prompt("local-decision", 40);
+            let expected = reference(&client, c, api, &prompt, MAX_TOKENS).await;
+            let before = metric(&client, &c.prefill_url(1), KV_TRANSFERS, &[]).await;
+            let body = api.body(&prompt, false, MAX_TOKENS);
+            let (status, text) =
+                post_json(&client, &format!("{short_url}{}", api.path()), &body, REQUEST_BOUND).await.expect("answer");
+            assert_eq!(status, 200, "{api:?}: a local decision in front of the decode-only engine: {text}");
+            assert_eq!(
+                api.text(&text, false).expect("text"),
+                expected,
+                "{api:?}: text differs from the plain server's"
+            );
+            let after =
+                wait_metric(&client, &c.prefill_url(1), KV_TRANSFERS, &[], Duration::from_secs(10), |v| v > before)
+                    .await;
+            assert!(after > before, "{api:?}: prefill B counted no KV transfer for a 'local' decision");
+        }
+        let disaggregated = metric(&client, &short_url, "pd_sidecar_disaggregated_total", &[]).await;
+        assert_eq!(disaggregated, 2.0, "the sidecar should have disaggregated both 'local' decisions");
+        timing("2 local decisions served through a prefill (decode-only engine)", t0.elapsed());
+
+        // --fallback local with the only prefill down: a clear error, not the engine's 400.
+        let t1 = Instant::now();
+        let nowhere = format!("127.0.0.1:{}#bootstrap={}", c.port_base + 33, c.port_base + 34);
+        let (_down, down_url) = extra_sidecar(
+            c,
+            "pd-sidecar-sglang-down",
+            32,
+            &["--prefill", &nowhere, "--fallback", "local", "--connect-timeout", SIDECAR_CONNECT_TIMEOUT],
+        );
+        let body = Api::Completions.body(&fresh_prompt("no-prefill", 40), false, MAX_TOKENS);
+        let (status, text) =
+            post_json(&client, &format!("{down_url}/v1/completions"), &body, REQUEST_BOUND).await.expect("answer");
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        assert_eq!(status, 503, "--fallback local with no prefill in front of a decode-only engine: {text}");
+        assert!(v["error"]["message"].is_string(), "not an OpenAI-style error: {text}");
+        assert!(t1.elapsed() < REQUEST_BOUND, "took {:?}", t1.elapsed());
+        timing("--fallback local, prefill down, decode-only engine: 503", t1.elapsed());
+    });
 }
 
 /// SIGKILLs prefill A (its whole process group) while requests run through the sidecar: every
@@ -701,30 +784,8 @@ fn t9_prefill_killed_during_a_run() {
         let killed_at = killed_at.expect("prefill A was killed");
         c.prefill(0).proc.kill_with(libc::SIGKILL, Duration::from_secs(10));
         assert_eq!(outcomes.len(), REQUESTS, "requests that never ended: {outcomes:?}");
-        let (mut ok, mut errors, mut after_kill_ok) = (0, 0, 0);
-        for o in &outcomes {
-            assert!(o.took <= REQUEST_BOUND, "request {} took {:?} (bound {REQUEST_BOUND:?}): {o:?}", o.index, o.took);
-            match &o.result {
-                Ok((200, text)) => {
-                    assert!(!text.is_empty(), "request {}: 200 with no text", o.index);
-                    ok += 1;
-                    if o.started > killed_at {
-                        after_kill_ok += 1;
-                    }
-                }
-                Ok((status, text)) => {
-                    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
-                    assert!(
-                        *status >= 500 && v["error"]["message"].is_string(),
-                        "request {}: unclear failure {status}: {text}",
-                        o.index
-                    );
-                    errors += 1;
-                }
-                Err(e) => panic!("request {}: transport failure (no answer): {e}", o.index),
-            }
-        }
-        let slowest = outcomes.iter().map(|o| o.took).max().unwrap_or_default();
+        let KillTally { ok, ok_after_kill: after_kill_ok, clear_errors: errors, slowest } =
+            tally_after_kill(&outcomes, killed_at, REQUEST_BOUND);
         timing(
             &format!(
                 "{REQUESTS} requests, prefill A killed after {KILL_AFTER}: {ok} ok ({after_kill_ok} started after the kill), {errors} clear errors, slowest {:.2} s",

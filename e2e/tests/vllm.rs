@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use pd_e2e::outcome::{tally_after_kill, KillTally, Outcome};
 use pd_e2e::*;
 use pd_protocols::hash::{block_hashes, event_id, none_hash};
 use serde_json::{json, Value};
@@ -543,15 +544,6 @@ fn t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake() {
     drop(nixl_prefill);
 }
 
-/// How one request through the sidecar ended.
-#[derive(Debug)]
-struct Outcome {
-    index: usize,
-    started: Duration,
-    took: Duration,
-    result: Result<(u16, String), String>,
-}
-
 /// Kills the prefill engine (SIGKILL, its whole process group) while requests run through the
 /// sidecar: every request must end within the bound, by failover (the sidecar's local fallback)
 /// or a clear OpenAI-style error; later requests still succeed. Runs last: the prefill stays dead.
@@ -613,31 +605,8 @@ fn t9_prefill_killed_during_a_run() {
         let killed_at = killed_at.expect("the prefill was killed");
         c.prefill().proc.kill_with(libc::SIGKILL, Duration::from_secs(10));
         assert_eq!(outcomes.len(), REQUESTS, "requests that never ended: {outcomes:?}");
-        let (mut ok, mut errors, mut after_kill_ok) = (0, 0, 0);
-        for o in &outcomes {
-            assert!(o.took <= REQUEST_BOUND, "request {} took {:?} (bound {REQUEST_BOUND:?}): {o:?}", o.index, o.took);
-            match &o.result {
-                Ok((200, text)) => {
-                    assert!(!text.is_empty(), "request {}: 200 with no text", o.index);
-                    ok += 1;
-                    if o.started > killed_at {
-                        after_kill_ok += 1;
-                    }
-                }
-                Ok((status, text)) => {
-                    // A clear error: a 5xx with an OpenAI-style error object.
-                    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
-                    assert!(
-                        *status >= 500 && v["error"]["message"].is_string(),
-                        "request {}: unclear failure {status}: {text}",
-                        o.index
-                    );
-                    errors += 1;
-                }
-                Err(e) => panic!("request {}: transport failure (no answer): {e}", o.index),
-            }
-        }
-        let slowest = outcomes.iter().map(|o| o.took).max().unwrap_or_default();
+        let KillTally { ok, ok_after_kill: after_kill_ok, clear_errors: errors, slowest } =
+            tally_after_kill(&outcomes, killed_at, REQUEST_BOUND);
         let local_after = metric(&client, &sidecar, "pd_sidecar_local_decode_total", &[]).await;
         timing(
             &format!("{REQUESTS} requests, prefill killed after {KILL_AFTER}: {ok} ok ({after_kill_ok} started after the kill), {errors} clear errors, slowest {:.2} s", slowest.as_secs_f64()),

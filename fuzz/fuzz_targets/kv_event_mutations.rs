@@ -31,6 +31,7 @@ fn event(u: &mut Unstructured<'_>) -> Result<KvEvent> {
             lora_id: Option::<i64>::arbitrary(u)?,
             medium: small_string(u)?,
             lora_name: small_string(u)?,
+            cache_salt: small_string(u)?,
         },
         1 => KvEvent::BlockRemoved { block_hashes: hashes(u)?, medium: small_string(u)? },
         2 => KvEvent::AllBlocksCleared,

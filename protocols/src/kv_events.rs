@@ -45,6 +45,8 @@ pub enum KvEvent {
         lora_id: Option<i64>,
         medium: Option<String>,
         lora_name: Option<String>,
+        /// SGLang's `cache_salt`: the salt its page chain starts from (absent elsewhere).
+        cache_salt: Option<String>,
     },
     BlockRemoved {
         block_hashes: Vec<BlockHash>,
@@ -94,9 +96,10 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
     stream::decode_batch(bytes)
 }
 
-/// Legacy event arrays: the fields after the tag, in order.
+/// Legacy event arrays: the fields after the tag, in order (`cache_salt` is only ever in maps,
+/// SGLang's; it is last here so that the encoder's legacy form round-trips).
 const STORED: &[&str] =
-    &["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"];
+    &["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "cache_salt"];
 const REMOVED: &[&str] = &["block_hashes", "medium"];
 
 fn hash_value(hash: &BlockHash) -> Value {
@@ -112,20 +115,28 @@ fn opt<T: Into<Value>>(value: Option<T>) -> Value {
 
 fn event_value(event: &KvEvent, format: EventFormat) -> Value {
     let (tag, fields): (&str, Vec<(&str, Value)>) = match event {
-        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name } => {
-            (
-                "BlockStored",
-                vec![
-                    ("block_hashes", Value::Array(block_hashes.iter().map(hash_value).collect())),
-                    ("parent_block_hash", parent_block_hash.as_ref().map(hash_value).unwrap_or(Value::Nil)),
-                    ("token_ids", Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect())),
-                    ("block_size", Value::from(*block_size)),
-                    ("lora_id", opt(*lora_id)),
-                    ("medium", opt(medium.clone())),
-                    ("lora_name", opt(lora_name.clone())),
-                ],
-            )
-        }
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            cache_salt,
+        } => (
+            "BlockStored",
+            vec![
+                ("block_hashes", Value::Array(block_hashes.iter().map(hash_value).collect())),
+                ("parent_block_hash", parent_block_hash.as_ref().map(hash_value).unwrap_or(Value::Nil)),
+                ("token_ids", Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect())),
+                ("block_size", Value::from(*block_size)),
+                ("lora_id", opt(*lora_id)),
+                ("medium", opt(medium.clone())),
+                ("lora_name", opt(lora_name.clone())),
+                ("cache_salt", opt(cache_salt.clone())),
+            ],
+        ),
         KvEvent::BlockRemoved { block_hashes, medium } => (
             "BlockRemoved",
             vec![
@@ -259,9 +270,16 @@ mod reference {
                         .and_then(Value::as_u64)
                         .and_then(|v| u32::try_from(v).ok())
                         .ok_or_else(|| shape("block_size missing or invalid"))?,
-                    lora_id: f.get("lora_id").and_then(Value::as_i64),
+                    lora_id: f
+                        .get("lora_id")
+                        .map(|v| v.as_i64().ok_or_else(|| shape("lora_id is not an integer")))
+                        .transpose()?,
                     medium: f.get("medium").and_then(Value::as_str).map(str::to_owned),
-                    lora_name: f.get("lora_name").and_then(Value::as_str).map(str::to_owned),
+                    lora_name: f
+                        .get("lora_name")
+                        .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| shape("lora_name is not a string")))
+                        .transpose()?,
+                    cache_salt: f.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
                 })
             }
             "BlockRemoved" => {
@@ -309,6 +327,7 @@ mod tests {
             lora_id: None,
             medium: Some("GPU".into()),
             lora_name: None,
+            cache_salt: None,
         }
     }
 
@@ -362,6 +381,31 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(batch.events[1], KvEvent::Other { kind: "BlockPinned".into() });
+    }
+
+    /// SGLang and vLLM send `lora_id` as an integer or nil (SGLang: always nil; its adapter ids
+    /// are uuid strings kept inside the engine). Anything else is refused rather than read as
+    /// "no adapter", which would file the adapter's blocks under the base model.
+    #[test]
+    fn an_adapter_field_of_the_wrong_type_is_a_typed_error() {
+        let with = |field: &str, value: Value| {
+            let event = Value::Map(vec![
+                (Value::from("type"), Value::from("BlockStored")),
+                (Value::from("block_hashes"), Value::Array(vec![Value::from(-5i64)])),
+                (Value::from("parent_block_hash"), Value::Nil),
+                (Value::from("token_ids"), Value::Array(vec![Value::from(7)])),
+                (Value::from("block_size"), Value::from(1)),
+                (Value::from(field), value),
+            ]);
+            decode_batch(&pack(Value::Array(vec![Value::F64(1.0), Value::Array(vec![event]), Value::Nil])))
+        };
+        let uuid = Value::from("36b09d3969115dbabfa4b66a8167fdb6");
+        assert_eq!(with("lora_id", uuid.clone()), Err(DecodeError::Shape("lora_id is not an integer".into())));
+        assert_eq!(with("lora_name", Value::from(3)), Err(DecodeError::Shape("lora_name is not a string".into())));
+        let ok = with("lora_id", Value::Nil).unwrap();
+        assert!(matches!(&ok.events[0], KvEvent::BlockStored { lora_id: None, lora_name: None, .. }));
+        let named = with("lora_name", Value::from("sql-lora")).unwrap();
+        assert!(matches!(&named.events[0], KvEvent::BlockStored { lora_name: Some(n), .. } if n == "sql-lora"));
     }
 
     #[test]
@@ -444,7 +488,7 @@ mod tests {
                     (0..self.below(40)).map(|_| Value::from(self.next() >> (24 + self.below(40)))).collect(),
                 ),
                 "block_size" => Value::from(self.next() >> (28 + self.below(36))),
-                "medium" | "lora_name" => Value::from(["GPU", "cpu", "Disk"][self.below(3) as usize]),
+                "medium" | "lora_name" | "cache_salt" => Value::from(["GPU", "cpu", "Disk"][self.below(3) as usize]),
                 _ => Value::from(self.next() as i64 >> self.below(64)),
             }
         }
@@ -458,7 +502,7 @@ mod tests {
         }
 
         fn event(&mut self) -> Value {
-            const NAMES: [&str; 10] = [
+            const NAMES: [&str; 11] = [
                 "type",
                 "block_hashes",
                 "parent_block_hash",
@@ -467,6 +511,7 @@ mod tests {
                 "lora_id",
                 "medium",
                 "lora_name",
+                "cache_salt",
                 "locality",
                 "group_idx",
             ];

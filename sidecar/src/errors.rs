@@ -41,6 +41,10 @@ pub enum LegError {
     Exhausted(#[from] PrefillExhausted),
     #[error("no prefill engine is configured or alive")]
     NoCandidate,
+    /// A local decision for an engine that cannot compute prompts (SGLang started with
+    /// `--disaggregation-mode decode`), with no prefill to run instead.
+    #[error("the local engine only decodes (SGLang --disaggregation-mode decode) and no prefill engine is configured or alive (decided: {decided:?})")]
+    NoPrefillForDecodeOnly { decided: crate::metrics::LocalReason },
     #[error("prefill task: {0}")]
     PrefillTask(#[from] tokio::task::JoinError),
     #[error("the decode response did not complete")]
@@ -74,6 +78,7 @@ impl From<&LegError> for ApiError {
         let status = match e {
             LegError::Exhausted(PrefillExhausted::NothingReachable { .. })
             | LegError::NoCandidate
+            | LegError::NoPrefillForDecodeOnly { .. }
             | LegError::DecodeUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             LegError::DecodeTimeout { .. } | LegError::NoOutput { .. } | LegError::StreamIdle { .. } => {
                 StatusCode::GATEWAY_TIMEOUT
@@ -194,6 +199,7 @@ mod tests {
             (exhausted(PrefillExhausted::NothingReachable { tried: 2, last: "x".into() }), 503),
             (exhausted(PrefillExhausted::AllFailed { tried: 2, last: "x".into() }), 502),
             (LegError::NoCandidate, 503),
+            (LegError::NoPrefillForDecodeOnly { decided: crate::metrics::LocalReason::Threshold }, 503),
             (LegError::NullParams { prefill: "p".into() }, 502),
             (LegError::PrefillBadBody { prefill: "p".into(), reason: "x".into() }, 502),
             (LegError::DecodeIncomplete, 502),

@@ -6,7 +6,9 @@
 //! validated by the edge), the coordinator's pairing, the coordinator's last view (when pairing
 //! failed, or a redirected request's prefill was refused), the static list. Short prompts and
 //! the coordinator's `local_prefill` skip the prefill leg; a pairing with another decode engine
-//! redirects the request to that engine's sidecar.
+//! redirects the request to that engine's sidecar. A local engine that cannot compute a prompt
+//! (a decode-mode SGLang, [`LocalEngine::DecodeOnly`]) never gets a request without a prefill
+//! leg: a local decision becomes a prefill leg over every prefill known, or a clear error.
 
 use std::time::Duration;
 
@@ -54,6 +56,17 @@ pub enum PairingAnswer {
     Decided(Box<Pairing>),
 }
 
+/// What the local engine does with a request that comes without a prefill leg.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LocalEngine {
+    /// It computes the prompt itself (vLLM, a plain SGLang, pd-sim).
+    #[default]
+    ComputesPrompts,
+    /// It only decodes: SGLang started with `--disaggregation-mode decode` refuses (400) a body
+    /// without `bootstrap_room`, so every request it serves needs a prefill leg.
+    DecodeOnly,
+}
+
 /// Everything a route is decided from, gathered by the edge.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Inputs {
@@ -71,6 +84,7 @@ pub struct Inputs {
     pub statics: Vec<Target>,
     /// Ids and base URLs of engines the coordinator reported dead: never candidates.
     pub dead: Vec<String>,
+    pub local: LocalEngine,
 }
 
 /// Where one request is served.
@@ -91,6 +105,9 @@ pub enum Plan {
     Local(LocalReason),
     /// Prefill candidates in the order to try them.
     Prefill(Vec<Target>),
+    /// Decode locally was decided (for this reason), but the local engine is
+    /// [`LocalEngine::DecodeOnly`] and no prefill is known: the client gets an error.
+    NoPrefillForDecodeOnly(LocalReason),
 }
 
 /// Where a redirected request goes, what it carries, and how it is served here if that fails.
@@ -149,6 +166,31 @@ pub fn wants_pairing(inputs: &Inputs) -> bool {
 
 /// Decides where a request is served.
 pub fn plan(inputs: &Inputs) -> Route {
+    let route = plan_for_any_engine(inputs);
+    if inputs.local == LocalEngine::ComputesPrompts {
+        return route;
+    }
+    match route {
+        Route::Here(plan) => Route::Here(with_prefill(inputs, plan)),
+        Route::Redirect(r) => Route::Redirect(Redirect { fallback: with_prefill(inputs, r.fallback), ..r }),
+        Route::NoSidecar { decode, plan } => Route::NoSidecar { decode, plan: with_prefill(inputs, plan) },
+    }
+}
+
+/// A plan a decode-only engine can serve: a local decision becomes the prefill leg over every
+/// prefill known (header, the coordinator's view, the static list), or, with none, an error.
+/// A short prompt or the coordinator's `local_prefill` cannot be computed there either.
+fn with_prefill(inputs: &Inputs, plan: Plan) -> Plan {
+    match plan {
+        Plan::Local(reason) => match inputs.candidates(&[&inputs.header, &inputs.view, &inputs.statics]) {
+            Plan::Prefill(list) => Plan::Prefill(list),
+            _ => Plan::NoPrefillForDecodeOnly(reason),
+        },
+        other => other,
+    }
+}
+
+fn plan_for_any_engine(inputs: &Inputs) -> Route {
     if inputs.short() {
         return Route::Here(Plan::Local(LocalReason::Threshold));
     }
@@ -261,6 +303,15 @@ impl Failover {
         let exponent = n.saturating_sub(1).min(16) as i32;
         let capped = (self.backoff.as_secs_f64() * 2f64.powi(exponent)).min(self.backoff_max.as_secs_f64());
         Duration::from_secs_f64(capped * (0.5 + jitter.clamp(0.0, 1.0) / 2.0))
+    }
+
+    /// The policy for `local`: a decode-only engine cannot compute the prompt, so `--fallback
+    /// local` fails the request there instead (its prefills were all tried).
+    pub fn for_engine(self, local: LocalEngine) -> Failover {
+        match local {
+            LocalEngine::ComputesPrompts => self,
+            LocalEngine::DecodeOnly => Failover { fallback: Fallback::Fail, ..self },
+        }
     }
 
     /// Records the failed attempt in `attempts` and says what comes next.

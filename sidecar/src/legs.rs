@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::context::Context;
+use crate::engine_kind::EngineKind;
 use crate::engines::DeadSet;
 use crate::errors::{LegError, UpstreamError};
 use crate::handoff::{AttemptFailure, Attempts, Failover, Next, PrefillExhausted};
@@ -53,14 +54,15 @@ pub struct Legs {
     pub ctx: Arc<Context>,
     dead: Arc<DeadSet>,
     ids: Arc<Ids>,
+    kind: Arc<EngineKind>,
 }
 
 impl Legs {
-    pub fn new(ctx: &Arc<Context>, dead: &Arc<DeadSet>, ids: &Arc<Ids>) -> Legs {
-        Legs { ctx: Arc::clone(ctx), dead: Arc::clone(dead), ids: Arc::clone(ids) }
+    pub fn new(ctx: &Arc<Context>, dead: &Arc<DeadSet>, ids: &Arc<Ids>, kind: &Arc<EngineKind>) -> Legs {
+        Legs { ctx: Arc::clone(ctx), dead: Arc::clone(dead), ids: Arc::clone(ids), kind: Arc::clone(kind) }
     }
 
-    /// The policy the configuration sets.
+    /// The policy the configuration sets, for the local engine's kind.
     pub fn policy(&self) -> Failover {
         let cfg = &self.ctx.cfg;
         Failover {
@@ -69,6 +71,7 @@ impl Legs {
             backoff_max: cfg.failover_backoff_max,
             fallback: cfg.fallback,
         }
+        .for_engine(self.kind.known())
     }
 
     /// Tries `candidates` in order with `attempt` until one ends the leg (`Ok`) or the policy gives

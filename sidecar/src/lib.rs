@@ -23,6 +23,7 @@ pub mod config;
 pub mod context;
 pub mod coordinator;
 pub mod decode;
+pub mod engine_kind;
 pub mod engines;
 pub mod errors;
 pub mod finish;
@@ -52,6 +53,7 @@ use anyhow::Context as _;
 
 use crate::config::{Config, Mode, ReleaseMethod};
 use crate::context::Context;
+use crate::engine_kind::EngineKind;
 use crate::engines::{DeadSet, EnginePool, Prefills};
 use crate::ids::Ids;
 use crate::legs::Legs;
@@ -76,6 +78,8 @@ pub struct App {
     pub prefills: Arc<Prefills>,
     /// The prefill-leg executor.
     pub legs: Arc<Legs>,
+    /// Whether the local engine computes prompts (a decode-mode SGLang does not).
+    pub engine_kind: Arc<EngineKind>,
     /// Request ids and bootstrap rooms.
     pub ids: Arc<Ids>,
     /// Frees blocks a prefill holds for a decode that will not come.
@@ -106,12 +110,14 @@ pub fn build(cfg: Config) -> anyhow::Result<App> {
     let engines = Arc::new(EnginePool::new(resolved.engines));
     let dead = Arc::new(DeadSet::default());
     let ids = Arc::new(Ids::default());
+    let engine_kind = Arc::new(EngineKind::default());
     let releaser = Arc::new(Releaser::new(&ctx, &engines, xfer.clone()));
     let puller = xfer
         .filter(|_| pull_mode)
         .map(|link| Arc::new(pull::Puller::new(link, engines.primary().clone(), Arc::clone(&releaser))));
     Ok(App {
-        legs: Arc::new(Legs::new(&ctx, &dead, &ids)),
+        legs: Arc::new(Legs::new(&ctx, &dead, &ids, &engine_kind)),
+        engine_kind,
         prefills: Arc::new(Prefills::new(resolved.prefills, resolved.allowlist, dead)),
         ctx,
         engines,

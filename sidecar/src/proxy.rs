@@ -85,7 +85,9 @@ pub(crate) async fn route<'a>(
         return Routed::Served(local(app, path, headers, rid, body, None, fin, None).await);
     };
     let coordinator = app.coordinator.as_deref();
-    let (route, decode_rank) = routing::route(&app.ctx, &app.prefills, coordinator, headers, &object, api, rid).await;
+    let engine_kind = app.engine_kind.get(&app.ctx, app.engines.primary()).await;
+    let (route, decode_rank) =
+        routing::route(&app.ctx, engine_kind, &app.prefills, coordinator, headers, &object, api, rid).await;
     let plan = match route {
         Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
         Route::Redirect(r) => match redirect::open(&app.ctx, &r, path, headers, rid, body).await {
@@ -99,6 +101,9 @@ pub(crate) async fn route<'a>(
             Routed::Served(local(app, path, &headers, rid, body, Some(&object), fin, Some(reason)).await)
         }
         Plan::Prefill(candidates) => Routed::Disaggregate(Disaggregation { object, candidates, fin, decode_rank }),
+        Plan::NoPrefillForDecodeOnly(decided) => {
+            Routed::Served(fin.leg_failed(&LegError::NoPrefillForDecodeOnly { decided }))
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use crate::allowlist::validate_header;
 use crate::context::Context;
 use crate::coordinator::Coordinator;
 use crate::engines::Prefills;
-use crate::handoff::{self, Inputs, PairingAnswer, Redirected, Route};
+use crate::handoff::{self, Inputs, LocalEngine, PairingAnswer, Redirected, Route};
 use crate::json::Object;
 use crate::metrics::{inc, RedirectOutcome};
 use crate::rewrite::{self, Api};
@@ -76,8 +76,10 @@ pub fn header_targets(
 /// Gathers the inputs of [`handoff::plan`] — asking the coordinator to pair when the core
 /// wants it — and returns its route, with the local engine's data-parallel rank when the
 /// coordinator kept the decode here and named one.
+#[allow(clippy::too_many_arguments)]
 pub async fn route(
     ctx: &Context,
+    local: LocalEngine,
     prefills: &Prefills,
     coordinator: Option<&Coordinator>,
     headers: &HeaderMap,
@@ -101,6 +103,7 @@ pub async fn route(
         view: coordinator.map(Coordinator::view).unwrap_or_default(),
         statics: prefills.rotation(),
         dead: prefills.dead.snapshot(),
+        local,
     };
     if let Some(c) = coordinator.filter(|_| handoff::wants_pairing(&inputs)) {
         let model: Option<String> = body.parsed("model");
@@ -182,19 +185,41 @@ mod tests {
     async fn the_edge_hands_the_core_its_inputs() {
         let s = app(&["--prefill", "10.0.0.1:8100", "--local-prefill-below-tokens", "10"]);
         let body = Object::parse(br#"{"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "max_tokens": 1}"#).unwrap();
-        let Route::Here(Plan::Prefill(c)) =
-            route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &body, Api::Completions, "r").await.0
+        let Route::Here(Plan::Prefill(c)) = route(
+            &s.ctx,
+            LocalEngine::ComputesPrompts,
+            &s.prefills,
+            None,
+            &HeaderMap::new(),
+            &body,
+            Api::Completions,
+            "r",
+        )
+        .await
+        .0
         else {
             panic!("expected the static prefill")
         };
         assert_eq!(c[0].base, "http://10.0.0.1:8100");
         let short = Object::parse(br#"{"prompt": [1, 2, 3], "max_tokens": 1}"#).unwrap();
-        let (short_route, _) = route(&s.ctx, &s.prefills, None, &HeaderMap::new(), &short, Api::Completions, "r").await;
+        let (short_route, _) = route(
+            &s.ctx,
+            LocalEngine::ComputesPrompts,
+            &s.prefills,
+            None,
+            &HeaderMap::new(),
+            &short,
+            Api::Completions,
+            "r",
+        )
+        .await;
         assert_eq!(short_route, Route::Here(Plan::Local(LocalReason::Threshold)));
         let received = with(REDIRECT_HEADER, "local");
         let body =
             Object::parse(br#"{"prompt": "a much longer prompt than ten tokens, surely", "max_tokens": 1}"#).unwrap();
-        let (marked, _) = route(&s.ctx, &s.prefills, None, &received, &body, Api::Completions, "r").await;
+        let (marked, _) =
+            route(&s.ctx, LocalEngine::ComputesPrompts, &s.prefills, None, &received, &body, Api::Completions, "r")
+                .await;
         assert_eq!(marked, Route::Here(Plan::Local(LocalReason::Coordinator)));
     }
 }

@@ -115,7 +115,10 @@ async fn bootstrap_fields_and_input_logprobs() {
     assert_eq!(status, 200, "{out}");
     assert_eq!(out["meta_info"]["input_token_logprobs"], json!([[-0.5, 1, null], [-0.25, 2, null], [-1.5, 3, null]]));
     let pb: Value = serde_json::from_slice(&plog.lock().unwrap()[0].body).unwrap();
-    let db: Value = serde_json::from_slice(&dlog.lock().unwrap()[0].body).unwrap();
+    // The decode also saw the sidecar's one GET /server_info (its disaggregation mode).
+    let paths: Vec<String> = dlog.lock().unwrap().iter().map(|seen| seen.path.clone()).collect();
+    assert_eq!(paths, ["/server_info", "/generate"]);
+    let db: Value = serde_json::from_slice(&dlog.lock().unwrap()[1].body).unwrap();
     assert_eq!(pb, db, "the same body to both legs");
     assert_eq!(pb["bootstrap_host"], json!(["127.0.0.1", "127.0.0.1"]));
     assert_eq!(pb["bootstrap_port"], json!([8999, 8999]));

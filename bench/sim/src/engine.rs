@@ -215,6 +215,7 @@ impl Engine {
                     lora_id: None,
                     medium: Some("GPU".into()),
                     lora_name: None,
+                    cache_salt: None,
                 })
                 .collect();
             sink.emit(events);

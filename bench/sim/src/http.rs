@@ -28,6 +28,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/version", get(|| async { Json(json!({"version": "0.32.0+pdsim"})) }))
         .route("/metrics", get(metrics))
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/admin/faults", get(get_faults).post(set_faults))
         .route("/admin/leaks", get(leaks))
@@ -51,6 +53,14 @@ async fn render_completions(State(engine): State<Arc<Engine>>, headers: HeaderMa
 
 async fn render_chat(State(engine): State<Arc<Engine>>, headers: HeaderMap, body: Bytes) -> Response {
     crate::render::handle(engine, Endpoint::Chat, headers, body).await
+}
+
+/// SGLang's server info, the field a sidecar reads: the simulator computes every prompt itself
+/// (SGLang's plain `"null"` mode), also when it serves bootstrap rooms.
+async fn server_info(State(engine): State<Arc<Engine>>) -> Json<serde_json::Value> {
+    Json(
+        json!({"disaggregation_mode": "null", "served_model_name": engine.cfg.model, "page_size": engine.cfg.block_size}),
+    )
 }
 
 async fn models(State(engine): State<Arc<Engine>>) -> Json<serde_json::Value> {

@@ -321,8 +321,17 @@ impl<'a> Reader<'a> {
 }
 
 /// Map keys an event's fields can have (`type` first).
-const NAMES: [&str; 8] =
-    ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"];
+const NAMES: [&str; 9] = [
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "cache_salt",
+];
 const TYPE: usize = 0;
 const BLOCK_HASHES: usize = 1;
 const PARENT: usize = 2;
@@ -331,6 +340,7 @@ const BLOCK_SIZE: usize = 4;
 const LORA_ID: usize = 5;
 const MEDIUM: usize = 6;
 const LORA_NAME: usize = 7;
+const CACHE_SALT: usize = 8;
 
 /// Where an event's fields are (first occurrence), by their position in `NAMES`.
 struct Fields<'a> {
@@ -492,14 +502,25 @@ fn decode_event<'a>(bytes: &'a [u8], r: &mut Reader<'a>) -> Result<KvEvent, Deco
                 .and_then(|(v, _)| v.as_u64())
                 .and_then(|v| u32::try_from(v).ok())
                 .ok_or_else(|| shape("block_size missing or invalid"))?;
+            // SGLang and vLLM send an integer or nothing; anything else must not read as "no
+            // adapter", which would mix the adapter's blocks with the base model's.
+            let lora_id = match fields.get(LORA_ID)? {
+                None => None,
+                Some((v, _)) => Some(v.as_i64().ok_or_else(|| shape("lora_id is not an integer"))?),
+            };
+            let lora_name = match fields.get(LORA_NAME)? {
+                None => None,
+                Some((v, _)) => Some(v.as_str().ok_or_else(|| shape("lora_name is not a string"))?.to_owned()),
+            };
             Ok(KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
                 token_ids,
                 block_size,
-                lora_id: fields.get(LORA_ID)?.and_then(|(v, _)| v.as_i64()),
+                lora_id,
                 medium: fields.str(MEDIUM)?,
-                lora_name: fields.str(LORA_NAME)?,
+                lora_name,
+                cache_salt: fields.str(CACHE_SALT)?,
             })
         }
         "BlockRemoved" => {

@@ -22,6 +22,7 @@ fn inputs() -> Inputs {
         view: vec![with_id("v:1", "view-0")],
         statics: vec![t("s:1"), t("s:2")],
         dead: Vec::new(),
+        local: LocalEngine::ComputesPrompts,
     }
 }
 
@@ -241,4 +242,101 @@ fn failover_table() {
         POLICY.give_up(&Attempts::default(), "none"),
         Next::Fail(PrefillExhausted::NothingReachable { tried: 0, last: "none".into() })
     );
+}
+
+/// A decode-only local engine (a decode-mode SGLang): every local decision becomes a prefill leg
+/// over the prefills known (header, view, static list, the dead left out), or an error when
+/// there are none; other decisions are kept; `--fallback local` becomes a failure.
+#[test]
+fn a_decode_only_engine_never_gets_a_request_without_a_prefill_leg() {
+    type Edit = fn(&mut Inputs);
+    let here = |p: Plan| Route::Here(p);
+    let cases: Vec<(&str, Edit, Route)> = vec![
+        (
+            "short prompt: the header first",
+            |i| {
+                i.local_below_tokens = 101;
+                i.header = vec![t("h:1")];
+            },
+            here(prefills(&["h:1", "v:1", "s:1", "s:2"])),
+        ),
+        (
+            "redirected with the local mark",
+            |i| i.redirected = Some(Redirected::Local),
+            here(prefills(&["v:1", "s:1", "s:2"])),
+        ),
+        (
+            "the coordinator's local_prefill",
+            |i| i.pairing = decided(None, None),
+            here(prefills(&["v:1", "s:1", "s:2"])),
+        ),
+        (
+            "the dead left out",
+            |i| {
+                i.redirected = Some(Redirected::Local);
+                i.dead = vec!["view-0".into(), "http://s:1".into()];
+            },
+            here(prefills(&["s:2"])),
+        ),
+        (
+            "no prefill known",
+            |i| {
+                i.local_below_tokens = 101;
+                i.view.clear();
+                i.statics.clear();
+            },
+            here(Plan::NoPrefillForDecodeOnly(LocalReason::Threshold)),
+        ),
+        (
+            "nothing configured",
+            |i| {
+                i.view.clear();
+                i.statics.clear();
+            },
+            here(Plan::NoPrefillForDecodeOnly(LocalReason::NoCandidate)),
+        ),
+        (
+            "a prefill decision is kept",
+            |i| i.pairing = decided(Some("p:1"), None),
+            here(prefills(&["p:1", "s:1", "s:2"])),
+        ),
+    ];
+    for (name, edit, want) in cases {
+        let mut i = inputs();
+        i.local = LocalEngine::DecodeOnly;
+        edit(&mut i);
+        let got = match plan(&i) {
+            Route::Here(p) => Route::Here(bases(&p)),
+            other => other,
+        };
+        assert_eq!(got, want, "{name}");
+        // The same inputs for an engine that computes prompts: only the engine kind differs.
+        i.local = LocalEngine::ComputesPrompts;
+        if matches!(want, Route::Here(Plan::NoPrefillForDecodeOnly(_))) {
+            assert!(matches!(plan(&i), Route::Here(Plan::Local(_))), "{name}");
+        }
+    }
+    // A redirect's fallback (serving here after all) needs a prefill too.
+    let mut i = inputs();
+    i.local = LocalEngine::DecodeOnly;
+    i.pairing = decided(None, Some(("d2", None)));
+    i.view.clear();
+    i.statics.clear();
+    assert_eq!(
+        plan(&i),
+        Route::NoSidecar { decode: "d2".into(), plan: Plan::NoPrefillForDecodeOnly(LocalReason::NoCandidate) }
+    );
+    // --fallback local cannot compute the prompt here: the leg fails instead.
+    let local = Failover { fallback: Fallback::Local, ..POLICY };
+    assert_eq!(local.for_engine(LocalEngine::ComputesPrompts), local);
+    assert_eq!(local.for_engine(LocalEngine::DecodeOnly).fallback, Fallback::Fail);
+    let mut attempts = Attempts::default();
+    let only = [t("a:1")];
+    let next = local.for_engine(LocalEngine::DecodeOnly).next(
+        &only,
+        &mut attempts,
+        &AttemptFailure::Unreachable("refused".into()),
+        1.0,
+    );
+    assert_eq!(next, Next::Fail(PrefillExhausted::NothingReachable { tried: 1, last: "refused".into() }));
 }
