@@ -16,7 +16,7 @@ pub enum BlockHashScheme {
     Vllm,
     /// SGLang's radix-cache page chain (signed 64-bit ids). An adapter's blocks, which SGLang
     /// publishes under ids no router can compute, are re-keyed to this chain as they are indexed
-    /// ([`crate::rekey`]); prompts under a cache salt are not modelled (they find no overlap).
+    /// (coordinator `rekey` module); prompts under a cache salt are not modelled (they find no overlap).
     Sglang,
 }
 

@@ -29,7 +29,7 @@ pub struct Row {
 
 /// A setup either ran and was measured, or could not run (the reason is shown in its row).
 pub enum Outcome {
-    Measured(Measured),
+    Measured(Box<Measured>),
     Skipped { why: String },
 }
 
@@ -60,7 +60,7 @@ impl Row {
             kind,
             name: name.to_string(),
             rep,
-            outcome: Outcome::Measured(Measured { summary, kv, per_engine, decisions }),
+            outcome: Outcome::Measured(Box::new(Measured { summary, kv, per_engine, decisions })),
         }
     }
 

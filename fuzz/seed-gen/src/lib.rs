@@ -168,6 +168,7 @@ fn event_batch() -> EventBatch {
                 lora_id: None,
                 medium: Some("GPU".into()),
                 lora_name: None,
+                cache_salt: None,
             },
             KvEvent::BlockStored {
                 block_hashes: vec![BlockHash::Bytes(vec![0xab; 32])],
@@ -177,6 +178,7 @@ fn event_batch() -> EventBatch {
                 lora_id: Some(1),
                 medium: None,
                 lora_name: Some("adapter".into()),
+                cache_salt: None,
             },
             KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(11)], medium: Some("GPU".into()) },
             KvEvent::AllBlocksCleared,
