@@ -542,15 +542,6 @@ impl Cluster {
         self.cleanup.drop_params(request);
     }
 
-    /// The request failed: nothing is held for it any more once the blocks its prefill still
-    /// holds are released (the returned actions).
-    pub fn failed(&mut self, request: &str) -> Vec<Action> {
-        let cleanup = self.handoffs.failed(request);
-        let actions = self.resolve(cleanup);
-        self.cleanup.drop_params(request);
-        actions
-    }
-
     /// An [`Action::Release`] that could not be delivered: the prefill's next heartbeat carries it.
     pub fn release_failed(&mut self, notice: ReleaseNotice, now: Instant) {
         self.cleanup.owe(notice, now);
@@ -859,29 +850,6 @@ mod tests {
         let later = now + Duration::from_secs(4);
         c.tick(later);
         assert!(c.pair(req("r3", &hashes), later, [0.0; 2]).is_err());
-    }
-
-    #[test]
-    fn a_failed_request_releases_with_the_params_and_a_finished_one_does_not() {
-        let now = Instant::now();
-        let mut c = Cluster::new(Settings::default());
-        c.register(spec("p0", Role::Prefill), now);
-        c.register(spec("d0", Role::Decode), now);
-        let hashes: Vec<u64> = (1..=200).collect();
-        let params = || Some(RawValue::from_string(r#"{"remote_request_id": "x"}"#.to_string()).unwrap());
-        assert!(c.pair(req("ok", &hashes), now, [0.0; 2]).unwrap().prefill.is_some());
-        c.prefill_done("ok", params(), now);
-        c.finished("ok");
-        assert!(c.failed("ok").is_empty(), "already finished");
-        // Another prompt: the decode is now taken to hold the first one, which it would prefill.
-        let other: Vec<u64> = (1001..=1200).collect();
-        assert!(c.pair(req("failed", &other), now, [0.0; 2]).unwrap().prefill.is_some());
-        c.prefill_done("failed", params(), now);
-        let actions = c.failed("failed");
-        let [Action::Release { notice, .. }] = &actions[..] else { panic!("{actions:?}") };
-        assert_eq!((notice.request_id.as_str(), notice.prefill.as_str()), ("failed", "p0"));
-        assert_eq!(notice.kv_transfer_params.get(), r#"{"remote_request_id": "x"}"#);
-        assert!(c.handoffs.is_empty());
     }
 
     #[test]
