@@ -321,7 +321,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Map keys an event's fields can have (`type` first).
-const NAMES: [&str; 9] = [
+pub(super) const NAMES: [&str; 9] = [
     "type",
     "block_hashes",
     "parent_block_hash",
