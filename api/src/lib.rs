@@ -324,6 +324,8 @@ pub struct Report {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<String>,
     /// `prefill_done`: the prefill's params, so blocks held for a decode that dies can be freed.
+    /// `failed`: the params of the failed attempt's prefill leg, if it had one; the coordinator
+    /// frees its blocks when they are the params it holds for the request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<Box<RawValue>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -145,6 +145,8 @@ pub struct SimCounters {
     pub held_blocks: f64,
     pub leases_started: f64,
     pub pulls: f64,
+    /// Pulls made under a grant from the prefill (the sidecars name each engine's agent).
+    pub granted_pulls: f64,
     pub bytes_pulled: f64,
     pub verification_failures: f64,
 }
@@ -155,6 +157,7 @@ impl SimCounters {
             held_blocks: metrics::sum(text, "pdsim:held_blocks"),
             leases_started: metrics::sum(text, "pdsim:leases_started_total"),
             pulls: metrics::sum(text, "pdsim:pulls_total"),
+            granted_pulls: metrics::sum(text, "pdsim:granted_pulls_total"),
             bytes_pulled: metrics::sum(text, "vllm:nixl_bytes_transferred_total"),
             verification_failures: metrics::sum(text, "pdsim:verification_failures_total"),
         }
@@ -276,6 +279,9 @@ impl Cluster {
         let mut cmd = self.net.exec_in(&e.name, &self.bins.sidecar)?;
         cmd.args(["--listen", &format!("{ip}:{SIDECAR_PORT}"), "--engine", &e.engine_url, "--mode", "vllm"])
             .args(["--coordinator", &self.coordinator_url, "--engine-id", &e.name, "--role", e.role.as_str()])
+            // pd-sim's agent is its engine id: prefills grant it the blocks it reads, and revoke
+            // the grant before a release, an expired lease or a cancellation frees them.
+            .args(["--engine-xfer-agent", &e.name])
             .args(["--node", &e.name, "--model", MODEL, "--advertise-url", &e.sidecar_url, "--workers", "1"])
             .args(["--kv-events", &format!("tcp://{ip}:{KV_EVENTS_PORT}")])
             .args(["--prefill-timeout", &ms(t.prefill_timeout), "--connect-timeout", &ms(t.connect_timeout)])
@@ -436,9 +442,10 @@ mod tests {
 
     #[test]
     fn simulator_counters_from_metrics() {
-        let text = "pdsim:held_blocks{engine=\"n1\"} 3\npdsim:leases_started_total 7\npdsim:pulls_total 5\nvllm:nixl_bytes_transferred_total{engine=\"n3\"} 4096\npdsim:verification_failures_total 0\n";
+        let text = "pdsim:held_blocks{engine=\"n1\"} 3\npdsim:leases_started_total 7\npdsim:pulls_total 5\npdsim:granted_pulls_total 4\nvllm:nixl_bytes_transferred_total{engine=\"n3\"} 4096\npdsim:verification_failures_total 0\n";
         let c = SimCounters::from_text(text);
         assert_eq!((c.held_blocks, c.leases_started, c.pulls, c.bytes_pulled), (3.0, 7.0, 5.0, 4096.0));
+        assert_eq!(c.granted_pulls, 4.0);
     }
 
     #[test]

@@ -207,6 +207,8 @@ pub async fn kill_decode(mut c: Cluster, shape: LoadShape) -> Row {
     let after = c.sim_counters().await;
     row.kv_bytes = bytes_since(&before, &after);
     bars.check(sum_of(&after, |s| s.verification_failures) == 0.0, || "a pulled block failed verification".into());
+    let granted = sum_of(&after, |s| s.granted_pulls) - sum_of(&before, |s| s.granted_pulls);
+    bars.check(granted > 0.0, || "no pull was made under a grant".into());
     finish(&c, row, bars)
 }
 

@@ -27,9 +27,19 @@ pub struct Cleanup {
     /// Deaths up to this sequence were told to the engine's sidecar, by engine number.
     told: Vec<u64>,
     /// By request: the params its prefill reported, and when.
-    params: HashMap<String, (Box<RawValue>, Instant)>,
+    params: HashMap<String, (Held, Instant)>,
     /// By prefill id: releases for its next heartbeat answer, and since when.
     owed: HashMap<String, Vec<(ReleaseNotice, Instant)>>,
+}
+
+/// What a request's prefill reports left.
+#[derive(Debug)]
+enum Held {
+    Params(Box<RawValue>),
+    /// Two attempts under one request id reported different params (a sidecar served a failed
+    /// redirect itself): a release could free the blocks the live attempt's decode is reading,
+    /// so none is sent and the engines' leases free both.
+    Contested,
 }
 
 fn null() -> Box<RawValue> {
@@ -65,7 +75,17 @@ impl Cleanup {
     }
 
     pub fn hold(&mut self, request: String, params: Box<RawValue>, now: Instant) {
-        self.params.insert(request, (params, now));
+        let held = match self.params.get(&request) {
+            Some((Held::Params(earlier), _)) if earlier.get() != params.get() => Held::Contested,
+            Some((Held::Contested, _)) => Held::Contested,
+            _ => Held::Params(params),
+        };
+        self.params.insert(request, (held, now));
+    }
+
+    /// Whether `params` are the ones held for `request` (one attempt's, not contested).
+    pub fn holds(&self, request: &str, params: &RawValue) -> bool {
+        matches!(self.params.get(request), Some((Held::Params(held), _)) if held.get() == params.get())
     }
 
     pub fn drop_params(&mut self, request: &str) {
@@ -73,10 +93,14 @@ impl Cleanup {
     }
 
     /// The notice that frees what `prefill` holds for `request`, with the params it reported
-    /// (`null` when it reported none).
-    pub fn release(&mut self, request: String, prefill: &str) -> ReleaseNotice {
-        let params = self.params.remove(&request).map_or_else(null, |(params, _)| params);
-        ReleaseNotice { request_id: request, prefill: prefill.to_string(), kv_transfer_params: params }
+    /// (`null` when it reported none); `None` when attempts contested the request.
+    pub fn release(&mut self, request: String, prefill: &str) -> Option<ReleaseNotice> {
+        let params = match self.params.remove(&request) {
+            Some((Held::Contested, _)) => return None,
+            Some((Held::Params(params), _)) => params,
+            None => null(),
+        };
+        Some(ReleaseNotice { request_id: request, prefill: prefill.to_string(), kv_transfer_params: params })
     }
 
     /// A release that could not be delivered now waits for the prefill's heartbeat.

@@ -470,7 +470,7 @@ impl Cluster {
                 handoff::Action::Release { request, prefill } => {
                     let Some(spec) = name(prefill) else { continue };
                     let sidecar_url = spec.sidecar_url.clone();
-                    let notice = self.cleanup.release(request, &spec.id);
+                    let Some(notice) = self.cleanup.release(request, &spec.id) else { continue };
                     actions.push(Action::Release { notice, sidecar_url });
                 }
                 handoff::Action::Notify { request, dead, .. } => {
@@ -540,6 +540,18 @@ impl Cluster {
     pub fn finished(&mut self, request: &str) {
         self.handoffs.finished(request);
         self.cleanup.drop_params(request);
+    }
+
+    /// The request failed: nothing is held for it any more once the blocks its prefill still
+    /// holds are released (the returned actions). Only a report carrying the params held for the
+    /// request releases: a failed attempt under the same id as a live one must not free the live
+    /// one's blocks.
+    pub fn failed(&mut self, request: &str, params: Option<&RawValue>) -> Vec<Action> {
+        let same_attempt = params.is_some_and(|params| self.cleanup.holds(request, params));
+        let cleanup = self.handoffs.failed(request);
+        let actions = if same_attempt { self.resolve(cleanup) } else { Vec::new() };
+        self.cleanup.drop_params(request);
+        actions
     }
 
     /// An [`Action::Release`] that could not be delivered: the prefill's next heartbeat carries it.
@@ -850,6 +862,50 @@ mod tests {
         let later = now + Duration::from_secs(4);
         c.tick(later);
         assert!(c.pair(req("r3", &hashes), later, [0.0; 2]).is_err());
+    }
+
+    #[test]
+    fn a_failed_attempt_releases_its_own_params_only() {
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("p0", Role::Prefill), now);
+        c.register(spec("d0", Role::Decode), now);
+        let raw = |id: &str| RawValue::from_string(format!(r#"{{"remote_request_id": "{id}"}}"#)).unwrap();
+        let mut prompt = 0u64;
+        let mut paired = |c: &mut Cluster, request: &str| {
+            prompt += 1000;
+            let hashes: Vec<u64> = (prompt..prompt + 200).collect();
+            assert!(c.pair(req(request, &hashes), now, [0.0; 2]).unwrap().prefill.is_some(), "{request}");
+        };
+        paired(&mut c, "ok");
+        c.prefill_done("ok", Some(raw("ok-a")), now);
+        c.finished("ok");
+        assert!(c.failed("ok", Some(&raw("ok-a"))).is_empty(), "already finished");
+
+        paired(&mut c, "failed");
+        c.prefill_done("failed", Some(raw("failed-a")), now);
+        assert!(c.failed("failed", None).is_empty(), "a report without params is another attempt's");
+        paired(&mut c, "failed");
+        c.prefill_done("failed", Some(raw("failed-a")), now);
+        let actions = c.failed("failed", Some(&raw("failed-a")));
+        let [Action::Release { notice, .. }] = &actions[..] else { panic!("{actions:?}") };
+        assert_eq!((notice.request_id.as_str(), notice.prefill.as_str()), ("failed", "p0"));
+        assert_eq!(notice.kv_transfer_params.get(), r#"{"remote_request_id": "failed-a"}"#);
+
+        // A redirect target's attempt fails after the redirecting sidecar prefilled the same
+        // request again itself: neither attempt's blocks may be released by the coordinator.
+        paired(&mut c, "redirected");
+        c.prefill_done("redirected", Some(raw("redirected-a")), now);
+        c.prefill_done("redirected", Some(raw("redirected-b")), now);
+        assert!(c.failed("redirected", Some(&raw("redirected-a"))).is_empty());
+        assert!(c.handoffs.is_empty());
+        // The same when the decode dies instead.
+        paired(&mut c, "contested");
+        c.prefill_done("contested", Some(raw("contested-a")), now);
+        c.prefill_done("contested", Some(raw("contested-b")), now);
+        let decode = c.membership.id_of("d0").unwrap();
+        let died = c.engine_died(decode, now);
+        assert!(!died.iter().any(|a| matches!(a, Action::Release { .. })), "{died:?}");
     }
 
     #[test]

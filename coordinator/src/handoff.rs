@@ -100,6 +100,18 @@ impl Handoffs {
         Some(handoff)
     }
 
+    /// The request failed (its decode died or answered an error): it ends like
+    /// [`Handoffs::finished`], and blocks its prefill still holds are released, since the decode
+    /// may never have pulled them. Releasing blocks it did pull frees nothing at the prefill.
+    pub fn failed(&mut self, request: &str) -> Vec<Action> {
+        match self.finished(request) {
+            Some(Handoff { prefill: Some(prefill), stage: Stage::Held, .. }) => {
+                vec![Action::Release { request: request.to_string(), prefill }]
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// An engine died: handoffs touching it end; blocks held for a dead decode are released;
     /// sidecars of requests whose prefill died are told.
     pub fn engine_died(&mut self, dead: usize) -> Vec<Action> {
@@ -210,6 +222,25 @@ mod tests {
         let actions = h.engine_died(2);
         assert_eq!(actions, vec![Action::Notify { request: "other".into(), decode: 3, dead: 2 }]);
         assert!(h.is_empty());
+    }
+
+    #[test]
+    fn a_failed_request_releases_only_blocks_still_held() {
+        let now = Instant::now();
+        let mut h = Handoffs::new(Duration::from_secs(60));
+        h.routed("held", Some(0), 1, 4, now);
+        h.prefill_done("held");
+        h.routed("prefilling", Some(0), 1, 4, now);
+        h.routed("local", None, 1, 4, now);
+        h.routed("decoding", Some(0), 1, 4, now);
+        h.prefill_done("decoding");
+        h.decode_started("decoding");
+        assert_eq!(h.failed("held"), vec![Action::Release { request: "held".into(), prefill: 0 }]);
+        for nothing_held in ["prefilling", "local", "decoding", "unknown", "held"] {
+            assert_eq!(h.failed(nothing_held), vec![], "{nothing_held}");
+        }
+        assert!(h.is_empty());
+        assert_eq!((h.load(0), h.load(1)), (Load::default(), Load::default()));
     }
 
     #[test]

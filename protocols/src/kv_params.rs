@@ -95,6 +95,11 @@ pub fn prefill_request() -> Value {
     })
 }
 
+/// What a sidecar appends to a request's id (`X-Request-Id`) for the discarded one-token decode
+/// that frees the blocks a prefill holds for it. Such a decode may carry a synthetic prompt
+/// (a coordinator's release knows only the params), so pd-sim does not check what it pulls.
+pub const RELEASE_REQUEST_ID_SUFFIX: &str = "-release";
+
 /// The notification a decode engine sends when it has read a request's blocks.
 pub fn done_notification(remote_request_id: &str, decode_world_size: u32) -> String {
     format!("{remote_request_id}:{decode_world_size}")

@@ -469,12 +469,22 @@ pub struct Reporter {
     c: Arc<Coordinator>,
     metrics: Arc<Metrics>,
     request_id: String,
+    /// The params this sidecar's prefill leg reported: a failure report carries them, so the
+    /// coordinator frees this attempt's blocks and never those of another attempt under the same
+    /// request id (a sidecar that served a failed redirect itself).
+    params: Option<String>,
     done: bool,
 }
 
 impl Reporter {
     pub fn new(c: &Arc<Coordinator>, metrics: &Arc<Metrics>, request_id: &str) -> Reporter {
-        Reporter { c: Arc::clone(c), metrics: Arc::clone(metrics), request_id: request_id.to_string(), done: false }
+        Reporter {
+            c: Arc::clone(c),
+            metrics: Arc::clone(metrics),
+            request_id: request_id.to_string(),
+            params: None,
+            done: false,
+        }
     }
 
     fn send(&self, event: ReportEvent, engine: Option<String>, params: Option<&str>, error: Option<&str>) {
@@ -493,8 +503,9 @@ impl Reporter {
 
     /// The prefill holds the KV under `params` (so the coordinator can release it if this
     /// decode dies).
-    pub fn prefill_done(&self, prefill_engine: Option<&str>, params: &str) {
+    pub fn prefill_done(&mut self, prefill_engine: Option<&str>, params: &str) {
         self.send(ReportEvent::PrefillDone, prefill_engine.map(String::from), Some(params), None);
+        self.params = Some(params.to_string());
     }
 
     /// Another sidecar owns the request now (it was redirected there): report nothing.
@@ -509,14 +520,14 @@ impl Reporter {
 
     pub fn failed(mut self, error: &str) {
         self.done = true;
-        self.send(ReportEvent::Failed, Some(self.c.engine_id()), None, Some(error));
+        self.send(ReportEvent::Failed, Some(self.c.engine_id()), self.params.as_deref(), Some(error));
     }
 }
 
 impl Drop for Reporter {
     fn drop(&mut self) {
         if !self.done {
-            self.send(ReportEvent::Failed, Some(self.c.engine_id()), None, Some("request dropped"));
+            self.send(ReportEvent::Failed, Some(self.c.engine_id()), self.params.as_deref(), Some("request dropped"));
         }
     }
 }

@@ -28,8 +28,8 @@ impl Finish {
     }
 
     /// The prefill holds the KV under `params` (the coordinator can free it if this decode dies).
-    pub fn prefill_done(&self, prefill_engine: Option<&str>, params: &str) {
-        if let Some(r) = &self.reporter {
+    pub fn prefill_done(&mut self, prefill_engine: Option<&str>, params: &str) {
+        if let Some(r) = &mut self.reporter {
             r.prefill_done(prefill_engine, params);
         }
     }

@@ -10,6 +10,7 @@ use std::time::Instant;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, StatusCode};
+use pd_protocols::kv_params::RELEASE_REQUEST_ID_SUFFIX;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -190,7 +191,7 @@ impl Releaser {
         };
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Ok(v) = HeaderValue::from_str(&format!("{request_id}-release")) {
+        if let Ok(v) = HeaderValue::from_str(&format!("{request_id}{RELEASE_REQUEST_ID_SUFFIX}")) {
             headers.insert(REQUEST_ID, v);
         }
         if let Some(a) = self.ctx.upstream_authorization() {

@@ -113,6 +113,48 @@ async fn a_late_read_after_the_prefill_released_is_refused_and_handled_by_policy
     );
 }
 
+/// A decode that fails after its prefill computed the prompt: its sidecar reports the request
+/// failed, and the coordinator frees the prefill's blocks (revoking their grant) through the
+/// prefill's sidecar at once, not when the prefill's 30 s lease runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_decode_has_the_coordinator_release_the_prefills_blocks() {
+    let Some(coordinator) = common::Coordinator::start(&["--heartbeat-ms", "200ms"]).await else { return };
+    let url = coordinator.url.clone();
+    let p = Sim::start(&[]).await;
+    let d = Sim::start(&["--engine-id", "dec-g"]).await;
+    let sidecar_args = |id: &str, role: &str, engine: &str, extra: &[&str]| -> Vec<String> {
+        let base = ["--engine", engine, "--coordinator", &url, "--engine-id", id, "--role", role];
+        let more = ["--model", "sim-model", "--node", "local"];
+        base.iter().chain(&more).chain(extra).map(|s| s.to_string()).collect()
+    };
+    let port = common::free_port();
+    let advertise = format!("http://127.0.0.1:{port}");
+    let pa = sidecar_args("pre-g", "prefill", &p.url, &["--advertise-url", &advertise]);
+    let _ps = Sidecar::start_on(port, &pa.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let da = sidecar_args("dec-g", "decode", &d.url, &["--engine-xfer-agent", "dec-g", "--release-method", "decode"]);
+    let ds = Sidecar::start(&da.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    common::eventually("both registered", || async {
+        let v = common::client().get(format!("{url}/v1/engines")).send().await.ok()?.json::<Value>().await.ok()?;
+        (v.as_array()?.len() == 2).then_some(())
+    })
+    .await;
+
+    // The decode engine fails every call, the sidecar's own release (a decode call) included.
+    d.faults(json!({"error_rate": 1.0})).await;
+    let (status, out) =
+        ds.post("/v1/completions", &json!({"model": "sim-model", "prompt": words(64, "dies"), "max_tokens": 3})).await;
+    assert_eq!(status, 500, "{out}");
+    assert_eq!(p.leaks().await["grants_issued"], 1, "the prefill granted the decode its blocks");
+    let pl = p
+        .leaks_until("the coordinator released the blocks", Duration::from_secs(5), |r| {
+            r["held_blocks"] == 0 && r["grants_revoked"] == 1
+        })
+        .await;
+    assert_eq!(counts(&pl, &["expired_leases", "leases_done"]), [json!(0), json!(1)], "released, not expired: {pl}");
+    assert_eq!(common::metric(&coordinator.metrics().await, "pd_coordinator_releases_total{outcome=\"posted\"}"), 1.0);
+    assert_eq!(d.leaks().await["pulls"], 0);
+}
+
 /// Sim-pull mode: once the sidecar mapped the engine's pool it names its own agent, and its
 /// pulls read under the prefill's grant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

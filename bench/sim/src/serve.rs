@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use pd_protocols::kv_params::{KvTransferParams, GRANT_KEY};
+use pd_protocols::kv_params::{KvTransferParams, GRANT_KEY, RELEASE_REQUEST_ID_SUFFIX};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::config::{FailurePolicy, Role};
@@ -194,6 +194,10 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
     }
     let (tokens, max_tokens) = prompt_tokens(engine, &req)?;
     let base = request_base(headers);
+    // A sidecar's release decode: its prompt may be synthetic, so what it pulls is neither
+    // checked against the prompt nor cached; the pull itself (and its done notification) is
+    // what frees the prefill's blocks.
+    let release_decode = base.ends_with(RELEASE_REQUEST_ID_SUFFIX);
     let prefix = endpoint.id_prefix();
     let meta = Meta {
         id: format!("{prefix}-{base}"),
@@ -263,10 +267,12 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
     match &mode {
         Mode::RemotePrefill(params) => {
             let outcome = match remote.expect("resolved for remote prefill") {
-                Ok(peer) => pull_vllm(engine, &prompt, &held.blocks, hit, params, &peer).await,
+                Ok(peer) => pull_vllm(engine, &prompt, &held.blocks, hit, params, &peer, !release_decode).await,
                 Err(err) => Err(err),
             };
-            settle_pull(engine, &prompt, &held.blocks, hit, outcome).await?;
+            if !(release_decode && outcome.is_ok()) {
+                settle_pull(engine, &prompt, &held.blocks, hit, outcome).await?;
+            }
         }
         Mode::Preloaded(_) => {
             let outcome = verify(engine, &prompt, &held.blocks, 0);
@@ -405,6 +411,7 @@ async fn pull_vllm(
     hit: usize,
     params: &KvTransferParams,
     peer: &xfer::PreparedRemote,
+    check: bool,
 ) -> Result<(), PullError> {
     let remote_ids = params.first_group();
     if remote_ids.len() != prompt.num_blocks() {
@@ -418,7 +425,11 @@ async fn pull_vllm(
     let notif = pd_protocols::kv_params::done_notification(request_id, 1);
     let engine_id = params.remote_engine_id.as_deref().unwrap_or_default();
     pull::read_blocks(engine, engine_id, peer, &remote_ids[hit..], &blocks[hit..], params.grant(), notif).await?;
-    verify(engine, prompt, blocks, hit)
+    if check {
+        verify(engine, prompt, blocks, hit)
+    } else {
+        Ok(())
+    }
 }
 
 pub fn verify(engine: &Engine, prompt: &Prompt, blocks: &[BlockId], hit: usize) -> Result<(), PullError> {

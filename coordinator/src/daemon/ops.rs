@@ -326,23 +326,36 @@ impl Coordinator {
         })
     }
 
-    pub fn report(&self, report: ReportJson) -> Result<(), ApiError> {
+    pub fn report(self: &Arc<Self>, report: ReportJson) -> Result<(), ApiError> {
         if report.request_id.is_empty() || report.request_id.len() > MAX_REQUEST_ID {
             return Err(ApiError::BadRequest(format!("'request_id' must be 1..{MAX_REQUEST_ID} bytes")));
         }
         inc(&self.metrics.reports);
-        let mut inner = self.inner.lock();
         let id = report.request_id;
-        match report.event {
-            ReportEvent::PrefillDone => inner.cluster.prefill_done(&id, report.kv_transfer_params, Instant::now()),
-            ReportEvent::DecodeStarted => inner.cluster.decode_started(&id),
-            ReportEvent::Finished | ReportEvent::Failed => {
-                if let Some(error) = report.error {
-                    tracing::debug!(request = %id, %error, "request failed");
+        let actions = {
+            let mut inner = self.inner.lock();
+            match report.event {
+                ReportEvent::PrefillDone => {
+                    inner.cluster.prefill_done(&id, report.kv_transfer_params, Instant::now());
+                    Vec::new()
                 }
-                inner.cluster.finished(&id);
+                ReportEvent::DecodeStarted => {
+                    inner.cluster.decode_started(&id);
+                    Vec::new()
+                }
+                ReportEvent::Finished => {
+                    inner.cluster.finished(&id);
+                    Vec::new()
+                }
+                // A decode that died leaves the prefill holding its blocks (and their grant):
+                // free them now rather than at the end of the prefill's lease.
+                ReportEvent::Failed => {
+                    tracing::debug!(request = %id, error = report.error.as_deref().unwrap_or("-"), "request failed");
+                    inner.cluster.failed(&id, report.kv_transfer_params.as_deref())
+                }
             }
-        }
+        };
+        self.carry_out(actions);
         Ok(())
     }
 
