@@ -4,6 +4,7 @@
 #
 #   tls     A = the TCP backend with tls=off, B = with tls=on, READ and WRITE at SIZES (16M);
 #           bar: B ≥ 0.5 × A at 16 MiB.
+#   tls-builds  both sides tls=on at SIZES, no bar: for two builds (XFERBENCH_A, XFERBENCH_B).
 #   grants  A = the KV-shaped pair (2048 scattered 16 KiB blocks, one contiguous 32 MiB request)
 #           without --grants, B = with --grants; bar: grants cost ≤ 3 % (B ≥ 0.97 × A) scattered.
 #
@@ -18,11 +19,11 @@
 #   bench/ab-compare.sh tls                      # 8 rounds at 16M
 #   ROUNDS=4 SIZES=1M,16M OUT=/tmp/ab bench/ab-compare.sh tls
 #   bench/ab-compare.sh grants
-#   XFERBENCH_B=/tmp/new/xferbench OUT=/tmp/ab bench/ab-compare.sh tls   # same mode, two builds
+#   XFERBENCH_A=/tmp/old/xferbench XFERBENCH_B=/tmp/new/xferbench OUT=/tmp/ab bench/ab-compare.sh tls-builds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode=${1:?usage: bench/ab-compare.sh tls|grants}
+mode=${1:?usage: bench/ab-compare.sh tls|tls-builds|grants}
 load_start=$(bench/machine.sh --load)
 ROUNDS=${ROUNDS:-8}
 SIZES=${SIZES:-16M}
@@ -37,13 +38,18 @@ case "$mode" in
     a_args=(--params tls=off)
     b_args=(--params tls=on)
     ;;
+  tls-builds)
+    common=(--backend tcp --op both --block-sizes "$SIZES" --iters 32 --params tls=on)
+    a_args=()
+    b_args=()
+    ;;
   grants)
     common=(--backend tcp --kv-shape --op both --iters 16)
     a_args=()
     b_args=(--grants)
     ;;
   *)
-    echo "ab-compare: unknown mode '$mode' (tls or grants)" >&2
+    echo "ab-compare: unknown mode '$mode' (tls, tls-builds or grants)" >&2
     exit 2
     ;;
 esac
@@ -67,19 +73,22 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 machine=$(bench/machine.sh "bench/ab-compare.sh $mode" "$load_start")
-python3 - "$mode" "$WORK" "$ROUNDS" "$OUT" "$machine" "${a_args[*]:-(none)}" "${b_args[*]}" <<'PY'
+a_desc="${a_args[*]:-no flags}" b_desc="${b_args[*]:-no flags}"
+if [ "$XFERBENCH_A" != "$XFERBENCH_B" ]; then a_desc+=", $XFERBENCH_A" b_desc+=", $XFERBENCH_B"; fi
+python3 - "$mode" "$WORK" "$ROUNDS" "$OUT" "$machine" "$a_desc" "$b_desc" "${common[*]}" <<'PY'
 import json
 import math
 import statistics
 import sys
 
-mode, work, rounds, out, machine, a_flags, b_flags = sys.argv[1:8]
+mode, work, rounds, out, machine, a_flags, b_flags, common = sys.argv[1:9]
 rounds = int(rounds)
 SIDES = {1: "A", 2: "B", 3: "B", 4: "A"}
 # mode: (what A and B are, the bar's minimum B ÷ A, which rows it applies to, the bar in words)
 MODES = {
     "tls": ("`tls=off`", "`tls=on`", 0.5, lambda row: row["block_size"] == 16 << 20,
             "tls=on ≥ 0.5 × tls=off at 16 MiB"),
+    "tls-builds": ("build A", "build B", 0.0, lambda row: False, "none (two builds, both `tls=on`)"),
     "grants": ("without `--grants`", "with `--grants`", 0.97, lambda row: row["scatter"],
                "grants cost ≤ 3 % (B ÷ A ≥ 0.97) on the scattered request"),
 }
@@ -115,7 +124,8 @@ mib = max(row["bytes"] for row in rows) >> 20
 lines = [
     machine,
     "",
-    f"Two processes on loopback, one request in flight; A = {a_name} (`{a_flags}`), B = {b_name} (`{b_flags}`).",
+    f"Two processes on loopback, one request in flight: `xferbench {common}` with",
+    f"A = {a_name} (`{a_flags}`), B = {b_name} (`{b_flags}`).",
     f"{rounds} rounds, each running A, B, B, A back to back ({mib} MiB per case and run). A round's ratio is",
     "the geometric mean of its two adjacent B ÷ A pairs; \"B ÷ A\" is the median of the rounds' ratios,",
     "\"spread\" their lowest and highest. GB/s = 10^9 bytes/s, medians over all runs of a side.",
