@@ -61,7 +61,7 @@ if [ "$XFERBENCH_A" = target/release/xferbench ] || [ "$XFERBENCH_B" = target/re
 fi
 mkdir -p "$OUT"
 
-# Run RUN of a round: A, B, B, A. Each run is bounded.
+# Every round runs A, B, B, A; each run is bounded by a timeout.
 for round in $(seq 1 "$ROUNDS"); do
   for run in 1 2 3 4; do
     if [ "$run" = 1 ] || [ "$run" = 4 ]; then side=A bin=$XFERBENCH_A args=("${a_args[@]}")
