@@ -3,12 +3,17 @@
 # `<!-- results:NAME:begin -->` and `<!-- results:NAME:end -->`. Relative links in a report (its
 # plots) are rewritten to point into bench/results/. A block whose report is missing is left as
 # it is. The benchmark scripts run this themselves when they write into bench/results/.
+# Given a README and a results folder (paths from the current directory, the folder as the
+# README links it), it fills that README instead (coordinator/BENCH.md from coordinator/results).
 #
-#   bench/update-readme.sh
+#   bench/update-readme.sh [README RESULTS_DIR]
 set -euo pipefail
-cd "$(dirname "$0")"
+if [ $# -eq 0 ]; then
+    cd "$(dirname "$0")"
+    set -- README.md results
+fi
 
-python3 - README.md results <<'EOF'
+python3 - "$1" "$2" <<'EOF'
 import os
 import re
 import sys
