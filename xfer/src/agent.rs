@@ -843,9 +843,10 @@ impl side_channel::Handler for SideChannelHandler {
             None => claim.claimant.as_str(),
         };
         let agent = Agent { inner: agent };
-        let reply = agent.inner.offers.claim(&claim.name, claimant, CLAIM_WAIT, |ttl| {
-            agent.grant(claimant, claim.mem_type, &claim.ranges, ttl)
-        });
+        let reply = agent
+            .inner
+            .offers
+            .claim(&claim.name, claimant, CLAIM_WAIT, |ttl| agent.grant(claimant, claim.mem_type, &claim.ranges, ttl));
         Ok(crate::grant_offer::encode_reply(&reply))
     }
 }
@@ -972,7 +973,8 @@ impl Agent {
     /// claimed with `WrongAgent`, a name never offered (after the peer waited a moment for it)
     /// with `UnknownKey`.
     pub fn claim_grant(&self, addr: &str, name: &str, mem_type: MemType, ranges: &[Desc]) -> Result<String, XferError> {
-        let claim = Claim { name: name.to_string(), claimant: self.inner.name.clone(), mem_type, ranges: ranges.to_vec() };
+        let claim =
+            Claim { name: name.to_string(), claimant: self.inner.name.clone(), mem_type, ranges: ranges.to_vec() };
         let reply = side_channel::call_as(
             addr,
             SideOp::Claim,

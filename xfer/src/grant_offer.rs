@@ -125,6 +125,8 @@ pub(crate) fn decode_reply(bytes: &[u8]) -> Result<Vec<u8>, XferError> {
 }
 
 struct Offer {
+    /// Tells this offer from a later one of the same name.
+    id: u64,
     expires: Instant,
     claimant: Option<String>,
     grants: Vec<Grant>,
@@ -134,6 +136,7 @@ struct Offer {
 struct Offers {
     open: HashMap<String, Offer>,
     ended: VecDeque<String>,
+    next_id: u64,
 }
 
 /// An agent's open offers, and the names of recently ended ones.
@@ -146,15 +149,17 @@ pub(crate) struct OfferTable {
 impl OfferTable {
     /// Opens an offer; an open offer of the same name is replaced (its grants revoked).
     pub fn open(self: &Arc<Self>, name: &str, ttl: Duration) -> GrantOffer {
-        let offer = Offer { expires: Instant::now() + ttl, claimant: None, grants: Vec::new() };
-        let replaced = {
+        let (id, replaced) = {
             let mut offers = self.offers.lock();
+            offers.next_id += 1;
+            let id = offers.next_id;
             offers.ended.retain(|ended| ended != name);
-            offers.open.insert(name.to_string(), offer)
+            let offer = Offer { id, expires: Instant::now() + ttl, claimant: None, grants: Vec::new() };
+            (id, offers.open.insert(name.to_string(), offer))
         };
         self.offered.notify_all();
         drop(replaced);
-        GrantOffer { name: name.to_string(), table: Arc::clone(self), claimed_by: Mutex::new(None) }
+        GrantOffer { name: name.to_string(), id, table: Arc::clone(self), claimed_by: Mutex::new(None) }
     }
 
     /// Answers a claim, waiting up to `wait` for an offer of that name. `issue` makes the
@@ -197,12 +202,17 @@ impl OfferTable {
     }
 
     /// The peer that claimed an open offer.
-    fn claimant(&self, name: &str) -> Option<String> {
-        self.offers.lock().open.get(name).and_then(|offer| offer.claimant.clone())
+    fn claimant(&self, name: &str, id: u64) -> Option<String> {
+        let offers = self.offers.lock();
+        offers.open.get(name).filter(|offer| offer.id == id).and_then(|offer| offer.claimant.clone())
     }
 
-    fn end(&self, name: &str) -> Option<Offer> {
+    /// Ends the offer `id` of that name (not a later one that replaced it).
+    fn end(&self, name: &str, id: u64) -> Option<Offer> {
         let mut offers = self.offers.lock();
+        if offers.open.get(name).is_none_or(|offer| offer.id != id) {
+            return None;
+        }
         let offer = offers.open.remove(name);
         if offers.ended.len() >= ENDED_REMEMBERED {
             offers.ended.pop_front();
@@ -216,6 +226,7 @@ impl OfferTable {
 /// it and returns only once no transfer under a grant claimed from it still touches memory.
 pub struct GrantOffer {
     name: String,
+    id: u64,
     table: Arc<OfferTable>,
     claimed_by: Mutex<Option<String>>,
 }
@@ -235,7 +246,7 @@ impl GrantOffer {
     pub fn claimant(&self) -> Option<String> {
         let mut claimed = self.claimed_by.lock();
         if claimed.is_none() {
-            *claimed = self.table.claimant(&self.name);
+            *claimed = self.table.claimant(&self.name, self.id);
         }
         claimed.clone()
     }
@@ -247,7 +258,7 @@ impl GrantOffer {
     }
 
     fn end(&self) -> usize {
-        let Some(offer) = self.table.end(&self.name) else { return 0 };
+        let Some(offer) = self.table.end(&self.name, self.id) else { return 0 };
         if let Some(claimant) = &offer.claimant {
             self.claimed_by.lock().get_or_insert_with(|| claimant.clone());
         }
@@ -309,6 +320,14 @@ mod tests {
         let expired = table.open("r2", Duration::ZERO);
         assert_eq!(table.claim("r2", "d", Duration::ZERO, |_| unreachable!()).unwrap_err().0, RefusalCode::Revoked);
         drop(expired);
+
+        // A replaced offer's handle no longer ends the name's current offer.
+        let first = table.open("r3", Duration::from_secs(60));
+        let second = table.open("r3", Duration::from_secs(60));
+        assert_eq!(first.revoke(), 0);
+        let token = table.claim("r3", "d", Duration::ZERO, |_| Err(XferError::InvalidArgument("x".into())));
+        assert_eq!(token.unwrap_err().0, RefusalCode::BadRequest, "the second offer was ended with the first");
+        drop(second);
     }
 
     #[test]
@@ -317,7 +336,8 @@ mod tests {
         let waiter = {
             let table = Arc::clone(&table);
             std::thread::spawn(move || {
-                table.claim("late", "d", Duration::from_secs(5), |_| Err(XferError::InvalidArgument("no memory".into())))
+                table
+                    .claim("late", "d", Duration::from_secs(5), |_| Err(XferError::InvalidArgument("no memory".into())))
             })
         };
         std::thread::sleep(Duration::from_millis(50));
