@@ -110,7 +110,7 @@ xfer_site="$(bindings/python/build.sh --features ucx | tail -n1)"
 PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning bindings/python/tests
 
-# t4 (lease expiry with xfer's agents) and t5 (a NIXL prefill with an xfer decode) are the
+# t4 (lease expiry with xfer's agents, then a late read refused under its revoked grant) and t5 (a NIXL prefill with an xfer decode) are the
 # XferConnector run's.
 PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture \
   --skip t4_ --skip t5_

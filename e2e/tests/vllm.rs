@@ -451,7 +451,10 @@ const LEASE: Duration = Duration::from_secs(30);
 
 /// For `PD_VLLM_CONNECTOR=xfer` (the NixlConnector run skips it with `--skip t4_`): the lease
 /// is vLLM's own, so under NixlConnector it would only repeat vLLM's tests; under XferConnector
-/// it shows the lease still works with xfer's agents and notifications.
+/// it shows the lease still works with xfer's agents and notifications. Then the late read:
+/// the decode is handed the expired prefill's params; the prefill revoked the blocks' grant
+/// before freeing them, so the decode's read is refused and the answer is the decode's own
+/// (recomputed) or a clean error, never text decoded from the freed blocks.
 #[test]
 fn t4_lease_expiry_frees_prefill_blocks() {
     let Some(c) = cluster("t4_lease_expiry_frees_prefill_blocks") else { return };
@@ -462,9 +465,16 @@ fn t4_lease_expiry_frees_prefill_blocks() {
     );
     runtime().block_on(async {
         let client = client();
-        let prefill = c.prefill_url();
+        let (prefill, decode) = (c.prefill_url(), c.decode_url());
+        let prompt = fresh_prompt("lease", 400);
+        let plain = request_body(false, &prompt, false);
+        let (status, text) =
+            post_json(&client, &format!("{decode}/v1/completions"), &plain, REQUEST_TIMEOUT).await.expect("plain");
+        assert_eq!(status, 200, "{text}");
+        let reference = response_text(&serde_json::from_str(&text).expect("json"));
+        reset_prefix_cache(&client, &decode).await;
         let baseline = metric(&client, &prefill, KV_USAGE, &[]).await;
-        let mut body = request_body(false, &fresh_prompt("lease", 400), false);
+        let mut body = plain.clone();
         body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
             "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
         body["max_tokens"] = json!(1);
@@ -482,7 +492,51 @@ fn t4_lease_expiry_frees_prefill_blocks() {
         let took = answered.elapsed();
         timing(&format!("prefill blocks freed by lease expiry ({held:.6} -> {after:.6})"), took);
         assert!(after <= baseline + 1e-9, "the prefill still holds blocks {took:?} after answering ({after})");
+        late_read_is_refused(&client, &decode, &text, &plain, &reference).await;
     });
+}
+
+/// The decode leg of t4, after the prefill freed the blocks: the read is refused (the grant was
+/// revoked before the blocks were freed), no KV counts as transferred, and the answer is the
+/// decode's own or a clean error.
+async fn late_read_is_refused(
+    client: &reqwest::Client,
+    decode: &str,
+    prefill_answer: &str,
+    plain: &Value,
+    reference: &str,
+) {
+    let params = serde_json::from_str::<Value>(prefill_answer).expect("json")["kv_transfer_params"].clone();
+    let request_id = params["remote_request_id"].as_str().expect("remote_request_id").to_string();
+    let prefill_log = log_dir().join("vllm-prefill.log");
+    let revocations = log_lines_with(&prefill_log, "pd_xfer revoked the grant for request");
+    assert!(
+        revocations.iter().any(|line| line.contains(&request_id)),
+        "the prefill logged no revocation of {request_id}'s grant: {revocations:?}"
+    );
+    let external = metric(client, decode, BY_SOURCE, &[EXTERNAL]).await;
+    let decode_log = log_dir().join("vllm-decode.log");
+    let refusals_before = log_lines_with(&decode_log, "grant revoked or expired").len();
+    let mut late = plain.clone();
+    late["kv_transfer_params"] = params;
+    let started = Instant::now();
+    let (status, text) =
+        post_json(client, &format!("{decode}/v1/completions"), &late, REQUEST_TIMEOUT).await.expect("late decode");
+    timing(&format!("late decode answered {status}"), started.elapsed());
+    if status == 200 {
+        let answer = response_text(&serde_json::from_str(&text).expect("json"));
+        assert!(
+            answer.is_empty() || answer == reference,
+            "a late read answered {answer:?}, not the decode's own {reference:?}"
+        );
+    } else {
+        assert!(text.contains("error"), "the late decode failed without an error body: {status} {text}");
+    }
+    let external_after = metric(client, decode, BY_SOURCE, &[EXTERNAL]).await;
+    assert_eq!(external_after, external, "the decode counted KV read after the prefill freed it");
+    let refusals = log_lines_with(&decode_log, "grant revoked or expired");
+    assert!(refusals.len() > refusals_before, "the decode's log shows no refused read");
+    loud(&format!("t4: late read refused; decode answered {status}; {}", refusals[refusals.len() - 1]));
 }
 
 /// A prefill on NIXL and a decode on xfer cannot be a pair: the decode's handshake refuses the

@@ -19,6 +19,7 @@ use xfer_core::{
 
 use crate::error::{Side, XferError};
 use crate::grant::{Grant, GrantEntry, GrantToken};
+use crate::grant_offer::{Claim, GrantOffer, OfferTable, CLAIM_WAIT};
 use crate::metadata::{AgentMetadata, BackendInfo, RegionInfo};
 use crate::notifs::NotifQueues;
 use crate::prepared::{pick, PreparedLocal, PreparedRemote};
@@ -54,6 +55,8 @@ pub(crate) struct AgentInner {
     /// This agent as its own peer (the local-peer shortcut), built from its own metadata on
     /// first use after each change of backends or registrations.
     own: Mutex<OwnPeer>,
+    /// Grants offered under a name for a peer to claim over the side channel.
+    offers: Arc<OfferTable>,
 }
 
 /// The cached self-peer and the table generation it was built from.
@@ -169,6 +172,7 @@ impl Agent {
                 side_channel: Mutex::new(None),
                 credential: credential.map(Arc::new),
                 own: Mutex::new(OwnPeer::default()),
+                offers: Arc::new(OfferTable::default()),
             }),
         })
     }
@@ -827,6 +831,24 @@ impl side_channel::Handler for SideChannelHandler {
         }
         agent.invalidate(name).map_err(|e| SideChannelError::Agent(Box::new(e)))
     }
+
+    fn claim(&self, body: &[u8], peer: Option<&str>) -> Result<Vec<u8>, SideChannelError> {
+        let agent = self.0.upgrade().ok_or(SideChannelError::AgentGone)?;
+        let claim = Claim::decode(body).map_err(|e| SideChannelError::Agent(Box::new(e)))?;
+        let claimant = match peer {
+            Some(peer) if claim.claimant.is_empty() || claim.claimant == peer => peer,
+            Some(peer) => {
+                return Err(SideChannelError::NotOwnName { peer: peer.to_string(), named: claim.claimant });
+            }
+            None => claim.claimant.as_str(),
+        };
+        let agent = Agent { inner: agent };
+        let reply = agent
+            .inner
+            .offers
+            .claim(&claim.name, claimant, CLAIM_WAIT, |ttl| agent.grant(claimant, claim.mem_type, &claim.ranges, ttl));
+        Ok(crate::grant_offer::encode_reply(&reply))
+    }
 }
 
 /// `(addr, len)` ranges of one grant inside one region.
@@ -936,6 +958,33 @@ impl Agent {
         peers.insert(token.agent.clone(), Arc::new(updated));
         inner.peers.store(Arc::new(peers));
         Ok(token.agent)
+    }
+
+    /// Offers a grant under `name` for `ttl`: the first peer to claim it over this agent's
+    /// side channel ([`Agent::claim_grant`]) gets a grant over the ranges it names, bound to
+    /// it. Revoke (or drop) the offer before reusing the memory.
+    pub fn offer_grant(&self, name: &str, ttl: Duration) -> GrantOffer {
+        self.inner.offers.open(name, ttl)
+    }
+
+    /// Claims the grant a peer offered under `name`, over `ranges` of its memory, from its side
+    /// channel at `addr`, and loads it ([`Agent::load_grant`]); returns the peer's name. A
+    /// revoked or expired offer is refused with `Refused { code: Revoked }`, one another peer
+    /// claimed with `WrongAgent`, a name never offered (after the peer waited a moment for it)
+    /// with `UnknownKey`.
+    pub fn claim_grant(&self, addr: &str, name: &str, mem_type: MemType, ranges: &[Desc]) -> Result<String, XferError> {
+        let claim =
+            Claim { name: name.to_string(), claimant: self.inner.name.clone(), mem_type, ranges: ranges.to_vec() };
+        let reply = side_channel::call_as(
+            addr,
+            SideOp::Claim,
+            &claim.encode()?,
+            side_channel::IO_TIMEOUT + CLAIM_WAIT,
+            self.inner.client_auth(),
+        )
+        .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })?;
+        let token = crate::grant_offer::decode_reply(&reply)?;
+        self.load_grant(&token)
     }
 }
 

@@ -33,7 +33,7 @@ pub(crate) struct GrantToken {
     pub entries: Vec<GrantEntry>,
 }
 
-fn bad(reason: &str) -> XferError {
+pub(crate) fn bad(reason: &str) -> XferError {
     XferError::InvalidArgument(format!("grant token: {reason}"))
 }
 
@@ -95,10 +95,11 @@ impl GrantToken {
     }
 }
 
-struct Reader<'a>(&'a [u8]);
+/// A bounded reader over untrusted bytes: every read checks the length first.
+pub(crate) struct Reader<'a>(pub &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], XferError> {
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], XferError> {
         if self.0.len() < n {
             return Err(bad("truncated"));
         }
@@ -106,13 +107,13 @@ impl<'a> Reader<'a> {
         self.0 = rest;
         Ok(head)
     }
-    fn u16(&mut self) -> Result<u16, XferError> {
+    pub fn u16(&mut self) -> Result<u16, XferError> {
         Ok(u16::from_le_bytes(self.take(2)?.try_into().map_err(|_| bad("truncated"))?))
     }
-    fn u64(&mut self) -> Result<u64, XferError> {
+    pub fn u64(&mut self) -> Result<u64, XferError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().map_err(|_| bad("truncated"))?))
     }
-    fn text(&mut self, n: usize) -> Result<String, XferError> {
+    pub fn text(&mut self, n: usize) -> Result<String, XferError> {
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| bad("name is not UTF-8"))
     }
 }

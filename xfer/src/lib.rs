@@ -26,6 +26,7 @@
 mod agent;
 mod error;
 pub mod grant;
+pub mod grant_offer;
 pub mod metadata;
 mod notifs;
 mod prepared;
@@ -37,6 +38,7 @@ mod tables;
 pub use agent::{Agent, Allocation, Registration};
 pub use error::{Side, XferError};
 pub use grant::Grant;
+pub use grant_offer::GrantOffer;
 pub use prepared::{PreparedLocal, PreparedRemote};
 pub use registry::BackendRegistry;
 pub use request::{RequestOptions, Telemetry, XferRequest};

@@ -7,7 +7,7 @@
 //! response: status u8 (0 ok, 1 error) | body length u32 LE | body (blob or error text)
 //! ```
 //! Ops: 1 = get the metadata, 2 = put the sender's metadata (load it), 3 = invalidate the agent
-//! named in the body. Response status 2 means "unauthenticated" (see below).
+//! named in the body, 4 = claim a grant offered under a name ([`crate::grant_offer`]). Response status 2 means "unauthenticated" (see below).
 //!
 //! When the agent has a cluster credential, each connection starts with a challenge-response
 //! (distinct magic, so a peer of the other kind gets a clear status-2 refusal):
@@ -52,6 +52,7 @@ pub enum SideOp {
     Get,
     Put,
     Invalidate,
+    Claim,
 }
 
 impl SideOp {
@@ -60,6 +61,7 @@ impl SideOp {
             SideOp::Get => 1,
             SideOp::Put => 2,
             SideOp::Invalidate => 3,
+            SideOp::Claim => 4,
         }
     }
 
@@ -68,6 +70,7 @@ impl SideOp {
             1 => Some(SideOp::Get),
             2 => Some(SideOp::Put),
             3 => Some(SideOp::Invalidate),
+            4 => Some(SideOp::Claim),
             _ => None,
         }
     }
@@ -207,6 +210,8 @@ pub(crate) trait Handler: Send + Sync + 'static {
     /// Loads a peer's metadata; returns the peer's name.
     fn put(&self, blob: &[u8], peer: Option<&str>) -> Result<String, SideChannelError>;
     fn invalidate(&self, name: &str, peer: Option<&str>) -> Result<(), SideChannelError>;
+    /// Answers a grant claim (body and reply: [`crate::grant_offer`]).
+    fn claim(&self, body: &[u8], peer: Option<&str>) -> Result<Vec<u8>, SideChannelError>;
 }
 
 /// The serving side's credential and name.
@@ -350,6 +355,7 @@ fn serve_one(mut stream: TcpStream, peer: SocketAddr, serving: &Serving) -> io::
             Ok(name) => handler.invalidate(name, peer_name).map(|()| Vec::new()),
             Err(_) => Err(SideChannelError::NameNotUtf8),
         },
+        SideOp::Claim => handler.claim(&body, peer_name),
     };
     if let Err(err @ (SideChannelError::NotOwnMetadata { .. } | SideChannelError::NotOwnName { .. })) = &result {
         serving.refusals.refused(peer, err);

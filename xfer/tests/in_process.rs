@@ -216,3 +216,43 @@ fn cancel_and_backend_override() {
         Err(XferError::NotRegistered { .. })
     ));
 }
+
+/// A grant offered under a name: claimed by the first reader with the ranges it reads, bound
+/// to it; revoking the offer refuses the claimant's next read and any later claim.
+#[test]
+fn offered_grants_are_claimed_then_revoked() {
+    use xfer::RefusalCode;
+    let (target, reader, stranger) = (agent("prefill"), agent("decode"), agent("stranger"));
+    let (held, into) = (Arc::new(HostBuffer::new(64 << 10)), Arc::new(HostBuffer::new(64 << 10)));
+    let _held_reg = target.register_buffer(&held).unwrap();
+    let _into_reg = reader.register_buffer(&into).unwrap();
+    let _stranger_reg = stranger.register_buffer(&into).unwrap();
+    let side = target.start_side_channel("127.0.0.1:0").unwrap().to_string();
+    reader.fetch_remote_metadata(&side).unwrap();
+    stranger.fetch_remote_metadata(&side).unwrap();
+    let data = pattern(64 << 10, 3);
+    held.write_at(0, &data);
+    let block = xfer::Desc::new(held.desc().addr + 4096, 8192, 0);
+    let local = xfer::Desc::new(into.desc().addr, 8192, 0);
+
+    let offer = target.offer_grant("req-1", Duration::from_secs(60));
+    assert_eq!(reader.claim_grant(&side, "req-1", MemType::Dram, &[block]).unwrap(), "prefill");
+    let read = |agent: &Agent| -> Result<(), XferError> {
+        let req = agent.create_request(Op::Read, &[local], "prefill", &[block], RequestOptions::default())?;
+        req.post()?;
+        req.wait(WAIT)
+    };
+    read(&reader).unwrap();
+    assert_eq!(&into.to_vec()[..8192], &data[4096..4096 + 8192]);
+    let taken = stranger.claim_grant(&side, "req-1", MemType::Dram, &[block]).unwrap_err();
+    assert!(matches!(taken, XferError::Refused { code: RefusalCode::WrongAgent, .. }), "{taken}");
+
+    assert_eq!(offer.claimant().as_deref(), Some("decode"));
+    assert_eq!(offer.revoke(), 1);
+    into.write_at(0, &[0u8; 8192]);
+    let late = read(&reader).unwrap_err();
+    assert!(matches!(late, XferError::Refused { code: RefusalCode::Revoked, .. }), "{late}");
+    assert_eq!(&into.to_vec()[..8192], &[0u8; 8192][..], "a refused read delivered bytes");
+    let again = reader.claim_grant(&side, "req-1", MemType::Dram, &[block]).unwrap_err();
+    assert!(matches!(again, XferError::Refused { code: RefusalCode::Revoked, .. }), "{again}");
+}

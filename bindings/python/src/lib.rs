@@ -258,8 +258,125 @@ impl Agent {
         Ok(py.detach(|| self.inner.wait_notifs(timeout)))
     }
 
+    /// Grants `peer` alone access to `ranges` (`(addr, len, dev_id)` inside registrations of
+    /// `mem_type`) for `ttl` seconds; hand `token` to the peer and `revoke()` before reusing
+    /// the memory.
+    #[pyo3(signature = (peer, ranges, mem_type = "DRAM", ttl = 60.0))]
+    fn grant(&self, py: Python<'_>, peer: &str, ranges: Vec<DescTuple>, mem_type: &str, ttl: f64) -> PyResult<Grant> {
+        let (mem_type, ttl, ranges) = (self::mem_type(mem_type)?, timeout(ttl)?, descs(&ranges));
+        let grant = py.detach(|| self.inner.grant(peer, mem_type, &ranges, ttl)).map_err(raise)?;
+        Ok(Grant { token: grant.token(), inner: Mutex::new(Some(grant)) })
+    }
+
+    /// Loads a grant token from the peer that issued it (its metadata loaded first): requests
+    /// to the granted ranges then go under the grant. Returns the peer's name.
+    fn load_grant(&self, token: &[u8]) -> PyResult<String> {
+        self.inner.load_grant(token).map_err(raise)
+    }
+
+    /// Offers a grant under `name` for `ttl` seconds, for the first peer that claims it over
+    /// this agent's side channel (`claim_grant`); `revoke()` it before reusing the memory.
+    #[pyo3(signature = (name, ttl = 60.0))]
+    fn offer_grant(&self, name: &str, ttl: f64) -> PyResult<GrantOffer> {
+        let ttl = timeout(ttl)?;
+        Ok(GrantOffer { name: name.to_string(), inner: Mutex::new(Some(self.inner.offer_grant(name, ttl))) })
+    }
+
+    /// Claims the grant the peer serving the side channel at `addr` offered under `name`, over
+    /// `ranges` of its memory, and loads it; returns the peer's name. A revoked or expired
+    /// offer raises kind `refused`, code `revoked`.
+    #[pyo3(signature = (addr, name, ranges, mem_type = "DRAM"))]
+    fn claim_grant(
+        &self,
+        py: Python<'_>,
+        addr: &str,
+        name: &str,
+        ranges: Vec<DescTuple>,
+        mem_type: &str,
+    ) -> PyResult<String> {
+        let (mem_type, ranges) = (self::mem_type(mem_type)?, descs(&ranges));
+        py.detach(|| self.inner.claim_grant(addr, name, mem_type, &ranges)).map_err(raise)
+    }
+
     fn __repr__(&self) -> String {
         format!("Agent(name={:?}, backends={:?})", self.inner.name(), self.inner.backends())
+    }
+}
+
+/// A revocable grant this agent issued. `revoke()` (idempotent; also on collection) returns
+/// only once no transfer under it still touches the memory.
+#[pyclass(frozen, module = "pd_xfer._native")]
+struct Grant {
+    token: Vec<u8>,
+    inner: Mutex<Option<xfer::Grant>>,
+}
+
+#[pymethods]
+impl Grant {
+    /// The opaque token for the peer (`Agent.load_grant`).
+    #[getter]
+    fn token<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.token)
+    }
+
+    #[getter]
+    fn revoked(&self) -> bool {
+        self.inner.lock().is_none()
+    }
+
+    /// Revokes, waiting with the GIL released for transfers under the grant.
+    fn revoke(&self, py: Python<'_>) {
+        let grant = self.inner.lock().take();
+        py.detach(move || drop(grant));
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        if let Some(grant) = self.inner.get_mut().take() {
+            Python::attach(|py| py.detach(move || drop(grant)));
+        }
+    }
+}
+
+/// A grant offered under a name (`Agent.offer_grant`). `revoke()` (idempotent; also on
+/// collection) revokes every grant claimed under it, returning once none is in use.
+#[pyclass(frozen, module = "pd_xfer._native")]
+struct GrantOffer {
+    name: String,
+    inner: Mutex<Option<xfer::GrantOffer>>,
+}
+
+#[pymethods]
+impl GrantOffer {
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The peer that claimed the offer, or `None`.
+    #[getter]
+    fn claimant(&self) -> Option<String> {
+        self.inner.lock().as_ref().and_then(xfer::GrantOffer::claimant)
+    }
+
+    #[getter]
+    fn revoked(&self) -> bool {
+        self.inner.lock().is_none()
+    }
+
+    /// Ends the offer; returns how many grants were claimed under it (0 once revoked).
+    fn revoke(&self, py: Python<'_>) -> usize {
+        let offer = self.inner.lock().take();
+        py.detach(move || offer.map_or(0, xfer::GrantOffer::revoke))
+    }
+}
+
+impl Drop for GrantOffer {
+    fn drop(&mut self) {
+        if let Some(offer) = self.inner.get_mut().take() {
+            Python::attach(|py| py.detach(move || drop(offer)));
+        }
     }
 }
 
@@ -448,6 +565,8 @@ fn _native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<PreparedLocal>()?;
     module.add_class::<PreparedRemote>()?;
     module.add_class::<Request>()?;
+    module.add_class::<Grant>()?;
+    module.add_class::<GrantOffer>()?;
     module.add("XferError", module.py().get_type::<XferError>())?;
     Ok(())
 }

@@ -87,7 +87,15 @@ def test_vllm_builds_xfer_agents_once_the_connector_module_is_imported():
     pytest.importorskip("vllm")
     import pd_xfer.vllm
 
-    assert pd_xfer.vllm.vllm_agent_class() is pd_xfer.nixl.nixl_agent
+    assert pd_xfer.vllm.vllm_agent_class() is pd_xfer.vllm.FencingAgent
+    assert issubclass(pd_xfer.vllm.FencingAgent, pd_xfer.nixl.nixl_agent)
+    # Its agents serve grants and say where in the metadata; a peer loading it learns that.
+    config = pd_xfer.nixl.nixl_agent_config(backends=["TCP"])
+    prefill, decode = pd_xfer.vllm.FencingAgent("fenced-p", config), pd_xfer.nixl.nixl_agent("fenced-d", config)
+    metadata = prefill.get_agent_metadata()
+    assert metadata.startswith(pd_xfer.nixl.GRANT_METADATA_PREFIX + prefill.grant_service.encode() + b"|")
+    assert decode.add_remote_agent(metadata) == b"fenced-p"
+    assert decode._peer_grant_services == {"fenced-p": prefill.grant_service}
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
     assert issubclass(pd_xfer.vllm.XferConnector, NixlConnector)

@@ -1,7 +1,8 @@
 """xfer for Python: transfer agents for KV-cache traffic.
 
 The native API (``Agent``, ``Registration``, ``PreparedLocal``, ``PreparedRemote``,
-``Request``, ``XferError``) comes from the Rust extension ``pd_xfer._native``. This module
+``Request``, ``Grant``, ``GrantOffer``, ``XferError``) comes from the Rust extension
+``pd_xfer._native``. This module
 adds ``regions()``, which turns the objects engines hold (torch tensors, numpy arrays, writable
 buffers, ``(addr, len, dev_id)`` tuples) into the descriptor tuples the agent takes, and
 ``register()``, which registers such objects and keeps them alive while registered.
@@ -15,12 +16,14 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Iterable
 
-from ._native import Agent, PreparedLocal, PreparedRemote, Registration, Request, XferError
+from ._native import Agent, Grant, GrantOffer, PreparedLocal, PreparedRemote, Registration, Request, XferError
 
 XferError.__module__ = "pd_xfer"
 
 __all__ = [
     "Agent",
+    "Grant",
+    "GrantOffer",
     "PreparedLocal",
     "PreparedRemote",
     "Registration",

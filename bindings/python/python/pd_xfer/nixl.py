@@ -21,6 +21,15 @@ remote agent: ``prep_xfer_dlist(agent.name, file_descs, "FILE")`` with ``(offset
 The metadata blob is xfer's, not NIXL's: a NIXL agent and this one cannot be peers, and
 ``add_remote_agent`` says so when handed NIXL's metadata. NIXL methods this module does not
 offer raise ``NotImplementedError`` naming the method.
+
+Fenced reads (xfer grants; not in NIXL's API, used by ``pd_xfer.vllm``): an agent that called
+``serve_grants(host)`` adds its grant service's address to its metadata, offers a grant per
+request id with ``offer_grant(request_id)`` and revokes it with ``revoke_grant(request_id)``
+before the memory is reused. A peer that loaded such metadata reads only under a grant: a
+READ whose notification names a request id (``"<id>:..."``, as vLLM's are) first claims the
+grant offered for that id, over the descriptors it reads, and runs under it; once revoked, the
+claim or the read fails with kind ``refused`` (code ``grant revoked or expired``) and no byte
+is delivered.
 """
 
 from __future__ import annotations
@@ -53,6 +62,12 @@ BACKEND_MEM_TYPES = {
 THREAD_PARAMS = ("num_threads", "thread_count", "num_cpus")
 # The first bytes of NIXL's own metadata blobs (its serializer's tag).
 NIXL_METADATA_PREFIX = b"nixlSerDes|"
+# Metadata of an agent that serves grants: this prefix, its grant service's "host:port", "|",
+# then xfer's metadata blob.
+GRANT_METADATA_PREFIX = b"pdxg1|"
+# How long an offered grant lives unless revoked first: a backstop, not the fence (vLLM's
+# heartbeats may keep blocks held longer than any lease known when the grant is offered).
+GRANT_TTL_S = 600.0
 
 
 class nixlNotPostedError(XferError):
@@ -253,13 +268,17 @@ _handle_ids = itertools.count(1)
 class nixl_prepped_dlist_handle:
     """A prepared descriptor list. ``release()`` is idempotent; collection releases it too."""
 
-    __slots__ = ("_id", "prepared", "local", "_released")
+    __slots__ = ("_id", "prepared", "local", "_released", "peer", "descs", "mem_type")
 
-    def __init__(self, prepared: Any, local: bool):
+    def __init__(self, prepared: Any, local: bool, peer: str = "", dlist: _DescList | None = None):
         self._id = next(_handle_ids)
         self.prepared = prepared
         self.local = local
         self._released = False
+        # A remote list's peer and descriptors: a read under a grant prepares its entries anew.
+        self.peer = peer
+        self.descs = dlist.descs if dlist is not None else []
+        self.mem_type = dlist.mem_type if dlist is not None else ""
 
     def release(self):
         self._released = True
@@ -337,6 +356,12 @@ class nixl_agent:
         self._lock = threading.Lock()
         # (mem_type, descriptors) -> registrations of exactly those descriptors.
         self._registrations: dict[tuple[str, tuple], list[Any]] = {}
+        # Fenced reads: our grant service's address, peers' ones, our open offers by name.
+        self.grant_service: str | None = None
+        self._peer_grant_services: dict[str, str] = {}
+        self._offers: dict[str, Any] = {}
+        self.grants_offered = 0
+        self.grants_revoked = 0
         wanted = self.plugin_list if instantiate_all else conf.backends
         for backend in wanted:
             if backend.upper() not in self.plugin_list:
@@ -442,7 +467,10 @@ class nixl_agent:
     def get_agent_metadata(self) -> bytes:
         if not self.backends:
             raise _nixl_error(nixlInvalidParamError, "get_agent_metadata", "no backend created", "no_backend")
-        return self._agent.local_metadata()
+        blob = self._agent.local_metadata()
+        if self.grant_service is not None:
+            return GRANT_METADATA_PREFIX + self.grant_service.encode() + b"|" + blob
+        return blob
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         metadata = bytes(metadata)
@@ -455,15 +483,90 @@ class nixl_agent:
                 "or NixlConnector on both)",
                 "metadata",
             )
+        grant_service = None
+        if metadata.startswith(GRANT_METADATA_PREFIX):
+            address, sep, metadata = metadata[len(GRANT_METADATA_PREFIX):].partition(b"|")
+            if not sep:
+                raise _nixl_error(
+                    nixlInvalidParamError, "add_remote_agent", "grant-service metadata without its address",
+                    "invalid_argument",
+                )
+            grant_service = address.decode("ascii", "replace")
         with _Translated("add_remote_agent"):
             name = self._agent.load_remote_metadata(metadata)
         if name == self.name:
             self._agent.invalidate_remote(name)
             raise _nixl_error(nixlInvalidParamError, "add_remote_agent", "the metadata is this agent's own", "invalid_argument")
+        with self._lock:
+            if grant_service is None:
+                self._peer_grant_services.pop(name, None)
+            else:
+                self._peer_grant_services[name] = grant_service
         return name.encode()
+
+    # Fenced reads (see the module's documentation).
+
+    def serve_grants(self, host: str = "127.0.0.1") -> str:
+        """Starts this agent's grant service (xfer's side channel) on an ephemeral port of
+        ``host`` and announces it in the metadata; returns its ``host:port``."""
+        with _Translated("serve_grants"):
+            bound_host, port = self._agent.start_side_channel(f"{host}:0")
+        self.grant_service = f"{bound_host}:{port}"
+        return self.grant_service
+
+    def offer_grant(self, name: str, ttl: float = GRANT_TTL_S):
+        """Offers a grant under ``name`` (a request id) for its reader to claim; a name already
+        offered keeps its offer."""
+        with self._lock:
+            if name in self._offers:
+                return
+            with _Translated("offer_grant"):
+                self._offers[name] = self._agent.offer_grant(name, ttl)
+            self.grants_offered += 1
+
+    def offered_grants(self) -> set[str]:
+        with self._lock:
+            return set(self._offers)
+
+    def revoke_grant(self, name: str) -> tuple[int, str | None] | None:
+        """Revokes the grant offered under ``name``; returns once no read under it still touches
+        the memory: ``(grants claimed, claimant)``, or ``None`` when none was offered."""
+        with self._lock:
+            offer = self._offers.pop(name, None)
+        if offer is None:
+            return None
+        claimant = offer.claimant
+        claimed = offer.revoke()
+        with self._lock:
+            self.grants_revoked += 1
+        return claimed, claimant
+
+    def _claim_for(self, notif: bytes, remote: nixl_prepped_dlist_handle, indices: list[int]):
+        """A READ from a peer that serves grants: claims the grant offered for the request id
+        its notification names, over exactly the descriptors read, and prepares them under it.
+        Returns the prepared list and its indices, or ``None`` for a peer without grants."""
+        service = self._peer_grant_services.get(remote.peer)
+        if service is None:
+            return None
+        request_id = notif.decode("utf-8", "replace").rpartition(":")[0]
+        if not request_id:
+            raise _nixl_error(
+                nixlInvalidParamError, "make_prepped_xfer",
+                f"a read from {remote.peer} (which fences reads by grant) needs a notification naming its request",
+                "invalid_argument",
+            )
+        descs = [remote.descs[i] for i in indices]
+        with _Translated("make_prepped_xfer"), self._lock:
+            # Loading a grant and preparing under it, atomically: a concurrent load of another
+            # grant over the same descriptors must not slip in between.
+            self._agent.claim_grant(service, request_id, descs, remote.mem_type)
+            prepared = self._agent.prep_remote(remote.peer, descs, remote.mem_type)
+        return prepared, list(range(len(descs)))
 
     def remove_remote_agent(self, agent: Any):
         name = _peer_name(agent)
+        with self._lock:
+            self._peer_grant_services.pop(name, None)
         if name in self._agent.peers():
             with _Translated("remove_remote_agent"):
                 self._agent.invalidate_remote(name)
@@ -505,7 +608,8 @@ class nixl_agent:
         with _Translated("prep_xfer_dlist"):
             if name in LOCAL_AGENT_NAMES:
                 return nixl_prepped_dlist_handle(self._agent.prep_local(dlist.descs, dlist.mem_type), local=True)
-            return nixl_prepped_dlist_handle(self._agent.prep_remote(name, dlist.descs, dlist.mem_type), local=False)
+            prepared = self._agent.prep_remote(name, dlist.descs, dlist.mem_type)
+            return nixl_prepped_dlist_handle(prepared, local=False, peer=name, dlist=dlist)
 
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle):
         handle.release()
@@ -538,8 +642,11 @@ class nixl_agent:
                 f"{len(local)} local and {len(remote)} remote indices (need the same number, at least one)",
                 "invalid_argument",
             )
+        remote_side = (remote_xfer_side.prepared, remote)
+        if op == "READ":
+            remote_side = self._claim_for(_message(notif_msg), remote_xfer_side, remote) or remote_side
         return self._handle(
-            "make_prepped_xfer", op, (local_xfer_side.prepared, local), (remote_xfer_side.prepared, remote),
+            "make_prepped_xfer", op, (local_xfer_side.prepared, local), remote_side,
             notif_msg, self._request_backend(backends),
         )
 
