@@ -65,22 +65,34 @@
 //! | `recv_buffers` | 32 | receive buffers kept posted for notifications |
 //! | `spin_us` | 200 | the engine polls this long after the last event before it blocks in `fi_cq_sread` |
 //!
-//! Measured here (2 vCPUs shared with other builds, loopback, `tcp;ofi_rxm` of libfabric 1.17,
-//! release xferbench, one thread, batch 1, same run as its raw-tcp baseline; noisy, ±30 %):
-//! READ 1.00 / 1.04 GB/s at 1 MiB / 16 MiB (raw-tcp 3.12 / 2.05: 0.32× / 0.51×), WRITE
-//! 0.92 / 1.27 GB/s (raw-tcp 4.83 / 1.49: 0.19× / 0.85×); libfabric's own `fi_pingpong -e rdm`
-//! moved 0.11 / 0.60 GB/s at those sizes (no `fi_rma_bw` in Debian 12). Smaller operations
-//! (`max_op_bytes=256K`) or longer spinning did not lift the ~1 GB/s ceiling, which looks like
-//! the 1.17 tcp provider's own (its progress copies through one socket per peer); the
-//! raw-tcp bar of 0.7× is not met at 1 MiB.
+//! Measured (`bench/libfabric-compare.sh`, report in `bench/results/libfabric.md`: 2 vCPUs
+//! shared with other builds at load average 11.5–15.5, loopback, `tcp;ofi_rxm` of libfabric
+//! 1.17, release xferbench, one request in flight, 5 alternating rounds, each ratio against
+//! raw TCP from the same run; single rounds move ±50 % and more): with one lane READ
+//! 0.58× / 0.58× raw TCP at 1 MiB / 16 MiB, WRITE 0.55× / 0.85×; two lanes 0.28× / 0.62× and
+//! 0.35× / 0.55×. An earlier run (load 12–13) with 1, 2 and 4 lanes gave READ 1 MiB 0.32×,
+//! 0.19×, 0.25× and WRITE 1 MiB 0.17×, 0.28×, 0.29×, and 0.64×–1.03× at 16 MiB. So on this
+//! machine the 0.7× bar is missed at 1 MiB whatever the lane count, and met at 16 MiB only by
+//! some rows; more lanes did not help here (each lane is two more engine threads on two busy
+//! CPUs), which is why `lanes` defaults to 1; on hosts with cores to spare and a provider whose
+//! connection is the bottleneck, it is the knob to try. Also tried, by hand, 2 rounds each at
+//! 1 MiB: `max_op_bytes=256K`, `spin_us=5000`, `FI_TCP_NODELAY=1`,
+//! `FI_TCP_STAGING_SBUF_SIZE=0` with `FI_TCP_PREFETCH_RBUF_SIZE=0` changed nothing beyond the
+//! noise; `FI_OFI_RXM_DATA_AUTO_PROGRESS=1` (rxm's own progress thread) is in the script's
+//! table: READ 16 MiB 0.79× against 0.58×, 1 MiB not better, WRITE mixed, so it is not set.
+//! libfabric's own `fi_pingpong -e rdm` (send/receive; Debian 12 ships no `fi_rma_bw`) moved
+//! 0.036 / 0.155 GB/s at 1 / 16 MiB in the same run: the backend is 3–40× that, so the
+//! second bar (≥ 0.9× fi_pingpong) is met.
 //!
 //! Limits:
 //! - DRAM only. GPU memory is refused with the reason (`register` fails with `Unsupported`):
 //!   FI_HMEM registration (`fi_mr_regattr` with `FI_HMEM_CUDA`) is not written yet, and the
 //!   providers here (`tcp`, `shm`) lack FI_HMEM anyway. Files are not moved either.
-//! - Rails pair by index: rail `i` must reach the peer's rail `i` (same network); rails are
-//!   not matched by reachability, and a rail that fails fails the shares posted on it (no
-//!   failover to the other rails).
+//! - Rails pair by index: lane `l` of domain `d` must reach the peer's lane `l` of domain `d`
+//!   (same network); rails are not matched by reachability, and a rail or lane that fails
+//!   fails the shares posted on it (no failover to the other rails or lanes).
+//! - The throughput bar (≥ 0.7× raw TCP at 1 MiB and 16 MiB over `tcp;ofi_rxm`) is not met at
+//!   1 MiB on the 2-CPU test machine (see the figures above).
 //! - A request that failed (timeout, dead peer) may still have operations in the provider;
 //!   they keep their local memory pinned until the provider reports them (a deregistration
 //!   waits for that) or the backend shuts down.
