@@ -8,8 +8,10 @@ use xfer_core::{BackendError, BackendParams};
 pub struct Settings {
     /// `None`: the best available ([`PREFERENCE`]).
     pub provider: Option<String>,
-    /// One domain (NIC) per rail; empty: the provider's first, one rail.
+    /// The domains (NICs); empty: the provider's first.
     pub domains: Vec<String>,
+    /// Endpoints per domain, each a rail of its own (connection, CQ, engine thread).
+    pub lanes: usize,
     pub timeout: Duration,
     pub max_in_flight: usize,
     pub max_op_bytes: usize,
@@ -30,6 +32,7 @@ impl Settings {
         let provider = params.take("provider").filter(|p| !p.is_empty() && p != "auto");
         let domain = params.take("domain").filter(|d| !d.is_empty());
         let domains = params.take("domains").filter(|d| !d.is_empty());
+        let lanes = params.take_parsed("lanes", DEFAULT_LANES)?;
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let max_in_flight = params.take_parsed("max_in_flight", 16usize)?;
         let max_op_bytes = params.take_parsed("max_op_bytes", 4usize << 20)?;
@@ -45,6 +48,7 @@ impl Settings {
                 Ok(())
             }
         };
+        positive("lanes", lanes)?;
         positive("max_in_flight", max_in_flight)?;
         positive("max_op_bytes", max_op_bytes)?;
         positive("recv_buffers", recv_buffers)?;
@@ -69,9 +73,16 @@ impl Settings {
             (None, Some(list)) => parse_domains(&list)?,
             (None, None) => Vec::new(),
         };
+        if domains.len().max(1).saturating_mul(lanes) > MAX_RAILS {
+            return Err(BackendError::InvalidParam {
+                name: "lanes".into(),
+                reason: format!("{} domain(s) × {lanes} lanes: at most {MAX_RAILS} endpoints", domains.len().max(1)),
+            });
+        }
         Ok(Settings {
             provider,
             domains,
+            lanes,
             timeout,
             max_in_flight,
             max_op_bytes,
@@ -82,9 +93,9 @@ impl Settings {
         })
     }
 
-    /// How many rails (domains) the backend opens.
+    /// How many rails (endpoints: lanes on every domain) the backend opens.
     pub fn rails(&self) -> usize {
-        self.domains.len().max(1)
+        self.domains.len().max(1) * self.lanes
     }
 
     /// Index of the best candidate provider (first of its kind in libfabric's order).
@@ -97,7 +108,11 @@ impl Settings {
 }
 
 /// Most rails one backend drives (each is an endpoint with its own engine thread).
-pub const MAX_RAILS: usize = 8;
+pub const MAX_RAILS: usize = 16;
+
+/// Endpoints per domain unless `lanes` says otherwise. The tcp provider of libfabric 1.17
+/// carries one endpoint pair's traffic over one socket; several lanes use several.
+pub const DEFAULT_LANES: usize = 1;
 
 /// `a+b+c` (the list separator `+`, since `,` separates parameters): distinct, non-empty names.
 fn parse_domains(list: &str) -> Result<Vec<String>, BackendError> {
@@ -126,7 +141,7 @@ mod tests {
         let s =
             Settings::parse(BackendParams::parse("provider=tcp;ofi_rxm,domain=lo,timeout_ms=250").unwrap()).unwrap();
         assert_eq!(s.provider.as_deref(), Some("tcp;ofi_rxm"));
-        assert_eq!((s.domains.clone(), s.rails()), (vec!["lo".to_string()], 1));
+        assert_eq!((s.domains.clone(), s.rails()), (vec!["lo".to_string()], DEFAULT_LANES));
         assert_eq!(s.timeout, Duration::from_millis(250));
         assert!(Settings::parse(BackendParams::new().with("timout_ms", "5")).is_err());
         assert!(Settings::parse(BackendParams::new().with("max_in_flight", "0")).is_err());
@@ -135,11 +150,21 @@ mod tests {
 
     #[test]
     fn domains_list_the_rails() {
-        let s = Settings::parse(BackendParams::parse("domains=eth0+eth1").unwrap()).unwrap();
+        let s = Settings::parse(BackendParams::parse("domains=eth0+eth1,lanes=1").unwrap()).unwrap();
         assert_eq!((s.domains.clone(), s.rails()), (vec!["eth0".to_string(), "eth1".to_string()], 2));
-        assert_eq!(Settings::parse(BackendParams::new()).unwrap().rails(), 1);
-        for bad in ["domains=eth0++eth1", "domains=eth0+eth0", "domains=a+b+c+d+e+f+g+h+i", "domain=lo,domains=lo+eth0"]
-        {
+        let s = Settings::parse(BackendParams::parse("domains=eth0+eth1,lanes=3").unwrap()).unwrap();
+        assert_eq!((s.lanes, s.rails()), (3, 6));
+        assert_eq!(Settings::parse(BackendParams::new()).unwrap().rails(), DEFAULT_LANES);
+        let many = (0..=MAX_RAILS).map(|i| format!("d{i}")).collect::<Vec<_>>().join("+");
+        for bad in [
+            "domains=eth0++eth1",
+            "domains=eth0+eth0",
+            &format!("domains={many},lanes=1"),
+            "domain=lo,domains=lo+eth0",
+            "lanes=0",
+            "lanes=17",
+            "domains=a+b+c+d+e,lanes=4",
+        ] {
             let err = Settings::parse(BackendParams::parse(bad).unwrap());
             assert!(matches!(err, Err(BackendError::InvalidParam { .. })), "{bad}: {err:?}");
         }

@@ -3,19 +3,22 @@
 //! without lengths of its own):
 //!
 //! ```text
-//! connection info: "XLF2" | crc32 of the rest u32 | flags u32 | max notification u32
-//!                  | notification chunk u32 | provider len u16 | provider
+//! connection info: "XLF3" | crc32 of the rest u32 | flags u32 | max notification u32
+//!                  | notification chunk u32 | provider len u16 | provider | lanes u8
 //!                  | rails u8 | rails × (address len u16 | address (fi_getname))
 //! remote key:      "XLK2" | crc32 of the rest u32 | base u64 | len u64 | rails u8
 //!                  | rails × key u64
 //! ```
 //! `flags` bit 0: the peer's provider addresses remote memory by virtual address
-//! (FI_MR_VIRT_ADDR); otherwise by offset from the registration's `base`. Rail `i` of one side
-//! talks to rail `i` of the other; a key holds the registration's key on every rail.
+//! (FI_MR_VIRT_ADDR); otherwise by offset from the registration's `base`. The rails are the
+//! domains' lanes, domain-major (rail `d × lanes + l` is lane `l` of domain `d`), so the rail
+//! count is a multiple of `lanes`. Lane `l` of domain `d` talks to the peer's lane `l` of its
+//! domain `d`, on as many domains and lanes as both sides have; a key holds the
+//! registration's key on every rail.
 
 use xfer_core::BackendError;
 
-const CONN_MAGIC: [u8; 4] = *b"XLF2";
+const CONN_MAGIC: [u8; 4] = *b"XLF3";
 const KEY_MAGIC: [u8; 4] = *b"XLK2";
 /// Far above any provider name or endpoint address (sockaddr_in6 is 28 bytes, shm names 256).
 pub const MAX_FIELD: usize = 4096;
@@ -34,6 +37,8 @@ pub struct ConnInfo {
     /// Payload bytes per notification message this side receives.
     pub chunk: u32,
     pub provider: String,
+    /// Endpoints per domain (at least 1; divides the rail count).
+    pub lanes: usize,
     /// Every rail's endpoint address, rail 0 first.
     pub addresses: Vec<Vec<u8>>,
 }
@@ -49,6 +54,7 @@ impl ConnInfo {
         rest.extend_from_slice(&self.max_notif.to_le_bytes());
         rest.extend_from_slice(&self.chunk.to_le_bytes());
         put_field(&mut rest, self.provider.as_bytes());
+        rest.push(self.lanes.min(MAX_RAILS) as u8);
         let rails = self.addresses.len().min(MAX_RAILS);
         rest.push(rails as u8);
         for address in &self.addresses[..rails] {
@@ -63,7 +69,10 @@ impl ConnInfo {
         let max_notif = take_u32(&mut rest).ok_or_else(|| bad("connection info: truncated"))?;
         let chunk = take_u32(&mut rest).filter(|&c| c > 0).ok_or_else(|| bad("connection info: chunk size"))?;
         let provider = take_field(&mut rest).ok_or_else(|| bad("connection info: truncated provider"))?;
-        let rails = take_rails(&mut rest).ok_or_else(|| bad("connection info: rail count"))?;
+        let lanes = take_rails(&mut rest).ok_or_else(|| bad("connection info: lane count"))?;
+        let rails = take_rails(&mut rest)
+            .filter(|rails| rails % lanes == 0)
+            .ok_or_else(|| bad("connection info: rail count (not a multiple of the lanes)"))?;
         let mut addresses = Vec::with_capacity(rails);
         for _ in 0..rails {
             let address = take_field(&mut rest).ok_or_else(|| bad("connection info: truncated address"))?;
@@ -76,7 +85,16 @@ impl ConnInfo {
             return Err(bad("connection info: bad length"));
         }
         let provider = String::from_utf8(provider.to_vec()).map_err(|_| bad("connection info: provider name"))?;
-        Ok(ConnInfo { flags, max_notif, chunk, provider, addresses })
+        Ok(ConnInfo { flags, max_notif, chunk, provider, lanes, addresses })
+    }
+
+    /// The rails two sides connect: (ours, the peer's) index pairs, lane `l` of domain `d`
+    /// meeting lane `l` of the peer's domain `d`, on as many domains and lanes as both have.
+    /// `our_rails` is a multiple of `our_lanes` (both at least 1).
+    pub fn pairs(&self, our_rails: usize, our_lanes: usize) -> Vec<(usize, usize)> {
+        let lanes = our_lanes.min(self.lanes);
+        let domains = (our_rails / our_lanes.max(1)).min(self.addresses.len() / self.lanes.max(1));
+        (0..domains).flat_map(|d| (0..lanes).map(move |l| (d * our_lanes + l, d * self.lanes + l))).collect()
     }
 }
 
@@ -194,6 +212,7 @@ mod tests {
             max_notif: 16384,
             chunk: 4096,
             provider: "tcp;ofi_rxm".into(),
+            lanes: 1,
             addresses: vec![vec![2, 0, 0x1f, 0x90, 127, 0, 0, 1], vec![2, 0, 0x1f, 0x91, 10, 0, 0, 2]],
         };
         let bytes = info.encode();
@@ -210,8 +229,35 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert!(ConnInfo::decode(&longer).is_err());
+        let uneven = ConnInfo { lanes: 2, addresses: vec![vec![1]; 3], ..info.clone() };
+        assert!(ConnInfo::decode(&uneven.encode()).is_err(), "3 rails in lanes of 2 accepted");
+        let no_lanes = ConnInfo { lanes: 0, ..info.clone() };
+        assert!(ConnInfo::decode(&no_lanes.encode()).is_err(), "0 lanes accepted");
         let none = ConnInfo { addresses: Vec::new(), ..info };
         assert!(ConnInfo::decode(&none.encode()).is_err(), "a peer without rails accepted");
+    }
+
+    #[test]
+    fn rails_pair_by_domain_and_lane_up_to_what_both_have() {
+        let peer = |domains: usize, lanes: usize| ConnInfo {
+            flags: 0,
+            max_notif: 1,
+            chunk: 1,
+            provider: "tcp;ofi_rxm".into(),
+            lanes,
+            addresses: vec![vec![1]; domains * lanes],
+        };
+        assert_eq!(peer(1, 1).pairs(1, 1), [(0, 0)]);
+        assert_eq!(peer(1, 4).pairs(4, 4), [(0, 0), (1, 1), (2, 2), (3, 3)]);
+        // We have 3 lanes, the peer 2: our third lane stays idle for it.
+        assert_eq!(peer(1, 2).pairs(3, 3), [(0, 0), (1, 1)]);
+        assert_eq!(peer(1, 3).pairs(2, 2), [(0, 0), (1, 1)]);
+        // Two domains: our 2 lanes each against the peer's 3 lanes each.
+        assert_eq!(peer(2, 3).pairs(4, 2), [(0, 0), (1, 1), (2, 3), (3, 4)]);
+        // Two domains × 2 lanes against one domain × 1 lane.
+        assert_eq!(peer(1, 1).pairs(4, 2), [(0, 0)]);
+        let decoded = ConnInfo::decode(&peer(2, 3).encode()).unwrap();
+        assert_eq!((decoded.lanes, decoded.addresses.len()), (3, 6));
     }
 
     #[test]

@@ -22,8 +22,13 @@
 //! freed AV slot goes to next. Peers in the AV only to acknowledge their notifications leave it
 //! after 30 s unused.
 //!
-//! Multi-rail (`domains=a+b`): rail `i` of one agent talks to rail `i` of its peer (as many
-//! rails as the side with fewer has). A request is cut into about equal shares of consecutive
+//! Multi-rail (`domains=a+b`) and lanes (`lanes=N`: N endpoints on each domain, each a rail of
+//! its own with its own fabric, domain, AV, CQ, engine thread and so its own provider
+//! connections; the tcp provider carries one endpoint pair's traffic over one socket, which
+//! lanes multiply): the rails are the domains' lanes, domain-major, and lane `l` of domain `d`
+//! of one agent talks to lane `l` of domain `d` of its peer, on as many domains and lanes as
+//! the side with fewer has (a side with more lanes leaves its extra ones idle for that peer;
+//! the connection info carries the lane count). A request is cut into about equal shares of consecutive
 //! bytes, one per rail (shares of at least 64 KiB, so small requests use fewer rails), each run
 //! by its rail's engine; the request completes when all shares have, with the first share's
 //! error if one failed (the others then stop posting), and its notification goes on rail 0
@@ -50,7 +55,8 @@
 //! |---|---|---|
 //! | `provider` | the best available | libfabric provider, e.g. `tcp;ofi_rxm`, `verbs;ofi_rxm`, `efa`, `shm`, `sockets`; the default is the first of `efa`, `cxi`, `opx`, `psm3`, `psm2`, `verbs;ofi_rxm`, `verbs`, `tcp;ofi_rxm`, `tcp`, `sockets` that offers RDM with RMA (`tcp;ofi_rxm` on a plain Linux host) |
 //! | `domain` | the provider's first | domain (NIC or interface), e.g. `lo`, `eth0`, `mlx5_0`, `rdmap0s6` |
-//! | `domains` | one rail on `domain` | several domains, one rail each, separated by `+` (e.g. `eth0+eth1`, at most 8); requests are striped across them. Not together with `domain` |
+//! | `domains` | one domain, `domain` | several domains, separated by `+` (e.g. `eth0+eth1`); requests are striped across them. Not together with `domain` |
+//! | `lanes` | 1 | endpoints (rails) per domain, each with its own connection to the peer and engine thread; requests are striped across all of them. Domains × lanes at most 16 |
 //! | `timeout_ms` | 5000 | a request with no completion for this long fails (TimedOut), as does a notification not acknowledged within it |
 //! | `max_in_flight` | 16 | operations one request keeps posted at once |
 //! | `max_op_bytes` | 4194304 | longer descriptor pieces go as several operations; shorter consecutive ones are joined into one vectored operation up to this many bytes |
@@ -59,22 +65,34 @@
 //! | `recv_buffers` | 32 | receive buffers kept posted for notifications |
 //! | `spin_us` | 200 | the engine polls this long after the last event before it blocks in `fi_cq_sread` |
 //!
-//! Measured here (2 vCPUs shared with other builds, loopback, `tcp;ofi_rxm` of libfabric 1.17,
-//! release xferbench, one thread, batch 1, same run as its raw-tcp baseline; noisy, ±30 %):
-//! READ 1.00 / 1.04 GB/s at 1 MiB / 16 MiB (raw-tcp 3.12 / 2.05: 0.32× / 0.51×), WRITE
-//! 0.92 / 1.27 GB/s (raw-tcp 4.83 / 1.49: 0.19× / 0.85×); libfabric's own `fi_pingpong -e rdm`
-//! moved 0.11 / 0.60 GB/s at those sizes (no `fi_rma_bw` in Debian 12). Smaller operations
-//! (`max_op_bytes=256K`) or longer spinning did not lift the ~1 GB/s ceiling, which looks like
-//! the 1.17 tcp provider's own (its progress copies through one socket per peer); the
-//! raw-tcp bar of 0.7× is not met at 1 MiB.
+//! Measured (`bench/libfabric-compare.sh`, report in `bench/results/libfabric.md`: 2 vCPUs
+//! shared with other builds at load average 11.5–15.5, loopback, `tcp;ofi_rxm` of libfabric
+//! 1.17, release xferbench, one request in flight, 5 alternating rounds, each ratio against
+//! raw TCP from the same run; single rounds move ±50 % and more): with one lane READ
+//! 0.58× / 0.58× raw TCP at 1 MiB / 16 MiB, WRITE 0.55× / 0.85×; two lanes 0.28× / 0.62× and
+//! 0.35× / 0.55×. An earlier run (load 12–13) with 1, 2 and 4 lanes gave READ 1 MiB 0.32×,
+//! 0.19×, 0.25× and WRITE 1 MiB 0.17×, 0.28×, 0.29×, and 0.64×–1.03× at 16 MiB. So on this
+//! machine the 0.7× bar is missed at 1 MiB whatever the lane count, and met at 16 MiB only by
+//! some rows; more lanes did not help here (each lane is two more engine threads on two busy
+//! CPUs), which is why `lanes` defaults to 1; on hosts with cores to spare and a provider whose
+//! connection is the bottleneck, it is the knob to try. Also tried, by hand, 2 rounds each at
+//! 1 MiB: `max_op_bytes=256K`, `spin_us=5000`, `FI_TCP_NODELAY=1`,
+//! `FI_TCP_STAGING_SBUF_SIZE=0` with `FI_TCP_PREFETCH_RBUF_SIZE=0` changed nothing beyond the
+//! noise; `FI_OFI_RXM_DATA_AUTO_PROGRESS=1` (rxm's own progress thread) is in the script's
+//! table: READ 16 MiB 0.79× against 0.58×, 1 MiB not better, WRITE mixed, so it is not set.
+//! libfabric's own `fi_pingpong -e rdm` (send/receive; Debian 12 ships no `fi_rma_bw`) moved
+//! 0.036 / 0.155 GB/s at 1 / 16 MiB in the same run: the backend is 3–40× that, so the
+//! second bar (≥ 0.9× fi_pingpong) is met.
 //!
 //! Limits:
 //! - DRAM only. GPU memory is refused with the reason (`register` fails with `Unsupported`):
 //!   FI_HMEM registration (`fi_mr_regattr` with `FI_HMEM_CUDA`) is not written yet, and the
 //!   providers here (`tcp`, `shm`) lack FI_HMEM anyway. Files are not moved either.
-//! - Rails pair by index: rail `i` must reach the peer's rail `i` (same network); rails are
-//!   not matched by reachability, and a rail that fails fails the shares posted on it (no
-//!   failover to the other rails).
+//! - Rails pair by index: lane `l` of domain `d` must reach the peer's lane `l` of domain `d`
+//!   (same network); rails are not matched by reachability, and a rail or lane that fails
+//!   fails the shares posted on it (no failover to the other rails or lanes).
+//! - The throughput bar (≥ 0.7× raw TCP at 1 MiB and 16 MiB over `tcp;ofi_rxm`) is not met at
+//!   1 MiB on the 2-CPU test machine (see the figures above).
 //! - A request that failed (timeout, dead peer) may still have operations in the provider;
 //!   they keep their local memory pinned until the provider reports them (a deregistration
 //!   waits for that) or the backend shuts down.
@@ -204,21 +222,26 @@ impl LibfabricBackend {
         } else {
             settings.domains.iter().map(|d| Some(d.as_str())).collect()
         };
-        let mut rails: Vec<Rail> = Vec::with_capacity(wanted.len());
-        let mut addresses = Vec::with_capacity(wanted.len());
+        let mut rails: Vec<Rail> = Vec::with_capacity(settings.rails());
+        let mut addresses = Vec::with_capacity(settings.rails());
         for domain in wanted {
-            // Every rail takes the provider rail 0 settled on.
-            let provider = rails.first().map(|r| r.attrs.provider.clone()).or_else(|| settings.provider.clone());
-            match Self::open_rail(&settings, provider.as_deref(), domain, &agent_name, &notifs) {
-                Ok((rail, address)) => {
-                    rails.push(rail);
-                    addresses.push(address);
-                }
-                Err(err) => {
-                    for rail in &rails {
-                        rail.engine.stop();
+            for lane in 0..settings.lanes {
+                // Every rail takes the provider rail 0 settled on; a domain's further lanes
+                // take the domain its first lane settled on.
+                let provider = rails.first().map(|r| r.attrs.provider.clone()).or_else(|| settings.provider.clone());
+                let settled = (lane > 0).then(|| rails.last().map(|r| r.attrs.domain.clone())).flatten();
+                let domain = settled.as_deref().or(domain);
+                match Self::open_rail(&settings, provider.as_deref(), domain, &agent_name, &notifs) {
+                    Ok((rail, address)) => {
+                        rails.push(rail);
+                        addresses.push(address);
                     }
-                    return Err(err);
+                    Err(err) => {
+                        for rail in &rails {
+                            rail.engine.stop();
+                        }
+                        return Err(err);
+                    }
                 }
             }
         }
@@ -229,6 +252,7 @@ impl LibfabricBackend {
             max_notif: settings.max_notif_bytes as u32,
             chunk: settings.notif_chunk as u32,
             provider: attrs.provider.clone(),
+            lanes: settings.lanes,
             addresses,
         }
         .encode();
@@ -272,7 +296,7 @@ impl LibfabricBackend {
         (&self.attrs().provider, &self.attrs().domain)
     }
 
-    /// Every rail's domain, rail 0 first.
+    /// Every rail's domain, rail 0 first (a domain once per lane).
     pub fn domains(&self) -> Vec<&str> {
         self.rails.iter().map(|r| r.attrs.domain.as_str()).collect()
     }
@@ -360,11 +384,21 @@ impl Backend for LibfabricBackend {
                 self.attrs().provider
             )));
         }
-        // Rail i meets the peer's rail i; extra rails on either side stay idle for this peer.
-        let mut rails = Vec::with_capacity(self.rails.len().min(info.addresses.len()));
-        for (rail, address) in self.rails.iter().zip(&info.addresses) {
-            let at = rail.engine.call(CALL_BOUND, |reply| Cmd::Connect(address.clone(), reply))?;
-            rails.push(PeerRail { engine: Arc::clone(&rail.engine), address: at });
+        // Lane l of domain d meets the peer's lane l of domain d; extra domains or lanes on
+        // either side stay idle for this peer.
+        let pairs = info.pairs(self.rails.len(), self.settings.lanes);
+        let mut rails: Vec<PeerRail> = Vec::with_capacity(pairs.len());
+        for (ours, theirs) in pairs {
+            let rail = &self.rails[ours];
+            match rail.engine.call(CALL_BOUND, |reply| Cmd::Connect(info.addresses[theirs].clone(), reply)) {
+                Ok(at) => rails.push(PeerRail { engine: Arc::clone(&rail.engine), address: at, remote: theirs }),
+                Err(err) => {
+                    for connected in &rails {
+                        connected.engine.send(Cmd::Disconnect(connected.address));
+                    }
+                    return Err(err);
+                }
+            }
         }
         Ok(Arc::new(FabricPeer {
             name: peer.to_string(),
@@ -398,6 +432,8 @@ struct PeerRail {
     engine: Arc<Handle>,
     /// The rail engine's handle on this connection (it maps it to the peer's AV entry).
     address: u64,
+    /// The peer's rail this one meets (the index of its keys).
+    remote: usize,
 }
 
 /// A connected peer: its AV entry on every rail both sides have, and how it addresses memory.
@@ -540,11 +576,13 @@ impl FabricPeer {
                     front.split_front(n)
                 };
                 let rail = ((u128::from(before) * rails as u128 / u128::from(total.max(1))) as usize).min(rails - 1);
-                let rail_key = *key.keys.get(rail).ok_or_else(|| {
+                let remote_rail = self.rails[rail].remote;
+                let rail_key = *key.keys.get(remote_rail).ok_or_else(|| {
                     BackendError::InvalidMetadata(format!(
-                        "a key for {} rails of peer {}, which has at least {rails}",
+                        "a key for {} rails of peer {}, which has at least {}",
                         key.keys.len(),
-                        self.name
+                        self.name,
+                        remote_rail + 1
                     ))
                 })?;
                 parts[rail].push_back(Piece { local: slice, remote: remote_at, key: rail_key });
@@ -626,8 +664,8 @@ mod tests {
         assert!(caps.moves(MemType::Dram, MemType::Dram) && !caps.supports(MemType::Vram));
         let info = keys::ConnInfo::decode(&b.conn_info()).expect("own conn info");
         assert_eq!(info.provider, "tcp;ofi_rxm");
-        assert_eq!(info.addresses.len(), 1);
-        assert!(!info.addresses[0].is_empty());
+        assert_eq!((info.lanes, info.addresses.len()), (config::DEFAULT_LANES, config::DEFAULT_LANES));
+        assert!(info.addresses.iter().all(|a| !a.is_empty()));
     }
 
     #[test]
@@ -652,19 +690,37 @@ mod tests {
     fn av_keeps_only_connected_peers() {
         let a = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend a");
         let b = backend("provider=tcp;ofi_rxm,domain=lo").expect("backend b");
-        assert_eq!(a.av_peers().unwrap(), [0]);
+        // One AV per rail (every lane); each holds the peer once.
+        let (none, one) = (vec![0; a.rails.len()], vec![1; a.rails.len()]);
+        assert_eq!(a.av_peers().unwrap(), none);
         let first = a.connect("b", &b.conn_info()).expect("connect");
         let second = a.connect("b", &b.conn_info()).expect("connect again (a metadata reload)");
-        assert_eq!(a.av_peers().unwrap(), [1], "one entry per address");
+        assert_eq!(a.av_peers().unwrap(), one, "one entry per address");
         first.disconnect();
-        assert_eq!(a.av_peers().unwrap(), [1], "still used by the second connection");
+        assert_eq!(a.av_peers().unwrap(), one, "still used by the second connection");
         second.disconnect();
-        assert_eq!(a.av_peers().unwrap(), [0], "the last disconnection removes the address");
+        assert_eq!(a.av_peers().unwrap(), none, "the last disconnection removes the address");
         assert!(matches!(second.notify(b"late"), Err(BackendError::PeerDisconnected { .. })));
         let again = a.connect("b", &b.conn_info()).expect("reconnect");
-        assert_eq!(a.av_peers().unwrap(), [1]);
+        assert_eq!(a.av_peers().unwrap(), one);
         again.notify(b"after reconnecting").expect("a notification after reconnecting");
         again.disconnect();
-        assert_eq!(a.av_peers().unwrap(), [0]);
+        assert_eq!(a.av_peers().unwrap(), none);
+    }
+
+    #[test]
+    fn lanes_open_one_endpoint_each_and_pair_with_fewer() {
+        let a = backend("provider=tcp;ofi_rxm,domain=lo,lanes=3").expect("three lanes");
+        let b = backend("provider=tcp;ofi_rxm,domain=lo,lanes=2").expect("two lanes");
+        assert_eq!(a.domains(), ["lo", "lo", "lo"]);
+        let info = keys::ConnInfo::decode(&a.conn_info()).expect("own conn info");
+        assert_eq!((info.lanes, info.addresses.len()), (3, 3));
+        let distinct: std::collections::HashSet<&Vec<u8>> = info.addresses.iter().collect();
+        assert_eq!(distinct.len(), 3, "every lane has its own endpoint address");
+        let peer = a.connect("b", &b.conn_info()).expect("connect three lanes to two");
+        assert_eq!(a.av_peers().unwrap(), [1, 1, 0], "the third lane stays idle for a two-lane peer");
+        peer.disconnect();
+        assert_eq!(a.av_peers().unwrap(), [0, 0, 0]);
+        assert!(matches!(backend("lanes=0"), Err(BackendError::InvalidParam { .. })));
     }
 }

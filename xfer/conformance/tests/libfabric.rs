@@ -63,3 +63,58 @@ fn two_rails() {
     xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
     xfer_conformance::scenarios::two_rails("libfabric", "provider=tcp;ofi_rxm,domains=eth0+eth1");
 }
+
+/// Sides with different lane counts (`lanes`, endpoints per domain) meet on as many lanes as
+/// the side with fewer has: a 16 MiB WRITE with a notification, a READ and a scattered WRITE,
+/// each striped over the lanes both have, every byte checked, in both directions of the
+/// mismatch.
+#[test]
+fn mismatched_lanes() {
+    use std::time::Duration;
+    use xfer::{Op, RequestOptions};
+    use xfer_conformance::pattern::{check_message, check_pattern, pattern_hash, write_pattern};
+    use xfer_conformance::scenarios::{spawn_peer, Initiator, WAIT};
+
+    const SIZE: u64 = 16 << 20;
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    for (ours, theirs) in [(3, 2), (1, 4)] {
+        let mut peer = spawn_peer("lanes-peer", "libfabric", &format!("{TCP},lanes={theirs}"), SIZE);
+        let init = Initiator::new("lanes-init", "libfabric", &format!("{TCP},lanes={ours}"), SIZE);
+        let name = init.connect(&peer);
+        let seed = 20 + ours;
+
+        write_pattern(&init.buf, 0, seed, 0, SIZE);
+        let message = check_message("w", 0, SIZE, pattern_hash(seed, 0, SIZE));
+        init.transfer(
+            Op::Write,
+            &[init.desc(0, SIZE)],
+            &name,
+            &[peer.desc(0, SIZE)],
+            RequestOptions::notify(message),
+            WAIT,
+        )
+        .unwrap_or_else(|e| panic!("write, lanes {ours} against {theirs}: {e}"));
+        assert_eq!(peer.hash(0, SIZE).expect("hash"), pattern_hash(seed, 0, SIZE), "written bytes");
+        assert_eq!(peer.collect_notifs(1, Duration::from_secs(10)).expect("notifs"), ["w=ok"]);
+
+        peer.fill(seed + 1, 0, SIZE).expect("fill");
+        init.transfer(Op::Read, &[init.desc(0, SIZE)], &name, &[peer.desc(0, SIZE)], Default::default(), WAIT)
+            .unwrap_or_else(|e| panic!("read, lanes {ours} against {theirs}: {e}"));
+        assert_eq!(check_pattern(&init.buf, 0, seed + 1, 0, SIZE), Ok(()), "read bytes");
+
+        // Many small descriptors: the stripe cuts between and inside them.
+        let (count, len) = (512u64, 12_345u64);
+        let locals: Vec<xfer::Desc> = (0..count).map(|i| init.desc(i * 2 * len, len)).collect();
+        let remotes: Vec<xfer::Desc> = (0..count).map(|i| peer.desc(i * 2 * len + len, len)).collect();
+        for i in 0..count {
+            write_pattern(&init.buf, i * 2 * len, 100 + i, 0, len);
+        }
+        init.transfer(Op::Write, &locals, &name, &remotes, Default::default(), WAIT).expect("scattered write");
+        let ranges: Vec<(u64, u64)> = (0..count).map(|i| (i * 2 * len + len, len)).collect();
+        for (i, got) in peer.hashes(&ranges).expect("hashes").into_iter().enumerate() {
+            assert_eq!(got, pattern_hash(100 + i as u64, 0, len), "descriptor {i} of the scattered write");
+        }
+        drop(init);
+        peer.quit().expect("peer exits");
+    }
+}
