@@ -378,11 +378,14 @@ impl Engine {
                         posted = true;
                     }
                     Ok(Err(batch)) => {
-                        // No room in the provider: progress first, then post again.
+                        // No room in the provider for this peer now (its queue, or the
+                        // connection to a peer that died and has not failed yet): progress
+                        // first, then post again. Other peers' jobs still post, so one dead
+                        // peer cannot stall the live ones until its requests time out.
                         for piece in batch.into_iter().rev() {
                             active.job.pieces.push_front(piece);
                         }
-                        break 'jobs;
+                        continue 'jobs;
                     }
                     Err(err) => {
                         failed.push((id, post_failed(&active.job.peer_name, err)));
