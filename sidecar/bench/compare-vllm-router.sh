@@ -116,8 +116,10 @@ if [ -n "$PERF" ]; then
   PERF_PID=$!
   drive 0 pd-sidecar "$PERF" >/dev/null
   wait "$PERF_PID"
-  perf report -i "$WORK/perf.data" --no-children --stdio --percent-limit 1.5 2>/dev/null \
-    | grep -v '^$' | head -120 > "$OUT/compare-vllm-router.perf.txt"
+  { perf report -i "$WORK/perf.data" --no-children --stdio -g none --sort dso 2>/dev/null | grep -E '^ +[0-9]' | head -8
+    echo
+    perf report -i "$WORK/perf.data" --no-children --stdio -g none --sort dso,sym --percent-limit 0.7 2>/dev/null \
+      | grep -E '^ +[0-9]' | cut -c1-160 | head -40; } > "$OUT/compare-vllm-router.perf.txt"
   echo "profile: $OUT/compare-vllm-router.perf.txt" >&2
 fi
 
