@@ -114,7 +114,8 @@ struct Drive {
     seconds: f64,
     #[arg(long, default_value = "sim-model")]
     model: String,
-    /// Also report the CPU time this process (the proxy) spent during the run.
+    /// Also report the CPU time this process (the proxy) spent during the run, and its resident
+    /// set before the run and at its peak.
     #[arg(long)]
     pid: Option<u32>,
     #[command(flatten)]
@@ -259,6 +260,37 @@ fn rss_kib(pid: u32) -> u64 {
             s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// The highest resident set of a process while it lives, sampled every 5 ms on a thread.
+struct RssPeak {
+    sampling: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl RssPeak {
+    fn start(pid: u32) -> RssPeak {
+        let sampling = Arc::new(AtomicBool::new(true));
+        let peak = Arc::new(AtomicU64::new(rss_kib(pid)));
+        let thread = {
+            let (sampling, peak) = (Arc::clone(&sampling), Arc::clone(&peak));
+            std::thread::spawn(move || {
+                while sampling.load(Relaxed) {
+                    peak.fetch_max(rss_kib(pid), Relaxed);
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            })
+        };
+        RssPeak { sampling, peak, thread }
+    }
+
+    /// Stops sampling; the peak, KiB.
+    fn stop(self) -> u64 {
+        self.sampling.store(false, Relaxed);
+        let _ = self.thread.join();
+        self.peak.load(Relaxed)
+    }
 }
 
 struct Child(std::process::Child);
@@ -406,17 +438,7 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
         run(&c, &proxied, &o.work, level, level).await?;
         let (mut ld, mut ls) = (Lat::new(), Lat::new());
         let (mut td, mut ts) = (Duration::ZERO, Duration::ZERO);
-        let sampling = Arc::new(AtomicBool::new(true));
-        let peak = Arc::new(AtomicU64::new(0));
-        let sampler = {
-            let (sampling, peak) = (Arc::clone(&sampling), Arc::clone(&peak));
-            std::thread::spawn(move || {
-                while sampling.load(Relaxed) {
-                    peak.fetch_max(rss_kib(pid), Relaxed);
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            })
-        };
+        let sampler = RssPeak::start(pid);
         let cpu0 = cpu_secs(pid);
         for _ in 0..o.rounds {
             let (l, t) = run(&c, &direct, &o.work, level, requests / o.rounds).await?;
@@ -427,9 +449,7 @@ async fn overhead(o: Overhead) -> anyhow::Result<()> {
             ts += t;
         }
         let cpu_us = (cpu_secs(pid) - cpu0) * 1e6 / ls.total.len().max(1) as f64;
-        sampling.store(false, Relaxed);
-        sampler.join().unwrap();
-        let level_peak = peak.load(Relaxed);
+        let level_peak = sampler.stop();
         rss_peak = rss_peak.max(level_peak);
         let (dr, sr) = (ld.total.len() as f64 / td.as_secs_f64(), ls.total.len() as f64 / ts.as_secs_f64());
         let mut row = serde_json::json!({
@@ -487,6 +507,7 @@ async fn drive(o: Drive) -> anyhow::Result<()> {
     let stop = Instant::now() + Duration::from_secs_f64(o.seconds);
     let errors = Arc::new(AtomicU64::new(0));
     let cpu_before = o.pid.map(cpu_secs);
+    let rss = o.pid.map(|pid| (rss_kib(pid), RssPeak::start(pid)));
     let started = Instant::now();
     let tasks: Vec<_> = (0..o.concurrency)
         .map(|_| {
@@ -524,8 +545,14 @@ async fn drive(o: Drive) -> anyhow::Result<()> {
         }
         _ => String::new(),
     };
+    let rss = match rss {
+        Some((before, peak)) => {
+            format!(", \"proxy_rss_before_kib\": {before}, \"proxy_rss_peak_kib\": {}", peak.stop())
+        }
+        None => String::new(),
+    };
     println!(
-        "{{\"requests\": {}, \"errors\": {}, \"seconds\": {:.3}, \"rps\": {:.1}, \"p50_ms\": {:.3}, \"p99_ms\": {:.3}{cpu}}}",
+        "{{\"requests\": {}, \"errors\": {}, \"seconds\": {:.3}, \"rps\": {:.1}, \"p50_ms\": {:.3}, \"p99_ms\": {:.3}{cpu}{rss}}}",
         all.len(),
         errors.load(Relaxed),
         secs,
