@@ -208,14 +208,5 @@ print(f"report: {out_dir}/compare-vllm-router.md", file=sys.stderr)
 EOF
 
 if [ "$OUT" = sidecar/bench/results ]; then
-  python3 - sidecar/README.md "$OUT/compare-vllm-router.md" <<'EOF'
-import re, sys
-readme, report = sys.argv[1], open(sys.argv[2]).read().strip("\n")
-text = open(readme).read()
-block = re.compile(r"(<!-- results:compare-vllm-router:begin -->\n).*?(<!-- results:compare-vllm-router:end -->)", re.S)
-new = block.sub(lambda m: m.group(1) + report + "\n" + m.group(2), text)
-if new != text:
-    open(readme, "w").write(new)
-    print(f"{readme} <- {sys.argv[2]}", file=sys.stderr)
-EOF
+  (cd sidecar && ../bench/update-readme.sh README.md bench/results)
 fi
