@@ -11,25 +11,16 @@ offered last). It starts with ``READY <port> <name> <addr> <len>`` and exits on 
 import signal
 import sys
 
-import pd_xfer
+from peer_process import pattern, serve
 
 SIZE = 64 << 10
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return bytes((i * 13 + seed) % 251 for i in range(n))
 
 
 def main() -> int:
     signal.alarm(60)
     backend = sys.argv[1] if len(sys.argv) > 1 else "tcp"
-    agent = pd_xfer.Agent("grant-peer-" + backend)
-    agent.add_backend(backend)
-    memory = bytearray(pattern(5, SIZE))
-    registration = pd_xfer.register(agent, memory)
-    (addr, length, _dev), = registration.descs()
-    _, port = agent.start_side_channel("127.0.0.1:0")
-    print(f"READY {port} {agent.name} {addr} {length}", flush=True)
+    memory = bytearray(pattern(5, SIZE, step=13))
+    agent, registration, addr = serve("grant-peer", backend, memory)
     last = None
     for line in sys.stdin:
         words = line.split()

@@ -7,25 +7,16 @@ test's ``write-done`` notification ``VERIFIED <ok|bad>``. It exits after 30 s wh
 
 import sys
 
-import pd_xfer
+from peer_process import pattern, serve
 
 SIZE = 1 << 20
 HALF = SIZE // 2
 
 
-def pattern(seed: int, n: int) -> bytes:
-    return bytes((i * 7 + seed) % 251 for i in range(n))
-
-
 def main() -> int:
     backend = sys.argv[1] if len(sys.argv) > 1 else "tcp"
-    agent = pd_xfer.Agent("peer-" + backend)
-    agent.add_backend(backend)
     memory = bytearray(pattern(3, SIZE))
-    registration = pd_xfer.register(agent, memory)
-    (addr, length, _dev), = registration.descs()
-    _, port = agent.start_side_channel("127.0.0.1:0")
-    print(f"READY {port} {agent.name} {addr} {length}", flush=True)
+    agent, registration, _ = serve("peer", backend, memory)
     if not agent.wait_notifs(30.0):
         print("VERIFIED bad (no notification)", flush=True)
         return 1

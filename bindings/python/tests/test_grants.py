@@ -4,51 +4,30 @@ channel. Reads under a live grant deliver the peer's bytes; after the peer revok
 raises kind ``refused`` (code: revoked) and delivers nothing, and a later claim is refused
 the same way."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 import pd_xfer
 from pd_xfer import XferError
+from peer_process import BACKENDS, pattern, spawn, stop
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZE = 64 << 10
 OFFSET, LEN = 4096, 16 << 10
-BACKENDS = [b for b in ("tcp", "ucx") if b in pd_xfer.Agent.available_backends()]
 REVOKED = "grant revoked or expired"
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return bytes((i * 13 + seed) % 251 for i in range(n))
 
 
 class GrantPeer:
     def __init__(self, backend: str):
-        env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "grant_peer.py"), backend],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )
-        line = self.ask(None)
-        assert line[0] == "READY", f"peer did not start: {line}"
-        self.side = f"127.0.0.1:{line[1]}"
-        self.name, self.addr = line[2], int(line[3])
+        self.proc, ready = spawn("grant_peer.py", backend, stdin=True)
+        self.side = f"127.0.0.1:{ready[0]}"
+        self.name, self.addr = ready[1], int(ready[2])
 
-    def ask(self, command: str | None) -> list[str]:
-        if command is not None:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
+    def ask(self, command: str) -> list[str]:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
         return self.proc.stdout.readline().split()
 
     def close(self):
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop(self.proc)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -86,7 +65,7 @@ def test_grant_then_revoke(pair):
     assert answer[0] == "TOKEN"
     assert agent.load_grant(bytes.fromhex(answer[1])) == peer.name
     read(agent, peer, local, registration)
-    assert bytes(local) == pattern(5, SIZE)[OFFSET:OFFSET + LEN]
+    assert bytes(local) == pattern(5, SIZE, step=13)[OFFSET:OFFSET + LEN]
 
     assert peer.ask("revoke")[0] == "REVOKED"
     local[:] = bytes(LEN)
@@ -102,7 +81,7 @@ def test_offered_grant_is_claimed_then_revoked(pair):
     ranges = [(peer.addr + OFFSET, LEN, 0)]
     assert agent.claim_grant(peer.side, "cmpl-1", ranges) == peer.name
     read(agent, peer, local, registration)
-    assert bytes(local) == pattern(5, SIZE)[OFFSET:OFFSET + LEN]
+    assert bytes(local) == pattern(5, SIZE, step=13)[OFFSET:OFFSET + LEN]
 
     assert peer.ask("revoke") == ["REVOKED", "1", agent.name]
     local[:] = bytes(LEN)

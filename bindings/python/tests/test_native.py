@@ -2,37 +2,23 @@
 channel, READ and WRITE by descriptor and by prepared index lists, notifications, telemetry,
 and the typed errors for bad input."""
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 import pd_xfer
 from pd_xfer import XferError
+from peer_process import BACKENDS, pattern, spawn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIZE = 1 << 20
 HALF = SIZE // 2
-BACKENDS = [b for b in ("tcp", "ucx") if b in pd_xfer.Agent.available_backends()]
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return bytes((i * 7 + seed) % 251 for i in range(n))
 
 
 class Peer:
     def __init__(self, backend: str):
-        env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "peer.py"), backend],
-            stdout=subprocess.PIPE, text=True, env=env,
-        )
-        line = self.proc.stdout.readline().split()
-        assert line and line[0] == "READY", f"peer did not start: {line}"
-        self.port, self.name = int(line[1]), line[2]
-        self.addr, self.len = int(line[3]), int(line[4])
+        self.proc, ready = spawn("peer.py", backend)
+        self.port, self.name = int(ready[0]), ready[1]
+        self.addr, self.len = int(ready[2]), int(ready[3])
 
     def verdict(self) -> str:
         out = self.proc.stdout.readline()
