@@ -3,8 +3,9 @@
 Run as two processes sharing a scratch directory (metadata is exchanged through files):
     nixl_bench.py target    --dir D --max-bytes N
     nixl_bench.py initiator --dir D --sizes 65536,1048576 --op read --iters 50 --json out.json
-The initiator prints one JSON line per (op, size) with GB/s (10^9 bytes/s) and the p50/p99 latency
-of one request in microseconds, then tells the target to exit with a notification. Every wait is
+With --window N the initiator keeps N requests in flight (one transfer handle each). It prints one
+JSON line per (op, size) with GB/s (10^9 bytes/s) and the p50/p99 latency of one request in
+microseconds (from its post to the check that found it done), then tells the target to exit with a notification. Every wait is
 bounded (--timeout).
 """
 
@@ -70,12 +71,15 @@ def initiator(args):
         for size in sizes:
             local_descs = agent.get_xfer_descs([(local.ctypes.data, size, 0)], "DRAM")
             remote_descs = agent.get_xfer_descs([(remote_addr, size, 0)], "DRAM")
-            handle = agent.initialize_xfer(op.upper(), local_descs, remote_descs, remote)
+            # One handle per request in flight (a handle is reposted only once done); all move
+            # the same bytes.
+            handles = [agent.initialize_xfer(op.upper(), local_descs, remote_descs, remote)
+                       for _ in range(args.window)]
             iters = max(3, min(args.iters, (args.max_total << 20) // size))
 
-            def once():
-                state = agent.transfer(handle)
+            def finish(handle):
                 until = time.monotonic() + args.timeout
+                state = agent.check_xfer_state(handle)
                 while state == "PROC":
                     if time.monotonic() > until:
                         sys.exit(f"initiator: {op} {size} timed out")
@@ -83,18 +87,32 @@ def initiator(args):
                 if state != "DONE":
                     sys.exit(f"initiator: {op} {size} failed: {state}")
 
-            for _ in range(args.warmup):
-                once()
+            def run(count, latencies):
+                # Keeps up to --window requests posted, finishing the oldest first.
+                in_flight = []
+                for i in range(count):
+                    if len(in_flight) == args.window:
+                        handle, posted = in_flight.pop(0)
+                        finish(handle)
+                        latencies.append(time.perf_counter() - posted)
+                    handle = handles[i % args.window]
+                    posted = time.perf_counter()
+                    if agent.transfer(handle) == "ERR":
+                        sys.exit(f"initiator: {op} {size} could not be posted")
+                    in_flight.append((handle, posted))
+                for handle, posted in in_flight:
+                    finish(handle)
+                    latencies.append(time.perf_counter() - posted)
+
+            run(args.warmup, [])
             latencies = []
             start = time.perf_counter()
-            for _ in range(iters):
-                posted = time.perf_counter()
-                once()
-                latencies.append(time.perf_counter() - posted)
+            run(iters, latencies)
             elapsed = time.perf_counter() - start
-            handle.release()
+            for handle in handles:
+                handle.release()
             p50, p99 = np.percentile(latencies, [50, 99]) * 1e6
-            row = {"peer": "nixl-ucx", "op": op, "bytes": size, "iters": iters,
+            row = {"peer": "nixl-ucx", "op": op, "bytes": size, "iters": iters, "window": args.window,
                    "gbps": size * iters / elapsed / 1e9, "p50_us": round(p50, 1), "p99_us": round(p99, 1)}
             print(json.dumps(row), flush=True)
             results.append(row)
@@ -116,6 +134,7 @@ def main():
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--max-total", type=int, default=512, help="MiB moved per (op, size) at most")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--window", type=int, default=1, help="requests kept in flight")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="initiator: bound on each request; target: on the whole run (until 'done')")
     p.add_argument("--json")

@@ -39,6 +39,9 @@ pub struct Args {
     /// Initiator threads, each posting its own requests
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
     pub threads: u64,
+    /// Requests each initiator thread keeps in flight (an xfer backend's; raw-tcp has one)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub window: u64,
     /// Measured requests per thread per block size [default: enough to move about 1 GiB]
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub iters: Option<u64>,
@@ -207,6 +210,8 @@ pub struct Settings {
     pub params: String,
     pub cases: Vec<Case>,
     pub threads: u64,
+    /// Requests in flight per thread.
+    pub window: u64,
     pub iters: Option<u64>,
     pub repeat: u64,
     pub warmup: u64,
@@ -311,6 +316,11 @@ impl Args {
         if self.grants && (xfer_backend.is_none() || self.scheme != Scheme::Pairwise) {
             bail!("--grants needs an xfer backend and the pairwise scheme (one agent, one target)");
         }
+        if self.window > 1 && (xfer_backend.is_none() || self.compare) {
+            bail!(
+                "--window needs an xfer backend and no {RAW_TCP} (--compare): the baseline keeps one request in flight"
+            );
+        }
         let (agents, targets) = self.scheme.shape(self.peers);
         if self.scheme != Scheme::Pairwise {
             if xfer_backend.is_none() || self.compare || self.check {
@@ -327,6 +337,7 @@ impl Args {
             params: self.params.clone(),
             cases: self.cases(),
             threads: self.effective_threads(),
+            window: self.window,
             iters: self.iters,
             repeat: self.repeat,
             warmup: self.warmup,
@@ -485,6 +496,17 @@ mod tests {
         let err = args("--direct --remote-mem file --mem 5000").memory().unwrap_err().to_string();
         assert!(err.contains("not --mem 5000"), "{err}");
         assert_eq!(args("--direct --remote-mem file --block-sizes 64K,1M").memory().unwrap(), 1 << 20);
+    }
+
+    #[test]
+    fn a_window_needs_an_xfer_backend_alone() {
+        assert_eq!(args("--window 16").settings(false).unwrap().window, 16);
+        assert_eq!(args("").settings(false).unwrap().window, 1);
+        for line in ["--window 4 --compare", "--window 4 --backend raw-tcp"] {
+            let err = args(line).settings(false).unwrap_err().to_string();
+            assert!(err.contains("--window needs an xfer backend"), "{line}: {err}");
+        }
+        assert!(Args::try_parse_from(["xferbench", "--window", "0"]).is_err());
     }
 
     #[test]

@@ -112,12 +112,17 @@ pub struct RawWorker {
     pub buf: PageBuf,
 }
 
+/// One lane: the exchange blocks, so `post` moves the whole request.
 impl Worker for RawWorker {
-    fn once(&mut self) -> Result<()> {
+    fn post(&mut self, _lane: usize) -> Result<()> {
         match self.op {
             Op::Write => self.conn.write(&self.buf),
             Op::Read => self.conn.read(&mut self.buf),
         }
+    }
+
+    fn wait(&mut self, _lane: usize) -> Result<()> {
+        Ok(())
     }
 }
 

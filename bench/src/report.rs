@@ -19,6 +19,9 @@ pub struct Row {
     pub block_size: u64,
     pub batch: u64,
     pub threads: u64,
+    /// Requests in flight per thread (left out when 1; rows read back without it had 1).
+    #[serde(skip_serializing_if = "one_in_flight")]
+    pub window: u64,
     pub iters: u64,
     /// Runs of the case; the row is the median one.
     pub repeat: u64,
@@ -50,6 +53,7 @@ impl Row {
             block_size: case.block,
             batch: case.batch,
             threads,
+            window: 1,
             iters,
             repeat,
             scatter: case.scatter,
@@ -63,6 +67,10 @@ impl Row {
             ratio_vs_contiguous: None,
         }
     }
+}
+
+fn one_in_flight(window: &u64) -> bool {
+    *window <= 1
 }
 
 /// `a / b`, or `None` when `b` is not positive.
@@ -185,6 +193,7 @@ mod tests {
             block_size: 1 << 20,
             batch: 1,
             threads: 2,
+            window: 1,
             iters: 1024,
             repeat: 1,
             scatter: false,

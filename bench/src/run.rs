@@ -88,6 +88,9 @@ fn run(settings: &Settings, targets: &[Target]) -> Result<Vec<Row>> {
             settings.targets
         );
     }
+    if settings.window > 1 {
+        println!("window {}: requests in flight per initiator thread", settings.window);
+    }
     let beyond_dram = settings.cases.iter().any(|case| !settings.memory.label(case.op).is_empty());
     println!("{}", header(beyond_dram));
     let mut rows = Vec::new();
@@ -113,7 +116,12 @@ fn run_case(
     mut xfer: Option<&mut XferEngine>,
     raw: Option<&RawEngine>,
 ) -> Result<Vec<Row>> {
-    let plan = Plan { warmup: settings.warmup, iters: settings.iters_for(case), request_bytes: case.request_bytes() };
+    let plan = Plan {
+        warmup: settings.warmup,
+        iters: settings.iters_for(case),
+        request_bytes: case.request_bytes(),
+        window: settings.window as usize,
+    };
     let check_seed = settings.check.then_some(settings.seed);
     let (mut xfer_runs, mut raw_runs) = (Vec::new(), Vec::new());
     for _ in 0..settings.repeat {
@@ -130,6 +138,7 @@ fn run_case(
     }
     let row = |name: &str, measured: &Measurement, mem: String| Row {
         scheme: settings.scheme_label(),
+        window: settings.window,
         mem,
         ..Row::new(name, case, settings.threads, plan.iters, settings.repeat, measured)
     };

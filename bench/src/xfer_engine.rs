@@ -15,16 +15,21 @@ use crate::memory::{BenchBuffer, BenchRegistration, RunMemory};
 use crate::raw::RawConn;
 use crate::units::format_total;
 
-/// One thread's request, created once and reposted.
+/// One thread's requests, one per lane of its window, created once and reposted. The lanes
+/// move the same blocks, so they carry the same bytes and `--check` still holds.
 #[derive(Debug)]
 struct XferWorker {
-    request: XferRequest,
+    lanes: Vec<XferRequest>,
 }
 
 impl Worker for XferWorker {
-    fn once(&mut self) -> Result<()> {
-        self.request.post()?;
-        self.request.wait(REQUEST_TIMEOUT)?;
+    fn post(&mut self, lane: usize) -> Result<()> {
+        self.lanes[lane].post()?;
+        Ok(())
+    }
+
+    fn wait(&mut self, lane: usize) -> Result<()> {
+        self.lanes[lane].wait(REQUEST_TIMEOUT)?;
         Ok(())
     }
 }
@@ -92,8 +97,8 @@ impl XferEngine {
         Ok(())
     }
 
-    /// Prepares the block lists once per (agent, target), creates one request per thread, then
-    /// measures.
+    /// Prepares the block lists once per (agent, target), creates `plan.window` requests per
+    /// thread, then measures.
     pub fn run(
         &mut self,
         case: &Case,
@@ -118,8 +123,10 @@ impl XferEngine {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => e.insert(initiator.prepare(&layout, t)?),
             };
-            let request = initiator.agent.make_request(case.op, local, l, remote, r, options.clone())?;
-            workers.push(XferWorker { request });
+            let lanes = (0..plan.window)
+                .map(|_| initiator.agent.make_request(case.op, local, l, remote, r, options.clone()))
+                .collect::<Result<Vec<_>, _>>()?;
+            workers.push(XferWorker { lanes });
         }
         let control = match (check, self.control.as_mut()) {
             (false, _) => None,

@@ -66,6 +66,23 @@ fn kv_shape_under_grants_with_check() {
 }
 
 #[test]
+fn a_window_of_requests_in_flight_with_check() {
+    let line = "--op both --block-sizes 4K,1M --threads 2 --window 8 --iters 12 --warmup 3 --check";
+    let (rows, stdout) = rows("window", line);
+    assert_eq!(rows.len(), 4);
+    for row in &rows {
+        assert_eq!((row["window"].as_u64(), row["threads"].as_u64()), (Some(8), Some(2)), "{row}");
+        assert_eq!(row["bytes"], row["block_size"].as_u64().unwrap() * 2 * 12);
+        assert!(row["gbps"].as_f64().unwrap() > 0.0 && row["p99_us"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    assert!(stdout.contains("window 8"), "{stdout}");
+
+    let out = xferbench("--window 4 --compare --iters 1");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--window needs an xfer backend"));
+}
+
+#[test]
 fn raw_baseline_alone_and_clear_errors() {
     let (rows, _) = rows("raw", "--backend raw-tcp --op read --block-sizes 8K --iters 3 --check");
     assert_eq!(rows.len(), 1);
