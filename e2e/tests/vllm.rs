@@ -400,6 +400,7 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
         let cancelled = ("outcome", "cancelled");
         let cancelled_before = metric(&client, &sidecar, "pd_sidecar_requests_total", &[cancelled]).await;
         let releases_before = metric(&client, &sidecar, "pd_sidecar_releases_ok_total", &[]).await;
+        let refused_before = metric(&client, &sidecar, "pd_sidecar_releases_failed_total", &[]).await;
         let decode_pid = c.decode().proc.main_pid().expect("the decode's API server pid");
         let paused = Paused::new(decode_pid);
         let prompt = fresh_prompt("gone", 400);
@@ -424,6 +425,7 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
         let took = gone.elapsed();
         let cancelled_after = metric(&client, &sidecar, "pd_sidecar_requests_total", &[cancelled]).await;
         let releases_after = metric(&client, &sidecar, "pd_sidecar_releases_ok_total", &[]).await;
+        let refused_after = metric(&client, &sidecar, "pd_sidecar_releases_failed_total", &[]).await;
         timing(
             &format!(
                 "prefill KV usage back to baseline after the client left ({held:.6} -> {after:.6}; sidecar: {} cancelled, {} released)",
@@ -440,7 +442,17 @@ fn t3_client_gone_between_legs_frees_prefill_blocks() {
         // The sidecar saw the client leave and freed the held blocks itself (a discarded
         // one-token decode with the prefill's params), rather than waiting for the lease.
         assert!(cancelled_after > cancelled_before, "the sidecar did not count the request as cancelled");
-        assert!(releases_after > releases_before, "the sidecar released nothing");
+        match VllmSettings::from_env().expect("settings").connector {
+            Connector::Nixl => assert!(releases_after > releases_before, "the sidecar released nothing"),
+            // vLLM's decode also frees them: a request aborted before it was scheduled notifies
+            // the prefill with no blocks read. Under XferConnector that revokes the grant, so
+            // the sidecar's release decode, arriving second, is refused (vLLM answers 500)
+            // instead of reading freed blocks as it does over NIXL.
+            Connector::Xfer { .. } => assert!(
+                releases_after + refused_after > releases_before + refused_before,
+                "the sidecar did not try to release"
+            ),
+        }
         assert!(c.sidecar_alive(), "the sidecar died");
     });
 }
