@@ -83,6 +83,11 @@ impl Cleanup {
         self.params.insert(request, (held, now));
     }
 
+    /// Whether a prefill reported params for `request` (contested or not).
+    pub fn has_params(&self, request: &str) -> bool {
+        self.params.contains_key(request)
+    }
+
     /// Whether `params` are the ones held for `request` (one attempt's, not contested).
     pub fn holds(&self, request: &str, params: &RawValue) -> bool {
         matches!(self.params.get(request), Some((Held::Params(held), _)) if held.get() == params.get())

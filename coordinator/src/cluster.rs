@@ -546,7 +546,11 @@ impl Cluster {
     /// holds are released (the returned actions). Only a report carrying the params held for the
     /// request releases: a failed attempt under the same id as a live one must not free the live
     /// one's blocks.
-    pub fn failed(&mut self, request: &str, params: Option<&RawValue>) -> Vec<Action> {
+    pub fn failed(&mut self, request: &str, params: Option<&RawValue>, now: Instant) -> Vec<Action> {
+        // Reports travel independently: a failure with params can overtake its prefill_done.
+        if let Some(params) = params.filter(|_| !self.cleanup.has_params(request)) {
+            self.prefill_done(request, Some(params.to_owned()), now);
+        }
         let same_attempt = params.is_some_and(|params| self.cleanup.holds(request, params));
         let cleanup = self.handoffs.failed(request);
         let actions = if same_attempt { self.resolve(cleanup) } else { Vec::new() };
@@ -880,14 +884,14 @@ mod tests {
         paired(&mut c, "ok");
         c.prefill_done("ok", Some(raw("ok-a")), now);
         c.finished("ok");
-        assert!(c.failed("ok", Some(&raw("ok-a"))).is_empty(), "already finished");
+        assert!(c.failed("ok", Some(&raw("ok-a")), now).is_empty(), "already finished");
 
         paired(&mut c, "failed");
         c.prefill_done("failed", Some(raw("failed-a")), now);
-        assert!(c.failed("failed", None).is_empty(), "a report without params is another attempt's");
+        assert!(c.failed("failed", None, now).is_empty(), "a report without params is another attempt's");
         paired(&mut c, "failed");
         c.prefill_done("failed", Some(raw("failed-a")), now);
-        let actions = c.failed("failed", Some(&raw("failed-a")));
+        let actions = c.failed("failed", Some(&raw("failed-a")), now);
         let [Action::Release { notice, .. }] = &actions[..] else { panic!("{actions:?}") };
         assert_eq!((notice.request_id.as_str(), notice.prefill.as_str()), ("failed", "p0"));
         assert_eq!(notice.kv_transfer_params.get(), r#"{"remote_request_id": "failed-a"}"#);
@@ -897,8 +901,12 @@ mod tests {
         paired(&mut c, "redirected");
         c.prefill_done("redirected", Some(raw("redirected-a")), now);
         c.prefill_done("redirected", Some(raw("redirected-b")), now);
-        assert!(c.failed("redirected", Some(&raw("redirected-a"))).is_empty());
+        assert!(c.failed("redirected", Some(&raw("redirected-a")), now).is_empty());
         assert!(c.handoffs.is_empty());
+        // A failure report that overtook its prefill_done still releases.
+        paired(&mut c, "overtaken");
+        let actions = c.failed("overtaken", Some(&raw("overtaken-a")), now);
+        assert!(matches!(&actions[..], [Action::Release { .. }]), "{actions:?}");
         // The same when the decode dies instead.
         paired(&mut c, "contested");
         c.prefill_done("contested", Some(raw("contested-a")), now);

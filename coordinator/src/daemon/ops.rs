@@ -351,7 +351,7 @@ impl Coordinator {
                 // free them now rather than at the end of the prefill's lease.
                 ReportEvent::Failed => {
                     tracing::debug!(request = %id, error = report.error.as_deref().unwrap_or("-"), "request failed");
-                    inner.cluster.failed(&id, report.kv_transfer_params.as_deref())
+                    inner.cluster.failed(&id, report.kv_transfer_params.as_deref(), Instant::now())
                 }
             }
         };
