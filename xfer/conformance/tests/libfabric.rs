@@ -70,9 +70,8 @@ fn two_rails() {
 /// mismatch.
 #[test]
 fn mismatched_lanes() {
-    use std::time::Duration;
-    use xfer::{Op, RequestOptions};
-    use xfer_conformance::pattern::{check_message, check_pattern, pattern_hash, write_pattern};
+    use xfer::Op;
+    use xfer_conformance::pattern::{check_pattern, pattern_hash, write_pattern};
     use xfer_conformance::scenarios::{spawn_peer, Initiator, WAIT};
 
     const SIZE: u64 = 16 << 20;
@@ -83,19 +82,7 @@ fn mismatched_lanes() {
         let name = init.connect(&peer);
         let seed = 20 + ours;
 
-        write_pattern(&init.buf, 0, seed, 0, SIZE);
-        let message = check_message("w", 0, SIZE, pattern_hash(seed, 0, SIZE));
-        init.transfer(
-            Op::Write,
-            &[init.desc(0, SIZE)],
-            &name,
-            &[peer.desc(0, SIZE)],
-            RequestOptions::notify(message),
-            WAIT,
-        )
-        .unwrap_or_else(|e| panic!("write, lanes {ours} against {theirs}: {e}"));
-        assert_eq!(peer.hash(0, SIZE).expect("hash"), pattern_hash(seed, 0, SIZE), "written bytes");
-        assert_eq!(peer.collect_notifs(1, Duration::from_secs(10)).expect("notifs"), ["w=ok"]);
+        init.write_checked(&mut peer, &name, "w", seed, SIZE, &format!("lanes {ours} against {theirs}"));
 
         peer.fill(seed + 1, 0, SIZE).expect("fill");
         init.transfer(Op::Read, &[init.desc(0, SIZE)], &name, &[peer.desc(0, SIZE)], Default::default(), WAIT)

@@ -104,6 +104,27 @@ impl Initiator {
         req.post()?;
         req.wait(bound)
     }
+
+    /// WRITEs the first `len` bytes, filled with pattern `seed`, to the same place at `peer`
+    /// with a notification the peer checks against what arrived; asserts the peer's bytes and
+    /// that the notification came as `{tag}=ok` (after the data). `what` names the case.
+    pub fn write_checked(&self, peer: &mut Peer, name: &str, tag: &str, seed: u64, len: u64, what: &str) {
+        crate::pattern::write_pattern(&self.buf, 0, seed, 0, len);
+        let expected = crate::pattern::pattern_hash(seed, 0, len);
+        let message = crate::pattern::check_message(tag, 0, len, expected);
+        self.transfer(
+            Op::Write,
+            &[self.desc(0, len)],
+            name,
+            &[peer.desc(0, len)],
+            RequestOptions::notify(message),
+            WAIT,
+        )
+        .unwrap_or_else(|e| panic!("{what}: write: {e}"));
+        assert_eq!(peer.hash(0, len).expect("hash"), expected, "{what}: written bytes");
+        let notifs = peer.collect_notifs(1, Duration::from_secs(10)).expect("notifs");
+        assert_eq!(notifs, [format!("{tag}=ok")], "{what}: the notification did not follow its data");
+    }
 }
 
 /// Starts a peer process with one registered buffer of `size` bytes.

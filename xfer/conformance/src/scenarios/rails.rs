@@ -4,13 +4,11 @@
 //! follow the data of both rails, and each link's interface counters must show it carried its
 //! share of the payload. Needs root and `ip netns`; without root it says so loudly and skips.
 
-use std::time::Duration;
-
 use pdchaos::netns::Net;
-use xfer::{Op, RequestOptions};
+use xfer::Op;
 
 use super::{Initiator, WAIT};
-use crate::pattern::{check_message, check_pattern, pattern_hash, write_pattern};
+use crate::pattern::{check_pattern, pattern_hash, write_pattern};
 use crate::peer::{peer_exe, Peer, PeerConfig};
 
 const SIZE: u64 = 16 << 20;
@@ -72,20 +70,7 @@ pub fn two_rails(backend: &str, params: &str) {
             let name = init.connect(&peer);
 
             let before = counters(&net, &init_node.name);
-            write_pattern(&init.buf, 0, 11, 0, SIZE);
-            let message = check_message("w", 0, SIZE, pattern_hash(11, 0, SIZE));
-            init.transfer(
-                Op::Write,
-                &[init.desc(0, SIZE)],
-                &name,
-                &[peer.desc(0, SIZE)],
-                RequestOptions::notify(message),
-                WAIT,
-            )
-            .expect("write over two rails");
-            assert_eq!(peer.hash(0, SIZE).expect("hash"), pattern_hash(11, 0, SIZE), "written bytes");
-            let notifs = peer.collect_notifs(1, Duration::from_secs(10)).expect("notifs");
-            assert_eq!(notifs, ["w=ok"], "the notification did not follow the data of both rails");
+            init.write_checked(&mut peer, &name, "w", 11, SIZE, "WRITE over two rails");
             assert_both_links("WRITE", &per_link(&net, &init_node.name, &before, true));
 
             let before = counters(&net, &init_node.name);

@@ -3,12 +3,10 @@
 //! peer (its connections close: a backend drops its address, e.g. from a libfabric AV), after
 //! which a request to it fails as an unknown peer, never reaches a stale connection.
 
-use std::time::Duration;
-
 use xfer::{Op, RequestOptions, XferError};
 
 use super::{spawn_peer, Initiator, WAIT};
-use crate::pattern::{check_message, check_pattern, pattern_hash, write_pattern};
+use crate::pattern::check_pattern;
 
 const SIZE: u64 = 1 << 20;
 const CYCLES: u64 = 3;
@@ -19,13 +17,8 @@ pub fn reconnect_cycles(backend: &str, params: &str) {
     for cycle in 0..CYCLES {
         let name = init.connect(&peer);
         let seed = 40 + cycle;
-        write_pattern(&init.buf, 0, seed, 0, SIZE);
-        let message = check_message(&cycle.to_string(), 0, SIZE, pattern_hash(seed, 0, SIZE));
+        init.write_checked(&mut peer, &name, &cycle.to_string(), seed, SIZE, &format!("cycle {cycle}"));
         let (local, remote) = ([init.desc(0, SIZE)], [peer.desc(0, SIZE)]);
-        init.transfer(Op::Write, &local, &name, &remote, RequestOptions::notify(message), WAIT)
-            .unwrap_or_else(|e| panic!("cycle {cycle}: write: {e}"));
-        let notifs = peer.collect_notifs(1, Duration::from_secs(10)).expect("notifs");
-        assert_eq!(notifs, [format!("{cycle}=ok")], "cycle {cycle}: the notification and its data");
         peer.fill(seed + 100, 0, SIZE).expect("fill");
         init.transfer(Op::Read, &local, &name, &remote, RequestOptions::default(), WAIT)
             .unwrap_or_else(|e| panic!("cycle {cycle}: read: {e}"));
