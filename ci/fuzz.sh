@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every fuzz target in fuzz/ for a while: `ci/fuzz.sh [seconds per target]` (default 20);
+# Runs every fuzz target in fuzz/ for a while: `ci/fuzz.sh [--build-only] [seconds per target]` (default 20);
 # the test command runs 10 s each, `ci/fuzz.sh 600` is the longer run (fuzz/README.md).
 #
 # The targets are built the way cargo-fuzz builds them (libFuzzer, SanitizerCoverage), but on the
@@ -12,6 +12,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 
+# `ci/fuzz.sh --build-only` builds the targets and stops (the test command builds them in the
+# background while the engine suites run, then runs them at its end).
+build_only=0
+if [ "${1:-}" = --build-only ]; then
+  build_only=1
+  shift
+fi
 seconds="${1:-20}"
 jobs="${FUZZ_JOBS:-$(nproc)}"
 jobs=$((jobs > 4 ? 4 : jobs < 1 ? 1 : jobs))
@@ -27,6 +34,7 @@ host=$(rustc -vV | sed -n 's/^host: //p')
 build_start=$SECONDS
 cargo build --release --bins --target "$host"
 echo "fuzz build: $((SECONDS - build_start)) s"
+[ "$build_only" = 0 ] || exit 0
 
 targets=$(sed -n 's/^name = "\(.*\)"/\1/p' Cargo.toml | grep -v '^xfer-fuzz$')
 for target in $targets; do

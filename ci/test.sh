@@ -18,44 +18,47 @@ step() {
 step "system packages"
 ci/install-deps.sh
 
-# The Python caches (peers, real vLLM, real SGLang, aiperf) are downloads, not builds: on a fresh
-# machine they install in the background while the builds below use the cores, and each step that
-# needs one waits for it. Their output goes to a log, printed when the step waits.
-install_logs=$(mktemp -d)
-declare -A install_pids
-install_in_background() {
+# Jobs in the background, each awaited by the step that needs it; their output goes to a log,
+# printed when the step waits:
+# - the Python caches (peers, real vLLM, real SGLang, aiperf) are downloads, not builds: on a fresh
+#   machine they install while the builds below use the cores;
+# - the wheel's and the fuzz targets' release builds run at the lowest priority from the end of the
+#   test step, on the cycles the suites in between leave idle (the engine suites mostly wait).
+background_logs=$(mktemp -d)
+declare -A background_pids
+start_background() {
   local name=$1
   shift
-  # Its own process group, so that the trap below stops pip too.
-  setsid "$@" >"$install_logs/$name.log" 2>&1 &
-  install_pids[$name]=$!
+  # Its own process group, so that the trap below stops pip and cargo too.
+  setsid "$@" >"$background_logs/$name.log" 2>&1 &
+  background_pids[$name]=$!
 }
-# Waits for an install started above (in this shell: a subshell cannot wait for it), prints its
-# log and sets `venv` to its last line (the venv path).
-await_install() {
+# Waits for a job started above (in this shell: a subshell cannot wait for it), prints its log
+# and sets `last_line` to the log's last line (an install's venv path, the wheel's directory).
+await_background() {
   local name=$1 status=0
-  wait "${install_pids[$name]}" || status=$?
-  unset "install_pids[$name]"
-  cat "$install_logs/$name.log" >&2
+  wait "${background_pids[$name]}" || status=$?
+  unset "background_pids[$name]"
+  cat "$background_logs/$name.log" >&2
   if [ "$status" != 0 ]; then
-    echo "installing $name failed (status $status)" >&2
+    echo "background job $name failed (status $status)" >&2
     return "$status"
   fi
-  venv=$(tail -n1 "$install_logs/$name.log")
+  last_line=$(tail -n1 "$background_logs/$name.log")
 }
-# A failing step must not leave installs running behind it.
-stop_installs() {
+# A failing step must not leave jobs running behind it.
+stop_background() {
   local pid
-  for pid in "${install_pids[@]}"; do
+  for pid in "${background_pids[@]}"; do
     kill -- "-$pid" 2>/dev/null || true
   done
 }
-trap stop_installs EXIT
-install_in_background peers bench/peers/install.sh
-install_in_background vllm ci/vllm/install.sh
+trap stop_background EXIT
+start_background peers bench/peers/install.sh
+start_background vllm ci/vllm/install.sh
 # SGLang links torch from the vLLM venv when that is there: its install starts when vLLM's ends.
-install_in_background sglang bash -c "tail --pid=${install_pids[vllm]} -f /dev/null; exec ci/sglang/install.sh"
-install_in_background aiperf ci/aiperf/install.sh
+start_background sglang bash -c "tail --pid=${background_pids[vllm]} -f /dev/null; exec ci/sglang/install.sh"
+start_background aiperf ci/aiperf/install.sh
 
 # First, as a new user runs it: the README's main command with no system package to lean on.
 step "main command (README) with protoc, the protobuf headers and libzmq hidden"
@@ -72,25 +75,28 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 # Every cargo call below uses the same selection (--workspace --all-features), so nothing is built
 # twice with another feature set: one build serves the tests, the UCX suite and the smoke runs.
 step "peers (NIXL, Mooncake, iperf3, vllm-router) installed once into the cache"
-await_install peers
-peers_venv=$venv
+await_background peers
+peers_venv=$last_line
 # pdbench's routing comparison runs vllm-router (cache_aware, round robin) beside ours.
 export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 
 step "tests (unit, in-process, two-process conformance over TCP, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
 cargo test --workspace --all-features --locked
+start_background wheel nice -n 19 bindings/python/build.sh --features ucx
+start_background fuzz-build nice -n 19 ci/fuzz.sh --build-only
 
 # Needs root and network namespaces (fails loudly without them); about a minute. Without netem,
 # scenario 6 degrades the link with nftables loss and a tbf rate instead (its NOTE line says so).
-# pd-chaos has no integration test, so the test build above did not link its binary.
+# pd-chaos has no integration test, so the test build above did not link its binary; under the
+# test profile it reuses that build's libraries (seconds, where the dev profile rebuilt them).
 step "chaos: a cluster in network namespaces under kill -9, partition, coordinator restart, disconnect storm, lossy link"
-cargo build --workspace --all-features --locked --bin pd-chaos
+cargo build --workspace --all-features --locked --profile test --bin pd-chaos
 if [ "$(id -u)" = 0 ]; then target/debug/pd-chaos run --log-dir target/pd-chaos
 else sudo target/debug/pd-chaos run --log-dir target/pd-chaos; fi
 
 # The test build above made pdbench, pd-sim and the daemons in target/debug.
 step "aiperf (PyPI, installed once into the cache) against pdbench cluster --serve: streamed requests, some cancelled"
-await_install aiperf
+await_background aiperf
 ci/aiperf/check.sh
 
 # The test build above made the three daemons in target/debug.
@@ -101,12 +107,13 @@ step "observability: a real Prometheus scrapes examples/local with examples/obse
 BIN_DIR=target/debug examples/observability/check.sh
 
 step "real vLLM (CPU): installed once into the cache, then the end-to-end suite"
-await_install vllm
-vllm_venv=$venv
+await_background vllm
+vllm_venv=$last_line
 # vLLM's own ZmqEventPublisher against the coordinator, bound and connecting (collector mode).
 PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test kv_collector -- vllm_publisher
 step "Python wheel pd-xfer: built from source with UCX, its tests inside the real-vLLM venv (torch, numpy, nixl)"
-xfer_site="$(bindings/python/build.sh --features ucx | tail -n1)"
+await_background wheel
+xfer_site=$last_line
 PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning bindings/python/tests
 
@@ -124,8 +131,8 @@ PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XF
   cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture t0_ t1_
 
 step "real SGLang (CPU): installed once into the cache, then the end-to-end suite (2 prefills, a decode and a plain server over Mooncake TCP)"
-await_install sglang
-PD_SGLANG_VENV="$venv" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
+await_background sglang
+PD_SGLANG_VENV="$last_line" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
 
 # The test build above made target/debug/xferbench (with UCX).
 step "UCX benchmark smoke run (consistency-checked, shared memory)"
@@ -144,6 +151,7 @@ cat "$peers_out/peers.md"
 rm -rf "$peers_out"
 
 step "fuzzing: every fuzz target (each decoder of bytes from the network) for 10 s from its seeds, two at a time, stable toolchain"
+await_background fuzz-build
 ci/fuzz.sh 10
 
 echo
