@@ -68,6 +68,9 @@ pub(super) fn with_two_links(
         );
         return false;
     }
+    // pd-chaos names a process's namespaces by its pid: one set at a time per test binary.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let net = Net::create_with_links(&["init", "peer"], LINKS).expect("namespaces with two links (ip netns, veth)");
     let (init_node, peer_node) = (net.node("init").expect("init").clone(), net.node("peer").expect("peer").clone());
     let config = PeerConfig::new(&format!("{scenario}-peer"), backend, params, size)
