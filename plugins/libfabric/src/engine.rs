@@ -72,10 +72,15 @@ impl Handle {
     }
 
     /// Hands a job to the engine; gives it back once the engine has stopped.
-    pub fn try_post(&self, job: Job) -> Result<(), crossbeam_channel::SendError<Cmd>> {
+    pub fn try_post(&self, job: Job) -> Result<(), Box<Job>> {
         let sent = self.tx.send(Cmd::Post(job));
         self.waker.wake();
-        sent
+        match sent {
+            Ok(()) => Ok(()),
+            Err(crossbeam_channel::SendError(Cmd::Post(job))) => Err(Box::new(job)),
+            // Only a job was sent.
+            Err(_) => Ok(()),
+        }
     }
 
     /// Sends a command with a reply channel and waits at most `bound` for the answer.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use xfer_core::{BackendError, Completer, MemSlice};
 
-use crate::engine::{Cmd, Handle, Job, Piece};
+use crate::engine::{Handle, Job, Piece};
 use crate::fabric::Rma;
 use crate::failover::{is_rail_failure, Marked, RailHealth};
 
@@ -115,7 +115,7 @@ impl PeerRails {
 
     /// Hands a job to its rail's engine, failing it if the engine has stopped.
     pub fn submit(&self, rail: usize, job: Job) {
-        if let Err(crossbeam_channel::SendError(Cmd::Post(job))) = self.rails[rail].engine.try_post(job) {
+        if let Err(job) = self.rails[rail].engine.try_post(job) {
             job.done.complete(Err(BackendError::Unsupported("the libfabric backend has shut down".into())));
         }
     }
