@@ -1,7 +1,9 @@
 //! The engine thread: it alone drives the endpoint. Callers hand it commands over a channel
 //! (and wake it with `fi_cq_signal`); it posts each job's operations within the window, reads
-//! completions, sends and acknowledges notifications, and fails what made no progress for the
-//! timeout. Progress and completions thus never depend on a caller waiting.
+//! completions, sends and acknowledges notifications, and fails a job once neither it nor
+//! anything else for its peer completed within the job's stall bound (the timeout, or for a
+//! share of a striped request `failover_ms`). Progress and completions thus never depend on a
+//! caller waiting.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
