@@ -216,13 +216,42 @@ impl Net {
 
     /// Takes the node off the bridge: its packets go nowhere, its own address still works.
     pub fn cut(&self, node: &str) -> Result<(), NetError> {
-        self.node(node)?;
-        ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port(node), "down"])
+        self.cut_link(node, 0)
     }
 
     pub fn heal(&self, node: &str) -> Result<(), NetError> {
+        self.heal_link(node, 0)
+    }
+
+    /// Like [`cut`](Net::cut) for the node's link `link` alone (a multi-rail NIC going down).
+    pub fn cut_link(&self, node: &str, link: usize) -> Result<(), NetError> {
         self.node(node)?;
-        ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port(node), "up"])
+        ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port_on(link, node), "down"])
+    }
+
+    pub fn heal_link(&self, node: &str, link: usize) -> Result<(), NetError> {
+        self.node(node)?;
+        ip(&["-n", &self.bridge_ns, "link", "set", &bridge_port_on(link, node), "up"])
+    }
+
+    /// Slows the node's link `link` to `rate_mbit` both ways (`tc tbf` on the node's interface
+    /// and on the bridge's end of it), so that a transfer over it lasts long enough to be cut
+    /// in the middle; `None` lifts the limit.
+    pub fn limit_link(&self, node: &str, link: usize, rate_mbit: Option<u32>) -> Result<(), NetError> {
+        let ns = self.node(node)?.netns.clone();
+        let rate = rate_mbit.map(|r| format!("{r}mbit"));
+        for (ns, dev) in [(ns.as_str(), link_if(link)), (self.bridge_ns.as_str(), bridge_port_on(link, node))] {
+            let mut args = vec!["-n", ns, "qdisc"];
+            match &rate {
+                Some(rate) => args.extend(["replace", "dev", &dev, "root", "tbf", "rate", rate]),
+                None => args.extend(["del", "dev", &dev, "root"]),
+            }
+            if rate.is_some() {
+                args.extend(["burst", "64kb", "latency", "50ms"]);
+            }
+            run("tc", &args).map_err(|(args, stderr)| NetError::Tc { args, stderr })?;
+        }
+        Ok(())
     }
 
     /// Every packet the node sends is dropped with `loss_percent` and delayed by `delay_ms`
@@ -318,11 +347,6 @@ fn degrade_without_netem(ns: &str, loss_percent: f64, rate_mbit: u32) -> Result<
     run("tc", &args).map_err(|(args, stderr)| NetError::Tc { args, stderr })
 }
 
-/// The bridge's end of a node's link (interface names are at most 15 bytes).
-fn bridge_port(node: &str) -> String {
-    bridge_port_on(0, node)
-}
-
 /// The bridge's end of a node's link `link`: `p-<node>` for link 0, `p<k>-<node>` beyond.
 fn bridge_port_on(link: usize, node: &str) -> String {
     let mut name = if link == 0 { format!("p-{node}") } else { format!("p{link}-{node}") };
@@ -392,8 +416,8 @@ mod tests {
 
     #[test]
     fn bridge_ports_fit_an_interface_name() {
-        assert_eq!(bridge_port("n1"), "p-n1");
-        assert_eq!(bridge_port("a-very-long-node-name").len(), 15);
+        assert_eq!(bridge_port_on(0, "n1"), "p-n1");
+        assert_eq!(bridge_port_on(0, "a-very-long-node-name").len(), 15);
         assert_eq!(bridge_port_on(1, "n1"), "p1-n1");
         assert_eq!(node_ip(0), Ipv4Addr::new(10, 77, 0, 10));
         assert_eq!((link_ip(1, 2), link_if(1)), (Ipv4Addr::new(10, 77, 1, 12), "eth1".to_string()));

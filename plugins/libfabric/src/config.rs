@@ -13,6 +13,12 @@ pub struct Settings {
     /// Endpoints per domain, each a rail of its own (connection, CQ, engine thread).
     pub lanes: usize,
     pub timeout: Duration,
+    /// A share of a request striped over several rails moves to another rail once its rail
+    /// completed nothing for the peer for this long.
+    pub failover: Duration,
+    /// How long a rail that failed is left out before a request tries it again (doubling
+    /// while it keeps failing).
+    pub rail_retry: Duration,
     pub max_in_flight: usize,
     pub max_op_bytes: usize,
     pub max_notif_bytes: usize,
@@ -34,6 +40,8 @@ impl Settings {
         let domains = params.take("domains").filter(|d| !d.is_empty());
         let lanes = params.take_parsed("lanes", DEFAULT_LANES)?;
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
+        let failover = params.take_millis("failover_ms", Duration::from_secs(1))?;
+        let rail_retry = params.take_millis("rail_retry_ms", Duration::from_secs(1))?;
         let max_in_flight = params.take_parsed("max_in_flight", 16usize)?;
         let max_op_bytes = params.take_parsed("max_op_bytes", 4usize << 20)?;
         let max_notif_bytes = params.take_parsed("max_notif_bytes", 16usize << 20)?;
@@ -54,6 +62,7 @@ impl Settings {
         positive("recv_buffers", recv_buffers)?;
         positive("notif_chunk", notif_chunk)?;
         positive("timeout_ms", timeout.as_millis() as usize)?;
+        positive("failover_ms", failover.as_millis() as usize)?;
         if max_notif_bytes > 1 << 30 {
             return Err(BackendError::InvalidParam { name: "max_notif_bytes".into(), reason: "at most 1 GiB".into() });
         }
@@ -84,6 +93,9 @@ impl Settings {
             domains,
             lanes,
             timeout,
+            // A share never waits longer to move than its request would to fail.
+            failover: failover.min(timeout),
+            rail_retry,
             max_in_flight,
             max_op_bytes,
             max_notif_bytes,
@@ -143,6 +155,10 @@ mod tests {
         assert_eq!(s.provider.as_deref(), Some("tcp;ofi_rxm"));
         assert_eq!((s.domains.clone(), s.rails()), (vec!["lo".to_string()], DEFAULT_LANES));
         assert_eq!(s.timeout, Duration::from_millis(250));
+        assert_eq!(s.failover, Duration::from_millis(250), "a share moves no later than its request fails");
+        let s = Settings::parse(BackendParams::parse("failover_ms=300,rail_retry_ms=2000").unwrap()).unwrap();
+        assert_eq!((s.failover, s.rail_retry), (Duration::from_millis(300), Duration::from_secs(2)));
+        assert!(Settings::parse(BackendParams::new().with("failover_ms", "0")).is_err());
         assert!(Settings::parse(BackendParams::new().with("timout_ms", "5")).is_err());
         assert!(Settings::parse(BackendParams::new().with("max_in_flight", "0")).is_err());
         assert!(Settings::parse(BackendParams::new().with("notif_chunk", "99999999")).is_err());

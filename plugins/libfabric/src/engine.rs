@@ -1,7 +1,9 @@
 //! The engine thread: it alone drives the endpoint. Callers hand it commands over a channel
 //! (and wake it with `fi_cq_signal`); it posts each job's operations within the window, reads
-//! completions, sends and acknowledges notifications, and fails what made no progress for the
-//! timeout. Progress and completions thus never depend on a caller waiting.
+//! completions, sends and acknowledges notifications, and fails a job once neither it nor
+//! anything else for its peer completed within the job's stall bound (the timeout, or for a
+//! share of a striped request `failover_ms`). Progress and completions thus never depend on a
+//! caller waiting.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -27,6 +29,10 @@ pub struct Job {
     pub notif: Option<Vec<u8>>,
     /// The peer's notification chunk.
     pub chunk: usize,
+    /// The job fails (TimedOut) once neither it nor anything else for its peer on this rail
+    /// completed for this long: the request's timeout, or, for a share of a request striped
+    /// over several rails, the shorter bound after which the share moves to another rail.
+    pub stall: Duration,
     pub done: Finish,
 }
 
@@ -68,10 +74,15 @@ impl Handle {
     }
 
     /// Hands a job to the engine; gives it back once the engine has stopped.
-    pub fn try_post(&self, job: Job) -> Result<(), crossbeam_channel::SendError<Cmd>> {
+    pub fn try_post(&self, job: Job) -> Result<(), Box<Job>> {
         let sent = self.tx.send(Cmd::Post(job));
         self.waker.wake();
-        sent
+        match sent {
+            Ok(()) => Ok(()),
+            Err(crossbeam_channel::SendError(Cmd::Post(job))) => Err(Box::new(job)),
+            // Only a job was sent.
+            Err(_) => Ok(()),
+        }
     }
 
     /// Sends a command with a reply channel and waits at most `bound` for the answer.
@@ -138,6 +149,7 @@ pub fn start(
         conns: HashMap::new(),
         next_conn: 1,
         av: HashMap::new(),
+        last_heard: HashMap::new(),
         partial: HashMap::new(),
         outbox: VecDeque::new(),
     };
@@ -205,6 +217,9 @@ struct Engine {
     next_conn: u64,
     /// The AV's entries by peer address: connected peers and notifying ones.
     av: HashMap<Vec<u8>, AvEntry>,
+    /// When an operation to each peer (AV entry) last completed: a job waiting behind others
+    /// to the same peer is not stalled while they progress.
+    last_heard: HashMap<u64, Instant>,
     /// Notifications of several chunks still arriving, by (sender's address, seq).
     partial: HashMap<(Vec<u8>, u64), Partial>,
     /// Messages the provider had no room for: (peer, bytes, token).
@@ -406,9 +421,13 @@ impl Engine {
                 self.rma_in_flight = self.rma_in_flight.saturating_sub(1);
                 let Some(active) = self.jobs.get_mut(&token) else { return };
                 active.in_flight -= 1;
-                active.last_progress = Instant::now();
+                let now = Instant::now();
+                active.last_progress = now;
                 match result {
-                    Ok(()) => self.maybe_finish(token),
+                    Ok(()) => {
+                        self.last_heard.insert(active.job.peer, now);
+                        self.maybe_finish(token)
+                    }
                     Err(err) => {
                         let err = classify(&active.job.peer_name, err);
                         self.fail_job(token, err);
@@ -509,6 +528,7 @@ impl Engine {
     /// handed to another peer afterwards, so nothing may name it any more).
     fn remove_peer(&mut self, address: &[u8]) {
         let Some(entry) = self.av.remove(address) else { return };
+        self.last_heard.remove(&entry.addr);
         let doomed: Vec<(u64, String)> = self
             .jobs
             .iter()
@@ -582,10 +602,11 @@ impl Engine {
             .jobs
             .iter()
             .filter_map(|(&id, a)| {
+                let heard = self.last_heard.get(&a.job.peer).map_or(a.last_progress, |&t| t.max(a.last_progress));
                 if a.job.done.is_cancelled() {
                     Some((id, BackendError::Cancelled))
-                } else if a.notif_seq.is_none() && now.duration_since(a.last_progress) > timeout {
-                    Some((id, BackendError::TimedOut(timeout)))
+                } else if a.notif_seq.is_none() && now.duration_since(heard) > a.job.stall {
+                    Some((id, BackendError::TimedOut(a.job.stall)))
                 } else {
                     None
                 }

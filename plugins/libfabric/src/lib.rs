@@ -28,11 +28,24 @@
 //! lanes multiply): the rails are the domains' lanes, domain-major, and lane `l` of domain `d`
 //! of one agent talks to lane `l` of domain `d` of its peer, on as many domains and lanes as
 //! the side with fewer has (a side with more lanes leaves its extra ones idle for that peer;
-//! the connection info carries the lane count). A request is cut into about equal shares of consecutive
-//! bytes, one per rail (shares of at least 64 KiB, so small requests use fewer rails), each run
-//! by its rail's engine; the request completes when all shares have, with the first share's
-//! error if one failed (the others then stop posting), and its notification goes on rail 0
-//! once every share's data has completed ([`stripe`]).
+//! the connection info carries the lane count). A request is cut into about equal shares of
+//! consecutive bytes, one per rail in use (shares of at least 64 KiB, so small requests use
+//! fewer rails), each run by its rail's engine; the request completes when all shares have,
+//! and its notification goes, on a rail that is up, once every share's data has completed
+//! ([`stripe`]).
+//!
+//! Failover between rails ([`failover`], pure; [`stripe`] applies it): a share whose rail
+//! reports an error for the peer (`PeerDisconnected`), or completes nothing for the peer for
+//! `failover_ms` (a link gone down stalls its TCP connection rather than breaking it), marks
+//! that rail down for this peer (logged once, at warn) and runs again, whole, on a rail that
+//! is up. So a request striped over several rails finishes while one rail survives, within
+//! `failover_ms` plus the time to move the failed share over the survivors; it fails
+//! (`PeerDisconnected`, "every one of its N libfabric rails is down") only when no rail is
+//! up. New requests leave a down rail out until `rail_retry_ms` has passed; the next request
+//! then gives it a share again as a probe: if that completes the rail is up again (logged),
+//! if it fails its share moves and the wait doubles, up to 30 s. Errors that are not the
+//! rail's (a refusal, a cancellation) fail the request as before. A peer reached over one rail
+//! has nothing to fail over to: its requests fail after `timeout_ms` as always.
 //!
 //! Memory registration honours the provider's `mr_mode`, asking for what the backend handles
 //! (`FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT`):
@@ -58,6 +71,8 @@
 //! | `domains` | one domain, `domain` | several domains, separated by `+` (e.g. `eth0+eth1`); requests are striped across them. Not together with `domain` |
 //! | `lanes` | 1 | endpoints (rails) per domain, each with its own connection to the peer and engine thread; requests are striped across all of them. Domains × lanes at most 16 |
 //! | `timeout_ms` | 5000 | a request with no completion for this long fails (TimedOut), as does a notification not acknowledged within it |
+//! | `failover_ms` | 1000 | with several rails, a share whose rail completed nothing for the peer this long moves to another rail (at most `timeout_ms`) |
+//! | `rail_retry_ms` | 1000 | a rail that failed is left out this long before a request tries it again; doubles while it keeps failing, up to 30 s |
 //! | `max_in_flight` | 16 | operations one request keeps posted at once |
 //! | `max_op_bytes` | 4194304 | longer descriptor pieces go as several operations; shorter consecutive ones are joined into one vectored operation up to this many bytes |
 //! | `max_notif_bytes` | 16777216 | largest notification this side receives (published; a peer refuses to send longer) |
@@ -89,8 +104,18 @@
 //!   FI_HMEM registration (`fi_mr_regattr` with `FI_HMEM_CUDA`) is not written yet, and the
 //!   providers here (`tcp`, `shm`) lack FI_HMEM anyway. Files are not moved either.
 //! - Rails pair by index: lane `l` of domain `d` must reach the peer's lane `l` of domain `d`
-//!   (same network); rails are not matched by reachability, and a rail or lane that fails
-//!   fails the shares posted on it (no failover to the other rails or lanes).
+//!   (same network); rails are not matched by reachability (one that cannot reach its peer
+//!   is found down by failover, and probed again now and then).
+//! - A share that moves is run again whole, including what had already arrived. Its
+//!   operations on the failed rail are not cancelled: if the link comes back, the TCP
+//!   connection delivers them late, the same bytes into the same places (for a READ, into
+//!   local memory after the request completed). An application that reuses those buffers at
+//!   once can see them overwritten by the old bytes; the rail is not reset (rxm carries on
+//!   over the same connection), which is what lets it be used again.
+//! - Over `tcp;ofi_rxm` a bad key drops the connection (below), which looks like a rail
+//!   failure: with several rails the share moves and meets the same refusal on the next
+//!   rail, so such a request fails as "every rail is down" and the rails wait out their retry.
+//! - A notification is not moved: if its rail fails after the data, the request fails.
 //! - The throughput bar (≥ 0.7× raw TCP at 1 MiB and 16 MiB over `tcp;ofi_rxm`) is not met at
 //!   1 MiB on the 2-CPU test machine (see the figures above).
 //! - A request that failed (timeout, dead peer) may still have operations in the provider;
@@ -113,6 +138,7 @@
 mod config;
 mod engine;
 mod fabric;
+mod failover;
 mod keys;
 mod msg;
 mod stripe;
@@ -120,7 +146,9 @@ mod stripe;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use xfer_core::{
     Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, Op, RefusalCode,
@@ -130,9 +158,10 @@ use xfer_core::{
 pub use config::Settings;
 pub use keys::FabricRemoteKey;
 
-use engine::{Cmd, Handle, Job, Piece};
+use engine::{Cmd, Handle};
 use fabric::{Attrs, Rma};
-use stripe::{Finish, NotifyAfter, Stripe};
+use failover::RailHealth;
+use stripe::{Finish, PeerRail, PeerRails, Span, Stripe};
 
 /// Registers the libfabric backend under the name `libfabric`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -400,15 +429,21 @@ impl Backend for LibfabricBackend {
                 }
             }
         }
+        let health = Mutex::new(RailHealth::new(rails.len(), self.settings.rail_retry));
         Ok(Arc::new(FabricPeer {
-            name: peer.to_string(),
-            rails,
+            rails: Arc::new(PeerRails {
+                name: peer.to_string(),
+                rails,
+                health,
+                chunk: info.chunk as usize,
+                timeout: self.settings.timeout,
+                failover: self.settings.failover,
+                closed: AtomicBool::new(false),
+            }),
             virt_addr: info.virt_addr(),
             max_notif: info.max_notif as usize,
-            chunk: info.chunk as usize,
             max_op_bytes: self.settings.max_op_bytes,
             notify_bound: self.settings.timeout + Duration::from_secs(1),
-            closed: AtomicBool::new(false),
         }))
     }
 
@@ -427,39 +462,25 @@ impl Drop for LibfabricBackend {
     }
 }
 
-/// A peer as one of our rails reaches it.
-struct PeerRail {
-    engine: Arc<Handle>,
-    /// The rail engine's handle on this connection (it maps it to the peer's AV entry).
-    address: u64,
-    /// The peer's rail this one meets (the index of its keys).
-    remote: usize,
-}
-
 /// A connected peer: its AV entry on every rail both sides have, and how it addresses memory.
 struct FabricPeer {
-    name: String,
-    /// At least one.
-    rails: Vec<PeerRail>,
+    rails: Arc<PeerRails>,
     virt_addr: bool,
     max_notif: usize,
-    /// The peer's notification chunk.
-    chunk: usize,
     max_op_bytes: usize,
     notify_bound: Duration,
-    closed: AtomicBool,
 }
 
 impl std::fmt::Debug for FabricPeer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let addresses: Vec<u64> = self.rails.iter().map(|r| r.address).collect();
-        f.debug_struct("FabricPeer").field("peer", &self.name).field("addresses", &addresses).finish()
+        let addresses: Vec<u64> = self.rails.rails.iter().map(|r| r.address).collect();
+        f.debug_struct("FabricPeer").field("peer", &self.rails.name).field("addresses", &addresses).finish()
     }
 }
 
 impl FabricPeer {
     fn disconnected(&self) -> BackendError {
-        BackendError::PeerDisconnected { peer: self.name.clone(), reason: "disconnected by the agent".into() }
+        BackendError::PeerDisconnected { peer: self.rails.name.clone(), reason: "disconnected by the agent".into() }
     }
 
     fn check_notif(&self, message: &[u8]) -> Result<(), BackendError> {
@@ -467,22 +488,15 @@ impl FabricPeer {
             return Err(BackendError::Unsupported(format!(
                 "a notification of {} bytes: peer {} takes at most {}",
                 message.len(),
-                self.name,
+                self.rails.name,
                 self.max_notif
             )));
         }
         Ok(())
     }
 
-    /// Hands a job to its rail's engine, failing it if the engine has stopped.
-    fn submit(&self, rail: usize, job: Job) {
-        if let Err(crossbeam_channel::SendError(Cmd::Post(job))) = self.rails[rail].engine.try_post(job) {
-            job.done.complete(Err(BackendError::Unsupported("the libfabric backend has shut down".into())));
-        }
-    }
-
-    /// Splits a request into one job per rail that carries bytes of it; several share a
-    /// [`Stripe`], which sends the notification after all of them.
+    /// Runs a request: over the peer's one rail, or cut into shares over the rails usable
+    /// now, which a [`Stripe`] moves off rails that fail.
     fn run(&self, job: TransferJob) -> Result<(), (BackendError, xfer_core::Completer)> {
         let TransferJob { op, local, remote, notif, done } = job;
         if let Some(message) = notif.as_deref() {
@@ -490,53 +504,46 @@ impl FabricPeer {
                 return Err((err, done));
             }
         }
-        let parts = match self.pieces(local, &remote) {
-            Ok(parts) => parts,
+        let peer = &self.rails;
+        let usable = if peer.rails.len() == 1 { vec![0] } else { peer.health.lock().usable(Instant::now()) };
+        if usable.is_empty() {
+            let err = peer.all_down(&BackendError::PeerDisconnected {
+                peer: peer.name.clone(),
+                reason: "no rail's retry time has come yet".into(),
+            });
+            return Err((err, done));
+        }
+        let mut shares = match self.shares(local, &remote, &usable) {
+            Ok(shares) => shares,
             Err(err) => return Err((err, done)),
         };
         let op = match op {
             Op::Read => Rma::Read,
             Op::Write => Rma::Write,
         };
-        let mut used: Vec<(usize, VecDeque<Piece>)> =
-            parts.into_iter().enumerate().filter(|(_, pieces)| !pieces.is_empty()).collect();
-        let job = |rail: usize, pieces, notif, done| Job {
-            peer: self.rails[rail].address,
-            peer_name: self.name.clone(),
-            op,
-            pieces,
-            notif,
-            chunk: self.chunk,
-            done,
-        };
-        if used.len() <= 1 {
-            let (rail, pieces) = used.pop().unwrap_or_default();
-            self.submit(rail, job(rail, pieces, notif, Finish::Request(done)));
+        if peer.rails.len() == 1 {
+            let spans = shares.pop().map(|(_, spans)| spans).unwrap_or_default();
+            peer.run_on(0, op, &spans, notif, peer.timeout, Finish::Request(done));
             return Ok(());
         }
-        let notify = notif.map(|message| NotifyAfter {
-            rail0: Arc::clone(&self.rails[0].engine),
-            peer: self.rails[0].address,
-            peer_name: self.name.clone(),
-            message,
-            chunk: self.chunk,
-        });
-        let stripe = Stripe::new(used.len(), done, notify);
-        for (rail, pieces) in used {
-            self.submit(rail, job(rail, pieces, None, Finish::Part(Arc::clone(&stripe))));
+        if shares.is_empty() {
+            // No bytes: a share of none still carries the notification after it.
+            shares.push((usable[0], Vec::new()));
         }
+        Stripe::start(peer, op, shares, done, notif);
         Ok(())
     }
 
-    /// Matches the local and remote byte streams into pieces of at most `max_op_bytes`, one
-    /// queue per rail: with several rails, the request is cut into about equal shares (of at
-    /// least [`MIN_STRIPE`] bytes), consecutive bytes on the same rail.
-    fn pieces(
+    /// Matches the local and remote byte streams into spans of at most `max_op_bytes`, cut
+    /// into one share per rail in `usable` of about equal size (at least [`MIN_STRIPE`]
+    /// bytes), consecutive bytes in the same share; shares with no bytes are left out.
+    fn shares(
         &self,
         local: Vec<xfer_core::LocalMem>,
         remote: &[xfer_core::RemoteSeg],
-    ) -> Result<Vec<VecDeque<Piece>>, BackendError> {
-        let rails = self.rails.len();
+        usable: &[usize],
+    ) -> Result<Vec<(usize, Vec<Span>)>, BackendError> {
+        let rails = usable.len();
         let total = remote.iter().fold(0u64, |sum, seg| sum.saturating_add(seg.len));
         let op_limit = if rails > 1 {
             (self.max_op_bytes as u64).min(total.div_ceil(rails as u64).max(MIN_STRIPE)) as usize
@@ -547,7 +554,8 @@ impl FabricPeer {
         for mem in local {
             locals.push_back(mem.into_host("libfabric")?);
         }
-        let mut parts: Vec<VecDeque<Piece>> = (0..rails).map(|_| VecDeque::new()).collect();
+        let needed = self.rails.rails.iter().map(|r| r.remote + 1).max().unwrap_or(1);
+        let mut parts: Vec<Vec<Span>> = (0..rails).map(|_| Vec::new()).collect();
         let mut before = 0u64;
         for seg in remote {
             let key = seg
@@ -560,6 +568,14 @@ impl FabricPeer {
                     message: format!("{:#x}+{} is outside the peer's registration", seg.addr, seg.len),
                 });
             }
+            if key.keys.len() < needed {
+                return Err(BackendError::InvalidMetadata(format!(
+                    "a key for {} rails of peer {}, which has at least {needed}",
+                    key.keys.len(),
+                    self.rails.name,
+                )));
+            }
+            let keys: Arc<[u64]> = key.keys.as_slice().into();
             let mut remote_at = if self.virt_addr { seg.addr } else { seg.addr - key.base };
             let mut left = seg.len;
             while left > 0 {
@@ -575,17 +591,8 @@ impl FabricPeer {
                 } else {
                     front.split_front(n)
                 };
-                let rail = ((u128::from(before) * rails as u128 / u128::from(total.max(1))) as usize).min(rails - 1);
-                let remote_rail = self.rails[rail].remote;
-                let rail_key = *key.keys.get(remote_rail).ok_or_else(|| {
-                    BackendError::InvalidMetadata(format!(
-                        "a key for {} rails of peer {}, which has at least {}",
-                        key.keys.len(),
-                        self.name,
-                        remote_rail + 1
-                    ))
-                })?;
-                parts[rail].push_back(Piece { local: slice, remote: remote_at, key: rail_key });
+                let share = ((u128::from(before) * rails as u128 / u128::from(total.max(1))) as usize).min(rails - 1);
+                parts[share].push(Span { local: slice, remote: remote_at, keys: Arc::clone(&keys) });
                 remote_at += n as u64;
                 left -= n as u64;
                 before += n as u64;
@@ -594,7 +601,7 @@ impl FabricPeer {
         if locals.iter().any(|l| !l.is_empty()) {
             return Err(BackendError::Protocol("the local descriptors hold more bytes than the remote".into()));
         }
-        Ok(parts)
+        Ok(usable.iter().copied().zip(parts).filter(|(_, spans)| !spans.is_empty()).collect())
     }
 }
 
@@ -604,7 +611,7 @@ impl RemoteAgent for FabricPeer {
     }
 
     fn post(&self, job: TransferJob) {
-        if self.closed.load(Ordering::Acquire) {
+        if self.rails.is_closed() {
             return job.done.complete(Err(self.disconnected()));
         }
         if let Err((err, done)) = self.run(job) {
@@ -613,23 +620,24 @@ impl RemoteAgent for FabricPeer {
     }
 
     fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
-        if self.closed.load(Ordering::Acquire) {
+        if self.rails.is_closed() {
             return Err(self.disconnected());
         }
         self.check_notif(message)?;
-        let rail = &self.rails[0];
+        let at = self.rails.health.lock().notify_rail(Instant::now());
+        let rail = &self.rails.rails[at];
         rail.engine.call(self.notify_bound, |reply| Cmd::Notify {
             peer: rail.address,
-            peer_name: self.name.clone(),
-            chunk: self.chunk,
+            peer_name: self.rails.name.clone(),
+            chunk: self.rails.chunk,
             message: message.to_vec(),
             reply,
         })
     }
 
     fn disconnect(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            for rail in &self.rails {
+        if !self.rails.closed.swap(true, Ordering::AcqRel) {
+            for rail in &self.rails.rails {
                 rail.engine.send(Cmd::Disconnect(rail.address));
             }
         }

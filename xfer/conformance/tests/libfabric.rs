@@ -64,6 +64,23 @@ fn two_rails() {
     xfer_conformance::scenarios::two_rails("libfabric", "provider=tcp;ofi_rxm,domains=eth0+eth1");
 }
 
+/// Rail failover on the two links: link eth1 goes down under a 16 MiB WRITE (with a
+/// notification), a 16 MiB READ and a 512-descriptor WRITE running at once; all finish over
+/// eth0 within `failover_ms` plus the redo bound, bytes checked, and once eth1 is back and the
+/// rail's retry time has passed, transfers use it again (skipped loudly without root).
+#[test]
+fn rail_failover() {
+    use std::time::Duration;
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    let (failover, retry) = (Duration::from_millis(1000), Duration::from_millis(1000));
+    let params = format!(
+        "provider=tcp;ofi_rxm,domains=eth0+eth1,failover_ms={},rail_retry_ms={}",
+        failover.as_millis(),
+        retry.as_millis()
+    );
+    xfer_conformance::scenarios::rail_failover("libfabric", &params, failover, retry);
+}
+
 /// Sides with different lane counts (`lanes`, endpoints per domain) meet on as many lanes as
 /// the side with fewer has: a 16 MiB WRITE with a notification, a READ and a scattered WRITE,
 /// each striped over the lanes both have, every byte checked, in both directions of the
@@ -71,8 +88,8 @@ fn two_rails() {
 #[test]
 fn mismatched_lanes() {
     use xfer::Op;
-    use xfer_conformance::pattern::{check_pattern, pattern_hash, write_pattern};
-    use xfer_conformance::scenarios::{spawn_peer, Initiator, WAIT};
+    use xfer_conformance::pattern::check_pattern;
+    use xfer_conformance::scenarios::{scattered_write, spawn_peer, Initiator, WAIT};
 
     const SIZE: u64 = 16 << 20;
     xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
@@ -90,17 +107,7 @@ fn mismatched_lanes() {
         assert_eq!(check_pattern(&init.buf, 0, seed + 1, 0, SIZE), Ok(()), "read bytes");
 
         // Many small descriptors: the stripe cuts between and inside them.
-        let (count, len) = (512u64, 12_345u64);
-        let locals: Vec<xfer::Desc> = (0..count).map(|i| init.desc(i * 2 * len, len)).collect();
-        let remotes: Vec<xfer::Desc> = (0..count).map(|i| peer.desc(i * 2 * len + len, len)).collect();
-        for i in 0..count {
-            write_pattern(&init.buf, i * 2 * len, 100 + i, 0, len);
-        }
-        init.transfer(Op::Write, &locals, &name, &remotes, Default::default(), WAIT).expect("scattered write");
-        let ranges: Vec<(u64, u64)> = (0..count).map(|i| (i * 2 * len + len, len)).collect();
-        for (i, got) in peer.hashes(&ranges).expect("hashes").into_iter().enumerate() {
-            assert_eq!(got, pattern_hash(100 + i as u64, 0, len), "descriptor {i} of the scattered write");
-        }
+        scattered_write(&init, &mut peer, &name, 0, 512, 12_345, 100);
         drop(init);
         peer.quit().expect("peer exits");
     }
