@@ -41,6 +41,8 @@ impl Default for BackendRegistry {
         registry.register(Arc::new(xfer_ucx::UcxFactory));
         #[cfg(feature = "libfabric")]
         registry.register(Arc::new(xfer_libfabric::LibfabricFactory));
+        #[cfg(feature = "quic")]
+        registry.register(Arc::new(xfer_quic::QuicFactory));
         registry
     }
 }
