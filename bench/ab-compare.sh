@@ -8,7 +8,7 @@
 #   quic    A = the TCP backend (plain), B = the QUIC backend (TLS 1.3 over UDP), READ and WRITE
 #           at SIZES; bar: B ≥ 0.5 × A at 16 MiB. Builds xferbench with --features quic.
 #   quic-tls  A = the TCP backend with tls=on, B = the QUIC backend; no bar (which encrypted
-#           path is faster).
+#           path is faster). QUIC_PARAMS (k=v,...) go to the QUIC side of both.
 #   grants  A = the KV-shaped pair (2048 scattered 16 KiB blocks, one contiguous 32 MiB request)
 #           without --grants, B = with --grants; bar: grants cost ≤ 3 % (B ≥ 0.97 × A) scattered.
 #
@@ -51,12 +51,12 @@ case "$mode" in
   quic)
     common=(--op both --block-sizes "$SIZES" --iters 32)
     a_args=(--backend tcp)
-    b_args=(--backend quic)
+    b_args=(--backend quic ${QUIC_PARAMS:+--params "$QUIC_PARAMS"})
     ;;
   quic-tls)
     common=(--op both --block-sizes "$SIZES" --iters 32)
     a_args=(--backend tcp --params tls=on)
-    b_args=(--backend quic)
+    b_args=(--backend quic ${QUIC_PARAMS:+--params "$QUIC_PARAMS"})
     ;;
   grants)
     common=(--backend tcp --kv-shape --op both --iters 16)
@@ -179,4 +179,7 @@ with open(f"{out}/{mode}.json", "w") as f:
 print(report)
 PY
 echo "wrote $OUT/$mode.md $OUT/$mode.json" >&2
-if [ "$OUT" = bench/results ]; then bench/update-readme.sh; fi
+if [ "$OUT" = bench/results ]; then
+  bench/update-readme.sh
+  case "$mode" in quic*) bench/update-readme.sh plugins/quic/README.md bench/results ;; esac
+fi

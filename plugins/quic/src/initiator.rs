@@ -16,6 +16,13 @@ use xfer_tcp::{memio, wire_descs, TcpRemoteKey};
 /// Most descriptors one stream's frame carries.
 const MAX_STREAM_DESCS: usize = 8192;
 
+/// One stream's share of a request: local pieces, the matching remote descriptors, their bytes.
+struct Piece {
+    local: Vec<LocalMem>,
+    remote: Vec<WireDesc>,
+    bytes: u64,
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct PeerConfig {
     pub streams: usize,
@@ -24,12 +31,17 @@ pub struct PeerConfig {
     pub connect_timeout: Duration,
 }
 
+/// How to reach a peer: its address, and the endpoint and TLS config to dial it with.
+pub struct Dialer {
+    pub addr: SocketAddr,
+    pub client: quinn::ClientConfig,
+    pub endpoint: quinn::Endpoint,
+}
+
 pub struct PeerShared {
     local_name: String,
     peer: String,
-    addr: SocketAddr,
-    client: quinn::ClientConfig,
-    endpoint: quinn::Endpoint,
+    dialer: Dialer,
     handle: tokio::runtime::Handle,
     credential: Option<Arc<ClusterCredential>>,
     config: PeerConfig,
@@ -42,13 +54,10 @@ pub struct PeerShared {
 }
 
 impl PeerShared {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         local_name: String,
         peer: String,
-        addr: SocketAddr,
-        client: quinn::ClientConfig,
-        endpoint: quinn::Endpoint,
+        dialer: Dialer,
         handle: tokio::runtime::Handle,
         credential: Option<Arc<ClusterCredential>>,
         config: PeerConfig,
@@ -56,9 +65,7 @@ impl PeerShared {
         PeerShared {
             local_name,
             peer,
-            addr,
-            client,
-            endpoint,
+            dialer,
             handle,
             credential,
             config,
@@ -99,9 +106,9 @@ impl PeerShared {
     }
 
     async fn open(&self) -> Result<quinn::Connection, BackendError> {
-        let connecting = self
-            .endpoint
-            .connect_with(self.client.clone(), self.addr, xfer_tcp::tls::SERVER_NAME)
+        let Dialer { addr, client, endpoint } = &self.dialer;
+        let connecting = endpoint
+            .connect_with(client.clone(), *addr, xfer_tcp::tls::SERVER_NAME)
             .map_err(|e| self.disconnected(format!("connecting: {e}")))?;
         let conn = connecting.await.map_err(|e| match e {
             // Crypto codes (0x100..0x200) carry a TLS alert: a certificate other than the pinned one.
@@ -231,15 +238,10 @@ impl PeerShared {
     }
 
     /// Moves a planned request: its pieces on parallel streams, then its notification.
-    async fn run(
-        self: Arc<Self>,
-        op: Op,
-        pieces: Vec<(Vec<LocalMem>, Vec<WireDesc>, u64)>,
-        notif: Option<Vec<u8>>,
-    ) -> Result<(), BackendError> {
+    async fn run(self: Arc<Self>, op: Op, pieces: Vec<Piece>, notif: Option<Vec<u8>>) -> Result<(), BackendError> {
         let conn = self.connection().await?;
         let mut tasks = tokio::task::JoinSet::new();
-        for (local, remote, bytes) in pieces {
+        for Piece { local, remote, bytes } in pieces {
             let permit = Arc::clone(&self.in_flight)
                 .acquire_owned()
                 .await
@@ -312,11 +314,7 @@ impl QuicPeer {
     }
 
     /// Cuts a job into pieces of at most `chunk_bytes` (and [`MAX_STREAM_DESCS`] descriptors).
-    fn plan(
-        &self,
-        local: Vec<LocalMem>,
-        wire: Vec<WireDesc>,
-    ) -> Result<Vec<(Vec<LocalMem>, Vec<WireDesc>, u64)>, BackendError> {
+    fn plan(&self, local: Vec<LocalMem>, wire: Vec<WireDesc>) -> Result<Vec<Piece>, BackendError> {
         if let Some(piece) = local.iter().find(|piece| !matches!(piece, LocalMem::Host(_))) {
             return Err(BackendError::MemoryNotMoved { backend: "quic", mem_type: piece.mem_type() });
         }
@@ -329,7 +327,12 @@ impl QuicPeer {
         }
         let locals = split_by_sizes(local, &sizes);
         let remotes = split_by_sizes(wire, &sizes);
-        Ok(locals.into_iter().zip(remotes).zip(&sizes).map(|((l, r), &bytes)| (l, r, bytes)).collect())
+        Ok(locals
+            .into_iter()
+            .zip(remotes)
+            .zip(&sizes)
+            .map(|((local, remote), &bytes)| Piece { local, remote, bytes })
+            .collect())
     }
 }
 
@@ -363,7 +366,13 @@ impl RemoteAgent for QuicPeer {
         });
         // The task itself is bounded by the connect and request timeouts; this is the backstop.
         let bound = self.shared.config.connect_timeout + self.shared.config.timeout + Duration::from_secs(1);
-        rx.recv_timeout(bound).unwrap_or(Err(BackendError::TimedOut(bound)))
+        match rx.recv_timeout(bound) {
+            Ok(sent) => sent,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(BackendError::TimedOut(bound)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(self.shared.disconnected("the quic backend was shut down"))
+            }
+        }
     }
 
     fn disconnect(&self) {

@@ -31,6 +31,7 @@
 //! | `stream_window` | 16777216 | receive window of one stream |
 //! | `conn_window` | 67108864 | receive window of a connection, and its send window |
 //! | `mtu` | 1452 | largest UDP payload path MTU discovery tries (up to 65527, e.g. on loopback) |
+//! | `initial_mtu` | 1200 | UDP payload size before discovery (up to `mtu`; only where the path is known to carry it) |
 
 #![forbid(unsafe_code)]
 
@@ -74,6 +75,7 @@ struct Tuning {
     stream_window: u32,
     conn_window: u32,
     mtu: u16,
+    initial_mtu: u16,
 }
 
 impl Tuning {
@@ -92,7 +94,7 @@ impl Tuning {
             .keep_alive_interval(Some(self.timeout / 3));
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(self.mtu);
-        transport.mtu_discovery_config(Some(mtu));
+        transport.mtu_discovery_config(Some(mtu)).initial_mtu(self.initial_mtu);
         Arc::new(transport)
     }
 }
@@ -155,6 +157,7 @@ impl QuicBackend {
         let stream_window: u32 = params.take_parsed("stream_window", 16 << 20)?;
         let conn_window: u32 = params.take_parsed("conn_window", 64 << 20)?;
         let mtu: u16 = params.take_parsed("mtu", 1452)?;
+        let initial_mtu: u16 = params.take_parsed("initial_mtu", 1200)?;
         params.finish("quic")?;
         if !(1..=256).contains(&streams) {
             return Err(invalid("streams", "must be 1..=256"));
@@ -174,10 +177,10 @@ impl QuicBackend {
                 "windows must be at least 64 KiB, the connection's at least a stream's",
             ));
         }
-        if mtu < 1200 {
-            return Err(invalid("mtu", "QUIC needs at least 1200"));
+        if !(1200..=mtu).contains(&initial_mtu) {
+            return Err(invalid("initial_mtu", "QUIC needs 1200..=mtu"));
         }
-        let tuning = Tuning { timeout, stream_window, conn_window, mtu };
+        let tuning = Tuning { timeout, stream_window, conn_window, mtu, initial_mtu };
         let listen_addr: SocketAddr = listen.parse().map_err(|e| invalid("listen", format!("{listen}: {e}")))?;
         let identity = Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?);
         let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_config())
@@ -316,9 +319,7 @@ impl Backend for QuicBackend {
         Ok(Arc::new(QuicPeer::new(initiator::PeerShared::new(
             self.agent_name.clone(),
             peer.to_string(),
-            addr,
-            client,
-            self.endpoint.clone(),
+            initiator::Dialer { addr, client, endpoint: self.endpoint.clone() },
             handle,
             self.credential.clone(),
             self.peer_config,
@@ -341,5 +342,41 @@ impl Backend for QuicBackend {
 impl Drop for QuicBackend {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xfer_core::{BackendParams, HostStaging};
+
+    fn backend(params: &str) -> Result<QuicBackend, BackendError> {
+        QuicBackend::new(BackendContext {
+            agent_name: "unit".into(),
+            params: BackendParams::parse(params)?,
+            notifs: Arc::new(|_: &str, _: Vec<u8>| {}),
+            staging: Arc::new(HostStaging::new("no GPU in this test")),
+            credential: None,
+        })
+    }
+
+    #[test]
+    fn bad_parameters_are_typed_refusals() {
+        for params in ["streams=0", "chunk_bytes=100", "mtu=1000", "stream_window=1024", "timeout_ms=0", "tls=on"] {
+            let err = backend(&format!("listen=127.0.0.1:0,{params}")).unwrap_err();
+            assert!(matches!(err, BackendError::InvalidParam { .. }), "{params}: {err:?}");
+        }
+    }
+
+    #[test]
+    fn connection_info_pins_the_certificate_and_plain_info_is_refused() {
+        let quic = backend("listen=127.0.0.1:0").expect("backend");
+        let info = String::from_utf8(quic.conn_info()).expect("text");
+        let (addr, fingerprint) = tls::decode_conn_info(&info).expect("decodes");
+        assert_eq!(addr.parse::<SocketAddr>().ok(), quic.local_addr());
+        assert_eq!(fingerprint, Some(quic.identity.fingerprint));
+        let plain = quic.connect("peer", addr.as_bytes()).err().expect("plain info refused");
+        assert!(matches!(plain, BackendError::Tls { .. }), "{plain:?}");
+        quic.shutdown();
     }
 }
