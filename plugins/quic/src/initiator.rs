@@ -241,15 +241,28 @@ impl PeerShared {
     async fn run(self: Arc<Self>, op: Op, pieces: Vec<Piece>, notif: Option<Vec<u8>>) -> Result<(), BackendError> {
         let conn = self.connection().await?;
         let mut tasks = tokio::task::JoinSet::new();
+        let failed = Arc::new(AtomicBool::new(false));
         for Piece { local, remote, bytes } in pieces {
             let permit = Arc::clone(&self.in_flight)
                 .acquire_owned()
                 .await
                 .map_err(|_| self.disconnected("connection closed"))?;
-            let (shared, conn) = (Arc::clone(&self), conn.clone());
+            if failed.load(Ordering::Acquire) {
+                break;
+            }
+            let (shared, conn, failed) = (Arc::clone(&self), conn.clone(), Arc::clone(&failed));
             tasks.spawn(async move {
                 let _permit = permit;
-                shared.exchange(&conn, op, local, remote, bytes).await
+                let result = shared.exchange(&conn, op, local, remote, bytes).await;
+                if let Err(err) = &result {
+                    failed.store(true, Ordering::Release);
+                    // A silent or lost peer fails the other pieces on the connection now, not
+                    // one timeout each.
+                    if !matches!(err, BackendError::Refused { .. }) {
+                        conn.close(quinn::VarInt::from_u32(0), b"request failed");
+                    }
+                }
+                result
             });
         }
         let mut first_error = None;

@@ -54,6 +54,11 @@ use xfer_tcp::TcpRemoteKey;
 use initiator::{PeerConfig, QuicPeer};
 use target::TargetShared;
 
+/// Most request streams a peer may have open at once (the initiator's `streams` and one
+/// notification fit well under it); with the 64 MiB limit per stream this bounds what one
+/// connection can make the target buffer.
+const MAX_STREAMS: usize = 256;
+
 /// Registers the QUIC backend under the name `quic`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct QuicFactory;
@@ -82,7 +87,7 @@ impl Tuning {
     fn transport(&self) -> Arc<quinn::TransportConfig> {
         let mut transport = quinn::TransportConfig::default();
         transport
-            .max_concurrent_bidi_streams(quinn::VarInt::from_u32(1024))
+            .max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_STREAMS as u32))
             .max_concurrent_uni_streams(quinn::VarInt::from_u32(0))
             .stream_receive_window(quinn::VarInt::from_u32(self.stream_window))
             .receive_window(quinn::VarInt::from_u32(self.conn_window))
@@ -159,8 +164,8 @@ impl QuicBackend {
         let mtu: u16 = params.take_parsed("mtu", 1452)?;
         let initial_mtu: u16 = params.take_parsed("initial_mtu", 1200)?;
         params.finish("quic")?;
-        if !(1..=256).contains(&streams) {
-            return Err(invalid("streams", "must be 1..=256"));
+        if !(1..=MAX_STREAMS).contains(&streams) {
+            return Err(invalid("streams", format!("must be 1..={MAX_STREAMS}")));
         }
         if !(4096..=target::MAX_STREAM_BYTES).contains(&chunk_bytes) {
             return Err(invalid("chunk_bytes", format!("must be 4096..={}", target::MAX_STREAM_BYTES)));

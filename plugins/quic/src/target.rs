@@ -44,6 +44,10 @@ enum ServeError {
     Frame(#[from] FrameError),
     #[error("reading: {0}")]
     Read(#[from] quinn::ReadExactError),
+    #[error("reading: {0}")]
+    ReadChunk(#[from] quinn::ReadError),
+    #[error("the stream ended {missing} bytes short of its payload")]
+    Truncated { missing: usize },
     #[error("writing: {0}")]
     Write(#[from] quinn::WriteError),
     #[error("stream: {0}")]
@@ -193,8 +197,7 @@ async fn serve_stream(
             Err((RefusalCode::BadRequest, msg))
         }
         Kind::Write => {
-            let mut payload = vec![0u8; header.payload_len as usize];
-            timed(bound, recv.read_exact(&mut payload)).await?;
+            let payload = receive(&mut recv, header.payload_len as usize, bound).await?;
             store(shared, peer, &descs, &payload).map(|()| None)
         }
         Kind::Read => load(shared, peer, &descs, &header).map(Some),
@@ -217,6 +220,19 @@ async fn serve_stream(
     // Finished streams deliver their data after the handle is gone, while the connection lives.
     send.finish()?;
     Ok(())
+}
+
+/// A WRITE's payload, grown as it arrives: memory follows the bytes a peer sent, not the length
+/// its header claims.
+async fn receive(recv: &mut quinn::RecvStream, len: usize, bound: Duration) -> Result<Vec<u8>, ServeError> {
+    let mut payload = Vec::with_capacity(len.min(1 << 20));
+    while payload.len() < len {
+        match timed(bound, recv.read_chunk(len - payload.len(), true)).await? {
+            Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+            None => return Err(ServeError::Truncated { missing: len - payload.len() }),
+        }
+    }
+    Ok(payload)
 }
 
 /// Host slices only: the backend registers nothing else, so anything else is a refusal.
