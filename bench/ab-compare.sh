@@ -5,6 +5,10 @@
 #   tls     A = the TCP backend with tls=off, B = with tls=on, READ and WRITE at SIZES (16M);
 #           bar: B ≥ 0.5 × A at 16 MiB.
 #   tls-builds  both sides tls=on at SIZES, no bar: for two builds (XFERBENCH_A, XFERBENCH_B).
+#   quic    A = the TCP backend (plain), B = the QUIC backend (TLS 1.3 over UDP), READ and WRITE
+#           at SIZES; bar: B ≥ 0.5 × A at 16 MiB. Builds xferbench with --features quic.
+#   quic-tls  A = the TCP backend with tls=on, B = the QUIC backend; no bar (which encrypted
+#           path is faster). QUIC_PARAMS (k=v,...) go to the QUIC side of both.
 #   grants  A = the KV-shaped pair (2048 scattered 16 KiB blocks, one contiguous 32 MiB request)
 #           without --grants, B = with --grants; bar: grants cost ≤ 3 % (B ≥ 0.97 × A) scattered.
 #
@@ -19,11 +23,12 @@
 #   bench/ab-compare.sh tls                      # 8 rounds at 16M
 #   ROUNDS=4 SIZES=1M,16M OUT=/tmp/ab bench/ab-compare.sh tls
 #   bench/ab-compare.sh grants
+#   SIZES=1M,16M bench/ab-compare.sh quic
 #   XFERBENCH_A=/tmp/old/xferbench XFERBENCH_B=/tmp/new/xferbench OUT=/tmp/ab bench/ab-compare.sh tls-builds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode=${1:?usage: bench/ab-compare.sh tls|tls-builds|grants}
+mode=${1:?usage: bench/ab-compare.sh tls|tls-builds|quic|quic-tls|grants}
 load_start=$(bench/machine.sh --load)
 ROUNDS=${ROUNDS:-8}
 SIZES=${SIZES:-16M}
@@ -43,13 +48,23 @@ case "$mode" in
     a_args=()
     b_args=()
     ;;
+  quic)
+    common=(--op both --block-sizes "$SIZES" --iters 32)
+    a_args=(--backend tcp)
+    b_args=(--backend quic ${QUIC_PARAMS:+--params "$QUIC_PARAMS"})
+    ;;
+  quic-tls)
+    common=(--op both --block-sizes "$SIZES" --iters 32)
+    a_args=(--backend tcp --params tls=on)
+    b_args=(--backend quic ${QUIC_PARAMS:+--params "$QUIC_PARAMS"})
+    ;;
   grants)
     common=(--backend tcp --kv-shape --op both --iters 16)
     a_args=()
     b_args=(--grants)
     ;;
   *)
-    echo "ab-compare: unknown mode '$mode' (tls, tls-builds or grants)" >&2
+    echo "ab-compare: unknown mode '$mode' (tls, tls-builds, quic, quic-tls or grants)" >&2
     exit 2
     ;;
 esac
@@ -57,7 +72,8 @@ esac
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 if [ "$XFERBENCH_A" = target/release/xferbench ] || [ "$XFERBENCH_B" = target/release/xferbench ]; then
-  cargo build --quiet --release -p xfer-bench
+  case "$mode" in quic*) features=(--features quic) ;; *) features=() ;; esac
+  cargo build --quiet --release -p xfer-bench "${features[@]}"
 fi
 mkdir -p "$OUT"
 
@@ -89,6 +105,10 @@ MODES = {
     "tls": ("`tls=off`", "`tls=on`", 0.5, lambda row: row["block_size"] == 16 << 20,
             "tls=on ≥ 0.5 × tls=off at 16 MiB"),
     "tls-builds": ("build A", "build B", 0.0, lambda row: False, "none (two builds, both `tls=on`)"),
+    "quic": ("the TCP backend, plain", "the QUIC backend", 0.5, lambda row: row["block_size"] == 16 << 20,
+             "QUIC ≥ 0.5 × plain TCP at 16 MiB"),
+    "quic-tls": ("the TCP backend, `tls=on`", "the QUIC backend", 0.0, lambda row: False,
+                 "none (the two encrypted paths)"),
     "grants": ("without `--grants`", "with `--grants`", 0.97, lambda row: row["scatter"],
                "grants cost ≤ 3 % (B ÷ A ≥ 0.97) on the scattered request"),
 }
@@ -159,4 +179,7 @@ with open(f"{out}/{mode}.json", "w") as f:
 print(report)
 PY
 echo "wrote $OUT/$mode.md $OUT/$mode.json" >&2
-if [ "$OUT" = bench/results ]; then bench/update-readme.sh; fi
+if [ "$OUT" = bench/results ]; then
+  bench/update-readme.sh
+  case "$mode" in quic*) bench/update-readme.sh plugins/quic/README.md bench/results ;; esac
+fi

@@ -80,7 +80,7 @@ peers_venv=$last_line
 # pdbench's routing comparison runs vllm-router (cache_aware, round robin) beside ours.
 export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 
-step "tests (unit, in-process, two-process conformance over TCP, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
+step "tests (unit, in-process, two-process conformance over TCP, QUIC, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
 cargo test --workspace --all-features --locked
 start_background wheel nice -n 19 bindings/python/build.sh --features ucx
 start_background fuzz-build nice -n 19 ci/fuzz.sh --build-only

@@ -6,7 +6,8 @@ use xfer_core::BackendFactory;
 
 /// Backend factories by name. The default registry always has `tcp`, `posix` and `gds` (which
 /// fails to attach, with the reason, where cuFile is absent); other plugins are added
-/// with [`register`](BackendRegistry::register) (or by cargo feature in this crate).
+/// with [`register`](BackendRegistry::register) (or by cargo feature in this crate: `ucx`,
+/// `libfabric`, `quic`).
 #[derive(Clone)]
 pub struct BackendRegistry {
     factories: BTreeMap<&'static str, Arc<dyn BackendFactory>>,
@@ -41,6 +42,8 @@ impl Default for BackendRegistry {
         registry.register(Arc::new(xfer_ucx::UcxFactory));
         #[cfg(feature = "libfabric")]
         registry.register(Arc::new(xfer_libfabric::LibfabricFactory));
+        #[cfg(feature = "quic")]
+        registry.register(Arc::new(xfer_quic::QuicFactory));
         registry
     }
 }

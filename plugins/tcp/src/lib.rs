@@ -42,15 +42,15 @@
 mod conn;
 mod fence;
 pub mod frame;
-mod grants;
+pub mod grants;
 mod inline;
-mod keys;
-mod memio;
+pub mod keys;
+pub mod memio;
 mod pool;
 mod server;
 mod spin;
 mod staged;
-mod tls;
+pub mod tls;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;
@@ -63,6 +63,9 @@ use xfer_core::{
 };
 
 pub use keys::{TcpRemoteKey, PUBLIC_KEY_LEN};
+// The target's checks and the initiator's key resolution, shared with the QUIC backend.
+pub use pool::wire_descs;
+pub use server::{resolve, Resolved};
 
 use conn::SocketTuning;
 use grants::{Grant, GrantTable};

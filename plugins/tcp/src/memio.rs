@@ -1,5 +1,6 @@
 //! The TCP backend's only `unsafe`: registered memory seen as byte slices for vectored socket
-//! I/O, so payload bytes move between the socket and the registration without a copy.
+//! I/O, so payload bytes move between the socket and the registration without a copy. The QUIC
+//! backend uses the same two views.
 
 #![allow(unsafe_code)]
 
@@ -9,14 +10,14 @@ use xfer_core::{LocalMem, MemSlice};
 
 /// Slices to send from: the host pieces of `pieces` (callers stage the others). The bytes are a
 /// source of this exchange only.
-pub(crate) fn send_from(pieces: &[LocalMem]) -> impl Iterator<Item = IoSlice<'_>> {
+pub fn send_from(pieces: &[LocalMem]) -> impl Iterator<Item = IoSlice<'_>> {
     pieces.iter().filter_map(|piece| match piece {
         LocalMem::Host(slice) => Some(send_slice(slice)),
         _ => None,
     })
 }
 
-pub(crate) fn send_slice(slice: &MemSlice) -> IoSlice<'_> {
+pub fn send_slice(slice: &MemSlice) -> IoSlice<'_> {
     // SAFETY: `slice` is pinned registered host memory. Nothing in this process holds
     // references to registered memory (`HostMemory` types hand out copies; raw registrations
     // promise the same), and the application orders requests so that none writes these bytes
@@ -27,7 +28,7 @@ pub(crate) fn send_slice(slice: &MemSlice) -> IoSlice<'_> {
 
 /// Slices to receive into: the host pieces of `pieces`. The bytes are this exchange's
 /// destination alone.
-pub(crate) fn receive_into(pieces: &mut [LocalMem]) -> Vec<IoSliceMut<'_>> {
+pub fn receive_into(pieces: &mut [LocalMem]) -> Vec<IoSliceMut<'_>> {
     pieces
         .iter_mut()
         .filter_map(|piece| match piece {
@@ -37,7 +38,7 @@ pub(crate) fn receive_into(pieces: &mut [LocalMem]) -> Vec<IoSliceMut<'_>> {
         .collect()
 }
 
-pub(crate) fn receive_slice(slice: &mut MemSlice) -> IoSliceMut<'_> {
+pub fn receive_slice(slice: &mut MemSlice) -> IoSliceMut<'_> {
     // SAFETY: as in `send_slice`; in addition no other transfer reads or writes these bytes
     // while this one fills them (the application's ordering of requests over the same memory,
     // `MemSlice::as_mut_slice`'s contract), and each slice of one exchange covers distinct bytes

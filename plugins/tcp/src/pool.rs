@@ -20,7 +20,7 @@ use xfer_core::credential::{ClusterCredential, ProofLabel, Transcript, AUTH_LEN}
 use xfer_core::file_io;
 use xfer_core::split::{even_sizes, split_by_sizes, Segment};
 use xfer_core::staging::{check_files, needs_staging, Flow, Staging, StagingConfig};
-use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
+use xfer_core::{BackendError, Completer, LocalMem, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, TransferJob};
 
 use crate::conn::{Conn, ConnError, SocketTuning};
 use crate::frame::{self, Kind, WireDesc};
@@ -257,20 +257,19 @@ impl Segment for WireDesc {
     }
 }
 
-/// Turns a job into chunks: resolves remote keys, merges contiguous remote descriptors, cuts
-/// by bytes. On error, hands the completer back with the error.
-fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer, BackendError)> {
-    let TransferJob { op, local, remote, notif, done } = job;
+/// A job's remote segments as wire descriptors (offsets inside the keys' regions, contiguous
+/// pieces of one key merged), checked against the keys' bounds and the local byte count.
+pub fn wire_descs(remote: &[RemoteSeg], local: &[LocalMem]) -> Result<Vec<WireDesc>, BackendError> {
     let mut wire: Vec<WireDesc> = Vec::with_capacity(remote.len());
-    for seg in &remote {
+    for seg in remote {
         let Some(key) = seg.key.downcast_ref::<TcpRemoteKey>() else {
-            return Err((done, BackendError::InvalidMetadata("remote key is not a tcp key".into())));
+            return Err(BackendError::InvalidMetadata("remote key is not a tcp key".into()));
         };
         let offset =
             seg.addr.checked_sub(key.base).filter(|off| off.checked_add(seg.len).is_some_and(|end| end <= key.len));
         let Some(offset) = offset else {
             let msg = format!("remote {:#x}+{} is outside its region", seg.addr, seg.len);
-            return Err((done, BackendError::Refused { code: RefusalCode::OutOfBounds, message: msg }));
+            return Err(BackendError::Refused { code: RefusalCode::OutOfBounds, message: msg });
         };
         match wire.last_mut() {
             Some(last) if last.key == key.key && last.offset + last.len == offset => last.len += seg.len,
@@ -282,8 +281,20 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
     let local_total: u64 = local.iter().map(LocalMem::len).sum();
     if total != local_total {
         let msg = format!("local {local_total} bytes vs remote {total} bytes");
-        return Err((done, BackendError::Refused { code: RefusalCode::BadRequest, message: msg }));
+        return Err(BackendError::Refused { code: RefusalCode::BadRequest, message: msg });
     }
+    Ok(wire)
+}
+
+/// Turns a job into chunks: resolves remote keys, merges contiguous remote descriptors, cuts
+/// by bytes. On error, hands the completer back with the error.
+fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer, BackendError)> {
+    let TransferJob { op, local, remote, notif, done } = job;
+    let wire = match wire_descs(&remote, &local) {
+        Ok(wire) => wire,
+        Err(err) => return Err((done, err)),
+    };
+    let total: u64 = wire.iter().map(|d| d.len).sum();
     let by_bytes = if total >= config.split_bytes {
         total.div_ceil(config.chunk_bytes.max(1)).max(config.streams as u64)
     } else {

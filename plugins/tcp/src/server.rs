@@ -364,8 +364,9 @@ fn authenticate(
 
 /// A memory frame's pieces, and the grants it uses held against revocation while it touches
 /// them (dropped with this).
-struct Resolved<'g> {
-    pieces: Vec<LocalMem>,
+#[derive(Debug)]
+pub struct Resolved<'g> {
+    pub pieces: Vec<LocalMem>,
     _holds: Vec<RwLockReadGuard<'g, bool>>,
 }
 
@@ -373,7 +374,7 @@ struct Resolved<'g> {
 /// this initiator and inside its ranges), live region, within bounds; then holds the grants
 /// used (`held` keeps them for the guards), live and unexpired. The clock is read only when a
 /// grant is used.
-fn resolve<'g>(
+pub fn resolve<'g>(
     keys: &KeyTable,
     grants: &GrantTable,
     initiator: &str,

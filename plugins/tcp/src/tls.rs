@@ -14,7 +14,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use rustls::{ClientConfig, ClientConnection, DigitallySignedStruct, ServerConfig, ServerConnection, SignatureScheme};
 
 /// The name the initiator asks for; the verifier pins the certificate, not a name.
-const SERVER_NAME: &str = "xfer-tcp";
+pub const SERVER_NAME: &str = "xfer-tcp";
 /// Marks the fingerprint in connection info.
 const CONN_INFO_TAG: &str = "#tls-sha256=";
 /// Bytes of sealed records rustls may hold before a write must flush them: big batches keep the
@@ -118,6 +118,11 @@ impl TlsIdentity {
         // Data connections live long and never resume: no tickets to send or store.
         server.send_tls13_tickets = 0;
         Ok(TlsIdentity { fingerprint, server: Arc::new(server), provider })
+    }
+
+    /// The server side's rustls config (the QUIC backend hands it to quinn).
+    pub fn server_config(&self) -> Arc<ServerConfig> {
+        Arc::clone(&self.server)
     }
 
     pub fn accept(&self) -> Result<ServerConnection, TlsError> {

@@ -147,6 +147,9 @@ pub fn strangers_are_refused(backend: &str, params: &str) {
     if backend == "tcp" {
         data_connection_refused(&blob, &secret.credential(), &wrong.credential());
     }
+    if matches!(backend, "tcp" | "quic") {
+        stranger_backend_refused(backend, params, &blob, &secret.credential(), &wrong.credential());
+    }
     // Mixed: a member against a peer without a credential fails clearly on both paths.
     let mut plain = super::spawn_peer("auth-plain", backend, params, SIZE);
     let mixed = side_error(member.fetch_remote_metadata(plain.side_channel()), "mixed");
@@ -224,6 +227,40 @@ fn replay_is_refused(addr: &str, credential: &ClusterCredential) {
     let refusal = &answer[1 + AUTH_LEN + 1 + server_name.len() + AUTH_LEN..];
     assert_eq!(refusal.first(), Some(&2), "unauthenticated status after the replayed proof");
     assert!(String::from_utf8_lossy(&refusal[5..]).contains("did not prove"), "{:?}", String::from_utf8_lossy(refusal));
+}
+
+/// A stranger's own backend (no credential, or a wrong one) that knows the peer's connection
+/// info cannot open a data connection: its first use is refused `Unauthenticated` at hello,
+/// whatever the wire (for backends that authenticate their data connections).
+fn stranger_backend_refused(
+    backend: &str,
+    params: &str,
+    blob: &[u8],
+    good: &ClusterCredential,
+    wrong: &ClusterCredential,
+) {
+    let md = AgentMetadata::decode_for(blob, Some(good)).expect("decode signed metadata");
+    let info = md.backends.iter().find(|b| b.name == backend).expect("the backend's connection info");
+    let registry = BackendRegistry::default();
+    let factory = registry.get(backend).expect("backend registered");
+    for (who, credential) in [("no credential", None), ("wrong credential", Some(wrong.clone()))] {
+        let ctx = xfer::BackendContext {
+            agent_name: "auth-stranger".into(),
+            params: BackendParams::parse(params).expect("params"),
+            notifs: std::sync::Arc::new(|_: &str, _: Vec<u8>| {}),
+            staging: xfer::cuda::staging(),
+            credential: credential.map(std::sync::Arc::new),
+        };
+        let stranger = factory.create(ctx).expect("stranger's backend");
+        let remote = stranger.connect(&md.name, &info.conn_info).expect("connect (lazy)");
+        let sent = within("stranger's notification", WAIT, || remote.notify(b"from a stranger"));
+        assert!(
+            matches!(sent, Err(xfer::BackendError::Refused { code: xfer::RefusalCode::Unauthenticated, .. })),
+            "{who}: {sent:?}"
+        );
+        remote.disconnect();
+        stranger.shutdown();
+    }
 }
 
 /// Hellos without the credential flag, and with it but a proof from the wrong secret, are both

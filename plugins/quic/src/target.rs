@@ -1,0 +1,275 @@
+//! The target side: accepts connections, checks each one's hello, then serves every request
+//! stream in a task of its own.
+//!
+//! A request's payload is received whole before its descriptors are resolved, and a READ's
+//! bytes are copied out whole before its answer is sent: the grants a request uses are held
+//! only across those copies, never across a wait on the network, so `revoke` is never held up
+//! by a slow peer.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use xfer_core::credential::{self, ClusterCredential, ProofLabel, Transcript, AUTH_LEN};
+use xfer_core::{LocalMem, NotifSink, RefusalCode};
+use xfer_tcp::frame::{self, FrameError, Header, Kind, WireDesc};
+use xfer_tcp::grants::{GrantTable, Refusal};
+use xfer_tcp::keys::KeyTable;
+use xfer_tcp::{memio, resolve};
+
+/// Most payload bytes one request stream carries (the target buffers them).
+pub const MAX_STREAM_BYTES: u64 = 64 << 20;
+
+/// Application error code a target closes a refused connection with.
+pub const REFUSED: u32 = 1;
+
+/// What every connection task shares.
+pub struct TargetShared {
+    pub agent_name: String,
+    pub credential: Option<Arc<ClusterCredential>>,
+    /// Initiator addresses whose refusal was logged (once each).
+    pub refused: Mutex<HashSet<IpAddr>>,
+    pub keys: Arc<KeyTable>,
+    pub grants: Arc<GrantTable>,
+    pub notifs: NotifSink,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("malformed frame: {0}")]
+    Frame(#[from] FrameError),
+    #[error("reading: {0}")]
+    Read(#[from] quinn::ReadExactError),
+    #[error("reading: {0}")]
+    ReadChunk(#[from] quinn::ReadError),
+    #[error("the stream ended {missing} bytes short of its payload")]
+    Truncated { missing: usize },
+    #[error("writing: {0}")]
+    Write(#[from] quinn::WriteError),
+    #[error("stream: {0}")]
+    Closed(#[from] quinn::ClosedStream),
+    #[error("connection: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("no progress for {0:?}")]
+    TimedOut(Duration),
+    #[error("name is not UTF-8")]
+    Name,
+    #[error("authentication: {0}")]
+    Auth(#[from] credential::CredentialError),
+}
+
+async fn timed<T, E: Into<ServeError>>(
+    bound: Duration,
+    work: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, ServeError> {
+    match tokio::time::timeout(bound, work).await {
+        Ok(result) => result.map_err(Into::into),
+        Err(_) => Err(ServeError::TimedOut(bound)),
+    }
+}
+
+pub async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<TargetShared>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            if let Err(err) = serve_connection(incoming, shared).await {
+                tracing::debug!(%remote, %err, "quic connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn serve_connection(incoming: quinn::Incoming, shared: Arc<TargetShared>) -> Result<(), ServeError> {
+    let conn = timed(shared.timeout, std::future::IntoFuture::into_future(incoming)).await?;
+    let Some(peer) = timed(shared.timeout, hello(&conn, &shared)).await? else {
+        // Let the refusal reach the initiator before the close does.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        conn.close(quinn::VarInt::from_u32(REFUSED), b"refused at hello");
+        return Ok(());
+    };
+    let peer: Arc<str> = peer.into();
+    loop {
+        let (send, recv) = match conn.accept_bi().await {
+            Ok(streams) => streams,
+            Err(quinn::ConnectionError::ApplicationClosed(_) | quinn::ConnectionError::LocallyClosed) => return Ok(()),
+            Err(err) => return Err(err.into()),
+        };
+        let (shared, peer) = (Arc::clone(&shared), Arc::clone(&peer));
+        tokio::spawn(async move {
+            if let Err(err) = serve_stream(send, recv, &shared, &peer).await {
+                tracing::debug!(%peer, %err, "quic request stream failed");
+            }
+        });
+    }
+}
+
+/// Reads the hello on the connection's first stream, checks it is meant for this agent and,
+/// with a credential, runs the challenge-response; answers. Returns the initiator's name, or
+/// `None` when it was refused.
+async fn hello(conn: &quinn::Connection, shared: &TargetShared) -> Result<Option<String>, ServeError> {
+    let (mut send, mut recv) = conn.accept_bi().await?;
+    let mut fixed = [0u8; frame::HELLO_LEN];
+    recv.read_exact(&mut fixed).await?;
+    let frame::Hello { from_len, to_len, session, auth } = frame::decode_hello(&fixed)?;
+    let mut names = vec![0u8; from_len + to_len];
+    recv.read_exact(&mut names).await?;
+    let to_name = std::str::from_utf8(&names[from_len..]).map_err(|_| ServeError::Name)?;
+    let from_name = String::from_utf8(names[..from_len].to_vec()).map_err(|_| ServeError::Name)?;
+    let mut out = Vec::new();
+    if to_name != shared.agent_name {
+        let msg = format!("this is agent {:?}, not {:?}", shared.agent_name, to_name);
+        frame::encode_hello_reply(RefusalCode::WrongAgent.to_wire(), &msg, &mut out);
+        send.write_all(&out).await?;
+        send.finish()?;
+        return Ok(None);
+    }
+    let refusal = match (&shared.credential, auth) {
+        (None, false) => None,
+        (None, true) => Some("this agent has no cluster credential".to_string()),
+        (Some(_), false) => Some("this agent requires the cluster credential".to_string()),
+        (Some(credential), true) => {
+            let nonce = credential::fresh_nonce()?;
+            frame::encode_challenge(&nonce, &mut out);
+            send.write_all(&out).await?;
+            out.clear();
+            let mut proof = [0u8; AUTH_LEN];
+            recv.read_exact(&mut proof).await?;
+            let transcript = Transcript {
+                client_nonce: &frame::session_nonce(session),
+                server_nonce: &nonce,
+                client_name: &from_name,
+                server_name: to_name,
+            };
+            let proven = credential.verify(ProofLabel::DataInitiator, &transcript, &proof);
+            (!proven).then(|| format!("{from_name:?} did not prove the cluster credential"))
+        }
+    };
+    if let Some(msg) = refusal {
+        let remote = conn.remote_address();
+        let first = {
+            let mut refused = shared.refused.lock();
+            refused.len() < 1024 && refused.insert(remote.ip())
+        };
+        if first {
+            tracing::warn!(%remote, from = %from_name, msg, "refused an unauthenticated quic connection (logged once per address)");
+        }
+        frame::encode_hello_reply(RefusalCode::Unauthenticated.to_wire(), &msg, &mut out);
+        send.write_all(&out).await?;
+        send.finish()?;
+        return Ok(None);
+    }
+    frame::encode_hello_reply(0, "", &mut out);
+    send.write_all(&out).await?;
+    send.finish()?;
+    Ok(Some(from_name))
+}
+
+async fn serve_stream(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    shared: &TargetShared,
+    peer: &str,
+) -> Result<(), ServeError> {
+    let bound = shared.timeout;
+    let mut head = [0u8; frame::HEADER_LEN];
+    timed(bound, recv.read_exact(&mut head)).await?;
+    let header = frame::decode_header(&head)?;
+    let mut table = vec![0u8; frame::table_len(header.n_desc)];
+    timed(bound, recv.read_exact(&mut table)).await?;
+    let mut descs = Vec::new();
+    frame::decode_descs(&header, &table, &mut descs)?;
+    let mut out = Vec::with_capacity(64);
+    let answer = match header.kind {
+        Kind::Notif => {
+            let mut message = vec![0u8; header.payload_len as usize];
+            timed(bound, recv.read_exact(&mut message)).await?;
+            (shared.notifs)(peer, message);
+            Ok(None)
+        }
+        _ if header.payload_len > MAX_STREAM_BYTES => {
+            let _ = recv.stop(quinn::VarInt::from_u32(REFUSED));
+            let msg = format!("{} bytes on one stream (limit {MAX_STREAM_BYTES})", header.payload_len);
+            Err((RefusalCode::BadRequest, msg))
+        }
+        Kind::Write => {
+            let payload = receive(&mut recv, header.payload_len as usize, bound).await?;
+            store(shared, peer, &descs, &payload).map(|()| None)
+        }
+        Kind::Read => load(shared, peer, &descs, &header).map(Some),
+    };
+    match answer {
+        Ok(payload) => {
+            let len = payload.as_ref().map_or(0, |p| p.len() as u64);
+            frame::encode_response(0, header.request_id, len, "", &mut out);
+            timed(bound, send.write_all(&out)).await?;
+            if let Some(payload) = payload {
+                timed(bound, send.write_chunk(payload)).await?;
+            }
+        }
+        Err((code, msg)) => {
+            tracing::debug!(request = header.request_id, %code, msg, "refusing request");
+            frame::encode_response(code.to_wire(), header.request_id, 0, &msg, &mut out);
+            timed(bound, send.write_all(&out)).await?;
+        }
+    }
+    // Finished streams deliver their data after the handle is gone, while the connection lives.
+    send.finish()?;
+    Ok(())
+}
+
+/// A WRITE's payload, grown as it arrives: memory follows the bytes a peer sent, not the length
+/// its header claims.
+async fn receive(recv: &mut quinn::RecvStream, len: usize, bound: Duration) -> Result<Vec<u8>, ServeError> {
+    let mut payload = Vec::with_capacity(len.min(1 << 20));
+    while payload.len() < len {
+        match timed(bound, recv.read_chunk(len - payload.len(), true)).await? {
+            Some(chunk) => payload.extend_from_slice(&chunk.bytes),
+            None => return Err(ServeError::Truncated { missing: len - payload.len() }),
+        }
+    }
+    Ok(payload)
+}
+
+/// Host slices only: the backend registers nothing else, so anything else is a refusal.
+fn host_only(pieces: &[LocalMem]) -> Result<(), Refusal> {
+    match pieces.iter().find(|piece| !matches!(piece, LocalMem::Host(_))) {
+        None => Ok(()),
+        Some(piece) => Err((RefusalCode::Unsupported, format!("quic moves host memory, not {}", piece.mem_type()))),
+    }
+}
+
+/// Copies a WRITE's payload into the memory its descriptors name, with their grants held.
+fn store(shared: &TargetShared, peer: &str, descs: &[WireDesc], payload: &[u8]) -> Result<(), Refusal> {
+    let mut held = Vec::new();
+    let mut resolved = resolve(&shared.keys, &shared.grants, peer, descs, &mut held)?;
+    host_only(&resolved.pieces)?;
+    let mut at = 0;
+    for piece in &mut resolved.pieces {
+        if let LocalMem::Host(slice) = piece {
+            let mut dest = memio::receive_slice(slice);
+            let len = dest.len();
+            dest.copy_from_slice(&payload[at..at + len]);
+            at += len;
+        }
+    }
+    drop(resolved);
+    Ok(())
+}
+
+/// Copies the bytes a READ names out of memory, with their grants held.
+fn load(shared: &TargetShared, peer: &str, descs: &[WireDesc], header: &Header) -> Result<Bytes, Refusal> {
+    let mut held = Vec::new();
+    let resolved = resolve(&shared.keys, &shared.grants, peer, descs, &mut held)?;
+    host_only(&resolved.pieces)?;
+    let mut payload = Vec::with_capacity(header.payload_len as usize);
+    for slice in memio::send_from(&resolved.pieces) {
+        payload.extend_from_slice(&slice);
+    }
+    drop(resolved);
+    Ok(Bytes::from(payload))
+}
