@@ -21,8 +21,11 @@ use pd_protocols::kv_events::{decode_batch, EventBatch, KvEvent};
 use pd_protocols::zmq_frames::parse_pub;
 use serde_json::Value;
 
+pub mod error;
 pub mod outcome;
 pub mod sglang;
+
+pub use error::E2eError;
 
 /// The repository root (this crate lives in `e2e/`).
 pub fn repo_root() -> PathBuf {
@@ -107,20 +110,20 @@ exit "$status"
 impl Proc {
     /// Spawns `program args...` (stdout and stderr to `log_dir()/NAME.log`, environment of
     /// this process plus `envs`) under a guardian in a new process group.
-    pub fn spawn(name: &str, program: &Path, args: &[String], envs: &[(&str, &str)]) -> Result<Proc, String> {
+    pub fn spawn(name: &str, program: &Path, args: &[String], envs: &[(&str, &str)]) -> Result<Proc, E2eError> {
         ATEXIT.call_once(|| {
             // SAFETY: registering a plain extern "C" function.
             unsafe { libc::atexit(kill_registered_groups) };
         });
         let log = log_dir().join(format!("{name}.log"));
-        let out = File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let err = out.try_clone().map_err(|e| e.to_string())?;
+        let out = File::create(&log).map_err(E2eError::io(log.display().to_string()))?;
+        let err = out.try_clone().map_err(E2eError::io(format!("{}: a second handle", log.display())))?;
         let mut cmd = Command::new("bash");
         cmd.args(["-c", GUARDIAN, "guardian"]).arg(program).args(args);
         cmd.envs(envs.iter().copied());
         cmd.stdin(Stdio::piped()).stdout(out).stderr(err);
         cmd.process_group(0);
-        let mut child = cmd.spawn().map_err(|e| format!("{name}: spawn: {e}"))?;
+        let mut child = cmd.spawn().map_err(E2eError::io(format!("{name}: spawn")))?;
         let pgid = child.id() as i32;
         GROUPS.lock().unwrap_or_else(|p| p.into_inner()).insert(pgid);
         let lifeline = child.stdin.take().expect("piped stdin");
@@ -131,7 +134,7 @@ impl Proc {
                 let status = child.wait().ok().and_then(|s| s.code());
                 let _ = exit_tx.send(status);
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(E2eError::io(format!("{name}: the reaper thread")))?;
         Ok(Proc { name: name.to_string(), pgid, log, exited: exit_rx, exit_status: None, _lifeline: lifeline })
     }
 
@@ -247,18 +250,25 @@ pub enum Connector {
 }
 
 impl Connector {
-    fn from_env() -> Result<Connector, String> {
+    fn from_env() -> Result<Connector, E2eError> {
         match std::env::var("PD_VLLM_CONNECTOR").unwrap_or_default().as_str() {
             "" | "nixl" => Ok(Connector::Nixl),
             "xfer" => {
-                let site = std::env::var_os("PD_XFER_SITE")
-                    .filter(|v| !v.is_empty())
-                    .map(PathBuf::from)
-                    .ok_or("PD_VLLM_CONNECTOR=xfer needs PD_XFER_SITE (bindings/python/build.sh prints it)")?;
+                let site = std::env::var_os("PD_XFER_SITE").filter(|v| !v.is_empty()).map(PathBuf::from).ok_or(
+                    E2eError::BadSetting {
+                        var: "PD_VLLM_CONNECTOR",
+                        value: "xfer".into(),
+                        problem: "needs PD_XFER_SITE (bindings/python/build.sh prints it)",
+                    },
+                )?;
                 let backend = std::env::var("PD_XFER_BACKEND").unwrap_or_else(|_| "TCP".into());
                 Ok(Connector::Xfer { site, backend })
             }
-            other => Err(format!("PD_VLLM_CONNECTOR={other:?}: expected nixl or xfer")),
+            other => Err(E2eError::BadSetting {
+                var: "PD_VLLM_CONNECTOR",
+                value: format!("{other:?}"),
+                problem: "expected nixl or xfer",
+            }),
         }
     }
 
@@ -292,13 +302,14 @@ pub const SKIP_HOW: &str = "install it with `ci/vllm/install.sh` (prints the ven
 
 impl VllmSettings {
     /// `Err(reason)` when the suite cannot run here (no `PD_VLLM_VENV`).
-    pub fn from_env() -> Result<VllmSettings, String> {
+    pub fn from_env() -> Result<VllmSettings, E2eError> {
         let venv = std::env::var_os("PD_VLLM_VENV")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
-            .ok_or_else(|| "PD_VLLM_VENV is not set".to_string())?;
+            .ok_or(E2eError::Unset { var: "PD_VLLM_VENV" })?;
         if !venv.join("bin/vllm").exists() {
-            return Err(format!("PD_VLLM_VENV={} has no bin/vllm", venv.display()));
+            let value = venv.display().to_string();
+            return Err(E2eError::BadSetting { var: "PD_VLLM_VENV", value, problem: "has no bin/vllm" });
         }
         let model = match std::env::var_os("PD_VLLM_MODEL") {
             Some(m) if !m.is_empty() => PathBuf::from(m),
@@ -312,7 +323,7 @@ impl VllmSettings {
 
 /// The first base (from `wanted`, in steps of 100) whose `count` ports all accept a bind on
 /// 127.0.0.1 and on all interfaces: other suites on this machine may hold some.
-pub fn free_port_range(wanted: u16, count: u16) -> Result<u16, String> {
+pub fn free_port_range(wanted: u16, count: u16) -> Result<u16, E2eError> {
     for step in 0..20u16 {
         let base = wanted.saturating_add(step * 100);
         let free = (base..base.saturating_add(count)).all(|p| {
@@ -322,18 +333,18 @@ pub fn free_port_range(wanted: u16, count: u16) -> Result<u16, String> {
             return Ok(base);
         }
     }
-    Err(format!("no free range of {count} ports from {wanted}"))
+    Err(E2eError::NoFreePorts { wanted, count })
 }
 
 /// Runs `ci/vllm/make-model.py` with the venv's python (cached after the first build).
-pub fn build_model(venv: &Path) -> Result<PathBuf, String> {
+pub fn build_model(venv: &Path) -> Result<PathBuf, E2eError> {
     let out = Command::new(venv.join("bin/python"))
         .arg(repo_root().join("ci/vllm/make-model.py"))
         .stderr(Stdio::inherit())
         .output()
-        .map_err(|e| format!("make-model.py: {e}"))?;
+        .map_err(E2eError::io("make-model.py"))?;
     if !out.status.success() {
-        return Err(format!("make-model.py failed: {}", out.status));
+        return Err(E2eError::Failed { what: "make-model.py".into(), status: out.status });
     }
     let path = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_string();
     Ok(PathBuf::from(path))
@@ -381,7 +392,7 @@ impl Engine {
     }
 
     /// Spawns the engine; call [`Engine::wait_healthy`] next (lets two engines start together).
-    pub fn spawn(settings: &VllmSettings, spec: EngineSpec) -> Result<Engine, String> {
+    pub fn spawn(settings: &VllmSettings, spec: EngineSpec) -> Result<Engine, E2eError> {
         let mut args: Vec<String> = vec!["run".into(), spec.name.clone()];
         for (flag, value) in [
             ("--port", spec.port.to_string()),
@@ -419,7 +430,7 @@ impl Engine {
     }
 
     /// Waits (bounded) for `GET /health` to answer 200.
-    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
+    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<(), E2eError> {
         let start = Instant::now();
         let url = format!("{}/health", self.url());
         loop {
@@ -428,21 +439,19 @@ impl Engine {
                 return Ok(());
             }
             if !self.proc.running() {
-                return Err(format!("{} exited during start; log tail:\n{}", self.spec.name, self.proc.log_tail(40)));
+                let (name, log_tail) = (self.spec.name.clone(), self.proc.log_tail(40));
+                return Err(E2eError::ExitedDuringStart { name, log_tail });
             }
             if start.elapsed() > timeout {
-                return Err(format!(
-                    "{}: no /health within {timeout:?}; log tail:\n{}",
-                    self.spec.name,
-                    self.proc.log_tail(40)
-                ));
+                let (name, log_tail) = (self.spec.name.clone(), self.proc.log_tail(40));
+                return Err(E2eError::NotReady { name, waited_for: "no /health".into(), timeout, log_tail });
             }
             std::thread::sleep(Duration::from_millis(500));
         }
     }
 
     /// Stops this instance and starts it again with the same spec (waits for health).
-    pub fn restart(&mut self, settings: &VllmSettings, timeout: Duration) -> Result<(), String> {
+    pub fn restart(&mut self, settings: &VllmSettings, timeout: Duration) -> Result<(), E2eError> {
         self.proc.stop();
         let mut fresh = Engine::spawn(settings, self.spec.clone())?;
         fresh.wait_healthy(timeout)?;
@@ -521,7 +530,7 @@ pub fn response_text(body: &Value) -> String {
 }
 
 /// Concatenates the text deltas of an SSE stream body; `Err` when it never said `[DONE]`.
-pub fn sse_text(body: &str) -> Result<String, String> {
+pub fn sse_text(body: &str) -> Result<String, E2eError> {
     let mut text = String::new();
     let mut done = false;
     for line in body.lines() {
@@ -531,9 +540,9 @@ pub fn sse_text(body: &str) -> Result<String, String> {
             done = true;
             continue;
         }
-        let v: Value = serde_json::from_str(data).map_err(|e| format!("bad SSE chunk {data:?}: {e}"))?;
+        let v: Value = serde_json::from_str(data).map_err(E2eError::json(format!("bad SSE chunk {data:?}")))?;
         if v.get("error").is_some() {
-            return Err(format!("error in stream: {v}"));
+            return Err(E2eError::Answer { what: "error in stream", body: v.to_string() });
         }
         let choice = &v["choices"][0];
         if let Some(t) = choice["text"].as_str() {
@@ -545,7 +554,7 @@ pub fn sse_text(body: &str) -> Result<String, String> {
     if done {
         Ok(text)
     } else {
-        Err(format!("stream ended without [DONE]: {body:?}"))
+        Err(E2eError::Answer { what: "stream ended without [DONE]", body: format!("{body:?}") })
     }
 }
 
@@ -591,10 +600,11 @@ pub async fn post_json(
     url: &str,
     body: &Value,
     timeout: Duration,
-) -> Result<(u16, String), String> {
-    let resp = client.post(url).json(body).timeout(timeout).send().await.map_err(|e| format!("POST {url}: {e}"))?;
+) -> Result<(u16, String), E2eError> {
+    let http = |what: String| move |source| E2eError::Http { what, source };
+    let resp = client.post(url).json(body).timeout(timeout).send().await.map_err(http(format!("POST {url}")))?;
     let status = resp.status().as_u16();
-    let text = resp.text().await.map_err(|e| format!("POST {url}: body: {e}"))?;
+    let text = resp.text().await.map_err(http(format!("POST {url}: body")))?;
     Ok((status, text))
 }
 
@@ -716,7 +726,7 @@ impl Drop for Subscription {
 /// `workspace_bin("pd-sidecar", "pd-sidecar")`. Integration tests cannot use
 /// `CARGO_BIN_EXE_*` for other packages, so this runs `cargo build --workspace --all-features
 /// --bin BIN` (a no-op after the test command's build; `package` only names it in errors).
-pub fn workspace_bin(package: &str, bin: &str) -> Result<PathBuf, String> {
+pub fn workspace_bin(package: &str, bin: &str) -> Result<PathBuf, E2eError> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(repo_root())
@@ -724,31 +734,32 @@ pub fn workspace_bin(package: &str, bin: &str) -> Result<PathBuf, String> {
         // build instead of compiling the daemons again with other features.
         .args(["build", "--quiet", "--locked", "--workspace", "--all-features", "--bin", bin])
         .status()
-        .map_err(|e| format!("cargo build --bin {bin} (package {package}): {e}"))?;
+        .map_err(E2eError::io(format!("cargo build --bin {bin} (package {package})")))?;
     if !status.success() {
-        return Err(format!("cargo build --bin {bin} (package {package}): {status}"));
+        return Err(E2eError::Failed { what: format!("cargo build --bin {bin} (package {package})"), status });
     }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
     let path = target.join("debug").join(bin);
     if path.exists() {
         Ok(path)
     } else {
-        Err(format!("{} not found after building", path.display()))
+        Err(E2eError::NotBuilt { path })
     }
 }
 
 /// Waits (bounded) for `url` to answer 200, failing early when `proc` exits.
-pub fn wait_http_ok(proc: &mut Proc, url: &str, timeout: Duration) -> Result<Duration, String> {
+pub fn wait_http_ok(proc: &mut Proc, url: &str, timeout: Duration) -> Result<Duration, E2eError> {
     let start = Instant::now();
     loop {
         if http_status_blocking(url) == Some(200) {
             return Ok(start.elapsed());
         }
         if !proc.running() {
-            return Err(format!("{} exited during start; log tail:\n{}", proc.name, proc.log_tail(30)));
+            return Err(E2eError::ExitedDuringStart { name: proc.name.clone(), log_tail: proc.log_tail(30) });
         }
         if start.elapsed() > timeout {
-            return Err(format!("{}: {url} not 200 within {timeout:?}; log tail:\n{}", proc.name, proc.log_tail(30)));
+            let (name, log_tail) = (proc.name.clone(), proc.log_tail(30));
+            return Err(E2eError::NotReady { name, waited_for: format!("{url} not 200"), timeout, log_tail });
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -13,7 +13,7 @@ pub struct Outcome {
     pub took: Duration,
     /// `(status, text)`, status 0 for a 200 whose body could not be read; `Err` when no answer
     /// came.
-    pub result: Result<(u16, String), String>,
+    pub result: Result<(u16, String), crate::E2eError>,
 }
 
 /// What [`tally_after_kill`] counted.
@@ -61,7 +61,7 @@ pub fn tally_after_kill(outcomes: &[Outcome], killed_at: Duration, bound: Durati
 mod tests {
     use super::*;
 
-    fn outcome(index: usize, started_ms: u64, result: Result<(u16, String), String>) -> Outcome {
+    fn outcome(index: usize, started_ms: u64, result: Result<(u16, String), crate::E2eError>) -> Outcome {
         Outcome {
             index,
             started: Duration::from_millis(started_ms),

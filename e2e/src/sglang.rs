@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::{build_model, free_port_range, repo_root, wait_http_ok, Proc};
+use crate::{build_model, free_port_range, repo_root, wait_http_ok, E2eError, Proc};
 
 /// How to run the real-SGLang suite when it is skipped.
 pub const SGLANG_SKIP_HOW: &str = "install it with `ci/sglang/install.sh` (prints the venv) and run \
@@ -21,13 +21,14 @@ pub struct SglangSettings {
 
 impl SglangSettings {
     /// `Err(reason)` when the suite cannot run here (no `PD_SGLANG_VENV`).
-    pub fn from_env() -> Result<SglangSettings, String> {
+    pub fn from_env() -> Result<SglangSettings, E2eError> {
         let venv = std::env::var_os("PD_SGLANG_VENV")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
-            .ok_or_else(|| "PD_SGLANG_VENV is not set".to_string())?;
+            .ok_or(E2eError::Unset { var: "PD_SGLANG_VENV" })?;
         if !venv.join("lib").exists() || !venv.join("bin/python").exists() {
-            return Err(format!("PD_SGLANG_VENV={} is not a venv", venv.display()));
+            let value = venv.display().to_string();
+            return Err(E2eError::BadSetting { var: "PD_SGLANG_VENV", value, problem: "is not a venv" });
         }
         // The same tiny Llama the vLLM suite uses (make-model.py needs only `tokenizers`).
         let model = match std::env::var_os("PD_VLLM_MODEL") {
@@ -81,7 +82,7 @@ impl SglangServer {
     }
 
     /// Spawns the server; call [`SglangServer::wait_healthy`] next (lets several start together).
-    pub fn spawn(settings: &SglangSettings, spec: SglangSpec) -> Result<SglangServer, String> {
+    pub fn spawn(settings: &SglangSettings, spec: SglangSpec) -> Result<SglangServer, E2eError> {
         let mut args: Vec<String> =
             vec![repo_root().join("ci/sglang/engine.sh").display().to_string(), "run".into(), spec.name.clone()];
         let role = match spec.role {
@@ -109,7 +110,7 @@ impl SglangServer {
     }
 
     /// Waits (bounded) for `GET /health` to answer 200.
-    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<(), String> {
+    pub fn wait_healthy(&mut self, timeout: Duration) -> Result<(), E2eError> {
         let start = Instant::now();
         let health = format!("{}/health", self.url());
         wait_http_ok(&mut self.proc, &health, timeout)?;

@@ -93,9 +93,9 @@ impl Cluster {
     }
 }
 
-static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
+static CLUSTER: OnceLock<Result<Cluster, E2eError>> = OnceLock::new();
 
-fn start_cluster() -> Result<Cluster, String> {
+fn start_cluster() -> Result<Cluster, E2eError> {
     let t0 = Instant::now();
     let settings = SglangSettings::from_env()?;
     let base = settings.port_base;
@@ -205,16 +205,20 @@ fn start_cluster() -> Result<Cluster, String> {
 }
 
 /// Registers a real server with the coordinator (no sidecar: the coordinator health-checks it).
-fn register(coordinator: &str, server: &SglangServer, role: &str) -> Result<(), String> {
+fn register(coordinator: &str, server: &SglangServer, role: &str) -> Result<(), E2eError> {
     let spec = json!({
         "id": server.spec.name, "role": role, "node": "local", "model": MODEL,
         "engine_url": server.url(), "kv_events": server.events_endpoint(), "block_size": PAGE_SIZE,
     });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(E2eError::io("a runtime"))?;
     let (status, body) =
         rt.block_on(post_json(&client(), &format!("{coordinator}/v1/engines"), &spec, Duration::from_secs(10)))?;
     if status != 200 {
-        return Err(format!("registering {} with the coordinator: {status} {body}", server.spec.name));
+        return Err(E2eError::Status {
+            what: format!("registering {} with the coordinator", server.spec.name),
+            status,
+            body,
+        });
     }
     Ok(())
 }
@@ -260,22 +264,22 @@ impl Api {
     }
 
     /// The generated text of an answer (streamed or not).
-    fn text(self, body: &str, stream: bool) -> Result<String, String> {
+    fn text(self, body: &str, stream: bool) -> Result<String, E2eError> {
         match (self, stream) {
             (Api::Generate, false) => serde_json::from_str::<Value>(body)
-                .map_err(|e| format!("bad /generate answer {body:?}: {e}"))?["text"]
+                .map_err(E2eError::json(format!("bad /generate answer {body:?}")))?["text"]
                 .as_str()
                 .map(str::to_owned)
-                .ok_or_else(|| format!("no text in {body:?}")),
+                .ok_or_else(|| E2eError::Answer { what: "no text in", body: format!("{body:?}") }),
             (Api::Generate, true) => generate_stream_text(body),
             (_, true) => sse_text(body),
-            (_, false) => Ok(response_text(&serde_json::from_str(body).map_err(|e| format!("{body:?}: {e}"))?)),
+            (_, false) => Ok(response_text(&serde_json::from_str(body).map_err(E2eError::json(format!("{body:?}")))?)),
         }
     }
 }
 
 /// The text of a streamed `/generate`: every chunk carries the whole text so far.
-fn generate_stream_text(body: &str) -> Result<String, String> {
+fn generate_stream_text(body: &str) -> Result<String, E2eError> {
     let mut text = None;
     let mut done = false;
     for line in body.lines() {
@@ -284,15 +288,15 @@ fn generate_stream_text(body: &str) -> Result<String, String> {
             done = true;
             continue;
         }
-        let v: Value = serde_json::from_str(data).map_err(|e| format!("bad chunk {data:?}: {e}"))?;
+        let v: Value = serde_json::from_str(data).map_err(E2eError::json(format!("bad chunk {data:?}")))?;
         if v.get("error").is_some() {
-            return Err(format!("error in stream: {v}"));
+            return Err(E2eError::Answer { what: "error in stream", body: v.to_string() });
         }
         text = v["text"].as_str().map(str::to_owned);
     }
     match (text, done) {
         (Some(t), true) => Ok(t),
-        _ => Err(format!("stream ended without text and [DONE]: {body:?}")),
+        _ => Err(E2eError::Answer { what: "stream ended without text and [DONE]", body: format!("{body:?}") }),
     }
 }
 
@@ -759,7 +763,7 @@ fn t9_prefill_killed_during_a_run() {
                         if status == 200 {
                             match api.text(&text, stream) {
                                 Ok(t) => (status, t),
-                                Err(e) => (0, e),
+                                Err(e) => (0, e.to_string()),
                             }
                         } else {
                             (status, text)

@@ -62,9 +62,9 @@ impl Cluster {
     }
 }
 
-static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
+static CLUSTER: OnceLock<Result<Cluster, E2eError>> = OnceLock::new();
 
-fn start_cluster() -> Result<Cluster, String> {
+fn start_cluster() -> Result<Cluster, E2eError> {
     let t0 = Instant::now();
     let settings = VllmSettings::from_env()?;
     timing("model ready", t0.elapsed());
@@ -144,17 +144,21 @@ fn start_cluster() -> Result<Cluster, String> {
 }
 
 /// Registers a real engine with the coordinator (no sidecar: the coordinator health-checks it).
-fn register(coordinator: &str, engine: &Engine) -> Result<(), String> {
+fn register(coordinator: &str, engine: &Engine) -> Result<(), E2eError> {
     let spec = json!({
         "id": engine.spec.name, "role": "both", "node": "local", "model": MODEL,
         "engine_url": engine.url(), "kv_events": engine.events_endpoint(), "replay": engine.replay_endpoint(),
         "block_size": BLOCK_SIZE,
     });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(E2eError::io("a runtime"))?;
     let (status, body) =
         rt.block_on(post_json(&client(), &format!("{coordinator}/v1/engines"), &spec, Duration::from_secs(10)))?;
     if status != 200 {
-        return Err(format!("registering {} with the coordinator: {status} {body}", engine.spec.name));
+        return Err(E2eError::Status {
+            what: format!("registering {} with the coordinator", engine.spec.name),
+            status,
+            body,
+        });
     }
     Ok(())
 }
@@ -218,7 +222,7 @@ async fn pd_by_hand(
     decode: &str,
     route: &str,
     body: &Value,
-) -> Result<(u16, String), String> {
+) -> Result<(u16, String), E2eError> {
     let mut first = body.clone();
     first["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
         "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
@@ -227,12 +231,12 @@ async fn pd_by_hand(
     first["max_tokens"] = json!(1);
     let (status, text) = post_json(client, &format!("{prefill}{route}"), &first, REQUEST_TIMEOUT).await?;
     if status != 200 {
-        return Err(format!("prefill leg: {status} {text}"));
+        return Err(E2eError::Status { what: "prefill leg".into(), status, body: text });
     }
-    let answer: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    let answer: Value = serde_json::from_str(&text).map_err(E2eError::json("the prefill's answer"))?;
     let params = answer["kv_transfer_params"].clone();
     if params.is_null() {
-        return Err(format!("prefill returned no kv_transfer_params: {text}"));
+        return Err(E2eError::Answer { what: "prefill returned no kv_transfer_params", body: text });
     }
     let mut second = body.clone();
     second["kv_transfer_params"] = params;
@@ -646,7 +650,7 @@ fn t9_prefill_killed_during_a_run() {
                         if status == 200 && stream {
                             match sse_text(&text) {
                                 Ok(t) => (status, t),
-                                Err(e) => (0, e),
+                                Err(e) => (0, e.to_string()),
                             }
                         } else {
                             (status, text)

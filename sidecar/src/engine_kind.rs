@@ -38,6 +38,15 @@ pub fn from_server_info(body: &[u8]) -> Result<LocalEngine, ServerInfoError> {
     }
 }
 
+/// Why the local engine could not be asked (the request counts it as computing prompts).
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error("cannot build the server-info request: {0}")]
+    Request(#[from] http::Error),
+    #[error(transparent)]
+    Upstream(#[from] crate::errors::UpstreamError),
+}
+
 /// The learned kind, shared by routing and the leg executor.
 #[derive(Debug, Default)]
 pub struct EngineKind {
@@ -57,27 +66,26 @@ impl EngineKind {
         if ctx.cfg.mode != Mode::Sglang {
             return LocalEngine::ComputesPrompts;
         }
-        let asked = self.learned.get_or_try_init(|| ask(ctx, engine)).await;
-        asked.copied().unwrap_or_default()
+        match self.learned.get_or_try_init(|| ask(ctx, engine)).await {
+            Ok(kind) => *kind,
+            Err(error) => {
+                tracing::warn!(%error, "cannot ask the local engine for its disaggregation mode");
+                LocalEngine::default()
+            }
+        }
     }
 }
 
 /// Asks the engine, bounded by the connect timeout (at least 1 s) per call.
-async fn ask(ctx: &Context, engine: &Target) -> Result<LocalEngine, ()> {
+async fn ask(ctx: &Context, engine: &Target) -> Result<LocalEngine, AskError> {
     let timeout = ctx.cfg.connect_timeout.max(Duration::from_secs(1));
     for path in ["/server_info", "/get_server_info"] {
-        let req = upstream::json_request(Method::GET, &engine.url(path), None).map_err(|_| ())?;
-        let resp = match upstream::send(&ctx.client, engine, req, timeout).await {
-            Ok(resp) => resp,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot ask the local engine for its disaggregation mode");
-                return Err(());
-            }
-        };
+        let req = upstream::json_request(Method::GET, &engine.url(path), None)?;
+        let resp = upstream::send(&ctx.client, engine, req, timeout).await?;
         if !resp.status().is_success() {
             continue;
         }
-        let body = upstream::collect(engine, resp.into_body(), MAX_SERVER_INFO, timeout).await.map_err(|_| ())?;
+        let body = upstream::collect(engine, resp.into_body(), MAX_SERVER_INFO, timeout).await?;
         let kind = from_server_info(&body).unwrap_or_else(|e| {
             tracing::info!(%e, path, "the local engine reports no disaggregation mode; decoding locally stays allowed");
             LocalEngine::ComputesPrompts

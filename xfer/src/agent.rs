@@ -1,7 +1,7 @@
 //! The agent: backends, registrations, peers, requests and notifications.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -14,12 +14,12 @@ use parking_lot::Mutex;
 use xfer_core::credential::{ClusterCredential, SECRET_FILE_ENV};
 use xfer_core::{
     Backend, BackendBuffer, BackendContext, BackendParams, Capabilities, Desc, HostMemory, LocalRegion, MemType,
-    NotifSink, Op, RemoteSeg, Staging,
+    NotifSink, Op, RefusalCode, RemoteSeg, Staging,
 };
 
 use crate::error::{Side, XferError};
 use crate::grant::{Grant, GrantEntry, GrantToken};
-use crate::grant_offer::{Claim, GrantOffer, OfferTable, CLAIM_WAIT};
+use crate::grant_offer::{next_claim_attempt, Claim, GrantOffer, OfferTable};
 use crate::metadata::{AgentMetadata, BackendInfo, RegionInfo};
 use crate::notifs::NotifQueues;
 use crate::prepared::{pick, PreparedLocal, PreparedRemote};
@@ -671,7 +671,7 @@ impl AgentInner {
             }
             regions.push(PeerRegion { mem_type: region.mem_type, desc: region.desc, keys });
         }
-        Ok(Peer::new(md.name.clone(), md, links, regions))
+        Ok(Peer::new(md.name.clone(), md, links, regions, Vec::new()))
     }
 
     fn invalidate(&self, name: &str) -> Result<(), XferError> {
@@ -846,7 +846,7 @@ impl side_channel::Handler for SideChannelHandler {
         let reply = agent
             .inner
             .offers
-            .claim(&claim.name, claimant, CLAIM_WAIT, |ttl| agent.grant(claimant, claim.mem_type, &claim.ranges, ttl));
+            .claim(&claim.name, claimant, |ttl| agent.grant(claimant, claim.mem_type, &claim.ranges, ttl));
         Ok(crate::grant_offer::encode_reply(&reply))
     }
 }
@@ -920,40 +920,42 @@ impl Agent {
         let _writer = inner.writer.lock();
         let peer = inner.peer(&token.agent)?;
         let backends = inner.backends.load();
-        let published = peer.regions.len() - peer.grants;
         let copy = |r: &PeerRegion| PeerRegion { mem_type: r.mem_type, desc: r.desc, keys: r.keys.clone() };
         let mut granted: Vec<PeerRegion> = Vec::new();
         for entry in &token.entries {
             let Some(slot) = backends.iter().position(|b| b.name == entry.backend) else { continue };
             let Some(link) = peer.link(slot) else { continue };
-            if !peer.regions[..published].iter().any(|r| r.mem_type == entry.mem_type && r.desc == entry.region) {
+            if !peer.published().iter().any(|r| r.mem_type == entry.mem_type && r.desc == entry.region) {
                 return Err(XferError::InvalidArgument(format!(
                     "grant token names a region {:#x}+{} that {} has not published",
                     entry.region.addr, entry.region.len, token.agent
                 )));
             }
             let key = link.remote.unpack_key(&entry.key).map_err(|e| XferError::backend(backends[slot].name, e))?;
-            for &(addr, len) in &entry.ranges {
+            // An empty range grants no byte; the lookup's index holds only non-empty ones.
+            for &(addr, len) in entry.ranges.iter().filter(|(_, len)| *len > 0) {
                 let desc = Desc::new(addr, len, entry.region.dev_id);
+                if !entry.region.contains(&desc) {
+                    return Err(XferError::InvalidArgument(format!(
+                        "grant token grants {addr:#x}+{len} outside its region {:#x}+{}",
+                        entry.region.addr, entry.region.len
+                    )));
+                }
                 granted.push(PeerRegion { mem_type: entry.mem_type, desc, keys: vec![(slot, Arc::clone(&key))] });
             }
         }
         // Earlier grants of exactly the same ranges are replaced (a re-grant after reuse).
-        let older = peer.regions[published..]
-            .iter()
-            .filter(|old| !granted.iter().any(|new| new.mem_type == old.mem_type && new.desc == old.desc))
-            .map(copy);
-        let mut regions: Vec<PeerRegion> = peer.regions[..published].iter().map(copy).collect();
-        regions.extend(older);
-        regions.extend(granted);
+        let regranted: HashSet<(MemType, Desc)> = granted.iter().map(|r| (r.mem_type, r.desc)).collect();
+        let mut loaded: Vec<PeerRegion> =
+            peer.granted().iter().filter(|old| !regranted.contains(&(old.mem_type, old.desc))).map(copy).collect();
+        loaded.extend(granted);
         let links = peer
             .links
             .iter()
             .map(|l| PeerLink { slot: l.slot, conn_info: l.conn_info.clone(), remote: Arc::clone(&l.remote) })
             .collect();
-        let mut updated = Peer::new(peer.name.clone(), peer.metadata.clone(), links, Vec::new());
-        updated.grants = regions.len() - published;
-        updated.regions = regions;
+        let published = peer.published().iter().map(copy).collect();
+        let updated = Peer::new(peer.name.clone(), peer.metadata.clone(), links, published, loaded);
         let mut peers = inner.peers.load().as_ref().clone();
         peers.insert(token.agent.clone(), Arc::new(updated));
         inner.peers.store(Arc::new(peers));
@@ -970,20 +972,27 @@ impl Agent {
     /// Claims the grant a peer offered under `name`, over `ranges` of its memory, from its side
     /// channel at `addr`, and loads it ([`Agent::load_grant`]); returns the peer's name. A
     /// revoked or expired offer is refused with `Refused { code: Revoked }`, one another peer
-    /// claimed with `WrongAgent`, a name never offered (after the peer waited a moment for it)
-    /// with `UnknownKey`.
+    /// claimed with `WrongAgent`, a name never offered with `UnknownKey` (after asking again,
+    /// backing off, for up to [`crate::grant_offer::CLAIM_WAIT`]).
     pub fn claim_grant(&self, addr: &str, name: &str, mem_type: MemType, ranges: &[Desc]) -> Result<String, XferError> {
         let claim =
             Claim { name: name.to_string(), claimant: self.inner.name.clone(), mem_type, ranges: ranges.to_vec() };
-        let reply = side_channel::call_as(
-            addr,
-            SideOp::Claim,
-            &claim.encode()?,
-            side_channel::IO_TIMEOUT + CLAIM_WAIT,
-            self.inner.client_auth(),
-        )
-        .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })?;
-        let token = crate::grant_offer::decode_reply(&reply)?;
+        let body = claim.encode()?;
+        let started = std::time::Instant::now();
+        let mut attempts = 0;
+        let token = loop {
+            let reply =
+                side_channel::call_as(addr, SideOp::Claim, &body, side_channel::IO_TIMEOUT, self.inner.client_auth())
+                    .map_err(|source| XferError::SideChannel { addr: addr.to_string(), source })?;
+            attempts += 1;
+            let answer = crate::grant_offer::decode_reply(&reply);
+            // Not offered yet: the target may learn of the memory after we learn where to read.
+            let not_yet = matches!(answer, Err(XferError::Refused { code: RefusalCode::UnknownKey, .. }));
+            match next_claim_attempt(started, std::time::Instant::now(), attempts).filter(|_| not_yet) {
+                Some(pause) => std::thread::sleep(pause),
+                None => break answer?,
+            }
+        };
         self.load_grant(&token)
     }
 }

@@ -26,6 +26,7 @@
 mod agent;
 mod error;
 pub mod grant;
+mod grant_index;
 pub mod grant_offer;
 pub mod metadata;
 mod notifs;

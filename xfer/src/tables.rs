@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use xfer_core::{Desc, LocalRegion, MemType, RemoteAgent, RemoteKey};
 
+use crate::grant_index::GrantIndex;
 use crate::metadata::AgentMetadata;
 
 /// Index of a backend in the agent's attach order.
@@ -107,33 +108,47 @@ pub(crate) struct Peer {
     pub name: String,
     pub metadata: AgentMetadata,
     pub links: Vec<PeerLink>,
-    /// The published regions (sorted), then the `grants` granted ranges loaded since
+    /// The published regions (sorted), then the granted ranges loaded since
     /// (`Agent::load_grant`), newest last, each with its grant's keys.
     pub regions: Vec<PeerRegion>,
-    pub grants: usize,
+    published: usize,
+    grant_index: GrantIndex,
 }
 
 impl Peer {
-    pub fn new(name: String, metadata: AgentMetadata, links: Vec<PeerLink>, mut regions: Vec<PeerRegion>) -> Peer {
-        regions.sort_by_key(|r| order(r.mem_type, &r.desc));
-        Peer { name, metadata, links, regions, grants: 0 }
+    /// A peer with its `published` regions and the `granted` ranges loaded from its grant
+    /// tokens, oldest first.
+    pub fn new(
+        name: String,
+        metadata: AgentMetadata,
+        links: Vec<PeerLink>,
+        mut published: Vec<PeerRegion>,
+        granted: Vec<PeerRegion>,
+    ) -> Peer {
+        published.sort_by_key(|r| order(r.mem_type, &r.desc));
+        let grant_index = GrantIndex::new(&granted);
+        let count = published.len();
+        published.extend(granted);
+        Peer { name, metadata, links, regions: published, published: count, grant_index }
+    }
+
+    pub fn published(&self) -> &[PeerRegion] {
+        &self.regions[..self.published]
+    }
+
+    /// The loaded granted ranges, oldest first.
+    pub fn granted(&self) -> &[PeerRegion] {
+        &self.regions[self.published..]
     }
 
     /// The region (or granted range) a descriptor goes through: the newest grant containing
     /// it, else the newest overlapping it (the peer then refuses the part outside), else the
     /// published region containing it.
     pub fn find(&self, mem_type: MemType, desc: &Desc) -> Option<usize> {
-        let published = self.regions.len() - self.grants;
-        let granted = &self.regions[published..];
-        let of_type = |r: &&PeerRegion| r.mem_type == mem_type;
-        let grant = granted
-            .iter()
-            .rposition(|r| of_type(&r) && r.desc.contains(desc))
-            .or_else(|| granted.iter().rposition(|r| of_type(&r) && r.desc.overlaps(desc)));
-        if let Some(index) = grant {
-            return Some(published + index);
+        if let Some(index) = self.grant_index.find(self.granted(), mem_type, desc) {
+            return Some(self.published + index);
         }
-        find_containing(&self.regions[..published], |r| (r.mem_type, r.desc), mem_type, desc)
+        find_containing(self.published(), |r| (r.mem_type, r.desc), mem_type, desc)
     }
 
     pub fn link(&self, slot: Slot) -> Option<&PeerLink> {

@@ -42,6 +42,7 @@ pub fn all() -> Vec<Seed> {
     seeds.extend(tcp_frames());
     seeds.extend(metadata_blobs());
     seeds.extend(side_channel());
+    seeds.extend(grant_claims());
     seeds.extend(ucx());
     seeds.extend(kv_events());
     seeds.extend(coordinator_api());
@@ -112,23 +113,63 @@ fn side_channel() -> Vec<Seed> {
         ("put", SideOp::Put, agent_metadata().encode()),
         ("invalidate", SideOp::Invalidate, b"prefill-0".to_vec()),
     ];
-    requests.into_iter().map(|(name, op, body)| seed("side_channel", name, captured_request(op, &body))).collect()
+    let empty_success = [0, 0, 0, 0, 0];
+    requests
+        .into_iter()
+        .map(|(name, op, body)| {
+            let request = captured_request(&empty_success, |addr| {
+                side_channel::call(addr, op, &body, Duration::from_secs(5)).expect("the call succeeds");
+            });
+            seed("side_channel", name, request)
+        })
+        .collect()
 }
 
-fn captured_request(op: SideOp, body: &[u8]) -> Vec<u8> {
+/// Claim bodies as `Agent::claim_grant` sends them, read off a socket (the claim encoder is
+/// private to xfer), answered with a refusal so that the claimant does not ask again.
+fn grant_claims() -> Vec<Seed> {
+    let agent = xfer::Agent::new("decode-0").expect("an agent");
+    let revoked: &[u8] = &[0, 6, 0, 0, 0, 7, 0, b'g', b'o', b'n', b'e'];
+    let claims = [
+        ("one-block", MemType::Dram, vec![Desc::new(0x7f00_0000_0000, 16 << 10, 0)]),
+        (
+            "three-layers",
+            MemType::Vram,
+            vec![Desc::new(0x1000, 4096, 1), Desc::new(0x9000, 8192, 1), Desc::new(0x40_0000, 4096, 1)],
+        ),
+    ];
+    claims
+        .into_iter()
+        .map(|(name, mem_type, ranges)| {
+            let request = captured_request(revoked, |addr| {
+                let refused =
+                    agent.claim_grant(addr, "cmpl-42", mem_type, &ranges).expect_err("answered with a refusal");
+                assert!(matches!(refused, xfer::XferError::Refused { code: xfer::RefusalCode::Revoked, .. }));
+            });
+            seed("grant_claim", name, request[9..].to_vec())
+        })
+        .collect()
+}
+
+/// The request `call` makes to a side channel at the address it is given (header and body),
+/// answered with `answer`.
+fn captured_request(answer: &[u8], call: impl FnOnce(&str)) -> Vec<u8> {
     let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
     let addr = listener.local_addr().expect("bound").to_string();
-    let expected = 9 + body.len();
+    let answer = answer.to_vec();
     let server = std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().expect("the client connects");
         stream.set_read_timeout(Some(Duration::from_secs(5))).expect("a timeout");
-        let mut request = vec![0u8; expected];
-        stream.read_exact(&mut request).expect("the whole request");
-        // An empty success answer ends the call.
-        stream.write_all(&[0, 0, 0, 0, 0]).expect("the answer");
+        let mut header = [0u8; 9];
+        stream.read_exact(&mut header).expect("the header");
+        let (_, len) = side_channel::decode_request_header(&header).expect("a valid header");
+        let mut request = header.to_vec();
+        request.resize(9 + len, 0);
+        stream.read_exact(&mut request[9..]).expect("the whole request");
+        stream.write_all(&answer).expect("the answer");
         request
     });
-    side_channel::call(&addr, op, body, Duration::from_secs(5)).expect("the call succeeds");
+    call(&addr);
     server.join().expect("the capturing thread")
 }
 

@@ -39,6 +39,7 @@ fn accepted(seed: &Seed) -> bool {
         "side_channel" => bytes.get(..9).and_then(|h| <&[u8; 9]>::try_from(h).ok()).is_some_and(|header| {
             xfer::side_channel::decode_request_header(header).is_ok_and(|(_, len)| len == bytes.len() - 9)
         }),
+        "grant_claim" => xfer::grant_offer::recode_claim(bytes).is_ok_and(|canonical| canonical == bytes),
         "ucx_conn_info" => xfer_ucx::decode_conn_info(bytes).is_ok(),
         "ucx_keys" => xfer_ucx::UcxRemoteKey::decode(bytes).is_ok(),
         "kv_event_batch" | "kv_event_mutations" => pd_protocols::kv_events::decode_batch(bytes).is_ok(),

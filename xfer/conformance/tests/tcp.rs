@@ -24,6 +24,7 @@ xfer_conformance::conformance_tests!(
         grants,
         grant_writes,
         late_read_storm,
+        early_claims_hold_no_handler,
         completion_styles,
     ]
 );

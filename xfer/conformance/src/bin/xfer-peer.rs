@@ -4,7 +4,8 @@
 //! `READY <side-channel> <buffer-addr> <buffer-len>`, then answers one line per stdin command:
 //! `fill SEED OFF LEN`, `hash OFF LEN`, `notifs`, `dereg`, `free`, `quit` (see the crate docs),
 //! `grant PEER OFF LEN TTL_MS` (answers `OK ID TOKEN-HEX`) and `revoke ID` (answers once the
-//! grant can no longer touch the memory).
+//! grant can no longer touch the memory), `offer NAME TTL_MS` (offers a grant to be claimed
+//! over the side channel; `revoke-offer NAME` ends it, answering how many grants were claimed).
 //! Errors are answered `ERR <message>`; bad input never ends the process, only `quit` or EOF
 //! does. With `--alloc backend` the buffer is allocated by the backend (`Agent::allocate`).
 
@@ -16,7 +17,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser;
 use xfer::credential::ClusterCredential;
-use xfer::{Agent, BackendParams, BackendRegistry, Desc, Grant, HostBuffer, MemType, Registration};
+use xfer::{Agent, BackendParams, BackendRegistry, Desc, Grant, GrantOffer, HostBuffer, MemType, Registration};
 use xfer_conformance::pattern::{self, Buffer, Check};
 
 #[derive(Debug, Parser)]
@@ -62,6 +63,7 @@ struct Target {
     agent: Agent,
     grants: HashMap<u64, Grant>,
     next_grant: u64,
+    offers: HashMap<String, GrantOffer>,
 }
 
 fn main() {
@@ -128,6 +130,7 @@ fn start(args: &Args) -> anyhow::Result<(Agent, Target, String)> {
         agent: agent.clone(),
         grants: HashMap::new(),
         next_grant: 1,
+        offers: HashMap::new(),
     };
     Ok((agent, target, side_channel.to_string()))
 }
@@ -164,6 +167,15 @@ impl Target {
                     Ok(String::new())
                 }
                 None => bail!("no grant {id}"),
+            },
+            ["offer", name, ttl_ms] => {
+                let offer = self.agent.offer_grant(name, Duration::from_millis(number(ttl_ms)?));
+                self.offers.insert(name.to_string(), offer);
+                Ok(String::new())
+            }
+            ["revoke-offer", name] => match self.offers.remove(*name) {
+                Some(offer) => Ok(offer.revoke().to_string()),
+                None => bail!("no offer {name}"),
             },
             ["notifs"] => Ok(std::mem::take(&mut *lock(&self.log)).join(",")),
             ["dereg"] => match self.registration.take() {

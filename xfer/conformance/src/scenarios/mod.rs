@@ -18,6 +18,7 @@ use crate::peer::{peer_exe, Peer, PeerConfig};
 
 mod auth;
 mod choice;
+mod claims;
 mod dereg;
 mod errors;
 mod faults;
@@ -36,6 +37,7 @@ pub mod wire_tcp;
 
 pub use auth::strangers_are_refused;
 pub use choice::picks_by_capability_and_falls_back_to_tcp;
+pub use claims::early_claims_hold_no_handler;
 pub use dereg::{
     dereg_initiator_races_transfers, dereg_target_races_transfers, dereg_target_races_transfers_disconnecting,
 };
