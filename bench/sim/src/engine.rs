@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::content;
 use crate::events::EventSink;
 use crate::faults::Faults;
+use crate::interference::{Law, PrefillLog};
 use crate::lease::{LeaseTable, Notif, Released};
 use crate::mem::PoolMemory;
 use crate::metrics::{add, Gauges, Metrics};
@@ -93,6 +94,47 @@ pub struct Engine {
     pub grant_loading: Mutex<()>,
     pub xfer_port: u16,
     pub started: Instant,
+    /// The prefills this engine computed lately: what its decode steps pay for.
+    pub prefill_log: Mutex<PrefillLog>,
+}
+
+/// A request's decode steps, timed by the interference law from its first step on. Steps follow
+/// each other on a logical clock (each starts at the previous one's deadline), so timer lateness
+/// does not add up over a long output.
+#[derive(Debug)]
+pub struct DecodeSteps {
+    since: Instant,
+    next: Instant,
+}
+
+impl DecodeSteps {
+    pub fn new(now: Instant) -> DecodeSteps {
+        DecodeSteps { since: now, next: now }
+    }
+
+    /// The deadline of the next step; `None` when it takes no time (the zero-time model needs no
+    /// timer).
+    pub fn next(&mut self, engine: &Engine) -> Option<Instant> {
+        let law = engine.law();
+        let prefill = if law.factor > 0.0 && law.prefill_us_per_token > 0.0 {
+            engine.prefill_log.lock().tokens_between(self.since, self.next)
+        } else {
+            0.0
+        };
+        let step = Duration::from_secs_f64(law.step_us(prefill).min(1e12) / 1e6);
+        self.since = self.next;
+        self.next += step;
+        (!step.is_zero()).then_some(self.next)
+    }
+
+    /// Runs `n` steps.
+    pub async fn run(&mut self, engine: &Engine, n: usize) {
+        for _ in 0..n {
+            if let Some(deadline) = self.next(engine) {
+                tokio::time::sleep_until(deadline.into()).await;
+            }
+        }
+    }
 }
 
 impl Engine {
@@ -137,10 +179,21 @@ impl Engine {
             grant_loading: Mutex::new(()),
             xfer_port,
             started: Instant::now(),
+            prefill_log: Mutex::new(PrefillLog::default()),
             engine_id,
             tokenizer,
             cfg,
         }))
+    }
+
+    /// The interference law with this engine's timing.
+    pub fn law(&self) -> Law {
+        Law {
+            decode_us: self.cfg.decode_us_per_token,
+            prefill_us_per_token: self.cfg.prefill_us_per_token,
+            factor: self.cfg.interference_factor,
+            budget_tokens: self.cfg.step_token_budget,
+        }
     }
 
     pub fn prompt(&self, tokens: Vec<u32>) -> Prompt {
