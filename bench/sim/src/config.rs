@@ -75,7 +75,7 @@ pub struct Config {
     #[arg(long, default_value_t = 0.0)]
     pub decode_us_per_token: f64,
     /// How much of a prefill token's time each decode step running beside it pays (the
-    /// interference law, bench/sim/README.md "Timing"); 0 turns it off.
+    /// interference law, bench/sim/README.md "Prefill/decode interference"); 0 turns it off.
     #[arg(long, default_value_t = 1.0)]
     pub interference_factor: f64,
     /// Prefill tokens one step carries at most (vLLM's max_num_batched_tokens): caps what a
