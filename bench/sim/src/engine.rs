@@ -98,39 +98,37 @@ pub struct Engine {
     pub prefill_log: Mutex<PrefillLog>,
 }
 
-/// A request's decode steps, timed by the interference law from its first step on. Steps follow
-/// each other on a logical clock (each starts at the previous one's deadline), so timer lateness
-/// does not add up over a long output.
+/// A request's decode steps, timed by the interference law. Each step is charged with the
+/// prefill computed since the previous one began, by the clock: a late timer shows as a longer
+/// gap, as it would to a client.
 #[derive(Debug)]
 pub struct DecodeSteps {
     since: Instant,
-    next: Instant,
 }
 
 impl DecodeSteps {
     pub fn new(now: Instant) -> DecodeSteps {
-        DecodeSteps { since: now, next: now }
+        DecodeSteps { since: now }
     }
 
-    /// The deadline of the next step; `None` when it takes no time (the zero-time model needs no
-    /// timer).
-    pub fn next(&mut self, engine: &Engine) -> Option<Instant> {
+    /// The deadline of the step starting at `now`; `None` when it takes no time (the zero-time
+    /// model needs no timer).
+    pub fn next(&mut self, engine: &Engine, now: Instant) -> Option<Instant> {
         let law = engine.law();
         let prefill = if law.factor > 0.0 && law.prefill_us_per_token > 0.0 {
-            engine.prefill_log.lock().tokens_between(self.since, self.next)
+            engine.prefill_log.lock().tokens_between(self.since, now)
         } else {
             0.0
         };
+        self.since = now;
         let step = Duration::from_secs_f64(law.step_us(prefill).min(1e12) / 1e6);
-        self.since = self.next;
-        self.next += step;
-        (!step.is_zero()).then_some(self.next)
+        (!step.is_zero()).then(|| now + step)
     }
 
     /// Runs `n` steps.
     pub async fn run(&mut self, engine: &Engine, n: usize) {
         for _ in 0..n {
-            if let Some(deadline) = self.next(engine) {
+            if let Some(deadline) = self.next(engine, Instant::now()) {
                 tokio::time::sleep_until(deadline.into()).await;
             }
         }
