@@ -15,7 +15,7 @@ use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
 use crate::pairing::{choose, cost, Candidate, Load, TierWeights, Weights};
-use crate::placement::{Placement, Site, Timings, Verdict};
+use crate::placement::{Placement, Site, Timings};
 use crate::ranks::{self, UndeclaredRank};
 use crate::rekey::Rekeyer;
 
@@ -403,9 +403,15 @@ impl Cluster {
         }
         sites.clear();
         sites.extend(prefills.iter().map(site));
-        let prefill = match self.settings.placement.decide(&self.timings, req.prompt_tokens, site(&decode), sites) {
-            Verdict::Local => None,
-            Verdict::Disaggregate(i) => prefills.get(i).copied(),
+        let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, site(&decode), sites);
+        let (decode, prefill) = match verdict.and_then_prefill(prefills) {
+            None => (decode, None),
+            // An engine that can decode as well keeps what it would compute: the same stall
+            // there without the pull, and the prompt's blocks in one cache instead of two.
+            Some(p) => match decodes.iter().find(|c| c.engine == p.engine) {
+                Some(&there) if matches!(self.settings.placement, Placement::Adaptive { .. }) => (there, None),
+                _ => (decode, Some(p)),
+            },
         };
         let decision = Decision {
             decode: decode.engine,

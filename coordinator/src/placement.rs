@@ -16,7 +16,8 @@
 //! - disaggregated to `p`: `prefill(u_p) + handoff(u_d) + running_p × per_token × u_p`.
 //!
 //! The decode keeps the prompt when local costs no more (affinity first); it is disaggregated
-//! only where the interference avoided outweighs the transfer. Until every line has a few
+//! only where the interference avoided outweighs the transfer, and where the better engine can
+//! decode as well, the request moves there whole instead (the caller's part: `cluster.rs`). Until every line has a few
 //! observations of its own, the fixed [`LocalPrefillPolicy`] decides (it disaggregates long
 //! uncached prompts, so both kinds get observed); an operator's explicit thresholds always
 //! decide.
@@ -179,6 +180,16 @@ pub enum Verdict {
     Local,
     /// Computed on `prefills[i]`.
     Disaggregate(usize),
+}
+
+impl Verdict {
+    /// The prefill engine it names among `prefills`.
+    pub fn and_then_prefill<T: Copy>(self, prefills: &[T]) -> Option<T> {
+        match self {
+            Verdict::Local => None,
+            Verdict::Disaggregate(i) => prefills.get(i).copied(),
+        }
+    }
 }
 
 impl Placement {
