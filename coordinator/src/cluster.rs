@@ -907,6 +907,37 @@ mod tests {
         assert_eq!(c.pair(req("busy", &fresh), at, [0.0; 2]).unwrap().prefill, Some(0));
     }
 
+    /// Colocated, warm: a fresh prompt preferred on a busy engine moves whole to an idle one that
+    /// can decode, rather than being prefilled there and pulled.
+    #[test]
+    fn a_better_engine_that_can_decode_takes_the_whole_request() {
+        use crate::placement::Sample;
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("e0", Role::Both), now);
+        c.register(spec("e1", Role::Both), now);
+        for tokens in [64, 500, 1024, 2000] {
+            let us = |per: u64| Duration::from_micros(3000 + per * tokens);
+            c.timings.observe(Sample::Prefill { tokens, took: us(100) });
+            c.timings.observe(Sample::Handoff { tokens, took: us(2) });
+            c.timings.observe(Sample::Local { tokens, took: us(100) });
+        }
+        let prefer = Some(Preference { engine: 0, max_cost_ratio: f64::INFINITY });
+        for i in 0..3 {
+            c.handoffs.routed(&format!("busy{i}"), None, 0, 8, now);
+        }
+        let fresh: Vec<u64> = (0..64).map(|b| 10_000 + b).collect();
+        let d = c.pair_preferring(req("fresh", &fresh), prefer, now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.prefill), (1, None), "{d:?}");
+        // Fixed thresholds disaggregate it as before.
+        let fixed = Settings { placement: Placement::Fixed(Default::default()), ..Settings::default() };
+        let mut f = Cluster::new(fixed);
+        f.register(spec("e0", Role::Both), now);
+        f.register(spec("e1", Role::Both), now);
+        let d = f.pair_preferring(req("fresh", &fresh), prefer, now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.prefill), (0, Some(1)));
+    }
+
     #[test]
     fn short_uncached_part_decodes_locally_and_no_decode_is_an_error() {
         let now = Instant::now();
