@@ -267,6 +267,9 @@ impl Cluster {
         cmd.args(["--listen", &format!("{ip}:{COORDINATOR_PORT}"), "--no-grpc", "--workers", "1"])
             .args(["--lease-ms", &ms(t.coordinator_lease), "--heartbeat-ms", &ms(t.heartbeat)])
             .args(["--health-interval-ms", &ms(t.health_interval), "--health-timeout-ms", &ms(t.health_timeout)])
+            // The scenarios break disaggregated requests: the fixed placement rule disaggregates
+            // their mostly new prompts, where the learned one could keep them on idle decodes.
+            .args(["--local-prefill-max-tokens", "2048"])
             .env_remove("PD_COORDINATOR_CONFIG")
             .env("RUST_LOG", child_log());
         Ok(cmd)

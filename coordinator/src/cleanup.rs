@@ -244,7 +244,7 @@ mod tests {
             for step in steps {
                 match *step {
                     PrefillDone(p) => c.prefill_done("r", p.map(params), now),
-                    DecodeStarted => c.decode_started("r"),
+                    DecodeStarted => c.decode_started("r", now),
                     Finished => c.finished("r"),
                 }
             }

@@ -14,7 +14,8 @@ use crate::cleanup::Cleanup;
 use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
-use crate::pairing::{choose, cost, Candidate, Load, LocalPrefillPolicy, TierWeights, Weights};
+use crate::pairing::{choose, cost, Candidate, Load, TierWeights, Weights};
+use crate::placement::{Placement, Site, Timings};
 use crate::ranks::{self, UndeclaredRank};
 use crate::rekey::Rekeyer;
 
@@ -23,7 +24,8 @@ pub struct Settings {
     pub lease: Duration,
     pub weights: Weights,
     pub tier_weights: TierWeights,
-    pub local_prefill: LocalPrefillPolicy,
+    /// Whether the decode computes a prompt itself (`crate::placement`).
+    pub placement: Placement,
     /// A handoff older than this is phantom load.
     pub handoff_max_age: Duration,
     /// How long a routing decision counts as "the decode now holds this prefix" before the
@@ -40,7 +42,7 @@ impl Default for Settings {
             lease: Duration::from_secs(3),
             weights: Weights::default(),
             tier_weights: TierWeights::default(),
-            local_prefill: LocalPrefillPolicy::default(),
+            placement: Placement::default(),
             handoff_max_age: Duration::from_secs(120),
             speculative_ttl: Duration::from_secs(2),
             rekey_sglang_adapters: false,
@@ -143,6 +145,8 @@ pub struct Cluster {
     scratch: Scratch,
     cleanup: Cleanup,
     rekeyer: Rekeyer,
+    /// Prefill, handoff and local-prefill times seen so far.
+    timings: Timings,
 }
 
 #[derive(Debug, Default)]
@@ -154,6 +158,7 @@ struct Scratch {
     overlap_of: Vec<Overlap>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
+    sites: Vec<Site>,
     /// The slots the lookup found, so that the speculative insert after it does not probe
     /// for them again (most of a decision's time is those probes' cache misses).
     probes: Probes,
@@ -189,6 +194,7 @@ impl Cluster {
             scratch: Scratch::default(),
             cleanup: Cleanup::default(),
             rekeyer: Rekeyer::default(),
+            timings: Timings::default(),
             settings,
         }
     }
@@ -331,7 +337,7 @@ impl Cluster {
         uniform: [f64; 2],
         scratch: &mut Scratch,
     ) -> Result<Decision, PairError> {
-        let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
+        let Scratch { overlaps, overlap_of, decodes, prefills, sites, probes } = scratch;
         for &(holder, _) in overlaps.iter() {
             if let Some(overlap) = overlap_of.get_mut(ranks::engine_of(holder)) {
                 *overlap = Overlap::default(); // the previous decision's
@@ -382,15 +388,30 @@ impl Cluster {
             }
         }
         let decode = decodes[chosen];
-        let cached_tokens = decode.overlap_blocks.saturating_mul(u64::from(req.block_size));
-        let prefill = if self.settings.local_prefill.prefill_locally(req.prompt_tokens, cached_tokens) {
-            None
-        } else {
-            prefills.clear();
-            prefills.extend(
-                self.membership.live_iter(req.model, Role::prefills).filter(|&e| e != decode.engine).map(candidate),
-            );
-            choose(prefills, new_blocks, weights, uniform[1]).map(|i| prefills[i])
+        let block_size = u64::from(req.block_size);
+        let site = |c: &Candidate| Site {
+            uncached_tokens: req.prompt_tokens.saturating_sub(c.overlap_blocks.saturating_mul(block_size)),
+            running: self.handoffs.running(c.engine),
+        };
+        prefills.clear();
+        prefills.extend(
+            self.membership.live_iter(req.model, Role::prefills).filter(|&e| e != decode.engine).map(candidate),
+        );
+        // Best first by affinity and load, the fixed policy's pick.
+        if let Some(best) = choose(prefills, new_blocks, weights, uniform[1]) {
+            prefills.swap(0, best);
+        }
+        sites.clear();
+        sites.extend(prefills.iter().map(site));
+        let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, site(&decode), sites);
+        let (decode, prefill) = match verdict.and_then_prefill(prefills) {
+            None => (decode, None),
+            // An engine that can decode as well keeps what it would compute: the same stall
+            // there without the pull, and the prompt's blocks in one cache instead of two.
+            Some(p) => match decodes.iter().find(|c| c.engine == p.engine) {
+                Some(&there) if matches!(self.settings.placement, Placement::Adaptive { .. }) => (there, None),
+                _ => (decode, Some(p)),
+            },
         };
         let decision = Decision {
             decode: decode.engine,
@@ -401,7 +422,10 @@ impl Cluster {
             prefill_rank: prefill.as_ref().and_then(rank_of),
         };
         let uncached = new_blocks.saturating_sub(decision.prefill_overlap_blocks.max(decision.decode_overlap_blocks));
+        let computed = site(prefill.as_ref().unwrap_or(&decode)).uncached_tokens;
+        let pulled = site(&decode).uncached_tokens;
         self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
+        self.handoffs.measure(req.request_id, computed, pulled);
         // Both engines will hold the prefix shortly; say so until their events confirm it. An
         // engine that publishes events confirms what it holds, so its matched prefix needs no
         // guess; one without events keeps its routed prefix fresh (TTL).
@@ -526,14 +550,23 @@ impl Cluster {
     /// The prefill computed `request`; `params` are what its decode pulls with, kept to
     /// release the blocks should the decode never come.
     pub fn prefill_done(&mut self, request: &str, params: Option<Box<RawValue>>, now: Instant) {
-        self.handoffs.prefill_done(request);
+        if let Some(sample) = self.handoffs.prefill_done(request, now) {
+            self.timings.observe(sample);
+        }
         if let Some(params) = params {
             self.cleanup.hold(request.to_string(), params, now);
         }
     }
 
-    pub fn decode_started(&mut self, request: &str) {
-        self.handoffs.decode_started(request);
+    pub fn decode_started(&mut self, request: &str, now: Instant) {
+        if let Some(sample) = self.handoffs.decode_started(request, now) {
+            self.timings.observe(sample);
+        }
+    }
+
+    /// What the placement has learned.
+    pub fn timings(&self) -> &Timings {
+        &self.timings
     }
 
     /// The request ended (any outcome): nothing is held for it any more.
@@ -581,6 +614,7 @@ mod tests {
     use pd_protocols::kv_events::{BlockHash, KvEvent};
 
     use super::*;
+    use crate::placement::WARM_SAMPLES as WARM;
 
     fn spec(id: &str, role: Role) -> EngineSpec {
         EngineSpec {
@@ -834,6 +868,76 @@ mod tests {
         assert_eq!(c.handoffs.len(), 1);
     }
 
+    /// The reports' timestamps teach the placement: once warm, an idle decode keeps a fresh
+    /// prompt, and a busy one hands it to the prefill engine.
+    #[test]
+    fn placement_learns_from_the_reports() {
+        let t0 = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("p0", Role::Prefill), t0);
+        c.register(spec("d0", Role::Decode), t0);
+        let ms = Duration::from_millis;
+        // Cold: a fresh 1024-token prompt is disaggregated, a mostly cached one stays (the fixed
+        // rule); each reports back: 100 µs a computed token, 1 ms plus 2 µs a pulled one.
+        for i in 0..WARM {
+            let at = t0 + ms(1000 * i);
+            let fresh: Vec<u64> = (0..64).map(|b| 1000 * i + b + 10_000).collect();
+            let id = format!("fresh{i}");
+            let d = c.pair(req(&id, &fresh), at, [0.0; 2]).unwrap();
+            assert_eq!(d.prefill, Some(0), "cold: the fixed rule disaggregates {id}");
+            c.prefill_done(&id, None, at + ms(103));
+            c.decode_started(&id, at + ms(103) + Duration::from_micros(1000 + 2 * 1024));
+            c.finished(&id);
+            // The same prompt again, now cached on the decode (its events would say so).
+            c.apply_events(1, 0, &stored(&fresh[..60])).unwrap();
+            let again: Vec<u64> = fresh.iter().copied().chain([1]).collect();
+            let id = format!("hit{i}");
+            assert_eq!(c.pair(req(&id, &again), at, [0.0; 2]).unwrap().prefill, None);
+            c.decode_started(&id, at + ms(1) + Duration::from_micros(100 * 80));
+            c.finished(&id);
+        }
+        assert!(c.timings().warm());
+        assert!((c.timings().prefill.line().1 - 0.1).abs() < 0.01, "{:?}", c.timings().prefill.line());
+        // Warm, idle decode: the fresh prompt stays (the pull would only add its time).
+        let at = t0 + ms(100_000);
+        let fresh: Vec<u64> = (0..64).map(|b| 900_000 + b).collect();
+        assert_eq!(c.pair(req("idle", &fresh), at, [0.0; 2]).unwrap().prefill, None);
+        // That one decoding there would lose ~100 ms to the next: disaggregate.
+        let fresh: Vec<u64> = (0..64).map(|b| 800_000 + b).collect();
+        assert_eq!(c.pair(req("busy", &fresh), at, [0.0; 2]).unwrap().prefill, Some(0));
+    }
+
+    /// Colocated, warm: a fresh prompt preferred on a busy engine moves whole to an idle one that
+    /// can decode, rather than being prefilled there and pulled.
+    #[test]
+    fn a_better_engine_that_can_decode_takes_the_whole_request() {
+        use crate::placement::Sample;
+        let now = Instant::now();
+        let mut c = Cluster::new(Settings::default());
+        c.register(spec("e0", Role::Both), now);
+        c.register(spec("e1", Role::Both), now);
+        for tokens in [64, 500, 1024, 2000] {
+            let us = |per: u64| Duration::from_micros(3000 + per * tokens);
+            c.timings.observe(Sample::Prefill { tokens, took: us(100) });
+            c.timings.observe(Sample::Handoff { tokens, took: us(2) });
+            c.timings.observe(Sample::Local { tokens, took: us(100) });
+        }
+        let prefer = Some(Preference { engine: 0, max_cost_ratio: f64::INFINITY });
+        for i in 0..3 {
+            c.handoffs.routed(&format!("busy{i}"), None, 0, 8, now);
+        }
+        let fresh: Vec<u64> = (0..64).map(|b| 10_000 + b).collect();
+        let d = c.pair_preferring(req("fresh", &fresh), prefer, now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.prefill), (1, None), "{d:?}");
+        // Fixed thresholds disaggregate it as before.
+        let fixed = Settings { placement: Placement::Fixed(Default::default()), ..Settings::default() };
+        let mut f = Cluster::new(fixed);
+        f.register(spec("e0", Role::Both), now);
+        f.register(spec("e1", Role::Both), now);
+        let d = f.pair_preferring(req("fresh", &fresh), prefer, now, [0.0; 2]).unwrap();
+        assert_eq!((d.decode, d.prefill), (0, Some(1)));
+    }
+
     #[test]
     fn short_uncached_part_decodes_locally_and_no_decode_is_an_error() {
         let now = Instant::now();
@@ -856,7 +960,7 @@ mod tests {
         c.register(spec("d1", Role::Decode), now);
         let hashes: Vec<u64> = (1..=200).collect();
         let d = c.pair(req("r1", &hashes), now, [0.0; 2]).unwrap();
-        c.handoffs.prefill_done("r1");
+        let _ = c.handoffs.prefill_done("r1", now);
         let actions = c.engine_died(d.decode, now);
         let [Action::Release { notice, .. }] = &actions[..] else { panic!("{actions:?}") };
         assert_eq!((notice.request_id.as_str(), notice.prefill.as_str()), ("r1", "p0"));

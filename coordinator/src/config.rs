@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::api::EngineSpecJson;
 use crate::cluster::Settings;
 use crate::pairing::{LocalPrefillPolicy, TierWeights, Weights};
+use crate::placement::Placement;
 use crate::prompt::BlockHashScheme;
 use crate::topic::TopicPattern;
 
@@ -129,12 +130,15 @@ pub struct Config {
     /// 0 picks the cheapest engine; above 0 samples among near-best ones.
     #[arg(long, env = "PD_COORDINATOR_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
-    /// Prefill on the decode engine itself when fewer uncached tokens than this remain...
-    #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_TOKENS", default_value_t = 2048)]
-    pub local_prefill_max_tokens: u64,
-    /// ...and they are less than this share of the prompt.
-    #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_RATIO", default_value_t = 0.7)]
-    pub local_prefill_max_ratio: f64,
+    /// Fixes the placement: prefill on the decode engine itself when fewer uncached tokens than
+    /// this remain... Unset (with the ratio), the coordinator learns where to compute each
+    /// prompt from the prefill and transfer times it observes (coordinator/README.md,
+    /// "Placement"), deciding by 2048 and 0.7 until it has seen a few of each.
+    #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_TOKENS")]
+    pub local_prefill_max_tokens: Option<u64>,
+    /// ...and they are less than this share of the prompt (also fixes the placement).
+    #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_RATIO")]
+    pub local_prefill_max_ratio: Option<f64>,
     /// A pair request's local_engine stays the decode unless its cost exceeds this × the best.
     #[arg(long, env = "PD_COORDINATOR_LOCAL_DECODE_SLACK", default_value_t = 1.5)]
     pub local_decode_slack: f64,
@@ -252,7 +256,7 @@ impl Config {
             self.temperature,
             self.cpu_tier_weight,
             self.disk_tier_weight,
-            self.local_prefill_max_ratio,
+            self.local_prefill_max_ratio.unwrap_or_default(),
             self.local_decode_slack,
         ];
         if finite.iter().any(|v| !v.is_finite() || *v < 0.0 || *v > 1e7) {
@@ -292,6 +296,18 @@ impl Config {
     }
 
     /// The sans-I/O core's settings.
+    /// Learned, unless a threshold is given (the other then keeps its default).
+    fn placement(&self) -> Placement {
+        if self.local_prefill_max_tokens.is_none() && self.local_prefill_max_ratio.is_none() {
+            return Placement::default();
+        }
+        let d = LocalPrefillPolicy::default();
+        Placement::Fixed(LocalPrefillPolicy {
+            max_uncached_tokens: self.local_prefill_max_tokens.unwrap_or(d.max_uncached_tokens),
+            max_uncached_ratio: self.local_prefill_max_ratio.unwrap_or(d.max_uncached_ratio),
+        })
+    }
+
     pub fn settings(&self) -> Settings {
         Settings {
             lease: self.lease(),
@@ -301,10 +317,7 @@ impl Config {
                 temperature: self.temperature,
             },
             tier_weights: TierWeights { cpu: self.cpu_tier_weight, disk: self.disk_tier_weight },
-            local_prefill: LocalPrefillPolicy {
-                max_uncached_tokens: self.local_prefill_max_tokens,
-                max_uncached_ratio: self.local_prefill_max_ratio,
-            },
+            placement: self.placement(),
             handoff_max_age: Duration::from_secs_f64(self.handoff_max_age_secs),
             speculative_ttl: Duration::from_millis(self.speculative_ttl_ms),
             rekey_sglang_adapters: self.block_hash == BlockHashScheme::Sglang,

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::pairing::Load;
+use crate::placement::Sample;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
@@ -24,6 +25,14 @@ pub struct Handoff {
     pub blocks: u64,
     pub stage: Stage,
     pub deadline: Instant,
+    pub routed_at: Instant,
+    pub prefill_done_at: Option<Instant>,
+    /// `decode_started` was reported (its time measured).
+    pub decode_seen: bool,
+    /// Prompt tokens the engine computing the prompt lacks, and those the decode lacks (what it
+    /// pulls when disaggregated): what the observed times are per ([`Handoffs::measure`]).
+    pub computed_tokens: u64,
+    pub pulled_tokens: u64,
 }
 
 /// What the caller must do after a change.
@@ -42,54 +51,101 @@ pub struct Handoffs {
     live: HashMap<String, Handoff>,
     /// What `live` adds up to per engine (by engine id), kept as handoffs change: pairing asks
     /// for every candidate's load on every decision.
-    loads: Vec<Load>,
+    loads: Loads,
+}
+
+/// Per engine: blocks queued and decoding, and requests on their decode engine once the prompt
+/// is there (held or decoding; from the pairing for a local prefill).
+#[derive(Debug, Default)]
+struct Loads {
+    blocks: Vec<Load>,
+    running: Vec<u64>,
 }
 
 /// Adds (`add`) or takes back a handoff's share of its engines' load.
-fn account(loads: &mut Vec<Load>, h: &Handoff, add: bool) {
-    let mut apply = |engine: usize, value: fn(&mut Load) -> &mut u64| {
-        if loads.len() <= engine {
-            loads.resize(engine + 1, Load::default());
-        }
-        let value = value(&mut loads[engine]);
-        *value = if add { value.saturating_add(h.blocks) } else { value.saturating_sub(h.blocks) };
+fn account(loads: &mut Loads, h: &Handoff, add: bool) {
+    let engines = h.decode.max(h.prefill.unwrap_or(0)) + 1;
+    if loads.blocks.len() < engines {
+        loads.blocks.resize(engines, Load::default());
+        loads.running.resize(engines, 0);
+    }
+    let change = |value: &mut u64, by: u64| {
+        *value = if add { value.saturating_add(by) } else { value.saturating_sub(by) };
     };
     match (h.stage, h.prefill) {
-        (Stage::Prefilling, Some(prefill)) => apply(prefill, |l| &mut l.queued_prefill_blocks),
-        (Stage::Decoding, _) => apply(h.decode, |l| &mut l.active_decode_blocks),
+        (Stage::Prefilling, Some(prefill)) => change(&mut loads.blocks[prefill].queued_prefill_blocks, h.blocks),
+        (Stage::Decoding, _) => change(&mut loads.blocks[h.decode].active_decode_blocks, h.blocks),
         _ => {}
+    }
+    if h.stage != Stage::Prefilling {
+        change(&mut loads.running[h.decode], 1);
     }
 }
 
 impl Handoffs {
     pub fn new(max_age: Duration) -> Self {
-        Handoffs { max_age, live: HashMap::new(), loads: Vec::new() }
+        Handoffs { max_age, live: HashMap::new(), loads: Loads::default() }
     }
 
     /// A routing decision: `prefill` is `None` when the decode prefills locally.
     pub fn routed(&mut self, request: &str, prefill: Option<usize>, decode: usize, blocks: u64, now: Instant) {
         let stage = if prefill.is_some() { Stage::Prefilling } else { Stage::Decoding };
-        let handoff = Handoff { prefill, decode, blocks, stage, deadline: now + self.max_age };
+        let handoff = Handoff {
+            prefill,
+            decode,
+            blocks,
+            stage,
+            deadline: now + self.max_age,
+            routed_at: now,
+            prefill_done_at: None,
+            decode_seen: false,
+            computed_tokens: 0,
+            pulled_tokens: 0,
+        };
         account(&mut self.loads, &handoff, true);
         if let Some(old) = self.live.insert(request.to_string(), handoff) {
             account(&mut self.loads, &old, false);
         }
     }
 
-    pub fn prefill_done(&mut self, request: &str) {
+    /// The tokens a routed request's times are measured against.
+    pub fn measure(&mut self, request: &str, computed_tokens: u64, pulled_tokens: u64) {
         if let Some(h) = self.live.get_mut(request) {
-            if h.stage == Stage::Prefilling {
-                account(&mut self.loads, h, false);
-                h.stage = Stage::Held;
-            }
+            (h.computed_tokens, h.pulled_tokens) = (computed_tokens, pulled_tokens);
         }
     }
 
-    pub fn decode_started(&mut self, request: &str) {
-        if let Some(h) = self.live.get_mut(request) {
-            account(&mut self.loads, h, false);
-            h.stage = Stage::Decoding;
-            account(&mut self.loads, h, true);
+    /// The prefill holds the KV; returns how long its leg took.
+    pub fn prefill_done(&mut self, request: &str, now: Instant) -> Option<Sample> {
+        let h = self.live.get_mut(request)?;
+        if h.stage != Stage::Prefilling {
+            return None;
+        }
+        account(&mut self.loads, h, false);
+        h.stage = Stage::Held;
+        account(&mut self.loads, h, true);
+        h.prefill_done_at = Some(now);
+        Some(Sample::Prefill { tokens: h.computed_tokens, took: now.saturating_duration_since(h.routed_at) })
+    }
+
+    /// The decode's first output; returns how long the handoff took (disaggregated) or the
+    /// local prefill, once per request.
+    pub fn decode_started(&mut self, request: &str, now: Instant) -> Option<Sample> {
+        let h = self.live.get_mut(request)?;
+        account(&mut self.loads, h, false);
+        h.stage = Stage::Decoding;
+        account(&mut self.loads, h, true);
+        if std::mem::replace(&mut h.decode_seen, true) {
+            return None;
+        }
+        match (h.prefill, h.prefill_done_at) {
+            (Some(_), Some(done)) => {
+                Some(Sample::Handoff { tokens: h.pulled_tokens, took: now.saturating_duration_since(done) })
+            }
+            (None, _) => {
+                Some(Sample::Local { tokens: h.computed_tokens, took: now.saturating_duration_since(h.routed_at) })
+            }
+            (Some(_), None) => None,
         }
     }
 
@@ -153,8 +209,11 @@ impl Handoffs {
             }
             true
         });
-        if let Some(load) = self.loads.get_mut(engine) {
+        if let Some(load) = self.loads.blocks.get_mut(engine) {
             *load = Load::default();
+        }
+        if let Some(running) = self.loads.running.get_mut(engine) {
+            *running = 0;
         }
     }
 
@@ -178,7 +237,12 @@ impl Handoffs {
 
     /// The load the coordinator itself put on an engine.
     pub fn load(&self, engine: usize) -> Load {
-        self.loads.get(engine).copied().unwrap_or_default()
+        self.loads.blocks.get(engine).copied().unwrap_or_default()
+    }
+
+    /// Requests on `engine` as their decode, once their prompt is there.
+    pub fn running(&self, engine: usize) -> u64 {
+        self.loads.running.get(engine).copied().unwrap_or(0)
     }
 
     pub fn len(&self) -> usize {
@@ -200,9 +264,9 @@ mod tests {
         let mut h = Handoffs::new(Duration::from_secs(60));
         h.routed("r1", Some(0), 1, 10, now);
         assert_eq!(h.load(0), Load { active_decode_blocks: 0, queued_prefill_blocks: 10 });
-        h.prefill_done("r1");
+        h.prefill_done("r1", now);
         assert_eq!(h.load(0), Load::default());
-        h.decode_started("r1");
+        h.decode_started("r1", now);
         assert_eq!(h.load(1), Load { active_decode_blocks: 10, queued_prefill_blocks: 0 });
         assert!(h.finished("r1").is_some());
         assert!(h.is_empty());
@@ -213,7 +277,7 @@ mod tests {
         let now = Instant::now();
         let mut h = Handoffs::new(Duration::from_secs(60));
         h.routed("held", Some(0), 1, 4, now);
-        h.prefill_done("held");
+        h.prefill_done("held", now);
         h.routed("prefilling", Some(2), 1, 4, now);
         h.routed("other", Some(2), 3, 4, now);
         let actions = h.engine_died(1);
@@ -229,12 +293,12 @@ mod tests {
         let now = Instant::now();
         let mut h = Handoffs::new(Duration::from_secs(60));
         h.routed("held", Some(0), 1, 4, now);
-        h.prefill_done("held");
+        h.prefill_done("held", now);
         h.routed("prefilling", Some(0), 1, 4, now);
         h.routed("local", None, 1, 4, now);
         h.routed("decoding", Some(0), 1, 4, now);
-        h.prefill_done("decoding");
-        h.decode_started("decoding");
+        h.prefill_done("decoding", now);
+        h.decode_started("decoding", now);
         assert_eq!(h.failed("held"), vec![Action::Release { request: "held".into(), prefill: 0 }]);
         for nothing_held in ["prefilling", "local", "decoding", "unknown", "held"] {
             assert_eq!(h.failed(nothing_held), vec![], "{nothing_held}");
@@ -248,7 +312,7 @@ mod tests {
         let now = Instant::now();
         let mut h = Handoffs::new(Duration::from_secs(30));
         h.routed("stuck", Some(0), 1, 8, now);
-        h.prefill_done("stuck");
+        h.prefill_done("stuck", now);
         h.routed("young", Some(0), 1, 8, now + Duration::from_secs(20));
         let actions = h.expire(now + Duration::from_secs(31));
         assert_eq!(actions, vec![Action::Release { request: "stuck".into(), prefill: 0 }]);
@@ -275,8 +339,12 @@ mod tests {
                     x % 17,
                     at,
                 ),
-                3 => h.prefill_done(&request),
-                4 => h.decode_started(&request),
+                3 => {
+                    let _ = h.prefill_done(&request, at);
+                }
+                4 => {
+                    let _ = h.decode_started(&request, at);
+                }
                 5 => drop(h.finished(&request)),
                 6 if x.is_multiple_of(4) => {
                     let engine = (x >> 8) as usize % 5;
@@ -297,6 +365,8 @@ mod tests {
                     }
                 }
                 assert_eq!(h.load(engine), want, "step {step}, engine {engine}");
+                let running = h.live.values().filter(|x| x.decode == engine && x.stage != Stage::Prefilling).count();
+                assert_eq!(h.running(engine), running as u64, "step {step}, engine {engine}");
             }
         }
     }

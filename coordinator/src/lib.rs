@@ -19,6 +19,7 @@ pub mod ingest;
 pub mod membership;
 pub mod metrics;
 pub mod pairing;
+pub mod placement;
 pub mod prompt;
 pub mod ranks;
 pub mod rekey;

@@ -508,6 +508,12 @@ impl Reporter {
         self.params = Some(params.to_string());
     }
 
+    /// The decode produced its first output: the coordinator times the handoff (or the local
+    /// prefill) by it.
+    pub fn decode_started(&self) {
+        self.send(ReportEvent::DecodeStarted, Some(self.c.engine_id()), None, None);
+    }
+
     /// Another sidecar owns the request now (it was redirected there): report nothing.
     pub fn disown(mut self) {
         self.done = true;

@@ -47,6 +47,13 @@ impl Finish {
         }
     }
 
+    /// The decode's first output arrived.
+    pub fn decode_started(&self) {
+        if let Some(r) = &self.reporter {
+            r.decode_started();
+        }
+    }
+
     /// The decode will not use the blocks: free them now.
     pub fn release_now(&mut self) {
         self.release = None;

@@ -87,6 +87,14 @@ impl Row {
             _ => None,
         }
     }
+
+    /// None without streamed gaps (non-streaming runs, one-token outputs).
+    fn p99_itl(&self) -> Option<f64> {
+        match &self.outcome {
+            Outcome::Measured(m) if m.summary.itl_ms.count > 0 => Some(m.summary.itl_ms.p99),
+            _ => None,
+        }
+    }
 }
 
 /// What the run was, for the report's header.
@@ -113,13 +121,16 @@ pub fn load_average() -> Option<[f64; 3]> {
 
 /// Mean-TTFT ratios per repetition: the coordinator (P/D) over round-robin's, over
 /// vllm-router's in P/D mode and over vllm-router's regular (colocated) mode, and the
-/// coordinator-colocated setup over vllm-router-colocated. Null where a setup did not run.
+/// coordinator-colocated setup over vllm-router-colocated; then the same two P/D and
+/// colocated pairs' ITL p99 ratios. Null where a setup did not run.
 pub fn ratios(rows: &[Row]) -> Vec<Value> {
     let reps = rows.iter().map(|r| r.rep).max().unwrap_or(0);
     (1..=reps)
         .map(|rep| {
             let of = |k: SetupKind| rows.iter().find(|r| r.rep == rep && r.kind == k).and_then(Row::mean_ttft);
             let over = |a: SetupKind, b: SetupKind| of(a).zip(of(b)).map(|(a, b)| a / b);
+            let itl = |k: SetupKind| rows.iter().find(|r| r.rep == rep && r.kind == k).and_then(Row::p99_itl);
+            let itl_over = |a: SetupKind, b: SetupKind| itl(a).zip(itl(b)).map(|(a, b)| a / b);
             json!({
                 "run": rep,
                 "coordinator_over_round_robin": over(SetupKind::Coordinator, SetupKind::RoundRobin),
@@ -127,6 +138,9 @@ pub fn ratios(rows: &[Row]) -> Vec<Value> {
                 "coordinator_over_vllm_router_colocated": over(SetupKind::Coordinator, SetupKind::VllmRouterColocated),
                 "coordinator_colocated_over_vllm_router_colocated":
                     over(SetupKind::CoordinatorColocated, SetupKind::VllmRouterColocated),
+                "itl_p99_coordinator_over_vllm_router": itl_over(SetupKind::Coordinator, SetupKind::VllmRouter),
+                "itl_p99_coordinator_colocated_over_vllm_router_colocated":
+                    itl_over(SetupKind::CoordinatorColocated, SetupKind::VllmRouterColocated),
             })
         })
         .collect()
@@ -195,8 +209,19 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
     let mut out = format!("{}\n", describe(c));
     let _ = writeln!(
         out,
-        "{:>3} {:<26} {:>5} {:>6} {:>12} {:>9} {:>9} {:>9} {:>14} {:>8}  coordinator pairings",
-        "run", "setup", "ok", "failed", "mean TTFT ms", "p50 TTFT", "p99 TTFT", "hit rate", "by engine %", "KV MB"
+        "{:>3} {:<26} {:>5} {:>6} {:>12} {:>9} {:>9} {:>8} {:>8} {:>9} {:>14} {:>8}  coordinator pairings",
+        "run",
+        "setup",
+        "ok",
+        "failed",
+        "mean TTFT ms",
+        "p50 TTFT",
+        "p99 TTFT",
+        "p50 ITL",
+        "p99 ITL",
+        "hit rate",
+        "by engine %",
+        "KV MB"
     );
     for r in rows {
         match &r.outcome {
@@ -207,7 +232,7 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
                 let t = &m.summary.ttft_ms;
                 let _ = writeln!(
                     out,
-                    "{:>3} {:<26} {:>5} {:>6} {:>12.2} {:>9.2} {:>9.2} {:>8.1}% {:>14} {:>8.2}  {}",
+                    "{:>3} {:<26} {:>5} {:>6} {:>12.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>8.1}% {:>14} {:>8.2}  {}",
                     r.rep,
                     r.name,
                     m.summary.ok,
@@ -215,6 +240,8 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
                     t.mean,
                     t.p50,
                     t.p99,
+                    m.summary.itl_ms.p50,
+                    m.summary.itl_ms.p99,
                     100.0 * m.kv.prefix_hit_rate,
                     engine_hits(m),
                     m.kv.bytes / 1e6,
@@ -227,13 +254,16 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
         let _ = writeln!(
             out,
             "run {}: coordinator mean TTFT = {} x round-robin, {} x vllm-router ({}), {} x vllm-router-colocated; \
+             coordinator-colocated = {} x vllm-router-colocated; ITL p99: coordinator = {} x vllm-router, \
              coordinator-colocated = {} x vllm-router-colocated",
             v["run"],
             fmt_ratio(&v["coordinator_over_round_robin"]),
             fmt_ratio(&v["coordinator_over_vllm_router"]),
             c.vllm_router_policy,
             fmt_ratio(&v["coordinator_over_vllm_router_colocated"]),
-            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"])
+            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"]),
+            fmt_ratio(&v["itl_p99_coordinator_over_vllm_router"]),
+            fmt_ratio(&v["itl_p99_coordinator_colocated_over_vllm_router_colocated"])
         );
     }
     let _ = writeln!(out, "load average before: {}, after: {}", fmt_load(c.load.0), fmt_load(c.load.1));
@@ -261,25 +291,27 @@ pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
         let _ = write!(md, " Coordinator flags: `{}`.", c.coordinator_args.join(" "));
     }
     md.push_str(
-        "\n\n| run | setup | ok | mean TTFT ms | p50 | p99 | prefix hit rate | by engine % | KV MB | coordinator pairings |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+        "\n\n| run | setup | ok | mean TTFT ms | p50 | p99 | ITL p50 ms | ITL p99 | prefix hit rate | by engine % | KV MB | coordinator pairings |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         match &r.outcome {
             Outcome::Skipped { why } => {
-                let _ = writeln!(md, "| {} | {} | skipped: {} ||||||||", r.rep, r.name, why.replace('|', "/"));
+                let _ = writeln!(md, "| {} | {} | skipped: {} ||||||||||", r.rep, r.name, why.replace('|', "/"));
             }
             Outcome::Measured(m) => {
                 let t = &m.summary.ttft_ms;
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.1}% | {} | {:.2} | {} |",
+                    "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1}% | {} | {:.2} | {} |",
                     r.rep,
                     r.name,
                     m.summary.ok,
                     t.mean,
                     t.p50,
                     t.p99,
+                    m.summary.itl_ms.p50,
+                    m.summary.itl_ms.p99,
                     100.0 * m.kv.prefix_hit_rate,
                     engine_hits(m),
                     m.kv.bytes / 1e6,
@@ -291,18 +323,21 @@ pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
     let _ = write!(
         md,
         "\n| run | coordinator / round-robin | coordinator / vllm-router ({0}) | coordinator / vllm-router-colocated ({0}) \
-         | coordinator-colocated / vllm-router-colocated ({0}) |\n|---|---|---|---|---|\n",
+         | coordinator-colocated / vllm-router-colocated ({0}) | ITL p99: coordinator / vllm-router | ITL p99: \
+         coordinator-colocated / vllm-router-colocated |\n|---|---|---|---|---|---|---|\n",
         c.vllm_router_policy
     );
     for v in ratios(rows) {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             v["run"],
             fmt_ratio(&v["coordinator_over_round_robin"]),
             fmt_ratio(&v["coordinator_over_vllm_router"]),
             fmt_ratio(&v["coordinator_over_vllm_router_colocated"]),
-            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"])
+            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"]),
+            fmt_ratio(&v["itl_p99_coordinator_over_vllm_router"]),
+            fmt_ratio(&v["itl_p99_coordinator_colocated_over_vllm_router_colocated"])
         );
     }
     md

@@ -74,6 +74,14 @@ pub struct Config {
     /// Decode time per output token, microseconds.
     #[arg(long, default_value_t = 0.0)]
     pub decode_us_per_token: f64,
+    /// How much of a prefill token's time each decode step running beside it pays (the
+    /// interference law, bench/sim/README.md "Prefill/decode interference"); 0 turns it off.
+    #[arg(long, default_value_t = 1.0)]
+    pub interference_factor: f64,
+    /// Prefill tokens one step carries at most (vLLM's max_num_batched_tokens): caps what a
+    /// single decode step pays for interference.
+    #[arg(long, default_value_t = 2048)]
+    pub step_token_budget: u64,
     /// Requests running at once; more wait in a queue.
     #[arg(long, default_value_t = 256)]
     pub max_running: usize,
@@ -215,11 +223,11 @@ impl Config {
         if !(0.0..=1.0).contains(&self.error_rate) {
             return bad("error-rate must be within 0..=1");
         }
-        if self.max_running == 0 {
-            return bad("max-running must be positive");
+        if self.max_running == 0 || self.step_token_budget == 0 {
+            return bad("max-running and step-token-budget must be positive");
         }
         // Durations are bounded by their parser; the per-token rates are plain numbers.
-        let rates = [self.prefill_us_per_token, self.decode_us_per_token];
+        let rates = [self.prefill_us_per_token, self.decode_us_per_token, self.interference_factor];
         if rates.iter().any(|s| !s.is_finite() || *s < 0.0 || *s > 1e9) {
             return bad("times must be finite, non-negative and below 1e9");
         }

@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::content;
 use crate::events::EventSink;
 use crate::faults::Faults;
+use crate::interference::{Law, PrefillLog};
 use crate::lease::{LeaseTable, Notif, Released};
 use crate::mem::PoolMemory;
 use crate::metrics::{add, Gauges, Metrics};
@@ -93,6 +94,45 @@ pub struct Engine {
     pub grant_loading: Mutex<()>,
     pub xfer_port: u16,
     pub started: Instant,
+    /// The prefills this engine computed lately: what its decode steps pay for.
+    pub prefill_log: Mutex<PrefillLog>,
+}
+
+/// A request's decode steps, timed by the interference law. Each step is charged with the
+/// prefill computed since the previous one began, by the clock: a late timer shows as a longer
+/// gap, as it would to a client.
+#[derive(Debug)]
+pub struct DecodeSteps {
+    since: Instant,
+}
+
+impl DecodeSteps {
+    pub fn new(now: Instant) -> DecodeSteps {
+        DecodeSteps { since: now }
+    }
+
+    /// The deadline of the step starting at `now`; `None` when it takes no time (the zero-time
+    /// model needs no timer).
+    pub fn next(&mut self, engine: &Engine, now: Instant) -> Option<Instant> {
+        let law = engine.law();
+        let prefill = if law.factor > 0.0 && law.prefill_us_per_token > 0.0 {
+            engine.prefill_log.lock().tokens_between(self.since, now)
+        } else {
+            0.0
+        };
+        self.since = now;
+        let step = Duration::from_secs_f64(law.step_us(prefill).min(1e12) / 1e6);
+        (!step.is_zero()).then(|| now + step)
+    }
+
+    /// Runs `n` steps.
+    pub async fn run(&mut self, engine: &Engine, n: usize) {
+        for _ in 0..n {
+            if let Some(deadline) = self.next(engine, Instant::now()) {
+                tokio::time::sleep_until(deadline.into()).await;
+            }
+        }
+    }
 }
 
 impl Engine {
@@ -137,10 +177,21 @@ impl Engine {
             grant_loading: Mutex::new(()),
             xfer_port,
             started: Instant::now(),
+            prefill_log: Mutex::new(PrefillLog::default()),
             engine_id,
             tokenizer,
             cfg,
         }))
+    }
+
+    /// The interference law with this engine's timing.
+    pub fn law(&self) -> Law {
+        Law {
+            decode_us: self.cfg.decode_us_per_token,
+            prefill_us_per_token: self.cfg.prefill_us_per_token,
+            factor: self.cfg.interference_factor,
+            budget_tokens: self.cfg.step_token_budget,
+        }
     }
 
     pub fn prompt(&self, tokens: Vec<u32>) -> Prompt {

@@ -11,6 +11,7 @@ pub mod events;
 pub mod faults;
 pub mod harness;
 pub mod http;
+pub mod interference;
 pub mod lease;
 pub mod mem;
 pub mod metrics;

@@ -13,7 +13,7 @@ use pd_protocols::kv_params::{KvTransferParams, GRANT_KEY, RELEASE_REQUEST_ID_SU
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use crate::config::{FailurePolicy, Role};
-use crate::engine::{random_hex, Engine, Prompt};
+use crate::engine::{random_hex, DecodeSteps, Engine, Prompt};
 use crate::faults::Verdict;
 use crate::metrics::add;
 use crate::openai::{ApiError, Bootstrap, Endpoint, GenRequest, PromptInput};
@@ -295,7 +295,7 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
 
     match mode {
         Mode::RemoteDecode(decode_agent) => {
-            respond::pause(out.len(), engine.cfg.decode_us_per_token).await;
+            DecodeSteps::new(Instant::now()).run(engine, out.len()).await;
             engine.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
             let blocks = std::mem::take(&mut held.blocks);
             let mut params = lease_params(engine, &internal_id, &blocks, &prompt, hit);
@@ -305,14 +305,14 @@ async fn run(engine: &Arc<Engine>, endpoint: Endpoint, headers: &HeaderMap, body
             Ok(respond::full(&meta, &text(engine, &out), out.len(), Some(&params)))
         }
         Mode::RoomPrefill(b) => {
-            respond::pause(out.len(), engine.cfg.decode_us_per_token).await;
+            DecodeSteps::new(Instant::now()).run(engine, out.len()).await;
             engine.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
             sglang::hold_until_pulled(engine, &mut held, b.room, prompt.tokens.len()).await?;
             Ok(respond::full(&meta, &text(engine, &out), out.len(), None))
         }
         _ if req.stream => Ok(stream(engine, meta, out, held, req.include_usage, arrived)),
         _ => {
-            respond::pause(out.len(), engine.cfg.decode_us_per_token).await;
+            DecodeSteps::new(Instant::now()).run(engine, out.len()).await;
             engine.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
             drop(held);
             Ok(respond::full(&meta, &text(engine, &out), out.len(), None))
@@ -399,6 +399,8 @@ async fn reserve(
 async fn compute(engine: &Arc<Engine>, prompt: &Prompt, blocks: &[BlockId], hit: usize) {
     engine.fill(prompt, blocks, hit);
     let computed = prompt.tokens.len() - hit * engine.cfg.block_size;
+    let took = Duration::from_secs_f64(computed as f64 * engine.cfg.prefill_us_per_token / 1e6);
+    engine.prefill_log.lock().record(Instant::now(), took, computed as u64);
     respond::pause(computed, engine.cfg.prefill_us_per_token).await;
     add(&engine.metrics.prompt_tokens_local, computed as u64);
     engine.commit(prompt, blocks, hit);
@@ -531,12 +533,12 @@ fn stream(
     let engine = Arc::clone(engine);
     tokio::spawn(async move {
         let _held = held;
-        let per_token = engine.cfg.decode_us_per_token;
+        let mut steps = DecodeSteps::new(Instant::now());
         if meta.endpoint == Endpoint::Chat && tx.send(respond::chunk(&meta, "", true, None)).await.is_err() {
             return;
         }
         for (i, &token) in out.iter().enumerate() {
-            respond::pause(1, per_token).await;
+            steps.run(&engine, 1).await;
             if i == 0 {
                 engine.metrics.ttft.observe(arrived.elapsed().as_secs_f64());
             }

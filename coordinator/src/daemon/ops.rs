@@ -340,7 +340,7 @@ impl Coordinator {
                     Vec::new()
                 }
                 ReportEvent::DecodeStarted => {
-                    inner.cluster.decode_started(&id);
+                    inner.cluster.decode_started(&id, Instant::now());
                     Vec::new()
                 }
                 ReportEvent::Finished => {
