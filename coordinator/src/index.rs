@@ -886,7 +886,7 @@ impl PrefixIndex {
             return None;
         }
         let local = e.global.len() as u32;
-        e.ascending = e.ascending && e.global.iter().rev().find(|&&g| g != NONE).map_or(true, |&g| g < engine);
+        e.ascending = e.ascending && e.global.iter().rev().find(|&&g| g != NONE).is_none_or(|&g| g < engine);
         e.local.insert(engine, local);
         e.global.push(engine);
         e.exact.push(0);
