@@ -16,6 +16,9 @@ use super::PrefixIndex;
 /// again and again between a lookup's two atomic reads; bounded by one write's time).
 const TRIES_BEFORE_WAITING: usize = 64;
 
+/// Attempts at the old front's write lock before the writer parks on it.
+const SPINS_BEFORE_PARKING: usize = 4096;
+
 #[derive(Debug, Default)]
 pub struct SharedIndex {
     copies: [RwLock<PrefixIndex>; 2],
@@ -48,7 +51,14 @@ impl SharedIndex {
         let back = 1 - front;
         write(&mut self.copies[back].write());
         self.front.store(back, Ordering::Release);
-        // Waits for lookups that read the old front before the swap.
+        // Waits for lookups that read the old front before the swap: one lookup's time, less
+        // than a parked thread's wake-up, so it spins first.
+        for _ in 0..SPINS_BEFORE_PARKING {
+            if let Some(mut copy) = self.copies[front].try_write() {
+                return write(&mut copy);
+            }
+            std::hint::spin_loop();
+        }
         write(&mut self.copies[front].write());
     }
 
