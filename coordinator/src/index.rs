@@ -23,6 +23,7 @@
 
 mod approx;
 mod due;
+mod shared;
 mod table;
 
 use std::collections::HashMap;
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 use pd_protocols::kv_events::KvEvent;
 
 use self::approx::Approx;
+pub use self::shared::SharedIndex;
 use self::table::Slots;
 use crate::pairing::TierWeights;
 
@@ -96,7 +98,12 @@ const CHUNK: usize = 64;
 /// first block nobody holds costs a few probes only).
 const LOOKUP_CHUNK: usize = 32;
 const FIRST_CHUNK: usize = 8;
+/// How many events ahead [`PrefixIndex::apply_all`] loads the slots of removed blocks (at most
+/// `FIRST_CHUNK` of an event's): enough for a dozen cache misses in flight.
+const REMOVALS_AHEAD: usize = 12;
 const NONE: usize = usize::MAX;
+/// Bitset words up to which `prefix_matches` orders its matches without sorting them.
+const ORDERED_WORDS: usize = 2;
 /// Deadlines are `i32` milliseconds from the clock origin; past this the origin moves up.
 const REBASE_AFTER: Duration = Duration::from_secs(12 * 24 * 3600);
 /// Engines one index numbers (bitsets grow with them).
@@ -126,7 +133,7 @@ fn each_bit(bits: &[u64], mut f: impl FnMut(u32)) {
 }
 
 /// Engines as the caller numbers them, and the dense numbers this index uses.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Engines {
     local: HashMap<usize, u32>,
     global: Vec<usize>,
@@ -134,6 +141,31 @@ struct Engines {
     approx: Vec<usize>,
     /// Dense numbers of forgotten engines, for the next new ones.
     free: Vec<u32>,
+    /// Whether dense numbers follow the caller's order (engines seen in increasing order, the
+    /// common case): then matches ordered by dense number are ordered by engine.
+    ascending: bool,
+}
+
+impl Default for Engines {
+    fn default() -> Self {
+        Engines {
+            local: HashMap::new(),
+            global: Vec::new(),
+            exact: Vec::new(),
+            approx: Vec::new(),
+            free: Vec::new(),
+            ascending: true,
+        }
+    }
+}
+
+impl Engines {
+    /// Whether the live engines' dense numbers follow their order.
+    fn in_order(&self) -> bool {
+        let mut live = self.global.iter().filter(|&&g| g != NONE);
+        let Some(mut previous) = live.next() else { return true };
+        live.all(|g| std::mem::replace(&mut previous, g) < g)
+    }
 }
 
 /// Engine resets since the last sweep.
@@ -381,6 +413,26 @@ impl PrefixIndex {
         }
     }
 
+    /// Applies `(engine, event)`s in order, as [`PrefixIndex::apply`] one at a time, loading the
+    /// slots of the blocks an event a few places ahead removes before applying each: removals
+    /// come one block per event (an engine evicts blocks one by one), so, applied alone, each
+    /// waits for its own cache miss.
+    pub fn apply_all<'a, I>(&mut self, events: I)
+    where
+        I: IntoIterator<Item = (usize, &'a KvEvent)>,
+        I::IntoIter: Clone,
+    {
+        let events = events.into_iter();
+        let mut ahead = events.clone().skip(REMOVALS_AHEAD);
+        for (engine, event) in events {
+            if let Some((_, KvEvent::BlockRemoved { block_hashes, .. })) = ahead.next() {
+                let homes = block_hashes.iter().take(FIRST_CHUNK).map(|hash| self.blocks.home(hash.as_u64()));
+                std::hint::black_box(homes.fold(0, |acc, i| acc ^ self.blocks.touch_at(i)));
+            }
+            self.apply(engine, event);
+        }
+    }
+
     /// Records blocks an engine probably holds (a routing decision, or a speculative entry
     /// right after one), until `expires`. An event for the same block makes it exact.
     pub fn insert_approximate(&mut self, engine: usize, hashes: &[u64], expires: Instant) {
@@ -566,8 +618,20 @@ impl PrefixIndex {
     /// [`PrefixIndex::overlaps`] into a reusable vector: `(engine, leading blocks held)` for
     /// every engine holding the first block, by engine.
     pub fn prefix_matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>) {
-        self.matches(hashes, now, out, None);
-        out.sort_unstable();
+        self.local_matches(hashes, now, out, None);
+        if !self.engines.ascending || self.words > ORDERED_WORDS || out.len() <= 16 {
+            self.to_engines(out);
+            out.sort_unstable();
+            return;
+        }
+        // Every engine appears once: place each length by dense number, read them in order.
+        let (mut held, mut lengths) = ([0u64; ORDERED_WORDS], [0u32; ORDERED_WORDS * 64]);
+        for &(local, n) in out.iter() {
+            held[local / 64] |= 1 << (local % 64);
+            lengths[local] = n as u32;
+        }
+        out.clear();
+        each_bit(&held, |local| out.push((self.engines.global[local as usize], lengths[local as usize] as usize)));
     }
 
     /// [`PrefixIndex::prefix_matches`] in no particular order (pairing reads them by engine and
@@ -582,10 +646,25 @@ impl PrefixIndex {
     ) {
         probes.clear();
         probes.stamp = self.blocks.stamp();
-        self.matches(hashes, now, out, Some(probes));
+        self.local_matches(hashes, now, out, Some(probes));
+        self.to_engines(out);
     }
 
-    fn matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>, mut probes: Option<&mut Probes>) {
+    /// Dense engine numbers in matches to the caller's.
+    fn to_engines(&self, out: &mut [(usize, usize)]) {
+        for (engine, _) in out.iter_mut() {
+            *engine = self.engines.global[*engine];
+        }
+    }
+
+    /// The matches by dense engine number, in the order engines stop matching.
+    fn local_matches(
+        &self,
+        hashes: &[u64],
+        now: Instant,
+        out: &mut Vec<(usize, usize)>,
+        mut probes: Option<&mut Probes>,
+    ) {
         out.clear();
         if hashes.is_empty() || self.blocks.len() + self.approx.len() == 0 {
             return;
@@ -606,6 +685,7 @@ impl PrefixIndex {
         // Homes in the block table, then (for blocks flagged as guessed, or without a block
         // slot) in the approximate one.
         let mut homes = [NONE; CHUNK];
+        let mut tags = [0u8; CHUNK];
         let mut guessed = [NONE; CHUNK];
         let mut end = hashes.len();
         let mut start = 0;
@@ -614,12 +694,12 @@ impl PrefixIndex {
             let chunk = &hashes[start..hashes.len().min(start + len)];
             // Independent probes first, so that their cache misses overlap: homes computed, then
             // only loaded (many loads in flight), then the walks, which mostly hit the cache.
-            for (home, &hash) in homes.iter_mut().zip(chunk) {
-                *home = self.blocks.home(hash);
+            for ((home, tag), &hash) in homes.iter_mut().zip(&mut tags).zip(chunk) {
+                (*home, *tag) = self.blocks.home_and_tag(hash);
             }
             self.blocks.touch_all(&homes[..chunk.len()]);
-            for ((slot, &hash), &home) in found.iter_mut().zip(chunk).zip(&homes) {
-                *slot = self.blocks.find_from(home, hash).unwrap_or(NONE);
+            for (((slot, &hash), &home), &tag) in found.iter_mut().zip(chunk).zip(&homes).zip(&tags) {
+                *slot = self.blocks.find_tagged(home, tag, hash).unwrap_or(NONE);
             }
             if let Some(p) = probes.as_deref_mut() {
                 p.hashes.extend_from_slice(chunk);
@@ -681,9 +761,6 @@ impl PrefixIndex {
             start += chunk.len();
         }
         each_bit(active, |local| out.push((local as usize, end)));
-        for (engine, _) in out.iter_mut() {
-            *engine = self.engines.global[*engine];
-        }
     }
 
     /// Where `engine` holds block `hash` now, if it does (approximate entries count as GPU).
@@ -801,6 +878,7 @@ impl PrefixIndex {
             // whatever stale bits remain are masked and cleaned like any reset engine's.
             e.local.insert(engine, local);
             e.global[local as usize] = engine;
+            e.ascending = e.in_order();
             return Some(local);
         }
         if e.global.len() >= MAX_ENGINES {
@@ -808,6 +886,7 @@ impl PrefixIndex {
             return None;
         }
         let local = e.global.len() as u32;
+        e.ascending = e.ascending && e.global.iter().rev().find(|&&g| g != NONE).is_none_or(|&g| g < engine);
         e.local.insert(engine, local);
         e.global.push(engine);
         e.exact.push(0);
@@ -1202,6 +1281,64 @@ mod tests {
         index.expire(until);
         assert_eq!((index.blocks.len(), index.approx.len(), index.len()), (1, 0, 1));
         assert_eq!(index.overlaps(&[10, 11], until), HashMap::from([(1, 1)]));
+    }
+
+    /// `apply_all` leaves the index as `apply` one event at a time does, removals of blocks
+    /// never stored and of blocks stored in the same run included.
+    #[test]
+    fn applying_a_run_of_events_equals_applying_them_one_by_one() {
+        let now = Instant::now();
+        let mut events = Vec::new();
+        for k in 0..400u64 {
+            let engine = (k % 5) as usize;
+            events.push((engine, stored(&[k, k + 1, k + 2])));
+            events.push((engine, removed(&[k.saturating_sub(3)])));
+            events.push(((engine + 1) % 5, removed(&[k + 1, 10_000 + k])));
+            if k % 97 == 0 {
+                events.push((engine, KvEvent::AllBlocksCleared));
+            }
+        }
+        let (mut one_by_one, mut together) = (PrefixIndex::default(), PrefixIndex::default());
+        for (engine, event) in &events {
+            one_by_one.apply(*engine, event);
+        }
+        together.apply_all(events.iter().map(|(engine, event)| (*engine, event)));
+        assert_eq!((together.len(), together.entries()), (one_by_one.len(), one_by_one.entries()));
+        assert!(together.entries() > 100, "the run leaves blocks held: {}", together.entries());
+        for first in 0..405u64 {
+            let request: Vec<u64> = (first..first + 6).collect();
+            assert_eq!(together.overlaps(&request, now), one_by_one.overlaps(&request, now), "from block {first}");
+        }
+    }
+
+    /// `prefix_matches` is ordered by engine whether engines came in order (placed by dense
+    /// number) or not (sorted), and after a forgotten engine's number goes to a new one.
+    #[test]
+    fn matches_come_ordered_by_engine() {
+        let now = Instant::now();
+        let request: Vec<u64> = (0..40).collect();
+        let mut out = Vec::new();
+        for order in [(0..100).collect::<Vec<usize>>(), (0..100).rev().collect()] {
+            let mut index = PrefixIndex::default();
+            let mut expected = std::collections::BTreeMap::new();
+            for &k in &order {
+                index.apply(k * 3, &stored(&request[..1 + k * 7 % 40]));
+                expected.insert(k * 3, 1 + k * 7 % 40);
+            }
+            assert_eq!(index.engines.ascending, order[0] == 0);
+            index.prefix_matches(&request, now, &mut out);
+            assert_eq!(out, expected.iter().map(|(&e, &n)| (e, n)).collect::<Vec<_>>());
+            // Engine 30 goes; its number goes to engine 1000, out of order.
+            index.forget_engine(30);
+            expected.remove(&30);
+            for newcomer in [1000, 1] {
+                index.apply(newcomer, &stored(&request[..5]));
+                expected.insert(newcomer, 5);
+                index.prefix_matches(&request, now, &mut out);
+                assert_eq!(out, expected.iter().map(|(&e, &n)| (e, n)).collect::<Vec<_>>(), "newcomer {newcomer}");
+            }
+            assert!(!index.engines.ascending);
+        }
     }
 
     /// More than 64 engines widen the bitsets; more than 128 the slots.

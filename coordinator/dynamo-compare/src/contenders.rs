@@ -12,11 +12,14 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer, RadixTree};
 use parking_lot::RwLock;
-use pd_coordinator::index::PrefixIndex;
+use pd_coordinator::index::{PrefixIndex, SharedIndex};
 use pd_protocols::kv_events::KvEvent;
 
 use crate::shared::measure::{measure, Latency, Span, Summary};
 use crate::stream::Stream;
+
+/// Events per `SharedIndex::update` (a slice of a batch as the daemon receives them).
+const SHARED_UPDATE_EVENTS: usize = 64;
 
 /// Dynamo's default distance between the positions `PositionalIndexer` probes.
 const POSITIONAL_JUMP: usize = 32;
@@ -123,9 +126,7 @@ impl Contender for Ours {
     fn prepare(&mut self, _: &Stream) {}
 
     fn apply(&mut self, stream: &Stream) {
-        for (engine, event) in &stream.events {
-            self.index.apply(*engine, event);
-        }
+        self.index.apply_all(stream.events.iter().map(|(engine, event)| (*engine, event)));
     }
 
     fn lookup(&self, request: &[u64], latency: &mut Latency, out: &mut Vec<(usize, usize)>) {
@@ -334,6 +335,22 @@ pub fn concurrent_ours(stream: &Stream) -> Concurrent {
         || {
             for (engine, event) in &stream.events {
                 index.write().apply(*engine, event);
+            }
+        },
+    )
+}
+
+/// Ours as two copies, lookups reading one while the other is written (`SharedIndex`).
+pub fn concurrent_ours_shared(stream: &Stream) -> Concurrent {
+    let index = SharedIndex::default();
+    let now = Instant::now();
+    alongside_lookups(
+        "ours: SharedIndex (two copies)".into(),
+        &stream.lookups,
+        |request, latency, out| latency.time(|| index.read(|copy| copy.prefix_matches(request, now, out))),
+        || {
+            for slice in stream.events.chunks(SHARED_UPDATE_EVENTS) {
+                index.update(|copy| copy.apply_all(slice.iter().map(|(engine, event)| (*engine, event))));
             }
         },
     )

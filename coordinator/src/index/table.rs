@@ -114,6 +114,13 @@ impl Slots {
         (mix(key ^ self.seed) as u8 & 0x7f) | 0x80
     }
 
+    /// [`Slots::home`] and [`Slots::tag`] of `key`, from one mix.
+    #[inline]
+    pub fn home_and_tag(&self, key: u64) -> (usize, u8) {
+        let mixed = mix(key ^ self.seed);
+        (((u128::from(mixed) * self.cap as u128) >> 64) as usize, (mixed as u8 & 0x7f) | 0x80)
+    }
+
     #[inline]
     pub fn next(&self, i: usize) -> usize {
         if i + 1 == self.cap {
@@ -164,10 +171,15 @@ impl Slots {
     /// (a caller that computed a batch of homes first passes them here).
     #[inline]
     pub fn find_from(&self, home: usize, key: u64) -> Option<usize> {
+        self.find_tagged(home, self.tag(key), key)
+    }
+
+    /// [`Slots::find_from`] with `key`'s tag given too ([`Slots::home_and_tag`]).
+    #[inline]
+    pub fn find_tagged(&self, home: usize, tag: u8, key: u64) -> Option<usize> {
         if self.len == 0 {
             return None;
         }
-        let tag = self.tag(key);
         let mut i = home;
         loop {
             match self.tags[i] {
