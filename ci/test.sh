@@ -81,7 +81,8 @@ peers_venv=$last_line
 export PDBENCH_VLLM_ROUTER="$peers_venv/bin/vllm-router"
 
 step "tests (unit, in-process, two-process conformance over TCP, QUIC, UCX tcp/shared memory and libfabric tcp;ofi_rxm)"
-cargo test --workspace --all-features --locked
+# Every failing test binary is reported, not only the first.
+cargo test --workspace --all-features --locked --no-fail-fast
 start_background wheel nice -n 19 bindings/python/build.sh --features ucx
 start_background fuzz-build nice -n 19 ci/fuzz.sh --build-only
 
