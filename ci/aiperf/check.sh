@@ -14,9 +14,15 @@ venv="$(ci/aiperf/install.sh | tail -n1)"
 work=$(mktemp -d)
 pdbench_pid=
 cleanup() {
+  local status=$?
   if [ -n "$pdbench_pid" ] && kill -0 "$pdbench_pid" 2>/dev/null; then
     kill -INT "$pdbench_pid" 2>/dev/null || true
     wait "$pdbench_pid" 2>/dev/null || true
+  fi
+  # A failed check leaves no directory behind: show what the cluster logged about it first.
+  if [ "$status" != 0 ]; then
+    echo "the cluster's warnings and errors (last 60):" >&2
+    grep -H -E '\b(WARN|ERROR)\b' "$work"/logs/*.log 2>/dev/null | tail -n 60 >&2 || true
   fi
   rm -rf "$work"
 }
