@@ -46,8 +46,8 @@ use parking_lot::Mutex;
 use xfer_core::{
     Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, RemoteAgent,
 };
-use xfer_tcp::grants::{Grant, GrantTable};
-use xfer_tcp::keys::{self, KeyTable};
+use xfer_tcp::grants::GrantTable;
+use xfer_tcp::keys::KeyTable;
 use xfer_tcp::tls::{self, TlsIdentity};
 use xfer_tcp::TcpRemoteKey;
 
@@ -283,25 +283,11 @@ impl Backend for QuicBackend {
         ranges: &[(u64, u64)],
         expires: Instant,
     ) -> Result<Vec<u8>, BackendError> {
-        let desc = region.desc();
-        let mut offsets = Vec::with_capacity(ranges.len());
-        for &(addr, len) in ranges {
-            let offset = addr
-                .checked_sub(desc.addr)
-                .filter(|off| off.checked_add(len).is_some_and(|end| end <= desc.len))
-                .ok_or_else(|| invalid("grant", format!("{addr:#x}+{len} is outside its registration")))?;
-            offsets.push((offset, len));
-        }
-        self.grants.sweep(Instant::now());
-        let key = keys::random_key()?;
-        self.grants.insert(key, Grant::new(Arc::clone(region), peer, offsets, expires));
-        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+        self.grants.issue(region, peer, ranges, expires)
     }
 
     fn revoke(&self, public: &[u8]) {
-        if let Ok(grant) = TcpRemoteKey::decode(public) {
-            self.grants.revoke(&grant.key);
-        }
+        self.grants.revoke_public(public);
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {

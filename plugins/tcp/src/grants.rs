@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
-use xfer_core::{LocalRegion, RefusalCode};
+use xfer_core::{BackendError, LocalRegion, RefusalCode};
 
 use crate::frame::Key;
+use crate::TcpRemoteKey;
 
 /// One grant. `live` is false once revoked.
 #[derive(Debug)]
@@ -138,6 +139,41 @@ impl GrantTable {
             keys.iter().filter_map(|k| map.remove(k)).collect()
         };
         gone.iter().for_each(|grant| grant.revoke());
+    }
+
+    /// Issues a grant to `peer` over `ranges` (absolute addresses inside `region`) until
+    /// `expires`; returns the public key that names it (a [`TcpRemoteKey`], as a region's).
+    pub fn issue(
+        &self,
+        region: &Arc<LocalRegion>,
+        peer: &str,
+        ranges: &[(u64, u64)],
+        expires: Instant,
+    ) -> Result<Vec<u8>, BackendError> {
+        let desc = region.desc();
+        let mut offsets = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            let offset = addr
+                .checked_sub(desc.addr)
+                .filter(|off| off.checked_add(len).is_some_and(|end| end <= desc.len))
+                .ok_or_else(|| BackendError::InvalidParam {
+                    name: "grant".into(),
+                    reason: format!("{addr:#x}+{len} is outside its registration"),
+                })?;
+            offsets.push((offset, len));
+        }
+        self.sweep(Instant::now());
+        let key = crate::keys::random_key()?;
+        self.insert(key, Grant::new(Arc::clone(region), peer, offsets, expires));
+        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+    }
+
+    /// Revokes the grant a public key from [`GrantTable::issue`] names (see
+    /// [`GrantTable::revoke`]); a key that does not decode names none.
+    pub fn revoke_public(&self, public: &[u8]) {
+        if let Ok(grant) = TcpRemoteKey::decode(public) {
+            self.revoke(&grant.key);
+        }
     }
 
     /// Forgets grants expired a while ago (they refuse anyway; this bounds the table).

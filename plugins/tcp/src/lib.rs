@@ -68,7 +68,7 @@ pub use pool::wire_descs;
 pub use server::{resolve, Resolved};
 
 use conn::SocketTuning;
-use grants::{Grant, GrantTable};
+use grants::GrantTable;
 use keys::KeyTable;
 use pool::{PeerPool, PoolConfig};
 use server::{Server, ServerShared};
@@ -254,25 +254,11 @@ impl Backend for TcpBackend {
         ranges: &[(u64, u64)],
         expires: Instant,
     ) -> Result<Vec<u8>, BackendError> {
-        let desc = region.desc();
-        let mut offsets = Vec::with_capacity(ranges.len());
-        for &(addr, len) in ranges {
-            let offset = addr
-                .checked_sub(desc.addr)
-                .filter(|off| off.checked_add(len).is_some_and(|end| end <= desc.len))
-                .ok_or_else(|| invalid("grant", format!("{addr:#x}+{len} is outside its registration")))?;
-            offsets.push((offset, len));
-        }
-        self.grants.sweep(Instant::now());
-        let key = keys::random_key()?;
-        self.grants.insert(key, Grant::new(Arc::clone(region), peer, offsets, expires));
-        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+        self.grants.issue(region, peer, ranges, expires)
     }
 
     fn revoke(&self, public: &[u8]) {
-        if let Ok(grant) = TcpRemoteKey::decode(public) {
-            self.grants.revoke(&grant.key);
-        }
+        self.grants.revoke_public(public);
     }
 
     fn connect(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn RemoteAgent>, BackendError> {
