@@ -49,7 +49,6 @@ use xfer_core::{
 use xfer_tcp::grants::GrantTable;
 use xfer_tcp::keys::KeyTable;
 use xfer_tcp::tls::{self, TlsIdentity};
-use xfer_tcp::TcpRemoteKey;
 
 use initiator::{PeerConfig, QuicPeer};
 use target::TargetShared;
@@ -266,9 +265,7 @@ impl Backend for QuicBackend {
         if region.mem_type() != MemType::Dram {
             return Err(BackendError::Unsupported(format!("quic moves DRAM, not {}", region.mem_type())));
         }
-        let key = self.keys.insert(region)?;
-        let desc = region.desc();
-        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+        self.keys.publish(region)
     }
 
     fn deregister(&self, region: &LocalRegion) {

@@ -67,6 +67,14 @@ pub struct KeyTable {
 }
 
 impl KeyTable {
+    /// Registers `region` under a fresh key and returns its public key (what a backend's
+    /// `register` hands to the agent's metadata).
+    pub fn publish(&self, region: &Arc<LocalRegion>) -> Result<Vec<u8>, BackendError> {
+        let key = self.insert(region)?;
+        let desc = region.desc();
+        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+    }
+
     pub fn insert(&self, region: &Arc<LocalRegion>) -> Result<Key, BackendError> {
         let mut by_region = self.by_region.lock();
         let key = random_key()?;

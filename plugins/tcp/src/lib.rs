@@ -237,9 +237,7 @@ impl Backend for TcpBackend {
             MemType::Vram => self.staging.device_ready(region.desc().dev_id)?,
             other => return Err(BackendError::Unsupported(format!("tcp moves DRAM, VRAM and FILE, not {other}"))),
         }
-        let key = self.keys.insert(region)?;
-        let desc = region.desc();
-        Ok(TcpRemoteKey { key, base: desc.addr, len: desc.len }.encode())
+        self.keys.publish(region)
     }
 
     fn deregister(&self, region: &LocalRegion) {
