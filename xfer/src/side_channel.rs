@@ -25,7 +25,7 @@
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -46,6 +46,10 @@ const STATUS_UNAUTHENTICATED: u8 = 2;
 /// Peers whose refusals were logged; beyond this many, refusals are no longer logged.
 const MAX_LOGGED_REFUSALS: usize = 1024;
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// At most this many connections are served at once, each on its own thread with bounded reads and
+/// writes. Further connections wait in the listen backlog until a slot frees, so a flood of idle
+/// connections costs threads only up to this bound.
+const MAX_SERVED_CONNECTIONS: usize = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SideOp {
@@ -235,17 +239,29 @@ impl RefusalLog {
 }
 
 /// A running side-channel server; stops when dropped.
-#[derive(Debug)]
 pub(crate) struct Server {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    #[cfg(test)]
+    serving: Arc<Serving>,
 }
 
 struct Serving {
     handler: Arc<dyn Handler>,
     auth: Option<ServerAuth>,
     refusals: RefusalLog,
+    /// Connections being served now (at most [`MAX_SERVED_CONNECTIONS`]).
+    served: AtomicUsize,
+}
+
+/// One connection's slot in [`Serving::served`], given back when its thread ends.
+struct ServedSlot(Arc<Serving>);
+
+impl Drop for ServedSlot {
+    fn drop(&mut self) {
+        self.0.served.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Server {
@@ -254,18 +270,37 @@ impl Server {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let serving = Arc::new(Serving { handler, auth, refusals: RefusalLog::default() });
+        let serving = Arc::new(Serving { handler, auth, refusals: RefusalLog::default(), served: AtomicUsize::new(0) });
         let thread = {
             let stop = Arc::clone(&stop);
+            let serving = Arc::clone(&serving);
             std::thread::Builder::new()
                 .name("xfer-side-channel".into())
                 .spawn(move || accept_loop(listener, serving, stop))?
         };
-        Ok(Server { addr, stop, thread: Some(thread) })
+        Ok(Server {
+            addr,
+            stop,
+            thread: Some(thread),
+            #[cfg(test)]
+            serving,
+        })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections being served at this instant.
+    #[cfg(test)]
+    fn served_now(&self) -> usize {
+        self.serving.served.load(Ordering::Acquire)
+    }
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server").field("addr", &self.addr).finish_non_exhaustive()
     }
 }
 
@@ -280,11 +315,16 @@ impl Drop for Server {
 
 fn accept_loop(listener: TcpListener, serving: Arc<Serving>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Acquire) {
+        if serving.served.load(Ordering::Acquire) >= MAX_SERVED_CONNECTIONS {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
         match listener.accept() {
             Ok((stream, peer)) => {
-                let serving = Arc::clone(&serving);
+                serving.served.fetch_add(1, Ordering::AcqRel);
+                let slot = ServedSlot(Arc::clone(&serving));
                 let spawned = std::thread::Builder::new().name("xfer-side-conn".into()).spawn(move || {
-                    if let Err(err) = serve_one(stream, peer, &serving) {
+                    if let Err(err) = serve_one(stream, peer, &slot.0) {
                         tracing::debug!(%peer, %err, "side-channel request failed");
                     }
                 });
@@ -501,5 +541,54 @@ mod tests {
         huge[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
         let err = decode_request_header(&huge).unwrap_err();
         assert!(matches!(err, SideChannelError::TooLarge { what: "body", .. }), "{err}");
+    }
+
+    struct Fixed;
+
+    impl Handler for Fixed {
+        fn get(&self) -> Vec<u8> {
+            b"metadata".to_vec()
+        }
+        fn put(&self, _: &[u8], _: Option<&str>) -> Result<String, SideChannelError> {
+            Err(SideChannelError::NotARequest)
+        }
+        fn invalidate(&self, _: &str, _: Option<&str>) -> Result<(), SideChannelError> {
+            Err(SideChannelError::NotARequest)
+        }
+        fn claim(&self, _: &[u8], _: Option<&str>) -> Result<Vec<u8>, SideChannelError> {
+            Err(SideChannelError::NotARequest)
+        }
+    }
+
+    fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn idle_connections_hold_at_most_the_bound_and_later_callers_wait_instead_of_failing() {
+        let server = Server::start("127.0.0.1:0", Arc::new(Fixed), None).unwrap();
+        let addr = server.addr().to_string();
+        let idle: Vec<TcpStream> =
+            (0..MAX_SERVED_CONNECTIONS + 16).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        wait_until("every slot is taken", || server.served_now() == MAX_SERVED_CONNECTIONS);
+
+        let waiting = {
+            let addr = addr.clone();
+            std::thread::spawn(move || call(&addr, SideOp::Get, b"", Duration::from_secs(10)))
+        };
+        for _ in 0..20 {
+            assert!(server.served_now() <= MAX_SERVED_CONNECTIONS, "{} served", server.served_now());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!waiting.is_finished(), "a caller beyond the bound was served before a slot freed");
+
+        drop(idle);
+        assert_eq!(waiting.join().unwrap().unwrap(), b"metadata");
+        wait_until("every slot is given back", || server.served_now() == 0);
+        assert_eq!(call(&addr, SideOp::Get, b"", Duration::from_secs(5)).unwrap(), b"metadata");
     }
 }
