@@ -22,10 +22,17 @@ const LEASE_MS: u64 = 2000;
 /// Longest a client request may take, whatever dies under it (generous: a loaded 2-core box).
 const REQUEST_BOUND: Duration = Duration::from_secs(30);
 
-fn sidecar_bin() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-coordinator")).parent()?.to_path_buf();
+/// The `pd-sidecar` built next to `pd-coordinator`. The workspace test command builds it (its
+/// package has integration tests); missing, the test fails rather than skips.
+fn sidecar_bin() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-coordinator")).parent().expect("a target directory").to_path_buf();
     let bin = dir.join("pd-sidecar");
-    bin.exists().then_some(bin)
+    assert!(
+        bin.exists(),
+        "{} is not built: run `cargo build -p pd-sidecar` with this test's profile, or the workspace test command",
+        bin.display()
+    );
+    bin
 }
 
 /// A pd-sidecar next to one engine, registered with the coordinator; killed on drop.
@@ -65,13 +72,7 @@ async fn leaks(sim: &Sim) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_prefill_under_sidecar_load() {
-    let Some(bin) = sidecar_bin() else {
-        eprintln!(
-            "\n!!!!!! LOUD SKIP: pd-sidecar is not built next to pd-coordinator \
-             (cargo build -p pd-sidecar, or cargo test --workspace); the prefill kill -9 test did not run !!!!!!\n"
-        );
-        return;
-    };
+    let bin = sidecar_bin();
     let slow = ["--prefill-us-per-token", "200", "--decode-us-per-token", "500"];
     let mut p0 = Sim::start("p0", &slow).await;
     let p1 = Sim::start("p1", &slow).await;

@@ -1,5 +1,5 @@
 //! Redirects to the decode engine the coordinator chose, over real processes: a real
-//! `pd-coordinator` (skipped loudly when not built), `pd-sim` engines publishing KV events, and a
+//! `pd-coordinator` (the test fails when it is not built), `pd-sim` engines publishing KV events, and a
 //! `pd-sidecar` per engine. A request entering decode sidecar A whose prompt is cached on decode
 //! engine B is decoded on B through B's sidecar (which neither pairs it again nor redirects it
 //! again, and reports on it alone); a request marked as redirected is never paired or redirected;
@@ -96,7 +96,7 @@ async fn streamed(url: &str, prompt: &[u32], headers: &[(&str, &str)]) -> (u16, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redirects_to_the_decode_holding_the_prefix() {
-    let Some(coordinator) = Coordinator::start(&["--heartbeat-ms", "200"]).await else { return };
+    let coordinator = Coordinator::start(&["--heartbeat-ms", "200"]).await;
     let c = coordinator.url.clone();
     let prefill = member(&c, "pre", "prefill", None, None, &[]).await;
     let a = member(&c, "dec-a", "decode", Some(&prefill.sim), None, &[]).await;

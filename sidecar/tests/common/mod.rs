@@ -269,10 +269,17 @@ where
 }
 
 /// `pd-coordinator` built next to `pd-sidecar` (same profile), if any.
-pub fn coordinator_bin() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar")).parent()?.to_path_buf();
+/// The `pd-coordinator` built next to `pd-sidecar`. The workspace test command builds it (its
+/// package has integration tests); a test that needs it fails, not skips, when it is missing.
+pub fn coordinator_bin() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_BIN_EXE_pd-sidecar")).parent().expect("a target directory").to_path_buf();
     let bin = dir.join("pd-coordinator");
-    bin.exists().then_some(bin)
+    assert!(
+        bin.exists(),
+        "{} is not built: run `cargo build -p pd-coordinator` with this test's profile, or the workspace test command",
+        bin.display()
+    );
+    bin
 }
 
 /// A real `pd-coordinator` on a free port (HTTP only), killed on drop.
@@ -282,12 +289,8 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    /// `None` (after a loud message) when the binary is not built.
-    pub async fn start(args: &[&str]) -> Option<Coordinator> {
-        let Some(bin) = coordinator_bin() else {
-            eprintln!("LOUD SKIP: pd-coordinator is not built next to pd-sidecar (cargo build -p pd-coordinator)");
-            return None;
-        };
+    pub async fn start(args: &[&str]) -> Coordinator {
+        let bin = coordinator_bin();
         let started = harness::start_with_retries("pd-coordinator", || async {
             let port = free_port();
             let child = Command::new(&bin)
@@ -302,7 +305,7 @@ impl Coordinator {
             harness::healthy(&mut c.child, &c.url, WAIT).await?;
             Ok(c)
         });
-        Some(started.await)
+        started.await
     }
 
     pub async fn metrics(&self) -> String {
