@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use xfer::metadata::AgentMetadata;
 use xfer::side_channel::{self, SideOp};
 use xfer::{Op, RequestOptions, XferError};
-use xfer_conformance::pattern::{pattern_hash, write_pattern};
+use xfer_conformance::pattern::{check_pattern, pattern_hash, write_pattern};
 use xfer_conformance::scenarios::{spawn_peer, Initiator, WAIT};
 use xfer_conformance::Peer;
 use xfer_tcp::frame::{self, Kind, WireDesc};
@@ -170,4 +170,32 @@ fn killed_peer_is_noticed_within_the_idle_timeout() {
     assert!(matches!(result, Err(XferError::TimedOut(after)) if after == IDLE), "read from a killed peer: {result:?}");
     // The margin covers a loaded machine's scheduling; the request's own bound is 30 s.
     assert!(took < IDLE + Duration::from_secs(2), "a killed peer was noticed after {took:?}");
+}
+
+/// A target whose `conn_buffer` is one chunk (1 MiB) holds one stream's payload at a time: a
+/// 16 MiB WRITE and READ (16 streams in flight) still complete with every byte right, the
+/// streams waiting their turn for room; chunks larger than the budget are refused `BadRequest`.
+#[test]
+fn conn_buffer_bounds_what_the_target_holds() {
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    const BIG: u64 = 16 << 20;
+    let mut peer = spawn_peer("budget-peer", "quic", "listen=127.0.0.1:0,conn_buffer=1048576", BIG);
+    let init = Initiator::new("budget-init", "quic", "listen=127.0.0.1:0", 2 * BIG);
+    let name = init.connect(&peer);
+    write_pattern(&init.buf, 0, 11, 0, BIG);
+    let remote = [peer.desc(0, BIG)];
+    init.transfer(Op::Write, &[init.desc(0, BIG)], &name, &remote, RequestOptions::default(), WAIT)
+        .expect("a WRITE under a 1 MiB budget");
+    assert_eq!(peer.hash(0, BIG).expect("hash"), pattern_hash(11, 0, BIG), "WRITE under a 1 MiB budget");
+    init.transfer(Op::Read, &[init.desc(BIG, BIG)], &name, &remote, RequestOptions::default(), WAIT)
+        .expect("a READ under a 1 MiB budget");
+    assert_eq!(check_pattern(&init.buf, BIG, 11, 0, BIG), Ok(()), "READ under a 1 MiB budget");
+
+    let wide = Initiator::new("budget-wide", "quic", "listen=127.0.0.1:0,chunk_bytes=2097152", BIG);
+    let name = wide.connect(&peer);
+    let result = wide.transfer(Op::Write, &[wide.desc(0, BIG)], &name, &remote, RequestOptions::default(), WAIT);
+    assert!(
+        matches!(result, Err(XferError::Refused { code: xfer::RefusalCode::BadRequest, .. })),
+        "2 MiB chunks to a 1 MiB budget: {result:?}"
+    );
 }
