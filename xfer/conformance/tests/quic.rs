@@ -120,7 +120,9 @@ fn requests_before_hello_are_refused() {
 }
 
 /// A stranger whose hello is refused (it names another agent) cannot slip a request stream in
-/// beside it: until a hello passes the target allows one stream, so the second never opens.
+/// beside it: until a hello passes the target allows one stream, so the second never opens; and
+/// what it pushes after its hello, while the target answers and closes, stops at the 16 KiB
+/// window before the hello (with the full window, a 1 MiB push got through).
 #[test]
 fn no_request_stream_beside_a_refused_hello() {
     xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
@@ -136,7 +138,16 @@ fn no_request_stream_beside_a_refused_hello() {
             let mut fixed = [0u8; frame::HELLO_REPLY_LEN];
             recv.read_exact(&mut fixed).await.map(|()| frame::decode_hello_reply(&fixed))
         };
-        let (side, reply) = tokio::join!(conn.open_bi(), reply);
+        let flood = async {
+            send.write_all(&vec![0xee; SIZE as usize]).await?;
+            send.finish().map_err(|_| quinn::WriteError::ClosedStream)
+        };
+        let (side, reply, flood) = tokio::join!(conn.open_bi(), reply, flood);
+        let reason = conn.closed().await;
+        let out = conn.stats().udp_tx.bytes;
+        eprintln!("refused hello: push {flood:?}, closed {reason}, {out} bytes sent");
+        assert!(flood.is_err(), "a 1 MiB push beside a refused hello went through");
+        assert!(out < 64 << 10, "the target let {out} bytes in beside a refused hello");
         let (code, _) = reply.expect("a hello reply").expect("decodes");
         assert_eq!(xfer::RefusalCode::from_wire(code), xfer::RefusalCode::WrongAgent, "the hello's refusal");
         match side {
