@@ -29,6 +29,8 @@ pub struct PeerConfig {
     pub chunk_bytes: u64,
     pub timeout: Duration,
     pub connect_timeout: Duration,
+    /// The connection's idle bound: a connection closed by it heard nothing from the peer.
+    pub idle_timeout: Duration,
 }
 
 /// How to reach a peer: its address, and the endpoint and TLS config to dial it with.
@@ -79,6 +81,17 @@ impl PeerShared {
 
     fn disconnected(&self, reason: impl std::fmt::Display) -> BackendError {
         BackendError::PeerDisconnected { peer: self.peer.clone(), reason: reason.to_string() }
+    }
+
+    /// A request that lost its connection to the idle bound failed because the peer went
+    /// silent (killed, frozen, cut off): `TimedOut`, as when its own timeout ends it.
+    fn silent_peer(&self, conn: &quinn::Connection, err: BackendError) -> BackendError {
+        match (&err, conn.close_reason()) {
+            (BackendError::PeerDisconnected { .. }, Some(quinn::ConnectionError::TimedOut)) => {
+                BackendError::TimedOut(self.config.idle_timeout)
+            }
+            _ => err,
+        }
     }
 
     /// The live connection, or a new one (handshake and hello within the connect timeout).
@@ -206,7 +219,8 @@ impl PeerShared {
             }
             Ok(())
         };
-        tokio::time::timeout(bound, work).await.map_err(|_| BackendError::TimedOut(bound))?
+        let result = tokio::time::timeout(bound, work).await.map_err(|_| BackendError::TimedOut(bound))?;
+        result.map_err(|err| self.silent_peer(conn, err))
     }
 
     async fn notify_on(&self, conn: &quinn::Connection, message: &[u8]) -> Result<(), BackendError> {
@@ -222,7 +236,8 @@ impl PeerShared {
             let _ = send.finish();
             read_response(&mut recv, request_id, 0, &lost).await
         };
-        tokio::time::timeout(bound, work).await.map_err(|_| BackendError::TimedOut(bound))?
+        let result = tokio::time::timeout(bound, work).await.map_err(|_| BackendError::TimedOut(bound))?;
+        result.map_err(|err| self.silent_peer(conn, err))
     }
 
     async fn notify(&self, message: &[u8]) -> Result<(), BackendError> {

@@ -27,6 +27,9 @@
 //! | `threads` | 2 | threads of the backend's runtime |
 //! | `timeout_ms` | 5000 | a stream exchange that has not ended by then fails (and the connection with it) |
 //! | `connect_timeout_ms` | 2000 | QUIC handshake and hello bound |
+//! | `keep_alive_ms` | 1000 | an idle connection sends a keep-alive this often (below `idle_timeout_ms`) |
+//! | `idle_timeout_ms` | 3000 | a connection that has heard nothing from its peer for this long is closed: a killed or frozen peer is noticed by then, and its requests fail with `TimedOut` |
+//! | `conn_buffer` | 134217728 | most payload bytes the target holds in buffers for one connection's streams (received and not yet stored, or loaded and not yet sent); further streams wait for room, within `timeout_ms`. One stream's payload is at most this and 64 MiB |
 //! | `socket_buffer` | 8388608 | the UDP socket's SO_SNDBUF/SO_RCVBUF |
 //! | `stream_window` | 16777216 | receive window of one stream |
 //! | `conn_window` | 67108864 | receive window of a connection, and its send window |
@@ -54,9 +57,15 @@ use initiator::{PeerConfig, QuicPeer};
 use target::TargetShared;
 
 /// Most request streams a peer may have open at once (the initiator's `streams` and one
-/// notification fit well under it); with the 64 MiB limit per stream this bounds what one
-/// connection can make the target buffer.
+/// notification fit well under it), once its hello has passed.
 const MAX_STREAMS: usize = 256;
+
+/// Connection receive window a target grants before the hello has passed: the hello and the
+/// credential's proof fit, a stranger's request payloads do not.
+const HELLO_WINDOW: u32 = 16 << 10;
+
+/// Largest `conn_buffer`: it is counted in one semaphore's `u32` permits.
+const MAX_CONN_BUFFER: u64 = u32::MAX as u64;
 
 /// Registers the QUIC backend under the name `quic`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -75,7 +84,8 @@ impl BackendFactory for QuicFactory {
 /// The transport settings both ends of a connection use.
 #[derive(Clone, Copy, Debug)]
 struct Tuning {
-    timeout: Duration,
+    keep_alive: Duration,
+    idle_timeout: quinn::IdleTimeout,
     stream_window: u32,
     conn_window: u32,
     mtu: u16,
@@ -83,23 +93,35 @@ struct Tuning {
 }
 
 impl Tuning {
+    /// The initiator's transport: full windows from the start.
     fn transport(&self) -> Arc<quinn::TransportConfig> {
+        Arc::new(self.transport_with(MAX_STREAMS as u32, self.conn_window))
+    }
+
+    /// The target's transport until a connection's hello has passed: one stream (the hello's)
+    /// and a window the size of a hello, so a stranger can make it hold no request streams nor
+    /// their bytes. [`target`] raises both once the hello passes.
+    fn target_transport(&self) -> Arc<quinn::TransportConfig> {
+        Arc::new(self.transport_with(1, HELLO_WINDOW))
+    }
+
+    fn transport_with(&self, streams: u32, receive_window: u32) -> quinn::TransportConfig {
         let mut transport = quinn::TransportConfig::default();
         transport
-            .max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_STREAMS as u32))
+            .max_concurrent_bidi_streams(quinn::VarInt::from_u32(streams))
             .max_concurrent_uni_streams(quinn::VarInt::from_u32(0))
             .stream_receive_window(quinn::VarInt::from_u32(self.stream_window))
-            .receive_window(quinn::VarInt::from_u32(self.conn_window))
+            .receive_window(quinn::VarInt::from_u32(receive_window))
             .send_window(u64::from(self.conn_window))
-            // A silent peer fails requests by their own timeout (`TimedOut`); the connection's
-            // idle bound, twice that, only reclaims connections nobody uses. Keep-alives keep
-            // live ones open.
-            .max_idle_timeout(quinn::IdleTimeout::try_from(self.timeout * 2).ok())
-            .keep_alive_interval(Some(self.timeout / 3));
+            // A peer that is killed or frozen sends nothing, keep-alives included: the
+            // connection closes one idle bound after the last packet heard, whatever its
+            // requests' own timeout.
+            .max_idle_timeout(Some(self.idle_timeout))
+            .keep_alive_interval(Some(self.keep_alive));
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(self.mtu);
         transport.mtu_discovery_config(Some(mtu)).initial_mtu(self.initial_mtu);
-        Arc::new(transport)
+        transport
     }
 }
 
@@ -157,6 +179,9 @@ impl QuicBackend {
         let threads: usize = params.take_parsed("threads", 2)?;
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
+        let keep_alive = params.take_millis("keep_alive_ms", Duration::from_secs(1))?;
+        let idle_timeout = params.take_millis("idle_timeout_ms", Duration::from_secs(3))?;
+        let conn_buffer: u64 = params.take_parsed("conn_buffer", 128 << 20)?;
         let socket_buffer: usize = params.take_parsed("socket_buffer", 8 << 20)?;
         let stream_window: u32 = params.take_parsed("stream_window", 16 << 20)?;
         let conn_window: u32 = params.take_parsed("conn_window", 64 << 20)?;
@@ -175,6 +200,17 @@ impl QuicBackend {
         if timeout.is_zero() || connect_timeout.is_zero() {
             return Err(invalid("timeout_ms", "timeouts must be positive"));
         }
+        if idle_timeout.is_zero() {
+            return Err(invalid("idle_timeout_ms", "must be positive"));
+        }
+        if keep_alive.is_zero() || keep_alive >= idle_timeout {
+            return Err(invalid("keep_alive_ms", "must be positive and below idle_timeout_ms"));
+        }
+        let idle_timeout_bound =
+            quinn::IdleTimeout::try_from(idle_timeout).map_err(|e| invalid("idle_timeout_ms", e.to_string()))?;
+        if !(1 << 20..=MAX_CONN_BUFFER).contains(&conn_buffer) {
+            return Err(invalid("conn_buffer", format!("must be 1 MiB..={MAX_CONN_BUFFER}")));
+        }
         if stream_window < 65536 || conn_window < stream_window {
             return Err(invalid(
                 "stream_window",
@@ -184,13 +220,14 @@ impl QuicBackend {
         if !(1200..=mtu).contains(&initial_mtu) {
             return Err(invalid("initial_mtu", "QUIC needs 1200..=mtu"));
         }
-        let tuning = Tuning { timeout, stream_window, conn_window, mtu, initial_mtu };
+        let tuning =
+            Tuning { keep_alive, idle_timeout: idle_timeout_bound, stream_window, conn_window, mtu, initial_mtu };
         let listen_addr: SocketAddr = listen.parse().map_err(|e| invalid("listen", format!("{listen}: {e}")))?;
         let identity = Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?);
         let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_config())
             .map_err(|e| invalid("tls", e.to_string()))?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
-        server_config.transport_config(tuning.transport());
+        server_config.transport_config(tuning.target_transport());
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("xfer-quic")
@@ -225,6 +262,9 @@ impl QuicBackend {
             grants: Arc::clone(&grants),
             notifs,
             timeout,
+            conn_buffer: conn_buffer as u32,
+            max_streams: MAX_STREAMS as u32,
+            conn_window,
         });
         runtime.spawn(target::accept_loop(endpoint.clone(), shared));
         tracing::debug!(agent = %agent_name, %advertised, "quic backend serving");
@@ -235,7 +275,7 @@ impl QuicBackend {
             keys,
             grants,
             credential,
-            peer_config: PeerConfig { streams, chunk_bytes, timeout, connect_timeout },
+            peer_config: PeerConfig { streams, chunk_bytes, timeout, connect_timeout, idle_timeout },
             tuning,
             endpoint,
             runtime: Mutex::new(Some(runtime)),
@@ -350,7 +390,20 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_typed_refusals() {
-        for params in ["streams=0", "chunk_bytes=100", "mtu=1000", "stream_window=1024", "timeout_ms=0", "tls=on"] {
+        for params in [
+            "streams=0",
+            "chunk_bytes=100",
+            "mtu=1000",
+            "stream_window=1024",
+            "timeout_ms=0",
+            "tls=on",
+            "keep_alive_ms=0",
+            "keep_alive_ms=3000",
+            "idle_timeout_ms=500",
+            "idle_timeout_ms=0",
+            "conn_buffer=4096",
+            "conn_buffer=8589934592",
+        ] {
             let err = backend(&format!("listen=127.0.0.1:0,{params}")).unwrap_err();
             assert!(matches!(err, BackendError::InvalidParam { .. }), "{params}: {err:?}");
         }

@@ -1,6 +1,15 @@
 //! The target side: accepts connections, checks each one's hello, then serves every request
 //! stream in a task of its own.
 //!
+//! Until the hello has passed, a connection may open one stream (the hello's) and send a
+//! hello's worth of bytes ([`crate::Tuning::target_transport`]); anything but a hello on that
+//! stream closes the connection with [`REFUSED`]. Only then are request streams allowed and
+//! accepted, so a stranger never has a request read, buffered or served.
+//!
+//! The payload bytes a connection's streams hold in buffers (a WRITE's received and not yet
+//! stored, a READ's loaded and not yet handed to quinn) are counted against `conn_buffer`: a
+//! stream waits for room before it reads or loads its payload.
+//!
 //! A request's payload is received whole before its descriptors are resolved, and a READ's
 //! bytes are copied out whole before its answer is sent: the grants a request uses are held
 //! only across those copies, never across a wait on the network, so `revoke` is never held up
@@ -13,6 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use tokio::sync::Semaphore;
 use xfer_core::credential::{self, ClusterCredential, ProofLabel, Transcript, AUTH_LEN};
 use xfer_core::{LocalMem, NotifSink, RefusalCode};
 use xfer_tcp::frame::{self, FrameError, Header, Kind, WireDesc};
@@ -36,6 +46,11 @@ pub struct TargetShared {
     pub grants: Arc<GrantTable>,
     pub notifs: NotifSink,
     pub timeout: Duration,
+    /// Payload bytes one connection's streams may hold in buffers at once.
+    pub conn_buffer: u32,
+    /// The stream limit and receive window a connection gets once its hello has passed.
+    pub max_streams: u32,
+    pub conn_window: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +75,8 @@ enum ServeError {
     Name,
     #[error("authentication: {0}")]
     Auth(#[from] credential::CredentialError),
+    #[error("the connection's buffer budget was closed")]
+    Budget(#[from] tokio::sync::AcquireError),
 }
 
 async fn timed<T, E: Into<ServeError>>(
@@ -86,22 +103,32 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<TargetShared>) {
 
 async fn serve_connection(incoming: quinn::Incoming, shared: Arc<TargetShared>) -> Result<(), ServeError> {
     let conn = timed(shared.timeout, std::future::IntoFuture::into_future(incoming)).await?;
-    let Some(peer) = timed(shared.timeout, hello(&conn, &shared)).await? else {
-        // Let the refusal reach the initiator before the close does.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        conn.close(quinn::VarInt::from_u32(REFUSED), b"refused at hello");
-        return Ok(());
+    let peer = match timed(shared.timeout, hello(&conn, &shared)).await {
+        Ok(Some(peer)) => peer,
+        Ok(None) => {
+            // Let the refusal reach the initiator before the close does.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            conn.close(quinn::VarInt::from_u32(REFUSED), b"refused at hello");
+            return Ok(());
+        }
+        Err(err) => {
+            // Not a hello (a request first, a malformed or truncated hello, a stall): nothing
+            // on this connection is read further.
+            conn.close(quinn::VarInt::from_u32(REFUSED), b"no valid hello");
+            return Err(err);
+        }
     };
     let peer: Arc<str> = peer.into();
+    let budget = Arc::new(Semaphore::new(shared.conn_buffer as usize));
     loop {
         let (send, recv) = match conn.accept_bi().await {
             Ok(streams) => streams,
             Err(quinn::ConnectionError::ApplicationClosed(_) | quinn::ConnectionError::LocallyClosed) => return Ok(()),
             Err(err) => return Err(err.into()),
         };
-        let (shared, peer) = (Arc::clone(&shared), Arc::clone(&peer));
+        let (shared, peer, budget) = (Arc::clone(&shared), Arc::clone(&peer), Arc::clone(&budget));
         tokio::spawn(async move {
-            if let Err(err) = serve_stream(send, recv, &shared, &peer).await {
+            if let Err(err) = serve_stream(send, recv, &shared, &peer, &budget).await {
                 tracing::debug!(%peer, %err, "quic request stream failed");
             }
         });
@@ -163,6 +190,10 @@ async fn hello(conn: &quinn::Connection, shared: &TargetShared) -> Result<Option
         send.finish()?;
         return Ok(None);
     }
+    // Request streams and their bytes are allowed from now on; the credit travels with the
+    // reply, so the initiator's first requests need not wait for it.
+    conn.set_max_concurrent_bi_streams(quinn::VarInt::from_u32(shared.max_streams));
+    conn.set_receive_window(quinn::VarInt::from_u32(shared.conn_window));
     frame::encode_hello_reply(0, "", &mut out);
     send.write_all(&out).await?;
     send.finish()?;
@@ -174,6 +205,7 @@ async fn serve_stream(
     mut recv: quinn::RecvStream,
     shared: &TargetShared,
     peer: &str,
+    budget: &Semaphore,
 ) -> Result<(), ServeError> {
     let bound = shared.timeout;
     let mut head = [0u8; frame::HEADER_LEN];
@@ -184,30 +216,35 @@ async fn serve_stream(
     let mut descs = Vec::new();
     frame::decode_descs(&header, &table, &mut descs)?;
     let mut out = Vec::with_capacity(64);
-    let answer = match header.kind {
-        Kind::Notif => {
-            let mut message = vec![0u8; header.payload_len as usize];
-            timed(bound, recv.read_exact(&mut message)).await?;
-            (shared.notifs)(peer, message);
-            Ok(None)
+    let limit = MAX_STREAM_BYTES.min(u64::from(shared.conn_buffer));
+    let answer = if header.payload_len > limit {
+        let _ = recv.stop(quinn::VarInt::from_u32(REFUSED));
+        let msg = format!("{} bytes on one stream (limit {limit})", header.payload_len);
+        Err((RefusalCode::BadRequest, msg))
+    } else {
+        // Fits in u32: at most `conn_buffer`. Held until the payload has been stored, or
+        // handed to quinn.
+        let room = timed(bound, budget.acquire_many(header.payload_len as u32)).await?;
+        match header.kind {
+            Kind::Notif => {
+                let mut message = vec![0u8; header.payload_len as usize];
+                timed(bound, recv.read_exact(&mut message)).await?;
+                (shared.notifs)(peer, message);
+                Ok(None)
+            }
+            Kind::Write => {
+                let payload = receive(&mut recv, header.payload_len as usize, bound).await?;
+                store(shared, peer, &descs, &payload).map(|()| None)
+            }
+            Kind::Read => load(shared, peer, &descs, &header).map(|payload| Some((payload, room))),
         }
-        _ if header.payload_len > MAX_STREAM_BYTES => {
-            let _ = recv.stop(quinn::VarInt::from_u32(REFUSED));
-            let msg = format!("{} bytes on one stream (limit {MAX_STREAM_BYTES})", header.payload_len);
-            Err((RefusalCode::BadRequest, msg))
-        }
-        Kind::Write => {
-            let payload = receive(&mut recv, header.payload_len as usize, bound).await?;
-            store(shared, peer, &descs, &payload).map(|()| None)
-        }
-        Kind::Read => load(shared, peer, &descs, &header).map(Some),
     };
     match answer {
         Ok(payload) => {
-            let len = payload.as_ref().map_or(0, |p| p.len() as u64);
+            let len = payload.as_ref().map_or(0, |(p, _)| p.len() as u64);
             frame::encode_response(0, header.request_id, len, "", &mut out);
             timed(bound, send.write_all(&out)).await?;
-            if let Some(payload) = payload {
+            if let Some((payload, _room)) = payload {
                 timed(bound, send.write_chunk(payload)).await?;
             }
         }
