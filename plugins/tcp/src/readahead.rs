@@ -188,11 +188,11 @@ mod tests {
         // A few slices share the read with the buffer; a long list is read on its own.
         let mut socket = Socket::new(4 * 100 + 20 * 10, &[]);
         let mut ahead = ReadAhead::new(CAPACITY);
-        let mut pieces = vec![[0u8; 100]; 4];
+        let mut pieces = [[0u8; 100]; 4];
         let mut iov: Vec<IoSliceMut<'_>> = pieces.iter_mut().map(|p| IoSliceMut::new(p)).collect();
         assert_eq!(ahead.read_into(&mut iov, |iov| socket.read(iov)).unwrap(), 400);
         assert_eq!(ahead.buffered(), 200);
-        let mut many = vec![[0u8; 10]; 20];
+        let mut many = [[0u8; 10]; 20];
         let mut iov: Vec<IoSliceMut<'_>> = many.iter_mut().map(|p| IoSliceMut::new(p)).collect();
         assert_eq!(ahead.read_into(&mut iov, |iov| socket.read(iov)).unwrap(), 200, "from the buffer");
         assert_eq!(socket.calls, 1);
