@@ -99,6 +99,7 @@ pub fn live_bytes() -> usize {
 }
 
 /// Allocations (and reallocations) made so far, by every thread.
+#[allow(dead_code)] // Read by xfer/conformance/tests/tcp_allocations.rs, not by coordbench.
 pub fn allocations() -> usize {
     ALLOCATIONS.load(Ordering::Relaxed)
 }
