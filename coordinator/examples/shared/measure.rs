@@ -1,14 +1,18 @@
 //! Measuring tools shared by the coordinator's benchmark programs (coordbench, dynamo-compare):
-//! a counting global allocator, on-CPU time, and per-call latency percentiles.
+//! a counting global allocator, on-CPU time, and per-call latency percentiles. The TCP
+//! backend's allocation test (xfer/conformance/tests/tcp_allocations.rs) includes this file
+//! for its allocator.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// Counts live heap bytes, so that the index's footprint is measured, not estimated.
+/// Counts live heap bytes, so that the index's footprint is measured, not estimated, and
+/// allocations made, so that a hot path's allocations are counted.
 pub struct Counting;
 
 static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: every call forwards to the system allocator with the caller's arguments unchanged;
 // the counter is only bookkeeping.
@@ -18,6 +22,7 @@ unsafe impl GlobalAlloc for Counting {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         }
         p
     }
@@ -27,6 +32,7 @@ unsafe impl GlobalAlloc for Counting {
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         }
         p
     }
@@ -42,6 +48,7 @@ unsafe impl GlobalAlloc for Counting {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             LIVE_BYTES.fetch_add(new_size, Ordering::Relaxed);
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
         }
         p
@@ -89,6 +96,12 @@ impl Span {
 
 pub fn live_bytes() -> usize {
     LIVE_BYTES.load(Ordering::Relaxed)
+}
+
+/// Allocations (and reallocations) made so far, by every thread.
+#[allow(dead_code)] // Read by xfer/conformance/tests/tcp_allocations.rs, not by coordbench.
+pub fn allocations() -> usize {
+    ALLOCATIONS.load(Ordering::Relaxed)
 }
 
 #[derive(Default)]

@@ -1,6 +1,7 @@
 //! A blocking TCP connection whose every read and write is bounded: no progress for `timeout`
 //! is an error, and a stop flag ends waits between frames promptly. With `tls=on` the same
 //! bounded loops run over a rustls connection (TLS 1.3), whose handshake is bounded the same way.
+//! Reads go through a [read-ahead buffer](crate::readahead), so a small frame costs one read(2).
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 
+use crate::readahead::{self, ReadAhead};
 use crate::spin::{SpinBudget, Spun};
 
 /// How often a blocked call wakes to check the stop flag and the progress deadline.
@@ -114,6 +116,8 @@ pub struct Conn {
     stop: Arc<AtomicBool>,
     /// How long a wait for a frame or an answer polls before it sleeps ([`crate::spin`]).
     spin: SpinBudget,
+    /// Bytes read past what the last read asked for (plain text, after TLS).
+    ahead: ReadAhead,
 }
 
 impl Conn {
@@ -121,7 +125,13 @@ impl Conn {
         let poll = Some(POLL.min(timeout).max(Duration::from_millis(1)));
         stream.set_read_timeout(poll)?;
         stream.set_write_timeout(poll)?;
-        Ok(Conn { stream: Stream { tcp: stream, tls: None }, timeout, stop, spin: SpinBudget::new(Duration::ZERO) })
+        Ok(Conn {
+            stream: Stream { tcp: stream, tls: None },
+            timeout,
+            stop,
+            spin: SpinBudget::new(Duration::ZERO),
+            ahead: ReadAhead::new(readahead::CAPACITY),
+        })
     }
 
     /// Lets waits for a frame or an answer poll for up to `max` before they sleep.
@@ -172,6 +182,10 @@ impl Conn {
     fn start_tls(&mut self, mut tls: rustls::Connection) -> Result<(), ConnError> {
         if self.stream.tls.is_some() {
             return Err(ConnError::Tls(io::Error::other("TLS is already running on this connection")));
+        }
+        // The handshake reads the socket itself: plain bytes read ahead would be skipped.
+        if self.ahead.buffered() > 0 {
+            return Err(ConnError::Tls(io::Error::other("plain-text bytes arrived before the TLS handshake")));
         }
         let tcp = &mut self.stream.tcp;
         let mut last_progress = Instant::now();
@@ -236,6 +250,11 @@ impl Conn {
     /// close or a stop while idle. Idle time before the frame is unbounded (a pooled connection
     /// may wait for work); once a frame has started, the progress bound applies.
     pub fn read_frame_start(&mut self, buf: &mut [u8]) -> Result<bool, ConnError> {
+        if self.ahead.buffered() > 0 {
+            // The frame has started already (read with the previous one).
+            self.read_exact(buf)?;
+            return Ok(true);
+        }
         let (got, spun) = self.spin(buf)?;
         self.spin.after_wait(spun);
         let first = match got {
@@ -244,7 +263,7 @@ impl Conn {
                 if self.stopped() {
                     return Ok(false);
                 }
-                match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
+                match self.read_some(&mut [IoSliceMut::new(buf)]) {
                     Ok(n) => break n,
                     Err(e) if is_retry(&e) => continue,
                     Err(e) => return Err(e.into()),
@@ -261,6 +280,9 @@ impl Conn {
     /// Reads an answer the peer is about to send (polling first, see [`crate::spin`]), bounded
     /// like [`Conn::read_exact`].
     pub fn read_answer(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
+        if self.ahead.buffered() > 0 {
+            return self.read_exact(buf);
+        }
         let (got, spun) = self.spin(buf)?;
         self.spin.after_wait(spun);
         let first = match got {
@@ -283,7 +305,7 @@ impl Conn {
         let started = Instant::now();
         let mut last_poll = started;
         let result = loop {
-            match self.stream.read_vectored(&mut [IoSliceMut::new(buf)]) {
+            match self.read_some(&mut [IoSliceMut::new(buf)]) {
                 Ok(n) => break Ok((Some(n), Spun::Caught)),
                 Err(e) if is_retry(&e) => {}
                 Err(e) => break Err(ConnError::from(e)),
@@ -302,6 +324,13 @@ impl Conn {
         Ok(got)
     }
 
+    /// One read into the front of `bufs`, from the read-ahead buffer or the stream (0: the
+    /// peer closed).
+    fn read_some(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        let Conn { stream, ahead, .. } = self;
+        ahead.read_into(bufs, |iov| stream.read_vectored(iov))
+    }
+
     pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
         self.read_exact_vectored(&mut [IoSliceMut::new(buf)])
     }
@@ -312,7 +341,7 @@ impl Conn {
         let mut last_progress = Instant::now();
         while !bufs.is_empty() {
             let window = bufs.len().min(IOV_MAX);
-            match self.stream.read_vectored(&mut bufs[..window]) {
+            match self.read_some(&mut bufs[..window]) {
                 Ok(0) => return Err(ConnError::Eof),
                 Ok(n) => {
                     IoSliceMut::advance_slices(&mut bufs, n);

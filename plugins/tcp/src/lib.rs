@@ -3,7 +3,9 @@
 //! The target serves its registered memory on a data port; the initiator keeps a pool of
 //! connections per peer, cuts large requests into chunks spread over parallel streams, sends
 //! many small descriptors in one frame, and moves payload bytes straight between the socket and
-//! the registered memory with vectored I/O (no intermediate copies). Every request names a
+//! the registered memory with vectored I/O (no intermediate copies, except the bytes of a small
+//! frame that arrive with its header: they are copied once out of the connection's
+//! [read-ahead buffer](readahead), which saves a read(2) per part). Every request names a
 //! registration by a random 128-bit key; the target checks key and bounds before touching
 //! memory. Wire format: [`frame`]. A key may instead be a grant's (module `grants`): one
 //! initiator, some ranges, until revoked or expired; the target refuses anything else under it
@@ -47,6 +49,7 @@ mod inline;
 pub mod keys;
 pub mod memio;
 mod pool;
+mod readahead;
 mod server;
 mod spin;
 mod staged;

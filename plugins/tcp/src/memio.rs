@@ -26,16 +26,47 @@ pub fn send_slice(slice: &MemSlice) -> IoSlice<'_> {
     IoSlice::new(unsafe { slice.as_slice() })
 }
 
-/// Slices to receive into: the host pieces of `pieces`. The bytes are this exchange's
-/// destination alone.
-pub fn receive_into(pieces: &mut [LocalMem]) -> Vec<IoSliceMut<'_>> {
-    pieces
-        .iter_mut()
-        .filter_map(|piece| match piece {
-            LocalMem::Host(slice) => Some(receive_slice(slice)),
-            _ => None,
-        })
-        .collect()
+/// Most pieces whose slices are gathered on the stack (a frame of a few descriptors, the usual
+/// small request, then allocates nothing for its I/O list).
+const ON_STACK: usize = 8;
+
+/// Calls `f` with `head` followed by the host pieces of `pieces` (see [`send_from`]), the
+/// frame of one writev(2).
+pub fn with_send_slices<R>(head: &[u8], pieces: &[LocalMem], f: impl FnOnce(&mut [IoSlice<'_>]) -> R) -> R {
+    if pieces.len() < ON_STACK {
+        let mut iov = [IoSlice::new(&[]); ON_STACK];
+        iov[0] = IoSlice::new(head);
+        let mut n = 1;
+        for (slot, slice) in iov[1..].iter_mut().zip(send_from(pieces)) {
+            *slot = slice;
+            n += 1;
+        }
+        return f(&mut iov[..n]);
+    }
+    let mut iov = Vec::with_capacity(pieces.len() + 1);
+    iov.push(IoSlice::new(head));
+    iov.extend(send_from(pieces));
+    f(&mut iov)
+}
+
+/// Calls `f` with slices to receive into: the host pieces of `pieces`. The bytes are this
+/// exchange's destination alone.
+pub fn with_receive_slices<R>(pieces: &mut [LocalMem], f: impl FnOnce(&mut [IoSliceMut<'_>]) -> R) -> R {
+    let small = pieces.len() <= ON_STACK;
+    let host = pieces.iter_mut().filter_map(|piece| match piece {
+        LocalMem::Host(slice) => Some(receive_slice(slice)),
+        _ => None,
+    });
+    if small {
+        let mut iov: [IoSliceMut<'_>; ON_STACK] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+        let mut n = 0;
+        for (slot, slice) in iov.iter_mut().zip(host) {
+            *slot = slice;
+            n += 1;
+        }
+        return f(&mut iov[..n]);
+    }
+    f(&mut host.collect::<Vec<_>>())
 }
 
 pub fn receive_slice(slice: &mut MemSlice) -> IoSliceMut<'_> {

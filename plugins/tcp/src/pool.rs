@@ -153,6 +153,17 @@ impl Drop for PeerPool {
     }
 }
 
+impl PeerPool {
+    /// Hands a chunk to the stream workers.
+    fn queue(&self, chunk: Chunk) {
+        if let Err(unsent) = self.shared.queue.send(Work::Chunk(chunk)) {
+            if let Work::Chunk(chunk) = unsent.0 {
+                chunk.tracker.finish_chunk(&self.shared, Err(self.shared.disconnected("pool closed")));
+            }
+        }
+    }
+}
+
 impl RemoteAgent for PeerPool {
     fn unpack_key(&self, public: &[u8]) -> Result<RemoteKey, BackendError> {
         Ok(Arc::new(TcpRemoteKey::decode(public)?))
@@ -163,22 +174,15 @@ impl RemoteAgent for PeerPool {
             job.done.complete(Err(self.shared.disconnected("connection pool closed")));
             return;
         }
-        let mut chunks = match plan(job, &self.shared.config) {
-            Ok(chunks) => chunks,
+        let planned = match plan(job, &self.shared.config) {
+            Ok(planned) => planned,
             Err((done, err)) => return done.complete(Err(err)),
         };
         self.start_workers();
-        if let [chunk] = &chunks[..] {
-            if inline::eligible(chunk, &self.shared.config) {
-                let chunk = chunks.pop().expect("one chunk");
-                return inline::post(&self.shared, chunk);
-            }
-        }
-        for chunk in chunks {
-            if let Err(unsent) = self.shared.queue.send(Work::Chunk(chunk)) {
-                let Work::Chunk(chunk) = unsent.0 else { continue };
-                chunk.tracker.finish_chunk(&self.shared, Err(self.shared.disconnected("pool closed")));
-            }
+        match planned {
+            Planned::One(chunk) if inline::eligible(&chunk, &self.shared.config) => inline::post(&self.shared, chunk),
+            Planned::One(chunk) => self.queue(chunk),
+            Planned::Many(chunks) => chunks.into_iter().for_each(|chunk| self.queue(chunk)),
         }
     }
 
@@ -286,10 +290,16 @@ pub fn wire_descs(remote: &[RemoteSeg], local: &[LocalMem]) -> Result<Vec<WireDe
     Ok(wire)
 }
 
+/// A job cut into chunks; most are one, which needs no list.
+enum Planned {
+    One(Chunk),
+    Many(Vec<Chunk>),
+}
+
 /// Turns a job into chunks: resolves remote keys, merges contiguous remote descriptors, cuts
 /// by bytes. On error, hands the completer back with the error.
-fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer, BackendError)> {
-    let TransferJob { op, local, remote, notif, done } = job;
+fn plan(job: TransferJob, config: &PoolConfig) -> Result<Planned, (Completer, BackendError)> {
+    let TransferJob { op, mut local, remote, notif, done } = job;
     let wire = match wire_descs(&remote, &local) {
         Ok(wire) => wire,
         Err(err) => return Err((done, err)),
@@ -301,40 +311,42 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Vec<Chunk>, (Completer,
         1
     };
     let by_descs = wire.len().max(local.len()).div_ceil(MAX_CHUNK_DESCS) as u64;
-    // Cuts at 4 KiB multiples, so an O_DIRECT file's pieces stay aligned on every stream.
-    let sizes = even_sizes(total, by_bytes.max(by_descs).max(1) as usize, file_io::DIRECT_ALIGN);
-    let tracker = Arc::new(Tracker {
-        remaining: AtomicUsize::new(sizes.len().max(1)),
-        error: Mutex::new(None),
-        done: Mutex::new(Some(done)),
-        notif,
-    });
-    if sizes.is_empty() {
-        // Nothing to move: one empty chunk still carries the completion (and notification).
-        return Ok(vec![Chunk {
-            op,
-            local: Vec::new(),
-            remote: Vec::new(),
-            bytes: 0,
-            queued_at: Instant::now(),
-            tracker,
-        }]);
+    let parts = by_bytes.max(by_descs).max(1) as usize;
+    let new_tracker = |chunks: usize| {
+        Arc::new(Tracker {
+            remaining: AtomicUsize::new(chunks),
+            error: Mutex::new(None),
+            done: Mutex::new(Some(done)),
+            notif,
+        })
+    };
+    if total == 0 || parts == 1 {
+        // One chunk (every small request): the job's own lists, not cut anew. An empty one still
+        // carries the completion (and notification).
+        local.retain(|piece| !piece.is_empty());
+        let tracker = new_tracker(1);
+        return Ok(Planned::One(Chunk { op, local, remote: wire, bytes: total, queued_at: Instant::now(), tracker }));
     }
+    // Cuts at 4 KiB multiples, so an O_DIRECT file's pieces stay aligned on every stream.
+    let sizes = even_sizes(total, parts, file_io::DIRECT_ALIGN);
+    let tracker = new_tracker(sizes.len());
     let locals = split_by_sizes(local, &sizes);
     let remotes = split_by_sizes(wire, &sizes);
-    Ok(locals
-        .into_iter()
-        .zip(remotes)
-        .zip(&sizes)
-        .map(|((local, remote), &bytes)| Chunk {
-            op,
-            local,
-            remote,
-            bytes,
-            queued_at: Instant::now(),
-            tracker: Arc::clone(&tracker),
-        })
-        .collect())
+    Ok(Planned::Many(
+        locals
+            .into_iter()
+            .zip(remotes)
+            .zip(&sizes)
+            .map(|((local, remote), &bytes)| Chunk {
+                op,
+                local,
+                remote,
+                bytes,
+                queued_at: Instant::now(),
+                tracker: Arc::clone(&tracker),
+            })
+            .collect(),
+    ))
 }
 
 /// A connection and the epoch it was opened in.
@@ -437,12 +449,7 @@ fn exchange(shared: &PoolShared, conn: &mut Conn, lanes: &mut Lanes, chunk: &mut
 pub(crate) fn send_host(shared: &PoolShared, conn: &mut Conn, chunk: &Chunk, head: &[u8]) -> Result<(), BackendError> {
     let io = |e: ConnError| shared.conn_error(e);
     match chunk.op {
-        Op::Write => {
-            let mut iov = Vec::with_capacity(chunk.local.len() + 1);
-            iov.push(IoSlice::new(head));
-            iov.extend(memio::send_from(&chunk.local));
-            conn.write_all_vectored(&mut iov).map_err(io)
-        }
+        Op::Write => memio::with_send_slices(head, &chunk.local, |iov| conn.write_all_vectored(iov)).map_err(io),
         Op::Read => conn.write_all(head).map_err(io),
     }
 }
@@ -458,8 +465,8 @@ pub(crate) fn receive_host(
         Op::Write => read_response(shared, conn, request_id, 0),
         Op::Read => {
             read_response(shared, conn, request_id, chunk.bytes)?;
-            let mut iov = memio::receive_into(&mut chunk.local);
-            conn.read_exact_vectored(&mut iov).map_err(|e| shared.conn_error(e))
+            memio::with_receive_slices(&mut chunk.local, |iov| conn.read_exact_vectored(iov))
+                .map_err(|e| shared.conn_error(e))
         }
     }
 }
@@ -486,8 +493,16 @@ fn read_response(
     let mut buf = [0u8; frame::RESPONSE_LEN];
     conn.read_answer(&mut buf).map_err(|e| shared.conn_error(e))?;
     let response = frame::decode_response(&buf).map_err(|e| BackendError::Protocol(e.to_string()))?;
-    let mut tail = vec![0u8; response.tail_len()];
-    conn.read_exact(&mut tail).map_err(|e| shared.conn_error(e))?;
+    // An accepted answer's tail is padding at most: only a refusal's message needs the heap.
+    let (mut small, mut large) = ([0u8; frame::ALIGN], Vec::new());
+    let tail = match response.tail_len() {
+        len if len <= small.len() => &mut small[..len],
+        len => {
+            large.resize(len, 0);
+            &mut large[..]
+        }
+    };
+    conn.read_exact(tail).map_err(|e| shared.conn_error(e))?;
     let message = &tail[..response.msg_len as usize];
     if response.request_id != request_id {
         return Err(BackendError::Protocol(format!(

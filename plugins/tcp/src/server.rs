@@ -1,6 +1,5 @@
 //! The target side: serves registered memory on the data port, one thread per connection.
 
-use std::io::IoSlice;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -212,9 +211,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     }
                 }
                 Ok(Resolved { pieces: mut slices, .. }) => {
-                    let mut iov = memio::receive_into(&mut slices);
-                    conn.read_exact_vectored(&mut iov)?;
-                    drop(iov);
+                    memio::with_receive_slices(&mut slices, |iov| conn.read_exact_vectored(iov))?;
                     drop(slices);
                     drop(current);
                     frame::encode_response(0, header.request_id, 0, "", &mut out);
@@ -243,10 +240,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 },
                 Ok(Resolved { pieces: slices, .. }) => {
                     frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
-                    let mut iov = Vec::with_capacity(slices.len() + 1);
-                    iov.push(IoSlice::new(&out));
-                    iov.extend(memio::send_from(&slices));
-                    conn.write_all_vectored(&mut iov)?;
+                    memio::with_send_slices(&out, &slices, |iov| conn.write_all_vectored(iov))?;
                 }
                 Err((code, msg)) => refuse(&mut conn, &header, code, &msg, &mut out)?,
             },
