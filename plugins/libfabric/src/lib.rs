@@ -10,7 +10,11 @@
 //! with `tcp;ofi_rxm`), at most `max_in_flight` per job
 //! and no more than the provider's transmit queue holds, reads the CQ (errors from
 //! `fi_cq_readerr`), and, idle, blocks in `fi_cq_sread`, which keeps the provider's progress
-//! (and so its service of peers' RMA) going. The agent metadata carries every rail's endpoint
+//! (and so its service of peers' RMA) going. That needs a CQ wait object whose wait returns
+//! when its timeout passes (an fd or a condition variable: `tcp;ofi_rxm`, `sockets`); a
+//! provider that offers only others (shm: FI_WAIT_YIELD, whose `fi_cq_sread` ignores the
+//! timeout and kept the engine thread away for good) gets a CQ without a wait object, which
+//! the idle engine polls every millisecond instead. The agent metadata carries every rail's endpoint
 //! address (`fi_getname`; peers insert it into their AV on connect) and, per registration, its
 //! key on every rail.
 //!
@@ -62,6 +66,17 @@
 //! (FI_ORDER_SAW is asked for), and the data had completed before, so a notification never
 //! overtakes its data. The sender's address travels in the message, so the target need not
 //! have connected to answer.
+//!
+//! rxm passthru: with `FI_OFI_RXM_ENABLE_PASSTHRU=1`, libfabric 1.17's `ofi_rxm` hands RDM
+//! calls straight to the tcp provider's own RDM endpoint instead of running its rendezvous
+//! protocol over tcp's connected endpoints, which is what brought `tcp;ofi_rxm` to the
+//! 0.7× raw-TCP bar here (figures below). libfabric's default is off, so the backend sets it
+//! to 1 before this process's first `fi_getinfo` unless the environment already sets it (a
+//! user's `FI_OFI_RXM_ENABLE_PASSTHRU=0` stands). Caveat: that writes the process
+//! environment (`std::env::set_var`) while other threads may be reading it, which glibc does
+//! not synchronise; it happens once, at the first backend creation (or [`providers`] call),
+//! so a process that cannot allow that should set the variable itself before it starts
+//! threads. It takes effect only if libfabric was not initialised earlier in the process.
 //!
 //! Parameters (all optional; libfabric's own `FI_*` environment variables apply underneath):
 //! | key | default | meaning |
@@ -120,7 +135,10 @@
 //!   1 MiB on the 2-CPU test machine (see the figures above).
 //! - A request that failed (timeout, dead peer) may still have operations in the provider;
 //!   they keep their local memory pinned until the provider reports them (a deregistration
-//!   waits for that) or the backend shuts down.
+//!   waits for that) or the backend shuts down. Taking them back earlier was tried and is not
+//!   done: `fi_cancel` reaches only posted receives, not RMA operations, and `fi_av_remove` of
+//!   the peer while operations to it are in flight crashed inside rxm (a completion with a
+//!   NULL operation context).
 //! - Over `tcp;ofi_rxm` a bad key or an address outside the peer's registration is refused by
 //!   the target's provider, which drops the connection: the request fails as
 //!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next (a message sent
@@ -131,8 +149,9 @@
 //! - Providers here (libfabric 1.17, `fi_info -c FI_RMA -t FI_EP_RDM`): `tcp;ofi_rxm` (the
 //!   default, whole suite), `sockets` (RDM + RMA; transfers, notifications, bad keys, the
 //!   target-side deregistration race and a killed peer are tested on it; its progress
-//!   threads spin, so it is not the default) and `shm` (listed with RMA, but not working with
-//!   this backend yet, see the conformance test file).
+//!   threads spin, so it is not the default) and `shm` (one host only; its CQ is polled, see
+//!   above; SHM_SCENARIOS, see the conformance test file, which says why the others are
+//!   not run on it).
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;
