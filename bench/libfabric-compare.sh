@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The libfabric backend over `tcp;ofi_rxm` on loopback against the raw-TCP baseline, READ and
 # WRITE at SIZES, for each lane count in LANES (the backend's `lanes` parameter: endpoints per
-# domain), and for each rxm progress mode in PROGRESS (`manual`: libfabric's default, the
-# backend's engine threads drive the provider; `auto`: FI_OFI_RXM_DATA_AUTO_PROGRESS=1 in both
-# processes' environment, rxm's own progress thread drives it): ROUNDS rounds, each running
-# `xferbench --backend libfabric --compare` once per lane count and mode (the order reversed
-# every other round), so that every libfabric
+# domain), and for each rxm mode in PROGRESS, set in both processes' environment (`manual`:
+# FI_OFI_RXM_ENABLE_PASSTHRU=0, rxm's own protocol over tcp's connected endpoints, driven by
+# the backend's engine threads; `auto`: the same with FI_OFI_RXM_DATA_AUTO_PROGRESS=1, rxm's
+# own progress thread drives it; `passthru`: FI_OFI_RXM_ENABLE_PASSTHRU=1, rxm hands RDM calls
+# to the tcp provider's own RDM endpoint, which is the backend's default): ROUNDS rounds, each
+# running `xferbench --backend libfabric --compare` once per lane count and mode (the order
+# reversed every other round), so that every libfabric
 # figure has a raw-TCP figure from the same xferbench run beside it (xferbench alternates the
 # two per case). Reports the median over the rounds and the spread (lowest and highest) of
 # ours ÷ raw TCP, and checks the bar (≥ 0.7 at 1M and 16M). Also runs libfabric's own
@@ -13,10 +15,13 @@
 #
 # Prints the report and writes it, with the machine line (bench/machine.sh), to
 # $OUT/libfabric.md and the rows to $OUT/libfabric.json (OUT=bench/results by default; then
-# bench/README.md's block is updated too, bench/update-readme.sh).
+# bench/README.md's block is updated too, bench/update-readme.sh). LOCK=FILE holds flock(1) on
+# FILE around each xferbench and fi_pingpong run, so benchmarks of others sharing the machine
+# and taking the same lock do not overlap with these.
 #
-#   bench/libfabric-compare.sh                # 1M 16M, lanes 1 2, progress manual auto, 5 rounds
-#   ROUNDS=3 LANES="1 4" PROGRESS=manual SIZES="1M" OUT=/tmp/lf bench/libfabric-compare.sh
+#   bench/libfabric-compare.sh                # 1M 16M, lanes 1 2, modes manual passthru, 5 rounds
+#   ROUNDS=3 LANES="1 4" PROGRESS="manual auto" SIZES="1M" OUT=/tmp/lf bench/libfabric-compare.sh
+#   LOCK=/work/bench.lock LANES=1 bench/libfabric-compare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +29,8 @@ load_start=$(bench/machine.sh --load)
 ROUNDS=${ROUNDS:-5}
 SIZES=${SIZES:-"1M 16M"}
 LANES=${LANES:-"1 2"}
-PROGRESS=${PROGRESS:-"manual auto"}
+PROGRESS=${PROGRESS:-"manual passthru"}
+LOCK=${LOCK:-}
 OUT=${OUT:-bench/results}
 XFERBENCH=${XFERBENCH:-target/release/xferbench}
 PARAMS=${PARAMS:-"provider=tcp;ofi_rxm,domain=lo"}
@@ -38,6 +44,15 @@ mkdir -p "$OUT"
 sizes_csv=$(echo "$SIZES" | tr ' ' ',')
 configs=$(for progress in $PROGRESS; do for lanes in $LANES; do echo "$progress:$lanes"; done; done)
 reversed=$(echo "$configs" | tac)
+
+# Runs its arguments holding the LOCK file, when one is given.
+locked() {
+  if [ -n "$LOCK" ]; then flock "$LOCK" "$@"; else "$@"; fi
+}
+
+for progress in $PROGRESS; do
+  case $progress in manual | auto | passthru) ;; *) echo "unknown PROGRESS mode $progress (manual, auto, passthru)" >&2; exit 2 ;; esac
+done
 
 bytes() {
   local n=${1%[KMG]}
@@ -56,23 +71,26 @@ pingpong() {
     | awk -v size="$(bytes "$size")" 'NR > 1 && NF >= 6 { print size, $6 }'
   wait "$server" || true
 }
+export -f pingpong bytes
 
 port=47600
 for round in $(seq 1 "$ROUNDS"); do
   if [ $((round % 2)) = 1 ]; then order=$configs; else order=$reversed; fi
   for config in $order; do
     progress=${config%:*} lanes=${config#*:}
-    auto=0
+    auto=0 passthru=0
     [ "$progress" = auto ] && auto=1
-    echo "== round $round: FI_OFI_RXM_DATA_AUTO_PROGRESS=$auto xferbench --backend libfabric --params '$PARAMS,lanes=$lanes' --compare --op both --block-sizes $sizes_csv" >&2
-    FI_OFI_RXM_DATA_AUTO_PROGRESS=$auto timeout 600 "$XFERBENCH" --backend libfabric --params "$PARAMS,lanes=$lanes" \
+    [ "$progress" = passthru ] && passthru=1
+    env="FI_OFI_RXM_DATA_AUTO_PROGRESS=$auto FI_OFI_RXM_ENABLE_PASSTHRU=$passthru"
+    echo "== round $round: $env xferbench --backend libfabric --params '$PARAMS,lanes=$lanes' --compare --op both --block-sizes $sizes_csv" >&2
+    locked env $env timeout 600 "$XFERBENCH" --backend libfabric --params "$PARAMS,lanes=$lanes" \
       --compare --op both --block-sizes "$sizes_csv" --warmup 3 --no-progress --json "$WORK/$progress-$lanes-$round.json" >&2
   done
   if command -v fi_pingpong >/dev/null; then
     for size in $SIZES; do
       port=$((port + 1))
       echo "== round $round: fi_pingpong -p 'tcp;ofi_rxm' -e rdm -S $size" >&2
-      pingpong "$size" "$port" >>"$WORK/pingpong-$round.txt" || echo "fi_pingpong at $size failed" >&2
+      locked bash -c 'pingpong "$@"' pingpong "$size" "$port" >>"$WORK/pingpong-$round.txt" || echo "fi_pingpong at $size failed" >&2
     done
   fi
 done
@@ -140,14 +158,15 @@ for op in ("read", "write"):
 lines = [
     machine,
     "",
-    f"Two processes on loopback, `{params}` with `lanes=N` (endpoints per domain); rxm progress `manual` (libfabric's",
-    "default) or `auto` (`FI_OFI_RXM_DATA_AUTO_PROGRESS=1`); one request of one block in flight, about 1 GiB per",
+    f"Two processes on loopback, `{params}` with `lanes=N` (endpoints per domain); rxm mode `manual` (rxm's protocol,",
+    "`FI_OFI_RXM_ENABLE_PASSTHRU=0`), `auto` (the same with `FI_OFI_RXM_DATA_AUTO_PROGRESS=1`) or `passthru`",
+    "(`FI_OFI_RXM_ENABLE_PASSTHRU=1`, the backend's default); one request of one block in flight, about 1 GiB per",
     "case and engine. Each round runs xferbench once per lane count and progress mode, the",
     "raw-TCP baseline in the same run; GB/s is the median over the rounds (10^9 bytes/s), ours ÷ raw the",
     "median of the rounds' ratios with the lowest and highest. fi_pingpong: `fi_pingpong -p 'tcp;ofi_rxm' -e rdm`",
     f"(send/receive ping-pong, same sizes), median MB/s ÷ 1000. Bar: ours ÷ raw TCP ≥ {BAR} at 1M and 16M.",
     "",
-    "| op | block | rxm progress | lanes | ours GB/s | raw TCP GB/s | ours ÷ raw (median) | lowest – highest | bar | ours p50 µs | fi_pingpong GB/s | ours ÷ fi_pingpong | rounds |",
+    "| op | block | rxm mode | lanes | ours GB/s | raw TCP GB/s | ours ÷ raw (median) | lowest – highest | bar | ours p50 µs | fi_pingpong GB/s | ours ÷ fi_pingpong | rounds |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 for s in summary:

@@ -126,9 +126,30 @@ fn text(ptr: *const libc::c_char) -> String {
     unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
 }
 
+/// libfabric's variable that lets rxm hand RDM calls straight to the tcp provider's own RDM
+/// endpoint instead of running its protocol over tcp's connected ones.
+const RXM_PASSTHRU: &str = "FI_OFI_RXM_ENABLE_PASSTHRU";
+
+/// Sets `FI_OFI_RXM_ENABLE_PASSTHRU=1` unless the user's environment sets it (their value
+/// stands), once, before this process's first `fi_getinfo` reads it: with it, `tcp;ofi_rxm`
+/// moves 1 MiB at about 0.9× raw TCP here instead of 0.55×–0.6× (see the crate doc). This
+/// writes the process environment while other threads may read it (glibc's getenv is not
+/// synchronised with setenv); it happens once, when the first backend is created or the
+/// providers are first listed, which the crate doc asks to be before threads that read the
+/// environment start.
+fn default_environment() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os(RXM_PASSTHRU).is_none() {
+            std::env::set_var(RXM_PASSTHRU, "1");
+        }
+    });
+}
+
 /// Every RDM endpoint description with RMA and messages, for `provider` (e.g. `tcp;ofi_rxm`)
 /// and `domain` (e.g. `lo`) when given.
 fn get_infos(provider: Option<&str>, domain: Option<&str>) -> Result<InfoList, FabricError> {
+    default_environment();
     // Ordered sends after writes where the provider offers it; otherwise the notification's
     // wait for the writes' completions alone orders them.
     get_infos_ordered(provider, domain, true).or_else(|_| get_infos_ordered(provider, domain, false))
@@ -391,6 +412,37 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// The longest an idle engine sleeps between polls of a CQ it cannot block on: the latency a
+/// new job or a peer's RMA may wait there, against a thread that wakes 1000 times a second.
+/// shm's target serves RMA only when polled and sees no completion for it, so this paces its
+/// RMA: shm's `transfer_matrix` takes 21.6 s with 1 ms, 7.7 s with 200 µs (5000 wakeups a
+/// second while idle); a short sleep only for a while after the last completion did not help
+/// (18.5 s), as the target's CQ reports nothing for the RMA it serves.
+const POLL_SLEEP: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The wait object an open CQ uses: the provider's answer to `FI_GETWAITOBJ`, or else what it
+/// wrote back into the attributes at open (shm and sockets do not answer the query).
+///
+/// # Safety
+/// `cq` is an open CQ.
+unsafe fn cq_wait_obj(cq: *mut sys::fid_cq, written_back: sys::fi_wait_obj) -> sys::fi_wait_obj {
+    let mut obj: sys::fi_wait_obj = sys::FI_WAIT_UNSPEC;
+    // SAFETY: FI_GETWAITOBJ writes one `enum fi_wait_obj` into `obj` (the caller keeps the CQ
+    // open).
+    let ret =
+        unsafe { sys::xf_control(fid_of(cq), sys::FI_GETWAITOBJ as i32, (&mut obj as *mut sys::fi_wait_obj).cast()) };
+    if ret == 0 {
+        obj
+    } else {
+        written_back
+    }
+}
+
+/// Whether `fi_cq_sread` on this wait object returns when its timeout passes.
+fn blocking_wait(obj: sys::fi_wait_obj) -> bool {
+    matches!(obj, sys::FI_WAIT_FD | sys::FI_WAIT_POLLFD | sys::FI_WAIT_MUTEX_COND)
+}
+
 fn fid_of<T>(object: *mut T) -> *mut sys::fid {
     // Every fid_* struct starts with its `struct fid`.
     object.cast()
@@ -427,14 +479,21 @@ impl Endpoint {
                 wait_obj: sys::FI_WAIT_UNSPEC,
                 ..Default::default()
             };
-            // A waitable CQ lets the idle thread block in fi_cq_sread, which still drives the
-            // provider's progress (serving peers' RMA); without one it sleeps between polls.
-            if sys::xf_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) != 0 {
+            // A CQ whose wait honours a timeout (an fd or a condition variable) lets the idle
+            // thread block in fi_cq_sread, which still drives the provider's progress (serving
+            // peers' RMA). Others are opened without a wait object and polled with short
+            // sleeps: shm picks FI_WAIT_YIELD, whose fi_cq_sread ignores the timeout, so the
+            // engine thread would not come back while nothing completes.
+            let opened = sys::xf_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) == 0;
+            if opened && blocking_wait(cq_wait_obj(ep.cq, cq_attr.wait_obj)) {
+                *ep.waker.0.lock() = Some(CqPtr(ep.cq));
+            } else {
+                if opened {
+                    check("fi_close(cq)", sys::xf_close(fid_of(ep.cq)) as isize)?;
+                }
                 ep.cq = ptr::null_mut();
                 cq_attr.wait_obj = sys::FI_WAIT_NONE;
                 check("fi_cq_open", sys::xf_cq_open(ep.domain, &mut cq_attr, &mut ep.cq, ptr::null_mut()) as isize)?;
-            } else {
-                *ep.waker.0.lock() = Some(CqPtr(ep.cq));
             }
             let mut av_attr = sys::fi_av_attr { type_: (*(*info).domain_attr).av_type, ..Default::default() };
             check("fi_av_open", sys::xf_av_open(ep.domain, &mut av_attr, &mut ep.av, ptr::null_mut()) as isize)?;
@@ -460,10 +519,12 @@ impl Endpoint {
     }
 
     /// Like [`poll`](Endpoint::poll), but blocks up to `timeout_ms` for a completion (or a
-    /// [`Waker::wake`]) where the CQ is waitable; otherwise sleeps that long, then polls.
+    /// [`Waker::wake`]) where the CQ is waitable; otherwise sleeps [`POLL_SLEEP`] at most (a
+    /// wake is not seen earlier), then polls.
     pub fn wait(&mut self, max: usize, timeout_ms: i32, out: &mut Vec<Done>) -> Result<usize, FabricError> {
         if self.waker.0.lock().is_none() {
-            std::thread::sleep(std::time::Duration::from_millis(timeout_ms.max(0) as u64));
+            let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+            std::thread::sleep(timeout.min(POLL_SLEEP));
             return self.poll(max, out);
         }
         let mut entries = [sys::fi_cq_data_entry::default(); 16];

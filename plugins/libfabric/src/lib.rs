@@ -10,7 +10,11 @@
 //! with `tcp;ofi_rxm`), at most `max_in_flight` per job
 //! and no more than the provider's transmit queue holds, reads the CQ (errors from
 //! `fi_cq_readerr`), and, idle, blocks in `fi_cq_sread`, which keeps the provider's progress
-//! (and so its service of peers' RMA) going. The agent metadata carries every rail's endpoint
+//! (and so its service of peers' RMA) going. That needs a CQ wait object whose wait returns
+//! when its timeout passes (an fd or a condition variable: `tcp;ofi_rxm`, `sockets`); a
+//! provider that offers only others (shm: FI_WAIT_YIELD, whose `fi_cq_sread` ignores the
+//! timeout and kept the engine thread away for good) gets a CQ without a wait object, which
+//! the idle engine polls every millisecond instead. The agent metadata carries every rail's endpoint
 //! address (`fi_getname`; peers insert it into their AV on connect) and, per registration, its
 //! key on every rail.
 //!
@@ -63,6 +67,18 @@
 //! overtakes its data. The sender's address travels in the message, so the target need not
 //! have connected to answer.
 //!
+//! rxm passthru: with `FI_OFI_RXM_ENABLE_PASSTHRU=1`, libfabric 1.17's `ofi_rxm` hands RDM
+//! calls straight to the tcp provider's own RDM endpoint instead of running its rendezvous
+//! protocol over tcp's connected endpoints: fewer copies and messages per operation, ahead
+//! of rxm's protocol in one session's runs, mixed in another's (figures below). libfabric's
+//! default is off, so the backend sets it
+//! to 1 before this process's first `fi_getinfo` unless the environment already sets it (a
+//! user's `FI_OFI_RXM_ENABLE_PASSTHRU=0` stands). Caveat: that writes the process
+//! environment (`std::env::set_var`) while other threads may be reading it, which glibc does
+//! not synchronise; it happens once, at the first backend creation (or [`providers`] call),
+//! so a process that cannot allow that should set the variable itself before it starts
+//! threads. It takes effect only if libfabric was not initialised earlier in the process.
+//!
 //! Parameters (all optional; libfabric's own `FI_*` environment variables apply underneath):
 //! | key | default | meaning |
 //! |---|---|---|
@@ -80,24 +96,28 @@
 //! | `recv_buffers` | 32 | receive buffers kept posted for notifications |
 //! | `spin_us` | 200 | the engine polls this long after the last event before it blocks in `fi_cq_sread` |
 //!
-//! Measured (`bench/libfabric-compare.sh`, report in `bench/results/libfabric.md`: 2 vCPUs
-//! shared with other builds at load average 11.5–15.5, loopback, `tcp;ofi_rxm` of libfabric
-//! 1.17, release xferbench, one request in flight, 5 alternating rounds, each ratio against
-//! raw TCP from the same run; single rounds move ±50 % and more): with one lane READ
-//! 0.58× / 0.58× raw TCP at 1 MiB / 16 MiB, WRITE 0.55× / 0.85×; two lanes 0.28× / 0.62× and
-//! 0.35× / 0.55×. An earlier run (load 12–13) with 1, 2 and 4 lanes gave READ 1 MiB 0.32×,
-//! 0.19×, 0.25× and WRITE 1 MiB 0.17×, 0.28×, 0.29×, and 0.64×–1.03× at 16 MiB. So on this
-//! machine the 0.7× bar is missed at 1 MiB whatever the lane count, and met at 16 MiB only by
-//! some rows; more lanes did not help here (each lane is two more engine threads on two busy
-//! CPUs), which is why `lanes` defaults to 1; on hosts with cores to spare and a provider whose
-//! connection is the bottleneck, it is the knob to try. Also tried, by hand, 2 rounds each at
-//! 1 MiB: `max_op_bytes=256K`, `spin_us=5000`, `FI_TCP_NODELAY=1`,
-//! `FI_TCP_STAGING_SBUF_SIZE=0` with `FI_TCP_PREFETCH_RBUF_SIZE=0` changed nothing beyond the
-//! noise; `FI_OFI_RXM_DATA_AUTO_PROGRESS=1` (rxm's own progress thread) is in the script's
-//! table: READ 16 MiB 0.79× against 0.58×, 1 MiB not better, WRITE mixed, so it is not set.
-//! libfabric's own `fi_pingpong -e rdm` (send/receive; Debian 12 ships no `fi_rma_bw`) moved
-//! 0.036 / 0.155 GB/s at 1 / 16 MiB in the same run: the backend is 3–40× that, so the
-//! second bar (≥ 0.9× fi_pingpong) is met.
+//! Measured (`bench/libfabric-compare.sh`, report in `bench/results/libfabric.md`: 2 vCPUs,
+//! loopback, `tcp;ofi_rxm` of libfabric 1.17, release xferbench, one request in flight, one
+//! lane, 5 alternating rounds, each ratio ours ÷ raw TCP from the same run, median of the
+//! rounds). On a quiet machine (load average 0.8–1.2) every row meets the 0.7× bar: with
+//! passthru (the default) READ 1.09× / 1.57× at 1 MiB / 16 MiB, WRITE 0.92× / 1.50×; with rxm's
+//! own protocol (`FI_OFI_RXM_ENABLE_PASSTHRU=0`) 1.09× / 1.72× and 0.89× / 1.23×. Under load
+//! from other builds and benchmarks (5–8) single rounds move from 0.12× to 1.9× and the medians
+//! fall: two such runs gave passthru READ 1 MiB 0.51×, 0.70×, 16 MiB 0.70×, 0.91×, WRITE 16 MiB
+//! 0.69×, 1.14×, but WRITE 1 MiB 0.38× both times (rxm's protocol: 0.50×, 0.65×), so passthru
+//! is no clear win there; an earlier session measured it ahead on all four (0.91×, 1.03×,
+//! 0.70×, 1.00×), which is why it is the default. Splitting 1 MiB writes into 256 KiB
+//! operations (`max_op_bytes=262144`) did not help them (0.83×, 0.78× against 1.17×, 0.90×,
+//! two runs). Sessions before passthru, at load 11.5–15.5: more lanes (2, 4) did not help
+//! (each lane is two more engine threads on two busy CPUs; hence `lanes` defaults to 1, the
+//! knob to try on hosts with cores to spare); `max_op_bytes=256K`, `spin_us=5000`,
+//! `FI_TCP_NODELAY=1` and `FI_TCP_STAGING_SBUF_SIZE=0` with `FI_TCP_PREFETCH_RBUF_SIZE=0`
+//! changed nothing beyond the noise; `FI_OFI_RXM_DATA_AUTO_PROGRESS=1` (the script's `auto`
+//! mode) was mixed. libfabric's own `fi_pingpong -e rdm` (send/receive; Debian 12's
+//! libfabric-bin ships only `fi_info`, `fi_pingpong` and `fi_strerror`, no `fi_rma_bw`) moved
+//! 1.31 / 1.76 GB/s at 1 / 16 MiB in the quiet run (the backend: 1.4–1.9× that) and
+//! 0.06–0.09 / 0.28–0.47 GB/s under load (the backend: 10–29× and 2.2–4.9×), so the second bar
+//! (≥ 0.9× fi_pingpong) is met.
 //!
 //! Limits:
 //! - DRAM only. GPU memory is refused with the reason (`register` fails with `Unsupported`):
@@ -107,7 +127,8 @@
 //!   (same network); rails are not matched by reachability (one that cannot reach its peer
 //!   is found down by failover, and probed again now and then).
 //! - A share that moves is run again whole, including what had already arrived. Its
-//!   operations on the failed rail are not cancelled: if the link comes back, the TCP
+//!   operations on the failed rail are not cancelled (libfabric offers no way here, see
+//!   below): if the link comes back, the TCP
 //!   connection delivers them late, the same bytes into the same places (for a READ, into
 //!   local memory after the request completed). An application that reuses those buffers at
 //!   once can see them overwritten by the old bytes; the rail is not reset (rxm carries on
@@ -116,11 +137,15 @@
 //!   failure: with several rails the share moves and meets the same refusal on the next
 //!   rail, so such a request fails as "every rail is down" and the rails wait out their retry.
 //! - A notification is not moved: if its rail fails after the data, the request fails.
-//! - The throughput bar (≥ 0.7× raw TCP at 1 MiB and 16 MiB over `tcp;ofi_rxm`) is not met at
-//!   1 MiB on the 2-CPU test machine (see the figures above).
+//! - The throughput bar (≥ 0.7× raw TCP at 1 MiB and 16 MiB over `tcp;ofi_rxm`) is met on
+//!   a quiet machine, not reliably under load on the 2-CPU test machine (see the figures
+//!   above: WRITE 1 MiB fell to 0.38×).
 //! - A request that failed (timeout, dead peer) may still have operations in the provider;
 //!   they keep their local memory pinned until the provider reports them (a deregistration
-//!   waits for that) or the backend shuts down.
+//!   waits for that) or the backend shuts down. Taking them back earlier was tried and is not
+//!   done: `fi_cancel` reaches only posted receives, not RMA operations, and `fi_av_remove` of
+//!   the peer while operations to it are in flight crashed inside rxm (a completion with a
+//!   NULL operation context).
 //! - Over `tcp;ofi_rxm` a bad key or an address outside the peer's registration is refused by
 //!   the target's provider, which drops the connection: the request fails as
 //!   `PeerDisconnected`, not as a refusal, and rxm reconnects for the next (a message sent
@@ -131,8 +156,9 @@
 //! - Providers here (libfabric 1.17, `fi_info -c FI_RMA -t FI_EP_RDM`): `tcp;ofi_rxm` (the
 //!   default, whole suite), `sockets` (RDM + RMA; transfers, notifications, bad keys, the
 //!   target-side deregistration race and a killed peer are tested on it; its progress
-//!   threads spin, so it is not the default) and `shm` (listed with RMA, but not working with
-//!   this backend yet, see the conformance test file).
+//!   threads spin, so it is not the default) and `shm` (one host only; its CQ is polled, see
+//!   above; SHM_SCENARIOS, see the conformance test file, which says why the others are
+//!   not run on it).
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;

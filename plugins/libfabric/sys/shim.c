@@ -4,6 +4,7 @@
 uint32_t xf_header_version(void) { return FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION); }
 struct fi_info *xf_allocinfo(void) { return fi_allocinfo(); }
 int xf_close(struct fid *fid) { return fi_close(fid); }
+int xf_control(struct fid *fid, int command, void *arg) { return fi_control(fid, command, arg); }
 int xf_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context) {
     return fi_fabric(attr, fabric, context);
 }

@@ -12,6 +12,7 @@
 uint32_t xf_header_version(void);
 struct fi_info *xf_allocinfo(void);
 int xf_close(struct fid *fid);
+int xf_control(struct fid *fid, int command, void *arg);
 int xf_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context);
 int xf_domain(struct fid_fabric *fabric, struct fi_info *info, struct fid_domain **domain, void *context);
 int xf_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep, void *context);

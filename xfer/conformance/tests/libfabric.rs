@@ -6,10 +6,15 @@
 //! (`PeerDisconnected`), not a refusal of deregistered memory: the target-side deregistration
 //! race runs as `dereg_target_races_transfers_disconnecting`, which takes that as the refusal.
 //!
-//! Not run over `shm`, although `fi_info -p shm -c FI_RMA` lists it here (libfabric 1.17):
-//! tried with the same scenarios, `transfer_matrix` hung (operations that never completed) and
-//! `api_errors`/`bad_remote_key` then waited for good in a deregistration (their memory stayed
-//! pinned by operations the provider never reported). Not investigated further yet.
+//! Over `shm` (listed with RMA by `fi_info -p shm -c FI_RMA` here, libfabric 1.17) the
+//! scenarios of `over_shm` run. shm's CQ waits by yielding (FI_WAIT_YIELD), whose
+//! `fi_cq_sread` ignores its timeout; until the backend polled such CQs instead, the engine
+//! thread never came back and `transfer_matrix` hung. Not run over shm: `sigkill_mid_transfer`,
+//! `sigstop_mid_transfer` and both target-side deregistration races still hang (past 60 s
+//! each; not traced further): the likely cause is that shm reports nothing for operations
+//! towards a peer that died, froze or dropped its registration, so their memory stays pinned
+//! and a deregistration waits for them (the bound in the crate doc's limits); `bad_frames` is
+//! TCP's wire format.
 
 #![cfg(feature = "libfabric")]
 
@@ -46,6 +51,26 @@ mod over_sockets {
         "libfabric",
         "provider=sockets,domain=lo",
         [transfer_matrix, notifications, bad_remote_key, dereg_target_races_transfers, sigkill_mid_transfer]
+    );
+}
+
+/// `shm` (one host, shared memory): the scenarios it passes; see the file's doc for the others.
+mod over_shm {
+    xfer_conformance::conformance_tests!(
+        "libfabric",
+        "provider=shm",
+        [
+            peer_protocol,
+            transfer_matrix,
+            transfer_large,
+            notifications,
+            api_errors,
+            bad_remote_key,
+            notif_once_across_stall,
+            dereg_initiator_races_transfers,
+            stalled_peer_times_out,
+            reconnect_cycles,
+        ]
     );
 }
 
