@@ -2,10 +2,10 @@
 # The libfabric backend over `tcp;ofi_rxm` on loopback against the raw-TCP baseline, READ and
 # WRITE at SIZES, for each lane count in LANES (the backend's `lanes` parameter: endpoints per
 # domain), and for each rxm mode in PROGRESS, set in both processes' environment (`manual`:
-# FI_OFI_RXM_ENABLE_PASSTHRU=0, rxm's own protocol over tcp's connected endpoints, driven by
+# FI_OFI_RXM_ENABLE_PASSTHRU=0, rxm's own protocol over tcp's connected endpoints (the default), driven by
 # the backend's engine threads; `auto`: the same with FI_OFI_RXM_DATA_AUTO_PROGRESS=1, rxm's
 # own progress thread drives it; `passthru`: FI_OFI_RXM_ENABLE_PASSTHRU=1, rxm hands RDM calls
-# to the tcp provider's own RDM endpoint, which is the backend's default): ROUNDS rounds, each
+# to the tcp provider's own RDM endpoint): ROUNDS rounds, each
 # running `xferbench --backend libfabric --compare` once per lane count and mode (the order
 # reversed every other round), so that every libfabric
 # figure has a raw-TCP figure from the same xferbench run beside it (xferbench alternates the
@@ -159,8 +159,8 @@ lines = [
     machine,
     "",
     f"Two processes on loopback, `{params}` with `lanes=N` (endpoints per domain); rxm mode `manual` (rxm's protocol,",
-    "`FI_OFI_RXM_ENABLE_PASSTHRU=0`), `auto` (the same with `FI_OFI_RXM_DATA_AUTO_PROGRESS=1`) or `passthru`",
-    "(`FI_OFI_RXM_ENABLE_PASSTHRU=1`, the backend's default); one request of one block in flight, about 1 GiB per",
+    "`FI_OFI_RXM_ENABLE_PASSTHRU=0`, the backend's default), `auto` (the same with `FI_OFI_RXM_DATA_AUTO_PROGRESS=1`) or `passthru`",
+    "(`FI_OFI_RXM_ENABLE_PASSTHRU=1`); one request of one block in flight, about 1 GiB per",
     "case and engine. Each round runs xferbench once per lane count and progress mode, the",
     "raw-TCP baseline in the same run; GB/s is the median over the rounds (10^9 bytes/s), ours ÷ raw the",
     "median of the rounds' ratios with the lowest and highest. fi_pingpong: `fi_pingpong -p 'tcp;ofi_rxm' -e rdm`",

@@ -126,30 +126,9 @@ fn text(ptr: *const libc::c_char) -> String {
     unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
 }
 
-/// libfabric's variable that lets rxm hand RDM calls straight to the tcp provider's own RDM
-/// endpoint instead of running its protocol over tcp's connected ones.
-const RXM_PASSTHRU: &str = "FI_OFI_RXM_ENABLE_PASSTHRU";
-
-/// Sets `FI_OFI_RXM_ENABLE_PASSTHRU=1` unless the user's environment sets it (their value
-/// stands), once, before this process's first `fi_getinfo` reads it: with it, `tcp;ofi_rxm`
-/// moves 1 MiB at about 0.9× raw TCP here instead of 0.55×–0.6× (see the crate doc). This
-/// writes the process environment while other threads may read it (glibc's getenv is not
-/// synchronised with setenv); it happens once, when the first backend is created or the
-/// providers are first listed, which the crate doc asks to be before threads that read the
-/// environment start.
-fn default_environment() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        if std::env::var_os(RXM_PASSTHRU).is_none() {
-            std::env::set_var(RXM_PASSTHRU, "1");
-        }
-    });
-}
-
 /// Every RDM endpoint description with RMA and messages, for `provider` (e.g. `tcp;ofi_rxm`)
 /// and `domain` (e.g. `lo`) when given.
 fn get_infos(provider: Option<&str>, domain: Option<&str>) -> Result<InfoList, FabricError> {
-    default_environment();
     // Ordered sends after writes where the provider offers it; otherwise the notification's
     // wait for the writes' completions alone orders them.
     get_infos_ordered(provider, domain, true).or_else(|_| get_infos_ordered(provider, domain, false))

@@ -67,17 +67,13 @@
 //! overtakes its data. The sender's address travels in the message, so the target need not
 //! have connected to answer.
 //!
-//! rxm passthru: with `FI_OFI_RXM_ENABLE_PASSTHRU=1`, libfabric 1.17's `ofi_rxm` hands RDM
-//! calls straight to the tcp provider's own RDM endpoint instead of running its rendezvous
-//! protocol over tcp's connected endpoints: fewer copies and messages per operation, ahead
-//! of rxm's protocol in one session's runs, mixed in another's (figures below). libfabric's
-//! default is off, so the backend sets it
-//! to 1 before this process's first `fi_getinfo` unless the environment already sets it (a
-//! user's `FI_OFI_RXM_ENABLE_PASSTHRU=0` stands). Caveat: that writes the process
-//! environment (`std::env::set_var`) while other threads may be reading it, which glibc does
-//! not synchronise; it happens once, at the first backend creation (or [`providers`] call),
-//! so a process that cannot allow that should set the variable itself before it starts
-//! threads. It takes effect only if libfabric was not initialised earlier in the process.
+//! rxm passthru: with `FI_OFI_RXM_ENABLE_PASSTHRU=1` in the environment, libfabric 1.17's
+//! `ofi_rxm` hands RDM calls straight to the tcp provider's own RDM endpoint instead of running
+//! its rendezvous protocol over tcp's connected endpoints. It was ahead of rxm's protocol in one
+//! session's runs and mixed in another's (figures below), so the backend leaves libfabric's
+//! default (off) alone rather than write the process environment behind the caller's back
+//! (`set_var` while other threads may read it is not synchronised by glibc); set it before
+//! the process starts to try it.
 //!
 //! Parameters (all optional; libfabric's own `FI_*` environment variables apply underneath):
 //! | key | default | meaning |
@@ -100,13 +96,13 @@
 //! loopback, `tcp;ofi_rxm` of libfabric 1.17, release xferbench, one request in flight, one
 //! lane, 5 alternating rounds, each ratio ours ÷ raw TCP from the same run, median of the
 //! rounds). On a quiet machine (load average 0.8–1.2) every row meets the 0.7× bar: with
-//! passthru (the default) READ 1.09× / 1.57× at 1 MiB / 16 MiB, WRITE 0.92× / 1.50×; with rxm's
-//! own protocol (`FI_OFI_RXM_ENABLE_PASSTHRU=0`) 1.09× / 1.72× and 0.89× / 1.23×. Under load
+//! rxm's own protocol (the default) READ 1.09× / 1.72× at 1 MiB / 16 MiB, WRITE 0.89× / 1.23×;
+//! with passthru 1.09× / 1.57× and 0.92× / 1.50×. Under load
 //! from other builds and benchmarks (5–8) single rounds move from 0.12× to 1.9× and the medians
 //! fall: two such runs gave passthru READ 1 MiB 0.51×, 0.70×, 16 MiB 0.70×, 0.91×, WRITE 16 MiB
 //! 0.69×, 1.14×, but WRITE 1 MiB 0.38× both times (rxm's protocol: 0.50×, 0.65×), so passthru
 //! is no clear win there; an earlier session measured it ahead on all four (0.91×, 1.03×,
-//! 0.70×, 1.00×), which is why it is the default. Splitting 1 MiB writes into 256 KiB
+//! 0.70×, 1.00×). Splitting 1 MiB writes into 256 KiB
 //! operations (`max_op_bytes=262144`) did not help them (0.83×, 0.78× against 1.17×, 0.90×,
 //! two runs). Sessions before passthru, at load 11.5–15.5: more lanes (2, 4) did not help
 //! (each lane is two more engine threads on two busy CPUs; hence `lanes` defaults to 1, the
