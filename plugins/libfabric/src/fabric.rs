@@ -477,6 +477,12 @@ impl Endpoint {
             let mut av_attr = sys::fi_av_attr { type_: (*(*info).domain_attr).av_type, ..Default::default() };
             check("fi_av_open", sys::xf_av_open(ep.domain, &mut av_attr, &mut ep.av, ptr::null_mut()) as isize)?;
             check("fi_endpoint", sys::xf_endpoint(ep.domain, info, &mut ep.ep, ptr::null_mut()) as isize)?;
+            if ep.attrs.provider == "shm" {
+                let name = shm::fresh_name();
+                let len = name.as_bytes_with_nul().len();
+                // `name` outlives the call; shm copies it before fi_enable creates the region.
+                check("fi_setname", sys::xf_setname(ep.ep, name.as_ptr().cast_mut().cast(), len) as isize)?;
+            }
             check("fi_ep_bind(av)", sys::xf_ep_bind(ep.ep, fid_of(ep.av), 0) as isize)?;
             let flags = sys::FI_TRANSMIT as u64 | sys::FI_RECV as u64;
             check("fi_ep_bind(cq)", sys::xf_ep_bind(ep.ep, fid_of(ep.cq), flags) as isize)?;
@@ -819,6 +825,60 @@ impl Drop for Endpoint {
                     tracing::warn!(ret, object = name, "fi_close");
                 }
             }
+        }
+    }
+}
+
+/// Names for `shm` endpoints. shm names its region (a file in /dev/shm) after the process id
+/// and never removes it when the process is killed; a later process given the same pid (they
+/// wrap at 32768 here) then fails fi_enable with EBUSY. So each endpoint gets a name of its own,
+/// and opening one removes the regions ours left behind in processes that are gone (they
+/// would otherwise hold their memory, 16 MiB each, until reboot).
+mod shm {
+    use std::ffi::CString;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    const DIR: &str = "/dev/shm";
+    const PREFIX: &str = "xfer-";
+
+    pub(super) fn fresh_name() -> CString {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        remove_orphans();
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let name = format!("{PREFIX}{}-{nanos:x}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        CString::new(name).expect("no NUL in a formatted name")
+    }
+
+    /// The process that created region `name`, if it is one of ours.
+    pub(super) fn owner(name: &str) -> Option<u32> {
+        name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
+    }
+
+    fn remove_orphans() {
+        let Ok(entries) = std::fs::read_dir(DIR) else { return };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(owner) else { continue };
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                // Best effort: another process may be removing it at the same time.
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn names_are_fresh_and_name_their_process() {
+            let (a, b) = (fresh_name(), fresh_name());
+            assert_ne!(a, b);
+            let a = a.into_string().unwrap();
+            assert_eq!(owner(&a), Some(std::process::id()));
+            assert!(a.len() < 64, "{a}");
+            assert_eq!(owner("1002:0:0"), None, "shm's own names are not ours to remove");
+            assert_eq!(owner("xfer-notapid-1-2"), None);
         }
     }
 }

@@ -153,8 +153,11 @@
 //!   default, whole suite), `sockets` (RDM + RMA; transfers, notifications, bad keys, the
 //!   target-side deregistration race and a killed peer are tested on it; its progress
 //!   threads spin, so it is not the default) and `shm` (one host only; its CQ is polled, see
-//!   above; SHM_SCENARIOS, see the conformance test file, which says why the others are
-//!   not run on it).
+//!   above; the scenarios of `over_shm` in the conformance test file, which says why the
+//!   others are not run on it). shm endpoints get names of their own (`xfer-PID-...`): shm
+//!   names its region in /dev/shm after the pid and leaves it behind when the process is
+//!   killed, so a later process with the same pid failed fi_enable (EBUSY); opening an endpoint
+//!   removes the regions of our processes that are gone.
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;

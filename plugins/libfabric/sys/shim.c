@@ -23,6 +23,7 @@ int xf_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq
 int xf_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags) { return fi_ep_bind(ep, bfid, flags); }
 int xf_enable(struct fid_ep *ep) { return fi_enable(ep); }
 int xf_getname(struct fid_ep *ep, void *addr, size_t *addrlen) { return fi_getname(&ep->fid, addr, addrlen); }
+int xf_setname(struct fid_ep *ep, void *addr, size_t addrlen) { return fi_setname(&ep->fid, addr, addrlen); }
 int xf_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags,
                  void *context) {
     return fi_av_insert(av, addr, count, fi_addr, flags, context);

@@ -21,6 +21,7 @@ int xf_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq
 int xf_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags);
 int xf_enable(struct fid_ep *ep);
 int xf_getname(struct fid_ep *ep, void *addr, size_t *addrlen);
+int xf_setname(struct fid_ep *ep, void *addr, size_t addrlen);
 int xf_av_insert(struct fid_av *av, const void *addr, size_t count, fi_addr_t *fi_addr, uint64_t flags, void *context);
 int xf_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count, uint64_t flags);
 int xf_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access, uint64_t offset,

@@ -127,10 +127,13 @@ pub struct Env<'a> {
     pub held: &'a HashMap<u64, Held>,
 }
 
-/// A grant the peer revoked: the message to acknowledge (`seq`) and the grant's rkeys.
+/// A grant the peer revoked: the message to acknowledge (`seq`), the grant's rkeys, and how
+/// many jobs the connection had posted when it arrived (those may still use the rkeys; later
+/// ones cannot, the grant being marked revoked before they post).
 struct Revocation {
     seq: u64,
     key_ids: Vec<u64>,
+    jobs_before: u64,
 }
 
 /// A live endpoint to one peer.
@@ -139,8 +142,11 @@ pub struct Conn {
     pub ep: Endpoint,
     rkeys: HashMap<u64, Rkey>,
     jobs: VecDeque<Job>,
+    /// Jobs posted and jobs finished on this connection since it opened (they finish in order).
+    jobs_posted: u64,
+    jobs_finished: u64,
     pending: VecDeque<Pending>,
-    /// Revocations from the peer waiting for the jobs in flight to finish.
+    /// Revocations from the peer waiting for the jobs posted before them to finish.
     revocations: Vec<Revocation>,
     /// Revocations whose jobs are done, waiting for a flush: a WRITE of staged memory
     /// completes before its puts are visible at the target, the flush makes them so.
@@ -157,6 +163,8 @@ impl Conn {
             ep,
             rkeys: HashMap::new(),
             jobs: VecDeque::new(),
+            jobs_posted: 0,
+            jobs_finished: 0,
             pending: VecDeque::new(),
             revocations: Vec::new(),
             flushing: None,
@@ -241,6 +249,7 @@ impl Conn {
         // target sees them, so a WRITE waits for a flush.
         let flush = (op == Op::Write && visible).then(|| self.ep.flush());
         self.jobs.push_back(Job { ops, flush, error, notif, done: Some(done), give_up_at: None });
+        self.jobs_posted += 1;
     }
 
     fn issue(
@@ -354,17 +363,24 @@ impl Conn {
     }
 
     /// The peer revoked a grant whose rkeys are `key_ids`: acknowledged (message `seq`) once
-    /// no job in flight on this connection can still be using them, the rkeys destroyed first.
-    pub fn revoke_when_idle(&mut self, seq: u64, key_ids: Vec<u64>) {
-        self.revocations.push(Revocation { seq, key_ids });
+    /// the jobs posted on this connection before it, which alone may use them, are done, the
+    /// rkeys destroyed first. Jobs posted later do not hold it up, so a connection that is never
+    /// idle still acknowledges.
+    pub fn revoke_after_earlier_jobs(&mut self, seq: u64, key_ids: Vec<u64>) {
+        self.revocations.push(Revocation { seq, key_ids, jobs_before: self.jobs_posted });
     }
 
-    /// Acknowledges the revocations waiting, once no job is in flight and a flush after them
+    /// Acknowledges the revocations whose earlier jobs are done, once a flush after them
     /// completed.
     fn answer_revocations(&mut self) {
         self.acks.retain_mut(|send| send.poll().is_none());
-        if self.flushing.is_none() && self.jobs.is_empty() && !self.revocations.is_empty() {
-            self.flushing = Some((self.ep.flush(), std::mem::take(&mut self.revocations)));
+        if self.flushing.is_none() {
+            // Revocations arrive in order, so those ready form a prefix.
+            let ready = self.revocations.iter().take_while(|r| r.jobs_before <= self.jobs_finished).count();
+            if ready > 0 {
+                let revocations = self.revocations.drain(..ready).collect();
+                self.flushing = Some((self.ep.flush(), revocations));
+            }
         }
         let Some((flush, _)) = self.flushing.as_mut() else { return };
         // A flush fails only with its endpoint: the acknowledgement then fails too, and the
@@ -373,7 +389,7 @@ impl Conn {
             return;
         }
         let Some((_, done)) = self.flushing.take() else { return };
-        for Revocation { seq, key_ids } in done {
+        for Revocation { seq, key_ids, .. } in done {
             for key_id in key_ids {
                 self.rkeys.remove(&key_id);
             }
@@ -407,6 +423,7 @@ impl Conn {
             };
             progressed = true;
             let Some(mut job) = self.jobs.pop_front() else { break };
+            self.jobs_finished += 1;
             job.flush = None;
             // Every operation is complete once the flush is: this releases their pins before
             // completing, so a waiter that deregisters next never waits.
@@ -446,6 +463,7 @@ impl Conn {
         // Their acknowledgements cannot go out now: the target sees this connection fail.
         self.revocations.clear();
         self.flushing = None;
+        self.jobs_finished = self.jobs_posted;
         self.jobs
             .drain(..)
             .map(|mut job| {

@@ -736,7 +736,7 @@ impl Engine {
         });
         held.revoked = true;
         if let Some(conn) = held.peer_id.and_then(|id| self.conns.get_mut(&id)) {
-            return conn.revoke_when_idle(seq, held.key_ids.clone());
+            return conn.revoke_after_earlier_jobs(seq, held.key_ids.clone());
         }
         let Some(reply) = reply else { return tracing::warn!(grant_id, "cannot acknowledge a revocation") };
         match self.worker.reply(&reply, msg::encode_ack(seq)) {

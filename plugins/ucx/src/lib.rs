@@ -90,8 +90,9 @@
 //! posts anything: another agent's grant is `UnknownKey`, a descriptor outside the granted
 //! ranges `OutOfBounds`, a revoked or expired grant `Revoked`, and no byte moves. `revoke`
 //! sends `Revoke` to every holder; a holder marks the grant revoked at once, acknowledges once
-//! its transfers in flight to the target are complete (their gets have landed, their puts are
-//! flushed), and destroys the grant's rkeys; `revoke` returns when every holder acknowledged
+//! the transfers it had in flight to the target when the revocation came are complete (their
+//! gets have landed, their puts are flushed; transfers posted later cannot use the grant, so a
+//! connection that is never idle still acknowledges), and destroys the grant's rkeys; `revoke` returns when every holder acknowledged
 //! or failed, and then unmaps the grant's handles.
 //!
 //! The bound: `revoke` waits at most `timeout_ms` plus 1 s. A holder that is dead (its endpoint

@@ -14,7 +14,9 @@
 //! each; not traced further): the likely cause is that shm reports nothing for operations
 //! towards a peer that died, froze or dropped its registration, so their memory stays pinned
 //! and a deregistration waits for them (the bound in the crate doc's limits); `bad_frames` is
-//! TCP's wire format.
+//! TCP's wire format. Each shm endpoint is named by the backend (`xfer-PID-...`), since shm's
+//! own pid-based names collided with regions killed peers left in /dev/shm once pids wrapped
+//! (fi_enable: EBUSY, seen in CI); opening one removes those of processes that are gone.
 
 #![cfg(feature = "libfabric")]
 
