@@ -669,7 +669,7 @@ impl AgentInner {
                 let unpacked = link.remote.unpack_key(key).map_err(|e| XferError::backend(backends[slot].name, e))?;
                 keys.push((slot, unpacked));
             }
-            regions.push(PeerRegion { mem_type: region.mem_type, desc: region.desc, keys, expires: None });
+            regions.push(PeerRegion { mem_type: region.mem_type, desc: region.desc, keys });
         }
         Ok(Peer::new(md.name.clone(), md, links, regions, Vec::new()))
     }
@@ -886,8 +886,7 @@ impl Agent {
             )));
         }
         let backends = self.inner.backends.load();
-        let token = GrantToken { agent: self.inner.name.clone(), lifetime: ttl, entries: vec![] };
-        let mut grant = Grant { token, issued: vec![] };
+        let mut grant = Grant { token: GrantToken { agent: self.inner.name.clone(), entries: vec![] }, issued: vec![] };
         for (entry, list) in &by_region {
             for (slot, _) in &entry.keys {
                 let attached = &backends[*slot];
@@ -914,23 +913,14 @@ impl Agent {
     /// Loads a grant token from the agent that issued it (whose metadata must be loaded):
     /// requests to the granted regions then name the grant instead of the region's key, so
     /// the peer admits only the granted ranges, only until it revokes. Returns the peer's name.
-    /// Loading the peer's metadata again drops loaded grants, and loading a grant drops the
-    /// peer's grants whose lifetime has passed (the peer refuses them by then), so what an
-    /// initiator holds stays bounded by the grants alive at once.
+    /// Loading the peer's metadata again drops loaded grants.
     pub fn load_grant(&self, token: &[u8]) -> Result<String, XferError> {
         let token = GrantToken::decode(token)?;
         let inner = &self.inner;
         let _writer = inner.writer.lock();
         let peer = inner.peer(&token.agent)?;
         let backends = inner.backends.load();
-        let now = std::time::Instant::now();
-        let expires = now.checked_add(token.lifetime);
-        let copy = |r: &PeerRegion| PeerRegion {
-            mem_type: r.mem_type,
-            desc: r.desc,
-            keys: r.keys.clone(),
-            expires: r.expires,
-        };
+        let copy = |r: &PeerRegion| PeerRegion { mem_type: r.mem_type, desc: r.desc, keys: r.keys.clone() };
         let mut granted: Vec<PeerRegion> = Vec::new();
         for entry in &token.entries {
             let Some(slot) = backends.iter().position(|b| b.name == entry.backend) else { continue };
@@ -951,25 +941,13 @@ impl Agent {
                         entry.region.addr, entry.region.len
                     )));
                 }
-                granted.push(PeerRegion {
-                    mem_type: entry.mem_type,
-                    desc,
-                    keys: vec![(slot, Arc::clone(&key))],
-                    expires,
-                });
+                granted.push(PeerRegion { mem_type: entry.mem_type, desc, keys: vec![(slot, Arc::clone(&key))] });
             }
         }
-        // Earlier grants of exactly the same ranges are replaced (a re-grant after reuse), and
-        // expired ones are dropped.
+        // Earlier grants of exactly the same ranges are replaced (a re-grant after reuse).
         let regranted: HashSet<(MemType, Desc)> = granted.iter().map(|r| (r.mem_type, r.desc)).collect();
-        let alive = |old: &&PeerRegion| !matches!(old.expires, Some(at) if at <= now);
-        let mut loaded: Vec<PeerRegion> = peer
-            .granted()
-            .iter()
-            .filter(alive)
-            .filter(|old| !regranted.contains(&(old.mem_type, old.desc)))
-            .map(copy)
-            .collect();
+        let mut loaded: Vec<PeerRegion> =
+            peer.granted().iter().filter(|old| !regranted.contains(&(old.mem_type, old.desc))).map(copy).collect();
         loaded.extend(granted);
         let links = peer
             .links
@@ -982,11 +960,6 @@ impl Agent {
         peers.insert(token.agent.clone(), Arc::new(updated));
         inner.peers.store(Arc::new(peers));
         Ok(token.agent)
-    }
-
-    /// How many granted ranges of `peer` this agent holds loaded (for diagnostics and tests).
-    pub fn loaded_grant_ranges(&self, peer: &str) -> Result<usize, XferError> {
-        Ok(self.inner.peer(peer)?.granted().len())
     }
 
     /// Offers a grant under `name` for `ttl`: the first peer to claim it over this agent's

@@ -2,19 +2,18 @@
 //! the target revokes with.
 //!
 //! Token layout (all integers little-endian):
-//! `"XG2"` | agent name len u16 | name | lifetime ms u64 | entries u16 | per entry: backend name len u8 | name |
+//! `"XG1"` | agent name len u16 | name | entries u16 | per entry: backend name len u8 | name |
 //! mem type len u8 | mem type | region addr u64 | region len u64 | region dev u64 | ranges u16 |
 //! per range: addr u64 | len u64 | key len u16 | key bytes (the backend's grant key, in the form
 //! of its region keys).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use xfer_core::{Backend, Desc, MemType};
 
 use crate::error::XferError;
 
-const MAGIC: &[u8; 3] = b"XG2";
+const MAGIC: &[u8; 3] = b"XG1";
 
 /// One backend's grant over one registered region.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,8 +30,6 @@ pub(crate) struct GrantEntry {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct GrantToken {
     pub agent: String,
-    /// How long the grant lives from its issue: the initiator forgets it after that.
-    pub lifetime: Duration,
     pub entries: Vec<GrantEntry>,
 }
 
@@ -45,8 +42,6 @@ impl GrantToken {
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&(self.agent.len() as u16).to_le_bytes());
         out.extend_from_slice(self.agent.as_bytes());
-        let lifetime_ms = u64::try_from(self.lifetime.as_millis()).unwrap_or(u64::MAX);
-        out.extend_from_slice(&lifetime_ms.to_le_bytes());
         out.extend_from_slice(&(self.entries.len() as u16).to_le_bytes());
         for entry in &self.entries {
             let mem_type = entry.mem_type.to_string();
@@ -76,7 +71,6 @@ impl GrantToken {
         }
         let agent_len = reader.u16()? as usize;
         let agent = reader.text(agent_len)?;
-        let lifetime = Duration::from_millis(reader.u64()?);
         let count = reader.u16()?;
         let mut entries = Vec::with_capacity(usize::from(count).min(64));
         for _ in 0..count {
@@ -97,7 +91,7 @@ impl GrantToken {
         if !reader.0.is_empty() {
             return Err(bad("trailing bytes"));
         }
-        Ok(GrantToken { agent, lifetime, entries })
+        Ok(GrantToken { agent, entries })
     }
 }
 
@@ -204,7 +198,6 @@ mod tests {
     fn tokens_round_trip_and_reject_garbage() {
         let token = GrantToken {
             agent: "prefill-0".into(),
-            lifetime: Duration::from_secs(30),
             entries: vec![GrantEntry {
                 backend: "tcp".into(),
                 mem_type: MemType::Dram,

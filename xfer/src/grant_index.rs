@@ -136,7 +136,7 @@ mod tests {
     use super::*;
 
     fn grant(mem_type: MemType, addr: u64, len: u64, dev: u64) -> PeerRegion {
-        PeerRegion { mem_type, desc: Desc::new(addr, len, dev), keys: vec![], expires: None }
+        PeerRegion { mem_type, desc: Desc::new(addr, len, dev), keys: vec![] }
     }
 
     fn granted(ranges: &[(u64, u64, u64)]) -> Vec<PeerRegion> {

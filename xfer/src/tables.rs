@@ -1,7 +1,6 @@
 //! Lookup tables: local registrations and loaded peers, both sorted for binary search.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use xfer_core::{Desc, LocalRegion, MemType, RemoteAgent, RemoteKey};
 
@@ -96,9 +95,6 @@ pub(crate) struct PeerRegion {
     pub mem_type: MemType,
     pub desc: Desc,
     pub keys: Vec<(Slot, RemoteKey)>,
-    /// A granted range's end of life (its grant's lifetime from loading); `None` for a
-    /// published region.
-    pub expires: Option<Instant>,
 }
 
 impl PeerRegion {
