@@ -427,8 +427,7 @@ fn revoke_with_a_gone_holder_returns_within_the_bound() {
 /// in windows from several threads, keep jobs in flight) still acknowledges a revocation once the jobs posted before it
 /// are done: `revoke` returns by the acknowledgement, far within the `timeout_ms` plus 1 s bound.
 /// (A holder used to wait for its connection to go idle; here the engine still found idle
-/// moments, so this passes without the change too, but CI's late_read_storm once ran revokes
-/// into the bound under load.)
+/// moments, so this passes without that change too.)
 #[test]
 fn revoke_is_acknowledged_while_the_holder_stays_busy() {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
