@@ -1,6 +1,6 @@
 //! A blocking TCP connection whose every read and write is bounded: no progress for `timeout`
 //! is an error, and a stop flag ends waits between frames promptly. With `tls=on` the same
-//! bounded loops run over a rustls connection (TLS 1.3), whose handshake is bounded the same way.
+//! bounded loops run over TLS 1.3 records ([`crate::tls_io`]), whose handshake is bounded the same way.
 //! Reads go through a [read-ahead buffer](crate::readahead), so a small frame costs one read(2).
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -9,10 +9,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rustls::client::UnbufferedClientConnection;
+use rustls::server::UnbufferedServerConnection;
 use socket2::SockRef;
 
 use crate::readahead::{self, ReadAhead};
 use crate::spin::{SpinBudget, Spun};
+use crate::tls_io::{self, TlsIo};
 
 /// How often a blocked call wakes to check the stop flag and the progress deadline.
 const POLL: Duration = Duration::from_millis(200);
@@ -57,55 +60,26 @@ pub fn tune(stream: &TcpStream, tuning: SocketTuning) -> io::Result<()> {
 /// The byte every TLS connection starts with (a handshake record).
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
-/// The socket, and rustls over it once TLS has started.
+/// The socket, and TLS records over it once the handshake is done.
 #[derive(Debug)]
 struct Stream {
     tcp: TcpStream,
-    tls: Option<Box<rustls::Connection>>,
+    tls: Option<Box<TlsIo>>,
 }
 
 impl Stream {
     fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        let Stream { tcp, tls: Some(tls) } = self else { return self.tcp.read_vectored(bufs) };
-        loop {
-            match tls.reader().read_vectored(bufs) {
-                // Ok(0) is the peer's close_notify.
-                Ok(n) => return Ok(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
-            // No plaintext buffered: read records (a timeout here is the caller's poll).
-            let got = tls.read_tls(tcp)?;
-            if let Err(err) = tls.process_new_packets() {
-                // Best effort: tell the peer why (the alert rustls queued).
-                let _ = tls.write_tls(tcp);
-                return Err(io::Error::new(io::ErrorKind::InvalidData, err));
-            }
-            if got == 0 {
-                return match tls.reader().read_vectored(bufs) {
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
-                    other => other,
-                };
-            }
+        match &mut self.tls {
+            Some(tls) => tls.read_vectored(&mut self.tcp, bufs),
+            None => self.tcp.read_vectored(bufs),
         }
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let Stream { tcp, tls: Some(tls) } = self else { return self.tcp.write_vectored(bufs) };
-        // Earlier records go first, so the buffer limit admits new plaintext.
-        while tls.wants_write() {
-            tls.write_tls(tcp)?;
+        match &mut self.tls {
+            Some(tls) => tls.write_vectored(&mut self.tcp, bufs),
+            None => self.tcp.write_vectored(bufs),
         }
-        let accepted = tls.writer().write_vectored(bufs)?;
-        // Send what the socket takes now; the rest goes with the next write or `flush_tls`.
-        while tls.wants_write() {
-            match tls.write_tls(tcp) {
-                Ok(_) => {}
-                Err(e) if is_retry(&e) => break,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(accepted)
     }
 }
 
@@ -140,17 +114,17 @@ impl Conn {
     }
 
     /// Runs the client side of a TLS handshake; every later read and write is encrypted.
-    pub fn start_tls_client(&mut self, tls: rustls::ClientConnection) -> Result<(), ConnError> {
-        self.start_tls(tls.into())
+    pub fn start_tls_client(&mut self, tls: UnbufferedClientConnection) -> Result<(), ConnError> {
+        self.start_tls(tls)
     }
 
     /// Runs the server side of a TLS handshake. An initiator without TLS gets no handshake:
     /// `Ok(false)` says its first byte is no TLS record (the caller refuses it in plain text).
-    pub fn start_tls_server(&mut self, tls: rustls::ServerConnection) -> Result<bool, ConnError> {
+    pub fn start_tls_server(&mut self, tls: UnbufferedServerConnection) -> Result<bool, ConnError> {
         if !self.opens_with_tls()? {
             return Ok(false);
         }
-        self.start_tls(tls.into())?;
+        self.start_tls(tls)?;
         Ok(true)
     }
 
@@ -179,7 +153,7 @@ impl Conn {
         }
     }
 
-    fn start_tls(&mut self, mut tls: rustls::Connection) -> Result<(), ConnError> {
+    fn start_tls(&mut self, tls: impl tls_io::Side) -> Result<(), ConnError> {
         if self.stream.tls.is_some() {
             return Err(ConnError::Tls(io::Error::other("TLS is already running on this connection")));
         }
@@ -187,41 +161,18 @@ impl Conn {
         if self.ahead.buffered() > 0 {
             return Err(ConnError::Tls(io::Error::other("plain-text bytes arrived before the TLS handshake")));
         }
-        let tcp = &mut self.stream.tcp;
-        let mut last_progress = Instant::now();
-        while tls.is_handshaking() || tls.wants_write() {
-            let step = if tls.wants_write() {
-                tls.write_tls(tcp)
-            } else {
-                match tls.read_tls(tcp) {
-                    // A dead or killed peer; one without TLS answers in plain text instead.
-                    Ok(0) => return Err(ConnError::Eof),
-                    Ok(n) => match tls.process_new_packets() {
-                        Ok(_) => Ok(n),
-                        Err(err) => {
-                            let _ = tls.write_tls(tcp);
-                            return Err(ConnError::Tls(io::Error::new(io::ErrorKind::InvalidData, err)));
-                        }
-                    },
-                    Err(e) => Err(e),
-                }
-            };
-            match step {
-                Ok(_) => last_progress = Instant::now(),
-                Err(e) if is_retry(&e) => check_deadline(&self.stop, self.timeout, last_progress)?,
-                // Resets and the like: the peer is gone, not a TLS failure.
-                Err(e) => return Err(e.into()),
-            }
-        }
-        self.stream.tls = Some(Box::new(tls));
+        let (stop, timeout) = (&self.stop, self.timeout);
+        let io =
+            tls_io::handshake(&mut self.stream.tcp, tls, |last_progress| check_deadline(stop, timeout, last_progress))?;
+        self.stream.tls = Some(Box::new(io));
         Ok(())
     }
 
-    /// Sends the records rustls still holds (after a write, before waiting for the answer).
+    /// Sends the records still held (after a write, before waiting for the answer).
     fn flush_tls(&mut self, mut last_progress: Instant) -> Result<(), ConnError> {
         let Stream { tcp, tls: Some(tls) } = &mut self.stream else { return Ok(()) };
         while tls.wants_write() {
-            match tls.write_tls(tcp) {
+            match tls.send_some(tcp) {
                 Ok(_) => last_progress = Instant::now(),
                 Err(e) if is_retry(&e) => check_deadline(&self.stop, self.timeout, last_progress)?,
                 Err(e) => return Err(e.into()),
@@ -429,7 +380,7 @@ fn check_deadline(stop: &AtomicBool, timeout: Duration, last_progress: Instant) 
 }
 
 /// A poll wake-up (or a signal): wait on unless stopped or out of time.
-fn is_retry(e: &io::Error) -> bool {
+pub(crate) fn is_retry(e: &io::Error) -> bool {
     is_timeout(e) || e.kind() == io::ErrorKind::Interrupted
 }
 

@@ -50,10 +50,12 @@ pub mod keys;
 pub mod memio;
 mod pool;
 mod readahead;
+mod records;
 mod server;
 mod spin;
 mod staged;
 pub mod tls;
+mod tls_io;
 
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::atomic::AtomicBool;

@@ -9,16 +9,18 @@ use std::fmt;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::UnbufferedClientConnection;
 use rustls::crypto::{verify_tls13_signature, CryptoProvider};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
-use rustls::{ClientConfig, ClientConnection, DigitallySignedStruct, ServerConfig, ServerConnection, SignatureScheme};
+use rustls::server::UnbufferedServerConnection;
+use rustls::{ClientConfig, DigitallySignedStruct, ServerConfig, SignatureScheme};
 
 /// The name the initiator asks for; the verifier pins the certificate, not a name.
 pub const SERVER_NAME: &str = "xfer-tcp";
 /// Marks the fingerprint in connection info.
 const CONN_INFO_TAG: &str = "#tls-sha256=";
-/// Bytes of sealed records rustls may hold before a write must flush them: big batches keep the
-/// per-syscall cost low for large payloads.
+/// Plaintext sealed per write before the records must go out: big batches keep the per-syscall
+/// cost low for large payloads.
 pub const SEND_BUFFER: usize = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
@@ -122,6 +124,8 @@ impl TlsIdentity {
             .with_single_cert(vec![cert], key)?;
         // Data connections live long and never resume: no tickets to send or store.
         server.send_tls13_tickets = 0;
+        // After the handshake this backend seals and opens the records itself (`records`).
+        server.enable_secret_extraction = true;
         Ok(TlsIdentity { fingerprint, server: Arc::new(server), provider })
     }
 
@@ -130,10 +134,8 @@ impl TlsIdentity {
         Arc::clone(&self.server)
     }
 
-    pub fn accept(&self) -> Result<ServerConnection, TlsError> {
-        let mut conn = ServerConnection::new(Arc::clone(&self.server))?;
-        conn.set_buffer_limit(Some(SEND_BUFFER));
-        Ok(conn)
+    pub fn accept(&self) -> Result<UnbufferedServerConnection, TlsError> {
+        Ok(UnbufferedServerConnection::new(Arc::clone(&self.server))?)
     }
 
     /// The initiator's config for a target that published `pinned`.
@@ -145,15 +147,14 @@ impl TlsIdentity {
             .with_custom_certificate_verifier(Arc::new(verifier))
             .with_no_client_auth();
         config.resumption = rustls::client::Resumption::disabled();
+        config.enable_secret_extraction = true;
         Ok(Arc::new(config))
     }
 }
 
-pub fn connect(config: &Arc<ClientConfig>) -> Result<ClientConnection, TlsError> {
+pub fn connect(config: &Arc<ClientConfig>) -> Result<UnbufferedClientConnection, TlsError> {
     let name = ServerName::try_from(SERVER_NAME).map_err(|_| rustls::Error::General("server name".into()))?;
-    let mut conn = ClientConnection::new(Arc::clone(config), name)?;
-    conn.set_buffer_limit(Some(SEND_BUFFER));
-    Ok(conn)
+    Ok(UnbufferedClientConnection::new(Arc::clone(config), name)?)
 }
 
 /// Accepts exactly the certificate whose SHA-256 the target published; the handshake signature
