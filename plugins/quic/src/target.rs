@@ -23,10 +23,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
-use xfer_core::credential::{self, ClusterCredential, ProofLabel, Transcript, AUTH_LEN};
+use xfer_core::credential::{ClusterCredential, AUTH_LEN};
 use xfer_core::{LocalMem, NotifSink, RefusalCode};
 use xfer_tcp::frame::{self, FrameError, Header, Kind, WireDesc};
 use xfer_tcp::grants::{GrantTable, Refusal};
+use xfer_tcp::hello::{self, Verdict};
 use xfer_tcp::keys::KeyTable;
 use xfer_tcp::{memio, resolve};
 
@@ -71,10 +72,8 @@ enum ServeError {
     Connection(#[from] quinn::ConnectionError),
     #[error("no progress for {0:?}")]
     TimedOut(Duration),
-    #[error("name is not UTF-8")]
-    Name,
-    #[error("authentication: {0}")]
-    Auth(#[from] credential::CredentialError),
+    #[error("hello: {0}")]
+    Hello(#[from] hello::HelloError),
     #[error("the connection's buffer budget was closed")]
     Budget(#[from] tokio::sync::AcquireError),
 }
@@ -142,62 +141,35 @@ async fn hello(conn: &quinn::Connection, shared: &TargetShared) -> Result<Option
     let (mut send, mut recv) = conn.accept_bi().await?;
     let mut fixed = [0u8; frame::HELLO_LEN];
     recv.read_exact(&mut fixed).await?;
-    let frame::Hello { from_len, to_len, session, auth } = frame::decode_hello(&fixed)?;
-    let mut names = vec![0u8; from_len + to_len];
+    let hello = frame::decode_hello(&fixed)?;
+    let mut names = vec![0u8; hello::names_len(&hello)];
     recv.read_exact(&mut names).await?;
-    let to_name = std::str::from_utf8(&names[from_len..]).map_err(|_| ServeError::Name)?;
-    let from_name = String::from_utf8(names[..from_len].to_vec()).map_err(|_| ServeError::Name)?;
-    let mut out = Vec::new();
-    if to_name != shared.agent_name {
-        let msg = format!("this is agent {:?}, not {:?}", shared.agent_name, to_name);
-        frame::encode_hello_reply(RefusalCode::WrongAgent.to_wire(), &msg, &mut out);
-        send.write_all(&out).await?;
-        send.finish()?;
-        return Ok(None);
-    }
-    let refusal = match (&shared.credential, auth) {
-        (None, false) => None,
-        (None, true) => Some("this agent has no cluster credential".to_string()),
-        (Some(_), false) => Some("this agent requires the cluster credential".to_string()),
-        (Some(credential), true) => {
-            let nonce = credential::fresh_nonce()?;
-            frame::encode_challenge(&nonce, &mut out);
-            send.write_all(&out).await?;
-            out.clear();
+    let admitted = match hello::judge(&hello, &names, &shared.agent_name, shared.credential.as_ref())? {
+        Verdict::Admit(admitted) => Ok(admitted),
+        Verdict::Refuse(refused) => Err(refused),
+        Verdict::Challenge(challenge) => {
+            send.write_all(&challenge.bytes).await?;
             let mut proof = [0u8; AUTH_LEN];
             recv.read_exact(&mut proof).await?;
-            let transcript = Transcript {
-                client_nonce: &frame::session_nonce(session),
-                server_nonce: &nonce,
-                client_name: &from_name,
-                server_name: to_name,
-            };
-            let proven = credential.verify(ProofLabel::DataInitiator, &transcript, &proof);
-            (!proven).then(|| format!("{from_name:?} did not prove the cluster credential"))
+            challenge.check(&proof)
         }
     };
-    if let Some(msg) = refusal {
-        let remote = conn.remote_address();
-        let first = {
-            let mut refused = shared.refused.lock();
-            refused.len() < 1024 && refused.insert(remote.ip())
-        };
-        if first {
-            tracing::warn!(%remote, from = %from_name, msg, "refused an unauthenticated quic connection (logged once per address)");
+    let from = match admitted {
+        Ok(admitted) => admitted.from,
+        Err(refused) => {
+            refused.refusal.log_once(&shared.refused, conn.remote_address().ip(), "quic");
+            send.write_all(&refused.reply).await?;
+            send.finish()?;
+            return Ok(None);
         }
-        frame::encode_hello_reply(RefusalCode::Unauthenticated.to_wire(), &msg, &mut out);
-        send.write_all(&out).await?;
-        send.finish()?;
-        return Ok(None);
-    }
+    };
     // Request streams and their bytes are allowed from now on; the credit travels with the
     // reply, so the initiator's first requests need not wait for it.
     conn.set_max_concurrent_bi_streams(quinn::VarInt::from_u32(shared.max_streams));
     conn.set_receive_window(quinn::VarInt::from_u32(shared.conn_window));
-    frame::encode_hello_reply(0, "", &mut out);
-    send.write_all(&out).await?;
+    send.write_all(&hello::accepted_reply()).await?;
     send.finish()?;
-    Ok(Some(from_name))
+    Ok(Some(from))
 }
 
 async fn serve_stream(

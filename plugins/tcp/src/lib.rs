@@ -45,6 +45,7 @@ mod conn;
 mod fence;
 pub mod frame;
 pub mod grants;
+pub mod hello;
 mod inline;
 pub mod keys;
 pub mod memio;

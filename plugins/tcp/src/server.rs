@@ -11,7 +11,9 @@ use xfer_core::{LocalMem, NotifSink, Pin, RefusalCode};
 
 use crate::conn::{tune, Conn, ConnError, SocketTuning};
 use crate::fence::{Fence, Fences};
-use xfer_core::credential::{self, ClusterCredential, ProofLabel, Transcript, AUTH_LEN};
+use xfer_core::credential::{ClusterCredential, AUTH_LEN};
+
+use crate::hello::{self, Admitted, Verdict};
 
 use crate::frame::{self, FrameError, Header, Kind, Session, WireDesc};
 use crate::grants::{Grant, GrantTable, Refusal};
@@ -115,10 +117,8 @@ enum ServeError {
     Frame(#[from] FrameError),
     #[error("{0}")]
     Conn(#[from] ConnError),
-    #[error("name is not UTF-8")]
-    Name,
-    #[error("authentication: {0}")]
-    Auth(#[from] credential::CredentialError),
+    #[error("hello: {0}")]
+    Hello(#[from] hello::HelloError),
     #[error("a newer connection of this initiator took over")]
     Superseded,
     #[error("staging the payload of a read failed: {0}")]
@@ -275,85 +275,36 @@ fn handshake(
     if !conn.read_frame_start(&mut fixed)? {
         return Ok(None);
     }
-    let frame::Hello { from_len, to_len, session, auth } = frame::decode_hello(&fixed)?;
-    let mut names = vec![0u8; from_len + to_len];
+    let hello = frame::decode_hello(&fixed)?;
+    let mut names = vec![0u8; hello::names_len(&hello)];
     conn.read_exact(&mut names)?;
-    let to_name = std::str::from_utf8(&names[from_len..]).map_err(|_| ServeError::Name)?;
-    let from_name = String::from_utf8(names[..from_len].to_vec()).map_err(|_| ServeError::Name)?;
-    let mut out = Vec::new();
-    if to_name != shared.agent_name {
-        let msg = format!("this is agent {:?}, not {:?}", shared.agent_name, to_name);
-        frame::encode_hello_reply(RefusalCode::WrongAgent.to_wire(), &msg, &mut out);
-        conn.write_all(&out)?;
-        return Ok(None);
-    }
-    if let Err(refusal) = authenticate(conn, shared, auth, &from_name, to_name, session)? {
-        let msg = refusal.to_string();
-        if let Some(peer) = peer_addr {
-            let mut refused = shared.refused.lock();
-            if refused.len() < 1024 && refused.insert(peer.ip()) {
-                tracing::warn!(%peer, from = %from_name, msg, "refused an unauthenticated data connection (logged once per address)");
-            }
+    let admitted = match hello::judge(&hello, &names, &shared.agent_name, shared.credential.as_ref())? {
+        Verdict::Admit(admitted) => Ok(admitted),
+        Verdict::Refuse(refused) => Err(refused),
+        Verdict::Challenge(challenge) => {
+            conn.write_all(&challenge.bytes)?;
+            let mut proof = [0u8; AUTH_LEN];
+            conn.read_exact(&mut proof)?;
+            challenge.check(&proof)
         }
-        frame::encode_hello_reply(RefusalCode::Unauthenticated.to_wire(), &msg, &mut out);
-        conn.write_all(&out)?;
+    };
+    let Admitted { from, session } = match admitted {
+        Ok(admitted) => admitted,
+        Err(refused) => {
+            if let Some(peer) = peer_addr {
+                refused.refusal.log_once(&shared.refused, peer.ip(), "tcp");
+            }
+            conn.write_all(&refused.reply)?;
+            return Ok(None);
+        }
+    };
+    let Some(fence) = shared.fences.admit(&from, session) else {
+        let msg = format!("connection epoch {} of {from:?} is stale", session.epoch);
+        conn.write_all(&hello::refusal_reply(RefusalCode::BadRequest, &msg))?;
         return Ok(None);
-    }
-    let Some(fence) = shared.fences.admit(&from_name, session) else {
-        let msg = format!("connection epoch {} of {from_name:?} is stale", session.epoch);
-        frame::encode_hello_reply(RefusalCode::BadRequest.to_wire(), &msg, &mut out);
-        conn.write_all(&out)?;
-        return Ok(None);
     };
-    frame::encode_hello_reply(0, "", &mut out);
-    conn.write_all(&out)?;
-    Ok(Some((from_name, session, fence)))
-}
-
-/// Why the target refuses an initiator at hello; the text goes back on the wire with
-/// `RefusalCode::Unauthenticated`.
-#[derive(Debug, thiserror::Error)]
-enum AuthRefusal {
-    #[error("this agent has no cluster credential")]
-    NoCredentialHere,
-    #[error("this agent requires the cluster credential")]
-    CredentialRequired,
-    #[error("{0:?} did not prove the cluster credential")]
-    BadProof(String),
-}
-
-/// The target's half of the hello challenge-response; the inner `Err` refuses the initiator.
-fn authenticate(
-    conn: &mut Conn,
-    shared: &ServerShared,
-    auth: bool,
-    from_name: &str,
-    to_name: &str,
-    session: Session,
-) -> Result<Result<(), AuthRefusal>, ServeError> {
-    let credential = match (&shared.credential, auth) {
-        (None, false) => return Ok(Ok(())),
-        (None, true) => return Ok(Err(AuthRefusal::NoCredentialHere)),
-        (Some(_), false) => return Ok(Err(AuthRefusal::CredentialRequired)),
-        (Some(credential), true) => credential,
-    };
-    let nonce = credential::fresh_nonce()?;
-    let mut out = Vec::new();
-    frame::encode_challenge(&nonce, &mut out);
-    conn.write_all(&out)?;
-    let mut proof = [0u8; AUTH_LEN];
-    conn.read_exact(&mut proof)?;
-    let transcript = Transcript {
-        client_nonce: &frame::session_nonce(session),
-        server_nonce: &nonce,
-        client_name: from_name,
-        server_name: to_name,
-    };
-    if credential.verify(ProofLabel::DataInitiator, &transcript, &proof) {
-        Ok(Ok(()))
-    } else {
-        Ok(Err(AuthRefusal::BadProof(from_name.to_owned())))
-    }
+    conn.write_all(&hello::accepted_reply())?;
+    Ok(Some((from, session, fence)))
 }
 
 /// A memory frame's pieces, and the grants it uses held against revocation while it touches

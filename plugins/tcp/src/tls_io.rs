@@ -32,33 +32,26 @@ pub trait Side {
     fn finish(self) -> Result<(ExtractedSecrets, Handshake), rustls::Error>;
 }
 
-impl Side for UnbufferedClientConnection {
-    type Data = rustls::client::ClientConnectionData;
-    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
-        self.process_tls_records(incoming)
-    }
-    fn handshaking(&self) -> bool {
-        self.is_handshaking()
-    }
-    fn finish(self) -> Result<(ExtractedSecrets, Handshake), rustls::Error> {
-        let (secrets, kernel) = self.dangerous_into_kernel_connection()?;
-        Ok((secrets, Handshake::Client(kernel)))
-    }
+/// Both sides implement [`Side`] alike; only their types and [`Handshake`] variant differ.
+macro_rules! side {
+    ($conn:ty, $data:ty, $variant:ident) => {
+        impl Side for $conn {
+            type Data = $data;
+            fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
+                self.process_tls_records(incoming)
+            }
+            fn handshaking(&self) -> bool {
+                self.is_handshaking()
+            }
+            fn finish(self) -> Result<(ExtractedSecrets, Handshake), rustls::Error> {
+                let (secrets, kernel) = self.dangerous_into_kernel_connection()?;
+                Ok((secrets, Handshake::$variant(kernel)))
+            }
+        }
+    };
 }
-
-impl Side for UnbufferedServerConnection {
-    type Data = rustls::server::ServerConnectionData;
-    fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data> {
-        self.process_tls_records(incoming)
-    }
-    fn handshaking(&self) -> bool {
-        self.is_handshaking()
-    }
-    fn finish(self) -> Result<(ExtractedSecrets, Handshake), rustls::Error> {
-        let (secrets, kernel) = self.dangerous_into_kernel_connection()?;
-        Ok((secrets, Handshake::Server(kernel)))
-    }
-}
+side!(UnbufferedClientConnection, rustls::client::ClientConnectionData, Client);
+side!(UnbufferedServerConnection, rustls::server::ServerConnectionData, Server);
 
 /// What the handshake loop does after one step of rustls.
 enum Next {
