@@ -21,6 +21,7 @@ use xfer::metadata::{AgentMetadata, BackendInfo, RegionInfo};
 use xfer::side_channel::{self, SideOp};
 use xfer::{Desc, MemType};
 use xfer_tcp::frame::{self, Kind, Session, WireDesc};
+use xfer_tcp::records;
 use xfer_tcp::TcpRemoteKey;
 use xfer_ucx::{encode_conn_info, ProcessId, TcpSegments, UcxRemoteKey};
 
@@ -40,6 +41,7 @@ fn seed(target: &'static str, name: &'static str, bytes: impl Into<Vec<u8>>) -> 
 pub fn all() -> Vec<Seed> {
     let mut seeds = Vec::new();
     seeds.extend(tcp_frames());
+    seeds.extend(tls_records());
     seeds.extend(metadata_blobs());
     seeds.extend(side_channel());
     seeds.extend(grant_claims());
@@ -69,6 +71,22 @@ fn tcp_frames() -> Vec<Seed> {
     frame("hello-auth", &|b| frame::encode_hello_with("prefill-0", "decode-0", session, true, b));
     frame("hello-reply", &|b| frame::encode_hello_reply(0, "", b));
     out
+}
+
+/// Record headers and opened plaintexts as the TCP backend's record layer seals them: a header,
+/// then content and content type.
+fn tls_records() -> Vec<Seed> {
+    let record = |name, content: &[u8], content_type| {
+        let mut bytes = records::record_header(content.len()).expect("short content").to_vec();
+        bytes.extend_from_slice(content);
+        bytes.push(content_type);
+        seed("tls_records", name, bytes)
+    };
+    vec![
+        record("data", b"a frame header and its payload", records::APPLICATION_DATA),
+        record("key-update", &records::KEY_UPDATE_NOT_REQUESTED, records::HANDSHAKE),
+        record("close-notify", &[1, 0], records::ALERT),
+    ]
 }
 
 /// An agent publishing a TCP and a UCX backend and two regions, as `Agent` builds it.

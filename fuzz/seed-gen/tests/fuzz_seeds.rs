@@ -35,6 +35,15 @@ fn accepted(seed: &Seed) -> bool {
                 || xfer_tcp::frame::decode_hello(bytes).is_ok()
                 || xfer_tcp::frame::decode_hello_reply(bytes).is_ok()
         }
+        "tls_records" => {
+            bytes.split_first_chunk::<{ xfer_tcp::records::HEADER }>().is_some_and(|(header, plaintext)| {
+                xfer_tcp::records::body_len(header).is_ok_and(|len| len == plaintext.len() + 16)
+                    && match xfer_tcp::records::decode_plaintext(plaintext) {
+                        Ok(xfer_tcp::records::Content::Messages(mut messages)) => messages.all(|m| m.is_ok()),
+                        other => other.is_ok(),
+                    }
+            })
+        }
         "metadata_blob" => xfer::metadata::AgentMetadata::decode(bytes).is_ok(),
         "side_channel" => bytes.get(..9).and_then(|h| <&[u8; 9]>::try_from(h).ok()).is_some_and(|header| {
             xfer::side_channel::decode_request_header(header).is_ok_and(|(_, len)| len == bytes.len() - 9)

@@ -51,7 +51,7 @@ pub mod keys;
 pub mod memio;
 mod pool;
 mod readahead;
-mod records;
+pub mod records;
 mod server;
 mod spin;
 mod staged;

@@ -33,15 +33,16 @@ pub const OVERHEAD: usize = HEADER + 1 + TAG;
 /// record by copying.
 const SEAL_IN_PLACE_BELOW: usize = 4096;
 
-const ALERT: u8 = 21;
-const HANDSHAKE: u8 = 22;
-const APPLICATION_DATA: u8 = 23;
+/// Content types (RFC 8446 §5.1).
+pub const ALERT: u8 = 21;
+pub const HANDSHAKE: u8 = 22;
+pub const APPLICATION_DATA: u8 = 23;
 const LEGACY_VERSION: [u8; 2] = [3, 3];
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
 const CLOSE_NOTIFY: u8 = 0;
 /// A KeyUpdate that asks nothing of the peer.
-const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [KEY_UPDATE, 0, 0, 1, 0];
+pub const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [KEY_UPDATE, 0, 0, 1, 0];
 const KEY_UPDATE_RECORD: usize = KEY_UPDATE_NOT_REQUESTED.len() + OVERHEAD;
 
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +66,7 @@ pub enum RecordError {
 }
 
 /// The side of the connection rustls keeps for key updates and tickets.
-pub enum Handshake {
+pub(crate) enum Handshake {
     Client(KernelConnection<ClientConnectionData>),
     Server(KernelConnection<ServerConnectionData>),
 }
@@ -135,7 +136,7 @@ impl Direction {
 
 /// What one opened record held.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Opened {
+pub(crate) enum Opened {
     /// Application data, at this range of the buffer it was opened in (possibly empty).
     Data(Range<usize>),
     /// The peer's close_notify: no more data will come.
@@ -145,7 +146,7 @@ pub enum Opened {
 }
 
 /// Both directions' record protection for one connection.
-pub struct Records {
+pub(crate) struct Records {
     tx: Direction,
     rx: Direction,
     handshake: Handshake,
@@ -245,17 +246,9 @@ impl Records {
         Ok(written)
     }
 
-    /// The header of a record with `plaintext` bytes of content.
-    fn header(plaintext: usize) -> Result<[u8; HEADER], RecordError> {
-        let body = plaintext + 1 + TAG;
-        let len = u16::try_from(body).map_err(|_| RecordError::TooLong(body))?;
-        let [high, low] = len.to_be_bytes();
-        Ok([APPLICATION_DATA, LEGACY_VERSION[0], LEGACY_VERSION[1], high, low])
-    }
-
     /// Seals `plaintext` from where it lies into a record at the front of `out`.
     fn seal_from(&mut self, plaintext: &[u8], content_type: u8, out: &mut [u8]) -> Result<usize, RecordError> {
-        let header = Records::header(plaintext.len())?;
+        let header = record_header(plaintext.len())?;
         let total = plaintext.len() + OVERHEAD;
         let record = out.get_mut(..total).ok_or(RecordError::TooLong(total))?;
         record[..HEADER].copy_from_slice(&header);
@@ -270,7 +263,7 @@ impl Records {
 
     /// Seals the `len` bytes already placed after the header space at the front of `out`.
     fn seal_placed(&mut self, len: usize, content_type: u8, out: &mut [u8]) -> Result<usize, RecordError> {
-        let header = Records::header(len)?;
+        let header = record_header(len)?;
         let total = len + OVERHEAD;
         let record = out.get_mut(..total).ok_or(RecordError::TooLong(total))?;
         record[..HEADER].copy_from_slice(&header);
@@ -283,26 +276,10 @@ impl Records {
         Ok(total)
     }
 
-    /// The body length a record header announces, checked.
-    pub fn body_len(header: &[u8; HEADER]) -> Result<usize, RecordError> {
-        // After the handshake every record is protected, so its outer type is application data.
-        if header[0] != APPLICATION_DATA || header[1..3] != LEGACY_VERSION {
-            return Err(RecordError::BadHeader(*header));
-        }
-        let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
-        if len > MAX_BODY {
-            return Err(RecordError::TooLong(len));
-        }
-        if len < TAG + 1 {
-            return Err(RecordError::BadHeader(*header));
-        }
-        Ok(len)
-    }
-
     /// How many bytes a whole record's plaintext takes, content type and padding included:
     /// [`Records::open_into`] needs that much room.
     pub fn plaintext_len(header: &[u8; HEADER]) -> Result<usize, RecordError> {
-        Ok(Records::body_len(header)? - TAG)
+        Ok(body_len(header)? - TAG)
     }
 
     /// Opens one whole record (header and body) in place: data comes back as a range of
@@ -335,53 +312,122 @@ impl Records {
     /// A record's header, and its body (ciphertext and tag).
     fn split(record: &mut [u8]) -> Result<([u8; HEADER], &mut [u8]), RecordError> {
         let header: [u8; HEADER] = record.get(..HEADER).and_then(|h| h.try_into().ok()).ok_or(RecordError::Decrypt)?;
-        let body_len = Records::body_len(&header)?;
+        let body_len = body_len(&header)?;
         let body = record.get_mut(HEADER..HEADER + body_len).ok_or(RecordError::TooLong(body_len))?;
         Ok((header, body))
     }
 
-    /// What an opened record's plaintext (content, type, padding) holds.
+    /// Acts on an opened record's plaintext: data is left where it is, key updates and
+    /// tickets go to rustls's side.
     fn take_content(&mut self, plaintext: &[u8]) -> Result<Opened, RecordError> {
-        // Padding is zeros after the content type (RFC 8446 §5.4).
-        let typed_len = plaintext.iter().rposition(|&b| b != 0).ok_or(RecordError::Unexpected("empty"))?;
-        let content = &plaintext[..typed_len];
-        match plaintext[typed_len] {
-            APPLICATION_DATA => Ok(Opened::Data(0..typed_len)),
-            ALERT => match content {
-                [_, CLOSE_NOTIFY] => Ok(Opened::Closed),
-                [_, description] => Err(RecordError::Alert(*description)),
-                _ => Err(RecordError::Unexpected("alert")),
-            },
-            HANDSHAKE => {
-                self.handle_handshake(content)?;
+        match decode_plaintext(plaintext)? {
+            Content::Data(len) => Ok(Opened::Data(0..len)),
+            Content::Closed => Ok(Opened::Closed),
+            Content::Messages(messages) => {
+                for message in messages {
+                    match message? {
+                        Message::KeyUpdate { peer_asks_ours } => {
+                            self.rx = Direction::new(self.handshake.update_rx()?)?;
+                            self.owe_key_update |= peer_asks_ours;
+                            self.updates.1 += 1;
+                        }
+                        Message::Ticket(body) => self.handshake.new_session_ticket(body)?,
+                    }
+                }
                 Ok(Opened::Control)
             }
-            _ => Err(RecordError::Unexpected("record")),
         }
     }
+}
 
-    /// Key updates and session tickets; each message whole within its record.
-    fn handle_handshake(&mut self, mut messages: &[u8]) -> Result<(), RecordError> {
-        while !messages.is_empty() {
-            let [kind, a, b, c, rest @ ..] = messages else { return Err(RecordError::Unexpected("handshake")) };
-            let len = usize::from(*a) << 16 | usize::from(*b) << 8 | usize::from(*c);
-            if rest.len() < len {
-                return Err(RecordError::Unexpected("handshake"));
-            }
-            let (body, after) = rest.split_at(len);
-            match (*kind, body) {
-                (KEY_UPDATE, [request @ (0 | 1)]) => {
-                    self.rx = Direction::new(self.handshake.update_rx()?)?;
-                    self.owe_key_update |= *request == 1;
-                    self.updates.1 += 1;
-                }
-                (NEW_SESSION_TICKET, _) => self.handshake.new_session_ticket(body)?,
-                (KEY_UPDATE, _) => return Err(RecordError::Unexpected("key update")),
-                _ => return Err(RecordError::Unexpected("handshake")),
-            }
-            messages = after;
+/// The header of a record with `plaintext` bytes of content.
+pub fn record_header(plaintext: usize) -> Result<[u8; HEADER], RecordError> {
+    let body = plaintext + 1 + TAG;
+    let len = u16::try_from(body).map_err(|_| RecordError::TooLong(body))?;
+    let [high, low] = len.to_be_bytes();
+    Ok([APPLICATION_DATA, LEGACY_VERSION[0], LEGACY_VERSION[1], high, low])
+}
+
+/// The body length a record header announces, checked (pure: the fuzz target `tls_records`
+/// drives it).
+pub fn body_len(header: &[u8; HEADER]) -> Result<usize, RecordError> {
+    // After the handshake every record is protected, so its outer type is application data.
+    if header[0] != APPLICATION_DATA || header[1..3] != LEGACY_VERSION {
+        return Err(RecordError::BadHeader(*header));
+    }
+    let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+    if len > MAX_BODY {
+        return Err(RecordError::TooLong(len));
+    }
+    if len < TAG + 1 {
+        return Err(RecordError::BadHeader(*header));
+    }
+    Ok(len)
+}
+
+/// What an opened record's plaintext (content, content type, padding) holds.
+#[derive(Debug)]
+pub enum Content<'a> {
+    /// Application data: the plaintext's first this many bytes.
+    Data(usize),
+    /// The peer's close_notify.
+    Closed,
+    /// Handshake messages after the handshake.
+    Messages(Messages<'a>),
+}
+
+/// Reads an opened record's plaintext (pure: the fuzz target `tls_records` drives it).
+pub fn decode_plaintext(plaintext: &[u8]) -> Result<Content<'_>, RecordError> {
+    // Padding is zeros after the content type (RFC 8446 §5.4).
+    let typed_len = plaintext.iter().rposition(|&b| b != 0).ok_or(RecordError::Unexpected("empty"))?;
+    let content = &plaintext[..typed_len];
+    match plaintext[typed_len] {
+        APPLICATION_DATA => Ok(Content::Data(typed_len)),
+        ALERT => match content {
+            [_, CLOSE_NOTIFY] => Ok(Content::Closed),
+            [_, description] => Err(RecordError::Alert(*description)),
+            _ => Err(RecordError::Unexpected("alert")),
+        },
+        HANDSHAKE => Ok(Content::Messages(Messages(content))),
+        _ => Err(RecordError::Unexpected("record")),
+    }
+}
+
+/// A handshake message after the handshake.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Message<'a> {
+    /// The peer's key changes; it may ask for ours to change too.
+    KeyUpdate { peer_asks_ours: bool },
+    /// A session ticket's body.
+    Ticket(&'a [u8]),
+}
+
+/// The handshake messages of one record, each whole within it; iteration ends at the first
+/// error.
+#[derive(Debug)]
+pub struct Messages<'a>(&'a [u8]);
+
+impl<'a> Iterator for Messages<'a> {
+    type Item = Result<Message<'a>, RecordError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let bytes = std::mem::take(&mut self.0);
+        let [kind, a, b, c, rest @ ..] = bytes else {
+            return (!bytes.is_empty()).then_some(Err(RecordError::Unexpected("handshake")));
+        };
+        let len = usize::from(*a) << 16 | usize::from(*b) << 8 | usize::from(*c);
+        if rest.len() < len {
+            return Some(Err(RecordError::Unexpected("handshake")));
         }
-        Ok(())
+        let (body, after) = rest.split_at(len);
+        let message = match (*kind, body) {
+            (KEY_UPDATE, [request @ (0 | 1)]) => Message::KeyUpdate { peer_asks_ours: *request == 1 },
+            (KEY_UPDATE, _) => return Some(Err(RecordError::Unexpected("key update"))),
+            (NEW_SESSION_TICKET, _) => Message::Ticket(body),
+            _ => return Some(Err(RecordError::Unexpected("handshake"))),
+        };
+        self.0 = after;
+        Some(Ok(message))
     }
 }
 
@@ -449,11 +495,11 @@ mod tests {
 
     #[test]
     fn headers_out_of_range_are_refused_before_any_work() {
-        assert!(Records::body_len(&[APPLICATION_DATA, 3, 3, 0x48, 0x01]).is_err(), "over 2^14 + 256");
-        assert!(Records::body_len(&[APPLICATION_DATA, 3, 3, 0, 16]).is_err(), "no room for type and tag");
-        assert!(Records::body_len(&[HANDSHAKE, 3, 3, 0, 40]).is_err(), "a plaintext handshake record");
-        assert!(Records::body_len(&[APPLICATION_DATA, 3, 1, 0, 40]).is_err(), "another version");
-        assert_eq!(Records::body_len(&[APPLICATION_DATA, 3, 3, 0x41, 0x00]).unwrap(), MAX_BODY);
+        assert!(body_len(&[APPLICATION_DATA, 3, 3, 0x48, 0x01]).is_err(), "over 2^14 + 256");
+        assert!(body_len(&[APPLICATION_DATA, 3, 3, 0, 16]).is_err(), "no room for type and tag");
+        assert!(body_len(&[HANDSHAKE, 3, 3, 0, 40]).is_err(), "a plaintext handshake record");
+        assert!(body_len(&[APPLICATION_DATA, 3, 1, 0, 40]).is_err(), "another version");
+        assert_eq!(body_len(&[APPLICATION_DATA, 3, 3, 0x41, 0x00]).unwrap(), MAX_BODY);
         let (_, mut server) = keyed_pair();
         let mut short = [APPLICATION_DATA, 3, 3, 0, 40, 1, 2, 3];
         assert!(matches!(server.open(&mut short), Err(RecordError::TooLong(40))), "a record cut short");

@@ -15,7 +15,7 @@ use rustls::unbuffered::{ConnectionState, EncodeError, UnbufferedStatus};
 use rustls::ExtractedSecrets;
 
 use crate::conn::{is_retry, ConnError};
-use crate::records::{Handshake, Opened, RecordError, Records, HEADER, MAX_BODY, MAX_FRAGMENT, OVERHEAD};
+use crate::records::{self, Handshake, Opened, RecordError, Records, HEADER, MAX_BODY, MAX_FRAGMENT, OVERHEAD};
 use crate::tls::SEND_BUFFER;
 
 /// Ciphertext read at once: many records per read(2).
@@ -269,7 +269,7 @@ impl TlsIo {
             return Ok(None);
         };
         let header: &[u8; HEADER] = header.try_into().map_err(|_| RecordError::Decrypt)?;
-        let end = start + HEADER + Records::body_len(header)?;
+        let end = start + HEADER + records::body_len(header)?;
         Ok((end <= self.unopened.end).then_some(end))
     }
 
