@@ -358,6 +358,8 @@ pub struct Endpoint {
     waker: Waker,
     /// Writes ask for FI_DELIVERY_COMPLETE until the provider refuses the flag.
     delivery_complete: bool,
+    /// shm only: each peer's process, by AV handle (see [`Endpoint::peer_blocks`]).
+    shm_peers: HashMap<u64, u32>,
 }
 
 /// Wakes the thread blocked in [`Endpoint::wait`] (`fi_cq_signal`), from any thread.
@@ -445,6 +447,7 @@ impl Endpoint {
             next_key: 1,
             waker: Waker::default(),
             delivery_complete: true,
+            shm_peers: HashMap::new(),
         };
         // SAFETY: `info` is a single live entry; each call writes the opened object into the
         // field named, which Drop closes (in reverse order) whatever step fails.
@@ -534,9 +537,18 @@ impl Endpoint {
 
     /// Inserts a peer's address; returns its `fi_addr_t`.
     pub fn insert(&mut self, address: &[u8]) -> Result<u64, FabricError> {
+        let invalid = |message: &str| FabricError { call: "fi_av_insert", code: libc::EINVAL, message: message.into() };
         if address.is_empty() {
-            return Err(FabricError { call: "fi_av_insert", code: libc::EINVAL, message: "empty address".into() });
+            return Err(invalid("empty address"));
         }
+        let shm_pid = if self.attrs.provider == "shm" {
+            // shm reads the address up to its NUL (strlen), and our peers are named after
+            // their process.
+            let name = CStr::from_bytes_with_nul(address).map_err(|_| invalid("not one NUL-terminated shm name"))?;
+            Some(name.to_str().ok().and_then(shm::owner).ok_or_else(|| invalid("not an xfer shm endpoint name"))?)
+        } else {
+            None
+        };
         let mut addr: sys::fi_addr_t = sys::FI_ADDR_UNSPEC;
         // SAFETY: one address of the provider's format (the peer's fi_getname; its length was
         // checked against the frame, and providers read only their address format's size) and
@@ -545,11 +557,35 @@ impl Endpoint {
         if ret != 1 || addr == sys::FI_ADDR_UNSPEC {
             check("fi_av_insert", ret.min(-1) as isize)?;
         }
+        if let Some(pid) = shm_pid {
+            self.shm_peers.insert(addr, pid);
+        }
         Ok(addr)
+    }
+
+    /// Whether an operation to `peer` must not be posted now. shm posts by taking a spinlock
+    /// in the peer's region, which the peer holds while it serves RMA; a peer killed or
+    /// stopped right then holds it for good (or until SIGCONT), and a post would spin on it
+    /// forever, taking the engine thread, and so every other peer, with it (seen: the engine
+    /// in `pthread_spin_lock` under `fi_readmsg` after a SIGKILL). So before each shm post the
+    /// peer's process is looked up: gone is an error (ECONNRESET), stopped is no room now
+    /// (the job waits, and fails after its stall bound like any other silent peer). Left open:
+    /// a peer that stops between this look and the post, and a pid reused by another process
+    /// within the stall bound.
+    fn peer_blocks(&self, peer: u64, call: &'static str) -> Result<bool, FabricError> {
+        let Some(&pid) = self.shm_peers.get(&peer) else { return Ok(false) };
+        match shm::process_state(pid) {
+            shm::Process::Running => Ok(false),
+            shm::Process::Stopped => Ok(true),
+            shm::Process::Gone => {
+                Err(FabricError { call, code: libc::ECONNRESET, message: format!("shm peer process {pid} is gone") })
+            }
+        }
     }
 
     /// Takes a peer out of the AV (`fi_av_remove`); its handle is invalid afterwards.
     pub fn remove(&mut self, addr: u64) -> Result<(), FabricError> {
+        self.shm_peers.remove(&addr);
         let mut addr = addr;
         // SAFETY: one handle this AV returned, not used again by the caller.
         check("fi_av_remove", unsafe { sys::xf_av_remove(self.av, &mut addr, 1, 0) } as isize)
@@ -637,6 +673,9 @@ impl Endpoint {
         peer: u64,
         token: u64,
     ) -> Result<Result<(), Vec<RmaPiece>>, FabricError> {
+        if self.peer_blocks(peer, if op == Rma::Read { "fi_readmsg" } else { "fi_writemsg" })? {
+            return Ok(Err(pieces));
+        }
         let mut iovs = Vec::with_capacity(pieces.len());
         let mut descs = Vec::with_capacity(pieces.len());
         let mut rmas = Vec::with_capacity(pieces.len());
@@ -706,6 +745,9 @@ impl Endpoint {
 
     /// Sends a message. `Ok(false)`: no room now (FI_EAGAIN).
     pub fn send(&mut self, peer: u64, message: &[u8], token: u64) -> Result<bool, FabricError> {
+        if self.peer_blocks(peer, "fi_send")? {
+            return Ok(false);
+        }
         let buf = self.msg_buf(message.to_vec())?;
         let (ptr, len, desc) = (buf.data.as_ptr(), buf.data.len(), buf.mr.as_ref().map_or(ptr::null_mut(), Mr::desc));
         let (ctx, at) = self.track(token, Kind::Send(buf));
@@ -854,6 +896,27 @@ mod shm {
         name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
     }
 
+    /// What `/proc` says of a peer's process.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum Process {
+        Running,
+        /// Stopped (SIGSTOP) or traced: it serves nothing until it runs again.
+        Stopped,
+        /// Exited, killed, or a zombie.
+        Gone,
+    }
+
+    pub(super) fn process_state(pid: u32) -> Process {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return Process::Gone };
+        // "pid (comm) S ...": the comm may hold spaces and parentheses; the state follows the
+        // last ')'.
+        match stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) {
+            Some('T' | 't') => Process::Stopped,
+            Some('Z' | 'X' | 'x') | None => Process::Gone,
+            Some(_) => Process::Running,
+        }
+    }
+
     fn remove_orphans() {
         let Ok(entries) = std::fs::read_dir(DIR) else { return };
         for entry in entries.flatten() {
@@ -880,5 +943,30 @@ mod shm {
             assert_eq!(owner("1002:0:0"), None, "shm's own names are not ours to remove");
             assert_eq!(owner("xfer-notapid-1-2"), None);
         }
+
+        #[test]
+        fn reads_process_states() {
+            assert_eq!(process_state(std::process::id()), Process::Running);
+            assert_eq!(process_state(u32::MAX), Process::Gone);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shm_takes_only_our_nul_terminated_names() {
+        let info = Info::choose(Some("shm"), None, |all| (!all.is_empty()).then_some(0)).expect("shm is offered");
+        let mut ep = Endpoint::open(info, 1, 64).expect("shm endpoint");
+        let own = ep.name().expect("own name");
+        assert_eq!(own.last(), Some(&0), "shm names end in NUL");
+        // shm would read past an address without its NUL.
+        assert_eq!(ep.insert(&own[..own.len() - 1]).map_err(|e| e.code), Err(libc::EINVAL));
+        assert_eq!(ep.insert(b"1002:0:0\0").map_err(|e| e.code), Err(libc::EINVAL), "not one of ours");
+        let at = ep.insert(&own).expect("our own name");
+        assert!(!ep.peer_blocks(at, "test").expect("we are running"));
+        ep.remove(at).expect("fi_av_remove");
     }
 }
