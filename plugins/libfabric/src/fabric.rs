@@ -131,10 +131,20 @@ fn text(ptr: *const libc::c_char) -> String {
 fn get_infos(provider: Option<&str>, domain: Option<&str>) -> Result<InfoList, FabricError> {
     // Ordered sends after writes where the provider offers it; otherwise the notification's
     // wait for the writes' completions alone orders them.
-    get_infos_ordered(provider, domain, true).or_else(|_| get_infos_ordered(provider, domain, false))
+    // shm serves peers' RMA only inside our progress calls and reports nothing of it in the
+    // CQ; remote RMA events let a counter show it (see `Endpoint::wait`), where offered.
+    let events = provider == Some("shm");
+    get_infos_with(provider, domain, true, events)
+        .or_else(|_| get_infos_with(provider, domain, false, events))
+        .or_else(|err| if events { get_infos_with(provider, domain, false, false) } else { Err(err) })
 }
 
-fn get_infos_ordered(provider: Option<&str>, domain: Option<&str>, ordered: bool) -> Result<InfoList, FabricError> {
+fn get_infos_with(
+    provider: Option<&str>,
+    domain: Option<&str>,
+    ordered: bool,
+    events: bool,
+) -> Result<InfoList, FabricError> {
     // SAFETY: fi_allocinfo returns a zeroed fi_info with its attribute structs allocated (or
     // null); the fields set below are plain values or strings malloc'ed by `dup_c`, all freed
     // by fi_freeinfo with the hints.
@@ -147,7 +157,7 @@ fn get_infos_ordered(provider: Option<&str>, domain: Option<&str>, ordered: bool
     // SAFETY: as above: every attribute pointer of a fresh fi_allocinfo is valid.
     unsafe {
         let h = &mut *hints.0;
-        h.caps = CAPS;
+        h.caps = if events { CAPS | sys::FI_RMA_EVENT } else { CAPS };
         h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
         (*h.ep_attr).type_ = sys::FI_EP_RDM;
         (*h.domain_attr).mr_mode = MR_MODES as i32;
@@ -350,6 +360,8 @@ pub struct Endpoint {
     domain: *mut sys::fid_domain,
     av: *mut sys::fid_av,
     cq: *mut sys::fid_cq,
+    /// Counts peers' RMA served here, where the CQ is polled and the provider offers it.
+    served: *mut sys::fid_cntr,
     ep: *mut sys::fid_ep,
     in_flight: HashMap<usize, InFlight>,
     regions: HashMap<u64, Region>,
@@ -360,6 +372,9 @@ pub struct Endpoint {
     delivery_complete: bool,
     /// shm only: each peer's process, by AV handle (see [`Endpoint::peer_blocks`]).
     shm_peers: HashMap<u64, u32>,
+    /// A polled CQ: the `served` count last seen, and the next sleep when idle.
+    served_seen: u64,
+    poll_sleep: std::time::Duration,
 }
 
 /// Wakes the thread blocked in [`Endpoint::wait`] (`fi_cq_signal`), from any thread.
@@ -395,11 +410,12 @@ impl std::fmt::Debug for Endpoint {
 
 /// The longest an idle engine sleeps between polls of a CQ it cannot block on: the latency a
 /// new job or a peer's RMA may wait there, against a thread that wakes 1000 times a second.
-/// shm's target serves RMA only when polled and sees no completion for it, so this paces its
-/// RMA: shm's `transfer_matrix` takes 21.6 s with 1 ms, 7.7 s with 200 µs (5000 wakeups a
-/// second while idle); a short sleep only for a while after the last completion did not help
-/// (18.5 s), as the target's CQ reports nothing for the RMA it serves.
+/// shm's target serves RMA only when polled and sees no completion for it, so a fixed sleep
+/// paces its RMA; instead the sleep starts at [`POLL_MIN`] after activity (a completion, or
+/// the remote-RMA counter moving) and doubles per quiet poll up to this.
 const POLL_SLEEP: std::time::Duration = std::time::Duration::from_millis(1);
+/// The sleep right after activity.
+const POLL_MIN: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// The wait object an open CQ uses: the provider's answer to `FI_GETWAITOBJ`, or else what it
 /// wrote back into the attributes at open (shm and sockets do not answer the query).
@@ -448,6 +464,9 @@ impl Endpoint {
             waker: Waker::default(),
             delivery_complete: true,
             shm_peers: HashMap::new(),
+            served: ptr::null_mut(),
+            served_seen: 0,
+            poll_sleep: POLL_MIN,
         };
         // SAFETY: `info` is a single live entry; each call writes the opened object into the
         // field named, which Drop closes (in reverse order) whatever step fails.
@@ -489,6 +508,19 @@ impl Endpoint {
             check("fi_ep_bind(av)", sys::xf_ep_bind(ep.ep, fid_of(ep.av), 0) as isize)?;
             let flags = sys::FI_TRANSMIT as u64 | sys::FI_RECV as u64;
             check("fi_ep_bind(cq)", sys::xf_ep_bind(ep.ep, fid_of(ep.cq), flags) as isize)?;
+            if ep.waker.0.lock().is_none() && (*info).caps & sys::FI_RMA_EVENT != 0 {
+                let mut attr = sys::fi_cntr_attr {
+                    events: sys::FI_CNTR_EVENTS_COMP,
+                    wait_obj: sys::FI_WAIT_NONE,
+                    ..Default::default()
+                };
+                check(
+                    "fi_cntr_open",
+                    sys::xf_cntr_open(ep.domain, &mut attr, &mut ep.served, ptr::null_mut()) as isize,
+                )?;
+                let flags = sys::FI_REMOTE_READ as u64 | sys::FI_REMOTE_WRITE as u64;
+                check("fi_ep_bind(cntr)", sys::xf_ep_bind(ep.ep, fid_of(ep.served), flags) as isize)?;
+            }
             check("fi_enable", sys::xf_enable(ep.ep) as isize)?;
         }
         for _ in 0..recv_buffers {
@@ -512,14 +544,33 @@ impl Endpoint {
     pub fn wait(&mut self, max: usize, timeout_ms: i32, out: &mut Vec<Done>) -> Result<usize, FabricError> {
         if self.waker.0.lock().is_none() {
             let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
-            std::thread::sleep(timeout.min(POLL_SLEEP));
-            return self.poll(max, out);
+            std::thread::sleep(timeout.min(self.poll_sleep));
+            let got = self.poll(max, out)?;
+            // Back off while nothing happens here: completions, or peers' RMA served.
+            if got > 0 || self.served_moved() {
+                self.poll_sleep = POLL_MIN;
+            } else {
+                self.poll_sleep = (self.poll_sleep * 2).min(POLL_SLEEP);
+            }
+            return Ok(got);
         }
         let mut entries = [sys::fi_cq_data_entry::default(); 16];
         let want = max.clamp(1, entries.len());
         // SAFETY: as in `poll`; no wait condition.
         let ret = unsafe { sys::xf_cq_sread(self.cq, entries.as_mut_ptr().cast(), want, ptr::null(), timeout_ms) };
         self.completed(ret, &entries, out)
+    }
+
+    /// Whether peers' RMA was served here since the last look (false without a counter).
+    fn served_moved(&mut self) -> bool {
+        if self.served.is_null() {
+            return false;
+        }
+        // SAFETY: an open counter (closed only by Drop).
+        let now = unsafe { sys::xf_cntr_read(self.served) };
+        let moved = now != self.served_seen;
+        self.served_seen = now;
+        moved
     }
 
     /// This endpoint's address, as peers insert it into their AV.
@@ -768,7 +819,11 @@ impl Endpoint {
         let want = max.min(entries.len());
         // SAFETY: `entries` has room for `want` entries of the CQ's format (FI_CQ_FORMAT_DATA).
         let ret = unsafe { sys::xf_cq_read(self.cq, entries.as_mut_ptr().cast(), want) };
-        self.completed(ret, &entries, out)
+        let got = self.completed(ret, &entries, out)?;
+        if got > 0 {
+            self.poll_sleep = POLL_MIN;
+        }
+        Ok(got)
     }
 
     fn completed(
@@ -842,7 +897,13 @@ impl Drop for Endpoint {
         // The endpoint first: once closed, the provider touches none of the buffers and
         // contexts in flight, which are dropped after it; MRs before the domain.
         *self.waker.0.lock() = None;
-        for (name, fid) in [("endpoint", fid_of(self.ep)), ("av", fid_of(self.av)), ("cq", fid_of(self.cq))] {
+        let objects = [
+            ("endpoint", fid_of(self.ep)),
+            ("av", fid_of(self.av)),
+            ("cq", fid_of(self.cq)),
+            ("cntr", fid_of(self.served)),
+        ];
+        for (name, fid) in objects {
             if name == "av" {
                 self.regions.clear();
                 for (_, f) in self.in_flight.drain() {

@@ -14,9 +14,14 @@
 //! when its timeout passes (an fd or a condition variable: `tcp;ofi_rxm`, `sockets`); a
 //! provider that offers only others (shm: FI_WAIT_YIELD, whose `fi_cq_sread` ignores the
 //! timeout and kept the engine thread away for good) gets a CQ without a wait object, which
-//! the idle engine polls every millisecond instead. The agent metadata carries every rail's endpoint
-//! address (`fi_getname`; peers insert it into their AV on connect) and, per registration, its
-//! key on every rail.
+//! the idle engine polls instead, sleeping 20 µs after activity and twice as long after each
+//! quiet poll, up to 1 ms (an idle agent wakes 1000 times a second, as with a fixed 1 ms).
+//! shm serves a peer's RMA inside our progress calls and puts nothing in our CQ for it, so
+//! on shm a counter of remote RMA (FI_RMA_EVENT) counts as activity too; without it a
+//! target answered each operation only at its next 1 ms poll (`over_shm::transfer_matrix`:
+//! 22–24 s with the fixed 1 ms, 3–4 s adaptive, same runs). The agent metadata carries every
+//! rail's endpoint address (`fi_getname`; peers insert it into their AV on connect) and, per
+//! registration, its key on every rail.
 //!
 //! Each peer address is in a rail's AV once, however many connections use it (a metadata
 //! reload connects before the old connection goes); the last disconnection (the agent
