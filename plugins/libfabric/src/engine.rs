@@ -344,14 +344,22 @@ impl Engine {
         seq
     }
 
+    /// Sends what the provider takes now. A peer that cannot take a message (full queue, or
+    /// a stopped shm peer) keeps it and those after it, in order; other peers' go on.
     fn flush_outbox(&mut self) -> bool {
         let mut sent_any = false;
+        let mut waiting: Vec<u64> = Vec::new();
+        let mut kept = VecDeque::new();
         while let Some((peer, message, token)) = self.outbox.pop_front() {
+            if waiting.contains(&peer) {
+                kept.push_back((peer, message, token));
+                continue;
+            }
             match self.ep.send(peer, &message, token) {
                 Ok(true) => sent_any = true,
                 Ok(false) => {
-                    self.outbox.push_front((peer, message, token));
-                    break;
+                    waiting.push(peer);
+                    kept.push_back((peer, message, token));
                 }
                 Err(err) => {
                     let reason = err.to_string();
@@ -359,6 +367,7 @@ impl Engine {
                 }
             }
         }
+        self.outbox = kept;
         sent_any
     }
 

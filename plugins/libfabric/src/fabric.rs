@@ -131,10 +131,20 @@ fn text(ptr: *const libc::c_char) -> String {
 fn get_infos(provider: Option<&str>, domain: Option<&str>) -> Result<InfoList, FabricError> {
     // Ordered sends after writes where the provider offers it; otherwise the notification's
     // wait for the writes' completions alone orders them.
-    get_infos_ordered(provider, domain, true).or_else(|_| get_infos_ordered(provider, domain, false))
+    // shm serves peers' RMA only inside our progress calls and reports nothing of it in the
+    // CQ; remote RMA events let a counter show it (see `Endpoint::wait`), where offered.
+    let events = provider == Some("shm");
+    get_infos_with(provider, domain, true, events)
+        .or_else(|_| get_infos_with(provider, domain, false, events))
+        .or_else(|err| if events { get_infos_with(provider, domain, false, false) } else { Err(err) })
 }
 
-fn get_infos_ordered(provider: Option<&str>, domain: Option<&str>, ordered: bool) -> Result<InfoList, FabricError> {
+fn get_infos_with(
+    provider: Option<&str>,
+    domain: Option<&str>,
+    ordered: bool,
+    events: bool,
+) -> Result<InfoList, FabricError> {
     // SAFETY: fi_allocinfo returns a zeroed fi_info with its attribute structs allocated (or
     // null); the fields set below are plain values or strings malloc'ed by `dup_c`, all freed
     // by fi_freeinfo with the hints.
@@ -147,7 +157,7 @@ fn get_infos_ordered(provider: Option<&str>, domain: Option<&str>, ordered: bool
     // SAFETY: as above: every attribute pointer of a fresh fi_allocinfo is valid.
     unsafe {
         let h = &mut *hints.0;
-        h.caps = CAPS;
+        h.caps = if events { CAPS | sys::FI_RMA_EVENT } else { CAPS };
         h.mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
         (*h.ep_attr).type_ = sys::FI_EP_RDM;
         (*h.domain_attr).mr_mode = MR_MODES as i32;
@@ -350,6 +360,8 @@ pub struct Endpoint {
     domain: *mut sys::fid_domain,
     av: *mut sys::fid_av,
     cq: *mut sys::fid_cq,
+    /// Counts peers' RMA served here, where the CQ is polled and the provider offers it.
+    served: *mut sys::fid_cntr,
     ep: *mut sys::fid_ep,
     in_flight: HashMap<usize, InFlight>,
     regions: HashMap<u64, Region>,
@@ -358,6 +370,11 @@ pub struct Endpoint {
     waker: Waker,
     /// Writes ask for FI_DELIVERY_COMPLETE until the provider refuses the flag.
     delivery_complete: bool,
+    /// shm only: each peer's process, by AV handle (see [`Endpoint::peer_blocks`]).
+    shm_peers: HashMap<u64, u32>,
+    /// A polled CQ: the `served` count last seen, and the next sleep when idle.
+    served_seen: u64,
+    poll_sleep: std::time::Duration,
 }
 
 /// Wakes the thread blocked in [`Endpoint::wait`] (`fi_cq_signal`), from any thread.
@@ -393,11 +410,12 @@ impl std::fmt::Debug for Endpoint {
 
 /// The longest an idle engine sleeps between polls of a CQ it cannot block on: the latency a
 /// new job or a peer's RMA may wait there, against a thread that wakes 1000 times a second.
-/// shm's target serves RMA only when polled and sees no completion for it, so this paces its
-/// RMA: shm's `transfer_matrix` takes 21.6 s with 1 ms, 7.7 s with 200 µs (5000 wakeups a
-/// second while idle); a short sleep only for a while after the last completion did not help
-/// (18.5 s), as the target's CQ reports nothing for the RMA it serves.
+/// shm's target serves RMA only when polled and sees no completion for it, so a fixed sleep
+/// paces its RMA; instead the sleep starts at [`POLL_MIN`] after activity (a completion, or
+/// the remote-RMA counter moving) and doubles per quiet poll up to this.
 const POLL_SLEEP: std::time::Duration = std::time::Duration::from_millis(1);
+/// The sleep right after activity.
+const POLL_MIN: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// The wait object an open CQ uses: the provider's answer to `FI_GETWAITOBJ`, or else what it
 /// wrote back into the attributes at open (shm and sockets do not answer the query).
@@ -445,6 +463,10 @@ impl Endpoint {
             next_key: 1,
             waker: Waker::default(),
             delivery_complete: true,
+            shm_peers: HashMap::new(),
+            served: ptr::null_mut(),
+            served_seen: 0,
+            poll_sleep: POLL_MIN,
         };
         // SAFETY: `info` is a single live entry; each call writes the opened object into the
         // field named, which Drop closes (in reverse order) whatever step fails.
@@ -486,6 +508,19 @@ impl Endpoint {
             check("fi_ep_bind(av)", sys::xf_ep_bind(ep.ep, fid_of(ep.av), 0) as isize)?;
             let flags = sys::FI_TRANSMIT as u64 | sys::FI_RECV as u64;
             check("fi_ep_bind(cq)", sys::xf_ep_bind(ep.ep, fid_of(ep.cq), flags) as isize)?;
+            if ep.waker.0.lock().is_none() && (*info).caps & sys::FI_RMA_EVENT != 0 {
+                let mut attr = sys::fi_cntr_attr {
+                    events: sys::FI_CNTR_EVENTS_COMP,
+                    wait_obj: sys::FI_WAIT_NONE,
+                    ..Default::default()
+                };
+                check(
+                    "fi_cntr_open",
+                    sys::xf_cntr_open(ep.domain, &mut attr, &mut ep.served, ptr::null_mut()) as isize,
+                )?;
+                let flags = sys::FI_REMOTE_READ as u64 | sys::FI_REMOTE_WRITE as u64;
+                check("fi_ep_bind(cntr)", sys::xf_ep_bind(ep.ep, fid_of(ep.served), flags) as isize)?;
+            }
             check("fi_enable", sys::xf_enable(ep.ep) as isize)?;
         }
         for _ in 0..recv_buffers {
@@ -509,14 +544,33 @@ impl Endpoint {
     pub fn wait(&mut self, max: usize, timeout_ms: i32, out: &mut Vec<Done>) -> Result<usize, FabricError> {
         if self.waker.0.lock().is_none() {
             let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
-            std::thread::sleep(timeout.min(POLL_SLEEP));
-            return self.poll(max, out);
+            std::thread::sleep(timeout.min(self.poll_sleep));
+            let got = self.poll(max, out)?;
+            // Back off while nothing happens here: completions, or peers' RMA served.
+            if got > 0 || self.served_moved() {
+                self.poll_sleep = POLL_MIN;
+            } else {
+                self.poll_sleep = (self.poll_sleep * 2).min(POLL_SLEEP);
+            }
+            return Ok(got);
         }
         let mut entries = [sys::fi_cq_data_entry::default(); 16];
         let want = max.clamp(1, entries.len());
         // SAFETY: as in `poll`; no wait condition.
         let ret = unsafe { sys::xf_cq_sread(self.cq, entries.as_mut_ptr().cast(), want, ptr::null(), timeout_ms) };
         self.completed(ret, &entries, out)
+    }
+
+    /// Whether peers' RMA was served here since the last look (false without a counter).
+    fn served_moved(&mut self) -> bool {
+        if self.served.is_null() {
+            return false;
+        }
+        // SAFETY: an open counter (closed only by Drop).
+        let now = unsafe { sys::xf_cntr_read(self.served) };
+        let moved = now != self.served_seen;
+        self.served_seen = now;
+        moved
     }
 
     /// This endpoint's address, as peers insert it into their AV.
@@ -534,9 +588,18 @@ impl Endpoint {
 
     /// Inserts a peer's address; returns its `fi_addr_t`.
     pub fn insert(&mut self, address: &[u8]) -> Result<u64, FabricError> {
+        let invalid = |message: &str| FabricError { call: "fi_av_insert", code: libc::EINVAL, message: message.into() };
         if address.is_empty() {
-            return Err(FabricError { call: "fi_av_insert", code: libc::EINVAL, message: "empty address".into() });
+            return Err(invalid("empty address"));
         }
+        let shm_pid = if self.attrs.provider == "shm" {
+            // shm reads the address up to its NUL (strlen), and our peers are named after
+            // their process.
+            let name = CStr::from_bytes_with_nul(address).map_err(|_| invalid("not one NUL-terminated shm name"))?;
+            Some(name.to_str().ok().and_then(shm::owner).ok_or_else(|| invalid("not an xfer shm endpoint name"))?)
+        } else {
+            None
+        };
         let mut addr: sys::fi_addr_t = sys::FI_ADDR_UNSPEC;
         // SAFETY: one address of the provider's format (the peer's fi_getname; its length was
         // checked against the frame, and providers read only their address format's size) and
@@ -545,11 +608,35 @@ impl Endpoint {
         if ret != 1 || addr == sys::FI_ADDR_UNSPEC {
             check("fi_av_insert", ret.min(-1) as isize)?;
         }
+        if let Some(pid) = shm_pid {
+            self.shm_peers.insert(addr, pid);
+        }
         Ok(addr)
+    }
+
+    /// Whether an operation to `peer` must not be posted now. shm posts by taking a spinlock
+    /// in the peer's region, which the peer holds while it serves RMA; a peer killed or
+    /// stopped right then holds it for good (or until SIGCONT), and a post would spin on it
+    /// forever, taking the engine thread, and so every other peer, with it (seen: the engine
+    /// in `pthread_spin_lock` under `fi_readmsg` after a SIGKILL). So before each shm post the
+    /// peer's process is looked up: gone is an error (ECONNRESET), stopped is no room now
+    /// (the job waits, and fails after its stall bound like any other silent peer). Left open:
+    /// a peer that stops between this look and the post, and a pid reused by another process
+    /// within the stall bound.
+    fn peer_blocks(&self, peer: u64, call: &'static str) -> Result<bool, FabricError> {
+        let Some(&pid) = self.shm_peers.get(&peer) else { return Ok(false) };
+        match shm::process_state(pid) {
+            shm::Process::Running => Ok(false),
+            shm::Process::Stopped => Ok(true),
+            shm::Process::Gone => {
+                Err(FabricError { call, code: libc::ECONNRESET, message: format!("shm peer process {pid} is gone") })
+            }
+        }
     }
 
     /// Takes a peer out of the AV (`fi_av_remove`); its handle is invalid afterwards.
     pub fn remove(&mut self, addr: u64) -> Result<(), FabricError> {
+        self.shm_peers.remove(&addr);
         let mut addr = addr;
         // SAFETY: one handle this AV returned, not used again by the caller.
         check("fi_av_remove", unsafe { sys::xf_av_remove(self.av, &mut addr, 1, 0) } as isize)
@@ -637,6 +724,9 @@ impl Endpoint {
         peer: u64,
         token: u64,
     ) -> Result<Result<(), Vec<RmaPiece>>, FabricError> {
+        if self.peer_blocks(peer, if op == Rma::Read { "fi_readmsg" } else { "fi_writemsg" })? {
+            return Ok(Err(pieces));
+        }
         let mut iovs = Vec::with_capacity(pieces.len());
         let mut descs = Vec::with_capacity(pieces.len());
         let mut rmas = Vec::with_capacity(pieces.len());
@@ -706,6 +796,9 @@ impl Endpoint {
 
     /// Sends a message. `Ok(false)`: no room now (FI_EAGAIN).
     pub fn send(&mut self, peer: u64, message: &[u8], token: u64) -> Result<bool, FabricError> {
+        if self.peer_blocks(peer, "fi_send")? {
+            return Ok(false);
+        }
         let buf = self.msg_buf(message.to_vec())?;
         let (ptr, len, desc) = (buf.data.as_ptr(), buf.data.len(), buf.mr.as_ref().map_or(ptr::null_mut(), Mr::desc));
         let (ctx, at) = self.track(token, Kind::Send(buf));
@@ -726,7 +819,11 @@ impl Endpoint {
         let want = max.min(entries.len());
         // SAFETY: `entries` has room for `want` entries of the CQ's format (FI_CQ_FORMAT_DATA).
         let ret = unsafe { sys::xf_cq_read(self.cq, entries.as_mut_ptr().cast(), want) };
-        self.completed(ret, &entries, out)
+        let got = self.completed(ret, &entries, out)?;
+        if got > 0 {
+            self.poll_sleep = POLL_MIN;
+        }
+        Ok(got)
     }
 
     fn completed(
@@ -800,7 +897,13 @@ impl Drop for Endpoint {
         // The endpoint first: once closed, the provider touches none of the buffers and
         // contexts in flight, which are dropped after it; MRs before the domain.
         *self.waker.0.lock() = None;
-        for (name, fid) in [("endpoint", fid_of(self.ep)), ("av", fid_of(self.av)), ("cq", fid_of(self.cq))] {
+        let objects = [
+            ("endpoint", fid_of(self.ep)),
+            ("av", fid_of(self.av)),
+            ("cq", fid_of(self.cq)),
+            ("cntr", fid_of(self.served)),
+        ];
+        for (name, fid) in objects {
             if name == "av" {
                 self.regions.clear();
                 for (_, f) in self.in_flight.drain() {
@@ -854,6 +957,27 @@ mod shm {
         name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
     }
 
+    /// What `/proc` says of a peer's process.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum Process {
+        Running,
+        /// Stopped (SIGSTOP) or traced: it serves nothing until it runs again.
+        Stopped,
+        /// Exited, killed, or a zombie.
+        Gone,
+    }
+
+    pub(super) fn process_state(pid: u32) -> Process {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return Process::Gone };
+        // "pid (comm) S ...": the comm may hold spaces and parentheses; the state follows the
+        // last ')'.
+        match stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) {
+            Some('T' | 't') => Process::Stopped,
+            Some('Z' | 'X' | 'x') | None => Process::Gone,
+            Some(_) => Process::Running,
+        }
+    }
+
     fn remove_orphans() {
         let Ok(entries) = std::fs::read_dir(DIR) else { return };
         for entry in entries.flatten() {
@@ -880,5 +1004,30 @@ mod shm {
             assert_eq!(owner("1002:0:0"), None, "shm's own names are not ours to remove");
             assert_eq!(owner("xfer-notapid-1-2"), None);
         }
+
+        #[test]
+        fn reads_process_states() {
+            assert_eq!(process_state(std::process::id()), Process::Running);
+            assert_eq!(process_state(u32::MAX), Process::Gone);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shm_takes_only_our_nul_terminated_names() {
+        let info = Info::choose(Some("shm"), None, |all| (!all.is_empty()).then_some(0)).expect("shm is offered");
+        let mut ep = Endpoint::open(info, 1, 64).expect("shm endpoint");
+        let own = ep.name().expect("own name");
+        assert_eq!(own.last(), Some(&0), "shm names end in NUL");
+        // shm would read past an address without its NUL.
+        assert_eq!(ep.insert(&own[..own.len() - 1]).map_err(|e| e.code), Err(libc::EINVAL));
+        assert_eq!(ep.insert(b"1002:0:0\0").map_err(|e| e.code), Err(libc::EINVAL), "not one of ours");
+        let at = ep.insert(&own).expect("our own name");
+        assert!(!ep.peer_blocks(at, "test").expect("we are running"));
+        ep.remove(at).expect("fi_av_remove");
     }
 }

@@ -14,9 +14,14 @@
 //! when its timeout passes (an fd or a condition variable: `tcp;ofi_rxm`, `sockets`); a
 //! provider that offers only others (shm: FI_WAIT_YIELD, whose `fi_cq_sread` ignores the
 //! timeout and kept the engine thread away for good) gets a CQ without a wait object, which
-//! the idle engine polls every millisecond instead. The agent metadata carries every rail's endpoint
-//! address (`fi_getname`; peers insert it into their AV on connect) and, per registration, its
-//! key on every rail.
+//! the idle engine polls instead, sleeping 20 µs after activity and twice as long after each
+//! quiet poll, up to 1 ms (an idle agent wakes 1000 times a second, as with a fixed 1 ms).
+//! shm serves a peer's RMA inside our progress calls and puts nothing in our CQ for it, so
+//! on shm a counter of remote RMA (FI_RMA_EVENT) counts as activity too; without it a
+//! target answered each operation only at its next 1 ms poll (`over_shm::transfer_matrix`:
+//! 22–24 s with the fixed 1 ms, 3–4 s adaptive, same runs). The agent metadata carries every
+//! rail's endpoint address (`fi_getname`; peers insert it into their AV on connect) and, per
+//! registration, its key on every rail.
 //!
 //! Each peer address is in a rail's AV once, however many connections use it (a metadata
 //! reload connects before the old connection goes); the last disconnection (the agent
@@ -158,6 +163,27 @@
 //!   names its region in /dev/shm after the pid and leaves it behind when the process is
 //!   killed, so a later process with the same pid failed fi_enable (EBUSY); opening an endpoint
 //!   removes the regions of our processes that are gone.
+//! - shm faults (libfabric 1.17, traced with gdb on the hung conformance scenarios; from
+//!   1.18 on, shm's posts take no lock in the peer's region, which ends (1)). (1) A post
+//!   takes a spinlock in the peer's region, which the peer holds while it serves RMA; a
+//!   peer killed or stopped right then holds it for good
+//!   (or until SIGCONT), and our engine thread spun in `pthread_spin_lock` under `fi_readmsg`
+//!   for good, with every other peer of the rail. The backend now looks up the peer's
+//!   process (named in its address) before each shm post and send: gone fails the request at
+//!   once (`PeerDisconnected`), stopped holds it back (it fails after `timeout_ms` like any
+//!   silent peer's). That closes the case of a peer found dead or stopped, not a fault that
+//!   strikes while the post already waits on the lock: under a stream of transfers it
+//!   usually does (both `sigkill_mid_transfer` and `sigstop_mid_transfer` hit it). (2) The
+//!   answers to an endpoint's operations come back in one queue, read in posting order and
+//!   stopped at the first not answered yet; an operation a peer never answers (it died or is
+//!   stopped, or it refused the key: shm drops an RMA whose key fails verification without
+//!   answering, which is what a deregistration racing transfers produces) holds back every
+//!   later completion of the endpoint, to any peer, for good. Such operations keep their
+//!   local memory pinned, and so the agent's deregistration of it waiting, until the backend
+//!   shuts down (dropping the endpoint): a stopped peer may still write it after SIGCONT,
+//!   and nothing tells a refused operation from a slow one. Requests still end, unless (1)
+//!   caught the engine: it fails them after `timeout_ms` (`TimedOut`). What would confine it: an endpoint per
+//!   peer, so that a wedge stays with its peer.
 //! - Local transfers (two registrations of one agent) are not offered.
 
 mod config;

@@ -39,6 +39,10 @@ uint64_t xf_mr_key(struct fid_mr *mr) { return fi_mr_key(mr); }
 void *xf_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }
 int xf_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags) { return fi_mr_bind(mr, bfid, flags); }
 int xf_mr_enable(struct fid_mr *mr) { return fi_mr_enable(mr); }
+int xf_cntr_open(struct fid_domain *domain, struct fi_cntr_attr *attr, struct fid_cntr **cntr, void *context) {
+    return fi_cntr_open(domain, attr, cntr, context);
+}
+uint64_t xf_cntr_read(struct fid_cntr *cntr) { return fi_cntr_read(cntr); }
 ssize_t xf_cq_read(struct fid_cq *cq, void *buf, size_t count) { return fi_cq_read(cq, buf, count); }
 ssize_t xf_cq_sread(struct fid_cq *cq, void *buf, size_t count, const void *cond, int timeout) {
     return fi_cq_sread(cq, buf, count, cond, timeout);

@@ -18,6 +18,8 @@ int xf_domain(struct fid_fabric *fabric, struct fi_info *info, struct fid_domain
 int xf_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep, void *context);
 int xf_av_open(struct fid_domain *domain, struct fi_av_attr *attr, struct fid_av **av, void *context);
 int xf_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq **cq, void *context);
+int xf_cntr_open(struct fid_domain *domain, struct fi_cntr_attr *attr, struct fid_cntr **cntr, void *context);
+uint64_t xf_cntr_read(struct fid_cntr *cntr);
 int xf_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags);
 int xf_enable(struct fid_ep *ep);
 int xf_getname(struct fid_ep *ep, void *addr, size_t *addrlen);

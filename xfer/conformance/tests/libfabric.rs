@@ -9,18 +9,24 @@
 //! Over `shm` (listed with RMA by `fi_info -p shm -c FI_RMA` here, libfabric 1.17) the
 //! scenarios of `over_shm` run. shm's CQ waits by yielding (FI_WAIT_YIELD), whose
 //! `fi_cq_sread` ignores its timeout; until the backend polled such CQs instead, the engine
-//! thread never came back and `transfer_matrix` hung. Not run over shm: `sigkill_mid_transfer`,
-//! `sigstop_mid_transfer` and both target-side deregistration races still hang (past 60 s
-//! each; not traced further): the likely cause is that shm reports nothing for operations
-//! towards a peer that died, froze or dropped its registration, so their memory stays pinned
-//! and a deregistration waits for them (the bound in the crate doc's limits); `bad_frames` is
-//! TCP's wire format. Each shm endpoint is named by the backend (`xfer-PID-...`), since shm's
+//! thread never came back and `transfer_matrix` hung. Not run over shm, because shm 1.17
+//! itself wedges (traced with gdb; the crate doc's limits give the detail):
+//! `sigkill_mid_transfer` and `sigstop_mid_transfer` (a post waits on a spinlock the peer
+//! held when it was killed or stopped: the engine thread spun in `pthread_spin_lock` for
+//! good), and both target-side deregistration races (shm drops an RMA whose key fails
+//! verification without answering it, and the endpoint's answers are read in posting order,
+//! so every later completion waits behind it: requests end `TimedOut`, never refused, and
+//! their memory stays pinned, so the initiator's deregistration waits until shutdown).
+//! `shm_dead_peer_fails_without_wedging_the_endpoint` tests what the backend does about the
+//! first: a peer found dead is refused before its region is touched. `bad_frames` is TCP's
+//! wire format. Each shm endpoint is named by the backend (`xfer-PID-...`), since shm's
 //! own pid-based names collided with regions killed peers left in /dev/shm once pids wrapped
 //! (fi_enable: EBUSY, seen in CI); opening one removes those of processes that are gone.
 
 #![cfg(feature = "libfabric")]
 
 const TCP: &str = "provider=tcp;ofi_rxm,domain=lo";
+const SHM: &str = "provider=shm";
 
 mod over_tcp {
     xfer_conformance::conformance_tests!(
@@ -60,7 +66,7 @@ mod over_sockets {
 mod over_shm {
     xfer_conformance::conformance_tests!(
         "libfabric",
-        "provider=shm",
+        super::SHM,
         [
             peer_protocol,
             transfer_matrix,
@@ -74,6 +80,39 @@ mod over_shm {
             reconnect_cycles,
         ]
     );
+}
+
+/// A killed shm peer, idle when it died: requests to it fail at once as `PeerDisconnected`
+/// (its process is gone) instead of being queued in its region, where libfabric 1.17's shm
+/// would never answer them and would hold back every later completion of the endpoint; the
+/// other peer stays served and the deregistration returns (nothing is left pinned).
+#[test]
+fn shm_dead_peer_fails_without_wedging_the_endpoint() {
+    use std::time::{Duration, Instant};
+    use xfer::{Op, XferError};
+    use xfer_conformance::scenarios::{drop_within, spawn_peer, Initiator, FAILURE_BOUND, WAIT};
+
+    const SIZE: u64 = 1 << 20;
+    xfer_conformance::set_peer_exe(env!("CARGO_BIN_EXE_xfer-peer"));
+    let mut dead = spawn_peer("shm-dead", "libfabric", SHM, SIZE);
+    let mut live = spawn_peer("shm-live", "libfabric", SHM, SIZE);
+    let mut init = Initiator::new("shm-init", "libfabric", SHM, SIZE);
+    let (dead_name, live_name) = (init.connect(&dead), init.connect(&live));
+    init.write_checked(&mut dead, &dead_name, "d", 1, SIZE, "before the kill");
+    let stale = dead.desc(0, SIZE);
+    dead.kill();
+    for op in [Op::Write, Op::Read] {
+        let started = Instant::now();
+        let result = init.transfer(op, &[init.desc(0, SIZE)], &dead_name, &[stale], Default::default(), WAIT);
+        assert!(matches!(result, Err(XferError::PeerDisconnected { .. })), "{op} to the killed peer: {result:?}");
+        assert!(started.elapsed() < Duration::from_secs(1), "{op} to the killed peer took {:?}", started.elapsed());
+    }
+    for round in 0..3 {
+        init.write_checked(&mut live, &live_name, "l", 10 + round, SIZE, "the live peer after the kill");
+    }
+    let reg = init.reg.take().expect("registered");
+    drop_within("deregistration after the kill", FAILURE_BOUND, reg);
+    live.quit().expect("live peer exits");
 }
 
 /// An agent with libfabric and TCP attached picks libfabric for a peer that has both, TCP for a
