@@ -23,16 +23,15 @@
 
 mod approx;
 mod due;
-mod shared;
 mod table;
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{Duration, Instant};
 
 use pd_protocols::kv_events::KvEvent;
 
 use self::approx::Approx;
-pub use self::shared::SharedIndex;
 use self::table::Slots;
 use crate::pairing::TierWeights;
 
@@ -98,12 +97,7 @@ const CHUNK: usize = 64;
 /// first block nobody holds costs a few probes only).
 const LOOKUP_CHUNK: usize = 32;
 const FIRST_CHUNK: usize = 8;
-/// How many events ahead [`PrefixIndex::apply_all`] loads the slots of removed blocks (at most
-/// `FIRST_CHUNK` of an event's): enough for a dozen cache misses in flight.
-const REMOVALS_AHEAD: usize = 12;
 const NONE: usize = usize::MAX;
-/// Bitset words up to which `prefix_matches` orders its matches without sorting them.
-const ORDERED_WORDS: usize = 2;
 /// Deadlines are `i32` milliseconds from the clock origin; past this the origin moves up.
 const REBASE_AFTER: Duration = Duration::from_secs(12 * 24 * 3600);
 /// Engines one index numbers (bitsets grow with them).
@@ -132,40 +126,37 @@ fn each_bit(bits: &[u64], mut f: impl FnMut(u32)) {
     }
 }
 
+/// Hashes an engine id with one multiplication: every event looks its engine up, and the ids
+/// are numbers the coordinator assigns, not keys a peer chooses, so SipHash's defence against
+/// chosen keys would buy nothing for its cost on each one-block removal.
+#[derive(Default)]
+struct EngineIdHasher(u64);
+
+impl Hasher for EngineIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64 ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 /// Engines as the caller numbers them, and the dense numbers this index uses.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Engines {
-    local: HashMap<usize, u32>,
+    local: HashMap<usize, u32, BuildHasherDefault<EngineIdHasher>>,
     global: Vec<usize>,
     exact: Vec<usize>,
     approx: Vec<usize>,
     /// Dense numbers of forgotten engines, for the next new ones.
     free: Vec<u32>,
-    /// Whether dense numbers follow the caller's order (engines seen in increasing order, the
-    /// common case): then matches ordered by dense number are ordered by engine.
-    ascending: bool,
-}
-
-impl Default for Engines {
-    fn default() -> Self {
-        Engines {
-            local: HashMap::new(),
-            global: Vec::new(),
-            exact: Vec::new(),
-            approx: Vec::new(),
-            free: Vec::new(),
-            ascending: true,
-        }
-    }
-}
-
-impl Engines {
-    /// Whether the live engines' dense numbers follow their order.
-    fn in_order(&self) -> bool {
-        let mut live = self.global.iter().filter(|&&g| g != NONE);
-        let Some(mut previous) = live.next() else { return true };
-        live.all(|g| std::mem::replace(&mut previous, g) < g)
-    }
 }
 
 /// Engine resets since the last sweep.
@@ -413,26 +404,6 @@ impl PrefixIndex {
         }
     }
 
-    /// Applies `(engine, event)`s in order, as [`PrefixIndex::apply`] one at a time, loading the
-    /// slots of the blocks an event a few places ahead removes before applying each: removals
-    /// come one block per event (an engine evicts blocks one by one), so, applied alone, each
-    /// waits for its own cache miss.
-    pub fn apply_all<'a, I>(&mut self, events: I)
-    where
-        I: IntoIterator<Item = (usize, &'a KvEvent)>,
-        I::IntoIter: Clone,
-    {
-        let events = events.into_iter();
-        let mut ahead = events.clone().skip(REMOVALS_AHEAD);
-        for (engine, event) in events {
-            if let Some((_, KvEvent::BlockRemoved { block_hashes, .. })) = ahead.next() {
-                let homes = block_hashes.iter().take(FIRST_CHUNK).map(|hash| self.blocks.home(hash.as_u64()));
-                std::hint::black_box(homes.fold(0, |acc, i| acc ^ self.blocks.touch_at(i)));
-            }
-            self.apply(engine, event);
-        }
-    }
-
     /// Records blocks an engine probably holds (a routing decision, or a speculative entry
     /// right after one), until `expires`. An event for the same block makes it exact.
     pub fn insert_approximate(&mut self, engine: usize, hashes: &[u64], expires: Instant) {
@@ -616,26 +587,14 @@ impl PrefixIndex {
     }
 
     /// [`PrefixIndex::overlaps`] into a reusable vector: `(engine, leading blocks held)` for
-    /// every engine holding the first block, by engine.
+    /// every engine holding the first block, in no particular order (every caller reads them by
+    /// engine or collects them into a map, so none pays for a sort).
     pub fn prefix_matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>) {
         self.local_matches(hashes, now, out, None);
-        if !self.engines.ascending || self.words > ORDERED_WORDS || out.len() <= 16 {
-            self.to_engines(out);
-            out.sort_unstable();
-            return;
-        }
-        // Every engine appears once: place each length by dense number, read them in order.
-        let (mut held, mut lengths) = ([0u64; ORDERED_WORDS], [0u32; ORDERED_WORDS * 64]);
-        for &(local, n) in out.iter() {
-            held[local / 64] |= 1 << (local % 64);
-            lengths[local] = n as u32;
-        }
-        out.clear();
-        each_bit(&held, |local| out.push((self.engines.global[local as usize], lengths[local as usize] as usize)));
+        self.to_engines(out);
     }
 
-    /// [`PrefixIndex::prefix_matches`] in no particular order (pairing reads them by engine and
-    /// need not pay for a sort), keeping in `probes` the slots it found, for
+    /// [`PrefixIndex::prefix_matches`], keeping in `probes` the slots it found, for
     /// [`PrefixIndex::insert_speculative_probed`] of the same request right after.
     pub fn prefix_matches_probed(
         &self,
@@ -707,14 +666,18 @@ impl PrefixIndex {
                 p.approx.resize(p.blocks.len(), NONE);
             }
             // The same for the approximate slots of guessed blocks (their flag is in the block
-            // slots just read) and of blocks without a block slot.
-            for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
-                let maybe = if i == NONE { any_guesses } else { self.blocks.slot(i)[1] & HAS_APPROX != 0 };
-                *j = if maybe { self.approx.home(hash) } else { NONE };
+            // slots just read) and of blocks without a block slot; none without guesses.
+            if any_guesses {
+                for ((j, &i), &hash) in guessed.iter_mut().zip(&found).zip(chunk) {
+                    let maybe = i == NONE || self.blocks.slot(i)[1] & HAS_APPROX != 0;
+                    *j = if maybe { self.approx.home(hash) } else { NONE };
+                }
+                let warm = guessed[..chunk.len()]
+                    .iter()
+                    .filter(|&&j| j != NONE)
+                    .fold(0, |acc, &j| acc ^ self.approx.touch_at(j));
+                std::hint::black_box(warm);
             }
-            let warm =
-                guessed[..chunk.len()].iter().filter(|&&j| j != NONE).fold(0, |acc, &j| acc ^ self.approx.touch_at(j));
-            std::hint::black_box(warm);
             for (k, &i) in found[..chunk.len()].iter().enumerate() {
                 let at = start + k;
                 if i == NONE {
@@ -724,9 +687,9 @@ impl PrefixIndex {
                 }
                 // Guesses only matter for engines still matching that do not hold the block
                 // exactly (on the first block, for every engine).
-                let undecided = at == 0 || active.iter().zip(live.iter()).any(|(a, l)| a & !l != 0);
+                let undecided = || at == 0 || active.iter().zip(live.iter()).any(|(a, l)| a & !l != 0);
                 let guess =
-                    if guessed[k] != NONE && undecided { self.approx.find_from(guessed[k], chunk[k]) } else { None };
+                    if guessed[k] != NONE && undecided() { self.approx.find_from(guessed[k], chunk[k]) } else { None };
                 match guess {
                     Some(j) => {
                         if let Some(p) = probes.as_deref_mut() {
@@ -845,7 +808,7 @@ impl PrefixIndex {
 
     /// Heap bytes this index holds (tables at capacity, side maps estimated).
     pub fn heap_bytes(&self) -> usize {
-        fn map<K, V>(m: &HashMap<K, V>) -> usize {
+        fn map<K, V, S>(m: &HashMap<K, V, S>) -> usize {
             // hashbrown: a power of two of buckets, at most 7/8 full, each (K, V) and a control byte.
             let buckets = if m.capacity() == 0 { 0 } else { (m.capacity() * 8 / 7).next_power_of_two() };
             buckets * (std::mem::size_of::<(K, V)>() + 1)
@@ -878,7 +841,6 @@ impl PrefixIndex {
             // whatever stale bits remain are masked and cleaned like any reset engine's.
             e.local.insert(engine, local);
             e.global[local as usize] = engine;
-            e.ascending = e.in_order();
             return Some(local);
         }
         if e.global.len() >= MAX_ENGINES {
@@ -886,7 +848,6 @@ impl PrefixIndex {
             return None;
         }
         let local = e.global.len() as u32;
-        e.ascending = e.ascending && e.global.iter().rev().find(|&&g| g != NONE).is_none_or(|&g| g < engine);
         e.local.insert(engine, local);
         e.global.push(engine);
         e.exact.push(0);
@@ -1283,61 +1244,28 @@ mod tests {
         assert_eq!(index.overlaps(&[10, 11], until), HashMap::from([(1, 1)]));
     }
 
-    /// `apply_all` leaves the index as `apply` one event at a time does, removals of blocks
-    /// never stored and of blocks stored in the same run included.
+    /// Matches name the caller's engines whether they came in order or not, and after a
+    /// forgotten engine's number goes to a new one.
     #[test]
-    fn applying_a_run_of_events_equals_applying_them_one_by_one() {
-        let now = Instant::now();
-        let mut events = Vec::new();
-        for k in 0..400u64 {
-            let engine = (k % 5) as usize;
-            events.push((engine, stored(&[k, k + 1, k + 2])));
-            events.push((engine, removed(&[k.saturating_sub(3)])));
-            events.push(((engine + 1) % 5, removed(&[k + 1, 10_000 + k])));
-            if k % 97 == 0 {
-                events.push((engine, KvEvent::AllBlocksCleared));
-            }
-        }
-        let (mut one_by_one, mut together) = (PrefixIndex::default(), PrefixIndex::default());
-        for (engine, event) in &events {
-            one_by_one.apply(*engine, event);
-        }
-        together.apply_all(events.iter().map(|(engine, event)| (*engine, event)));
-        assert_eq!((together.len(), together.entries()), (one_by_one.len(), one_by_one.entries()));
-        assert!(together.entries() > 100, "the run leaves blocks held: {}", together.entries());
-        for first in 0..405u64 {
-            let request: Vec<u64> = (first..first + 6).collect();
-            assert_eq!(together.overlaps(&request, now), one_by_one.overlaps(&request, now), "from block {first}");
-        }
-    }
-
-    /// `prefix_matches` is ordered by engine whether engines came in order (placed by dense
-    /// number) or not (sorted), and after a forgotten engine's number goes to a new one.
-    #[test]
-    fn matches_come_ordered_by_engine() {
+    fn matches_name_the_callers_engines() {
         let now = Instant::now();
         let request: Vec<u64> = (0..40).collect();
-        let mut out = Vec::new();
         for order in [(0..100).collect::<Vec<usize>>(), (0..100).rev().collect()] {
             let mut index = PrefixIndex::default();
-            let mut expected = std::collections::BTreeMap::new();
+            let mut expected = HashMap::new();
             for &k in &order {
                 index.apply(k * 3, &stored(&request[..1 + k * 7 % 40]));
                 expected.insert(k * 3, 1 + k * 7 % 40);
             }
-            assert_eq!(index.engines.ascending, order[0] == 0);
-            index.prefix_matches(&request, now, &mut out);
-            assert_eq!(out, expected.iter().map(|(&e, &n)| (e, n)).collect::<Vec<_>>());
-            // Engine 30 goes; its number goes to engine 1000, out of order.
+            assert_eq!(index.overlaps(&request, now), expected);
+            // Engine 30 goes; its number goes to engine 1000.
             index.forget_engine(30);
             expected.remove(&30);
             for newcomer in [1000, 1] {
                 index.apply(newcomer, &stored(&request[..5]));
                 expected.insert(newcomer, 5);
-                index.prefix_matches(&request, now, &mut out);
-                assert_eq!(out, expected.iter().map(|(&e, &n)| (e, n)).collect::<Vec<_>>(), "newcomer {newcomer}");
+                assert_eq!(index.overlaps(&request, now), expected, "newcomer {newcomer}");
             }
-            assert!(!index.engines.ascending);
         }
     }
 

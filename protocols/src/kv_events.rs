@@ -22,6 +22,7 @@ pub enum BlockHash {
 impl BlockHash {
     /// The integer key: the value itself, or the digest's last 8 bytes big-endian (the same
     /// number vLLM would have sent in integer mode).
+    #[inline]
     pub fn as_u64(&self) -> u64 {
         match self {
             BlockHash::Int(v) => *v,

@@ -137,10 +137,12 @@ fn progress(what: &str) {
     eprintln!("dynamo-compare: {what}");
 }
 
-/// Applies the stream, measures memory, looks up every request; returns the row and each
-/// lookup's overlaps.
-/// Memory per entry is filled in by the caller, once ours has counted the entries.
-fn run_one(contender: &mut dyn Contender, stream: &Stream) -> (Row, Vec<Vec<(usize, usize)>>) {
+/// Lookups each index makes in turn before the next one's turn (see [`lookup_rounds`]).
+const ROUND: usize = 1000;
+
+/// Applies the stream and measures memory; the lookup figures are filled in by
+/// [`lookup_rounds`], memory per entry by the caller once ours has counted the entries.
+fn apply_one(contender: &mut dyn Contender, stream: &Stream) -> Row {
     progress(&format!("{}: {}", stream.name, contender.name()));
     let baseline = live_bytes();
     contender.prepare(stream);
@@ -148,41 +150,71 @@ fn run_one(contender: &mut dyn Contender, stream: &Stream) -> (Row, Vec<Vec<(usi
     let span = measure(|| contender.apply(stream));
     let cpu_s = cpu.zip(process_cpu_s()).map(|(a, b)| b - a);
     let heap = live_bytes().saturating_sub(baseline);
-    let mut out = Vec::new();
-    let mut warmup = Latency::default();
-    for request in stream.lookups.iter().take(stream.lookups.len() / 10) {
-        contender.lookup(request, &mut warmup, &mut out);
-    }
-    let mut latency = Latency::default();
-    let answers = stream
-        .lookups
-        .iter()
-        .map(|request| {
-            contender.lookup(request, &mut latency, &mut out);
-            out.clone()
-        })
-        .collect();
-    let lookups = latency.summary();
-    let row = Row {
+    Row {
         index: contender.name(),
         apply_threads: contender.apply_threads(),
         apply_s: span.wall.as_secs_f64(),
         block_events_per_s: stream.block_events as f64 / span.wall.as_secs_f64(),
         block_events_per_cpu_s: cpu_s.map(|c| stream.block_events as f64 / c.max(1e-9)),
-        lookup_p50_us: lookups.p50_us,
-        lookup_p99_us: lookups.p99_us,
-        lookup_p999_us: lookups.p999_us,
+        lookup_p50_us: 0.0,
+        lookup_p99_us: 0.0,
+        lookup_p999_us: 0.0,
         heap_bytes: heap,
         bytes_per_entry: 0.0,
         rejected_events: contender.rejected(),
-    };
-    (row, answers)
+    }
 }
 
-/// Fails on the first lookup where `theirs` differs from `ours`, naming both answers.
+/// Every lookup on every index, in rounds of [`ROUND`] lookups per index, the index that goes
+/// first moving on each round: the host's noise (other processes on 2 cores) then falls on
+/// every index alike rather than on whichever ran during a busy minute, and no index is
+/// measured only right after its own events. Each round's answers are checked against ours
+/// (the first index) before the next round. Fills in the rows' lookup figures.
+fn lookup_rounds(contenders: &[Box<dyn Contender>], rows: &mut [Row], stream: &Stream) -> anyhow::Result<()> {
+    progress(&format!("{}: lookups, {} indexes in turn", stream.name, contenders.len()));
+    let mut out = Vec::new();
+    for contender in contenders {
+        let mut warmup = Latency::default();
+        for request in stream.lookups.iter().take(stream.lookups.len() / 10) {
+            contender.lookup(request, &mut warmup, &mut out);
+        }
+    }
+    let mut latencies: Vec<Latency> = contenders.iter().map(|_| Latency::default()).collect();
+    let mut answers: Vec<Vec<Vec<(usize, usize)>>> = contenders.iter().map(|_| Vec::new()).collect();
+    for (round, requests) in stream.lookups.chunks(ROUND).enumerate() {
+        for turn in 0..contenders.len() {
+            let k = (round + turn) % contenders.len();
+            answers[k].clear();
+            for request in requests {
+                contenders[k].lookup(request, &mut latencies[k], &mut out);
+                answers[k].push(out.clone());
+            }
+        }
+        let first = round * ROUND;
+        for (k, row) in rows.iter().enumerate().skip(1) {
+            check(&row.index, stream, first, &answers[0], &answers[k]).with_context(|| {
+                format!(
+                    "{} with {} apply thread(s), {} events refused",
+                    row.index, row.apply_threads, row.rejected_events
+                )
+            })?;
+        }
+    }
+    for (row, latency) in rows.iter_mut().zip(latencies) {
+        let lookups = latency.summary();
+        row.lookup_p50_us = lookups.p50_us;
+        row.lookup_p99_us = lookups.p99_us;
+        row.lookup_p999_us = lookups.p999_us;
+    }
+    Ok(())
+}
+
+/// Fails on the first lookup where `theirs` differs from `ours` (lookups `first..`), naming both
+/// answers.
 fn check(
     name: &str,
     stream: &Stream,
+    first: usize,
     ours: &[Vec<(usize, usize)>],
     theirs: &[Vec<(usize, usize)>],
 ) -> anyhow::Result<()> {
@@ -191,8 +223,9 @@ fn check(
             let only_ours: Vec<_> = a.iter().filter(|x| !b.contains(x)).take(8).collect();
             let only_theirs: Vec<_> = b.iter().filter(|x| !a.contains(x)).take(8).collect();
             bail!(
-                "{}: lookup {k} differs between ours and {name}: (engine, overlap) only in ours {only_ours:?}, only in theirs {only_theirs:?} ({} vs {} engines matched)",
+                "{}: lookup {} differs between ours and {name}: (engine, overlap) only in ours {only_ours:?}, only in theirs {only_theirs:?} ({} vs {} engines matched)",
                 stream.name,
+                first + k,
                 a.len(),
                 b.len()
             );
@@ -214,11 +247,8 @@ fn concurrent_row(c: Concurrent, stream: &Stream) -> ConcurrentRow {
 
 fn compare(stream: &Stream) -> anyhow::Result<StreamResult> {
     progress(&format!("{}: {} ({} block events)", stream.name, stream.description, stream.block_events));
-    let mut ours = contenders::Ours::new();
-    let (ours_row, ours_answers) = run_one(&mut ours, stream);
-    let entries = ours.entries();
-    drop(ours);
-    let dynamo: [fn() -> Box<dyn Contender>; 6] = [
+    let makers: [fn() -> Box<dyn Contender>; 7] = [
+        || Box::new(contenders::Ours::new()),
         || Box::new(contenders::Radix::new()),
         || Box::new(contenders::Positional::new()),
         || Box::new(contenders::positional_pool(1)),
@@ -226,18 +256,19 @@ fn compare(stream: &Stream) -> anyhow::Result<StreamResult> {
         || Box::new(contenders::crtc_pool(1)),
         || Box::new(contenders::crtc_pool(2)),
     ];
-    let mut rows = vec![ours_row];
-    for make in &dynamo {
-        let (row, answers) = run_one(make().as_mut(), stream);
-        check(&row.index, stream, &ours_answers, &answers).with_context(|| {
-            format!("{} with {} apply thread(s), {} events refused", row.index, row.apply_threads, row.rejected_events)
-        })?;
-        rows.push(row);
+    let mut contenders = Vec::new();
+    let mut rows = Vec::new();
+    for make in &makers {
+        let mut contender = make();
+        rows.push(apply_one(contender.as_mut(), stream));
+        contenders.push(contender);
     }
+    let entries = contenders[0].entries().context("ours counts its entries")?;
+    lookup_rounds(&contenders, &mut rows, stream)?;
+    drop(contenders);
     progress(&format!("{}: applying while a second thread looks up", stream.name));
     let concurrent = vec![
         concurrent_row(contenders::concurrent_ours(stream), stream),
-        concurrent_row(contenders::concurrent_ours_shared(stream), stream),
         concurrent_row(contenders::concurrent_positional(stream), stream),
         concurrent_row(contenders::concurrent_pool(contenders::positional_pool(1), stream), stream),
         concurrent_row(contenders::concurrent_pool(contenders::crtc_pool(1), stream), stream),
@@ -253,7 +284,7 @@ fn compare(stream: &Stream) -> anyhow::Result<StreamResult> {
         events: stream.events.len(),
         block_events: stream.block_events,
         entries,
-        lookups_checked: ours_answers.len(),
+        lookups_checked: stream.lookups.len(),
         rows,
         concurrent,
         bars,
