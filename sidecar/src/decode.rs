@@ -164,7 +164,7 @@ pub async fn run(ctx: &Context, engines: &EnginePool, call: DecodeCall<'_>, mut 
     if opened.status.is_success() {
         // Output exists, so the engine has the KV: the prefill's blocks are its business now.
         fin.blocks_taken();
-        fin.decode_started();
+        fin.decode_started(opened.first.is_none() || opened.incoming.is_end_stream());
     } else {
         tracing::warn!(status = %opened.status, "decode engine answered an error");
         fin.release_now();
