@@ -157,6 +157,11 @@ pub struct Registration {
     /// How often to heartbeat; 0 when the coordinator did not say.
     #[serde(default)]
     pub heartbeat_ms: u64,
+    /// The coordinator reads [`Report::decode_started`], so a sidecar may fold that report into
+    /// the request's end. False from a coordinator older than the field: it refuses the field
+    /// (reports reject unknown fields), so the sidecar then reports `decode_started` on its own.
+    #[serde(default)]
+    pub decode_started_on_end: bool,
 }
 
 /// An engine's load as its sidecar reports it with each heartbeat.
@@ -330,6 +335,11 @@ pub struct Report {
     pub kv_transfer_params: Option<Box<RawValue>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// `finished` / `failed`: the decode's first output came with this end (a non-streaming
+    /// answer arrives whole), which stands for a `decode_started` report at the same moment.
+    /// Sent only to a coordinator whose [`Registration::decode_started_on_end`] says it reads it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub decode_started: bool,
 }
 
 /// The answer to `POST /v1/nodes/{node}/down`: the engines that left pairing because of it.

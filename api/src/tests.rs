@@ -79,11 +79,11 @@ fn engine_spec_limits() {
 
 #[test]
 fn registration_and_heartbeat() {
-    let r: Registration = pinned(r#"{"engine":"d0","lease_ms":3000,"heartbeat_ms":1000}"#);
-    assert_eq!(r.heartbeat_ms, 1000);
+    let r: Registration = pinned(r#"{"engine":"d0","lease_ms":3000,"heartbeat_ms":1000,"decode_started_on_end":true}"#);
+    assert_eq!((r.heartbeat_ms, r.decode_started_on_end), (1000, true));
     // An older coordinator that names only the engine still reads.
     let bare: Registration = serde_json::from_str(r#"{"engine":"d0"}"#).unwrap();
-    assert_eq!((bare.lease_ms, bare.heartbeat_ms), (0, 0));
+    assert_eq!((bare.lease_ms, bare.heartbeat_ms, bare.decode_started_on_end), (0, 0, false));
     let load: Load =
         pinned(r#"{"running":2,"waiting":1,"kv_usage":0.25,"active_decode_blocks":40,"queued_prefill_blocks":8}"#);
     assert_eq!(load.kv_usage, Some(0.25));
@@ -167,6 +167,13 @@ fn reports() {
         let r: Report = round_trip(&text, |a: &Report, b: &Report| a.event == b.event && a.error == b.error);
         assert_eq!(r.event, event);
     }
+    // A final report standing for decode_started too; absent, it reads false and is not written.
+    let folded = r#"{"request_id":"r","event":"finished","decode_started":true}"#;
+    let r: Report = serde_json::from_str(folded).unwrap();
+    assert!(r.decode_started);
+    assert_eq!(serde_json::to_string(&r).unwrap(), folded);
+    let plain = r#"{"request_id":"r","event":"finished"}"#;
+    assert_eq!(serde_json::to_string(&serde_json::from_str::<Report>(plain).unwrap()).unwrap(), plain);
     assert!(serde_json::from_str::<Report>(r#"{"request_id":"r","event":"started"}"#).is_err());
     assert!(serde_json::from_str::<Report>(r#"{"request_id":"r","event":"failed","x":1}"#).is_err());
 }

@@ -191,7 +191,12 @@ impl Metrics {
                 ("{reason=\"invalid\"}", get(&self.pair_invalid)),
             ],
         );
-        family("reports_total", "counter", "Request progress reports.", &[("", get(&self.reports))]);
+        family(
+            "reports_total",
+            "counter",
+            "Request progress reports (a final report carrying decode_started counts as two).",
+            &[("", get(&self.reports))],
+        );
         family("kv_event_batches_total", "counter", "KV-event batches ingested.", &[("", get(&self.event_batches))]);
         family("kv_events_total", "counter", "KV events ingested.", &[("", get(&self.events))]);
         family(

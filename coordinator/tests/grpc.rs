@@ -34,7 +34,10 @@ async fn every_grpc_method_once() {
     let mut client = CoordinatorClient::connect(format!("http://127.0.0.1:{}", coord.grpc)).await.unwrap();
 
     let reg = client.register(spec("d0", Role::Decode)).await.unwrap().into_inner();
-    assert_eq!((reg.engine.as_str(), reg.lease_ms, reg.heartbeat_ms), ("d0", 3000, 1000));
+    assert_eq!(
+        (reg.engine.as_str(), reg.lease_ms, reg.heartbeat_ms, reg.decode_started_on_end),
+        ("d0", 3000, 1000, true)
+    );
     client.register(spec("p0", Role::Prefill)).await.unwrap();
     let mut bad = spec("x", Role::Unspecified);
     bad.role = 0;
@@ -74,6 +77,7 @@ async fn every_grpc_method_once() {
         engine: Some("p0".into()),
         kv_transfer_params: Some(r#"{"remote_request_id": "r1"}"#.into()),
         error: None,
+        decode_started: false,
     };
     client.report(report).await.unwrap();
     let garbage = ReportRequest {

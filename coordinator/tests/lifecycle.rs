@@ -2,7 +2,8 @@
 //! engine is forgotten after `--forget-dead-after-secs` (its number, index bitset position and
 //! load slot reused by the next new engine without inheriting anything), revived if it comes
 //! back before; `POST /v1/nodes/{node}/down` takes every engine of a node out of pairing and
-//! the index at once, releases what prefills held for them and tells the other sidecars.
+//! the index at once, releases what prefills held for them and tells the other sidecars; a final
+//! report carrying `decode_started` acts as that report and the end.
 
 mod common;
 
@@ -249,4 +250,64 @@ async fn a_node_reported_down_takes_all_its_engines_out_at_once() {
     // Node a comes back: its sidecars register again and pairing uses it.
     coord.register(&on_node(&d0, "decode", "node-a", Some("http://127.0.0.1:9"))).await;
     assert!(coord.alive().await["d0"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_report_carrying_decode_started_acts_as_both_reports() {
+    // A sidecar folds `decode_started` into the final report when the decode's answer came
+    // whole. Each folded request is set against the same request reported in two: the same
+    // reports counted, the handoff ended, and on `failed` nothing freed (the decode had pulled
+    // the blocks), where a failure before the decode started frees what the prefill holds. No
+    // engine listens at the registered URLs (health off); the prefill's sidecar records.
+    let (sidecar, releases) = recording_sidecar().await;
+    let coord = Coord::start(&["--health-interval-ms", "0"]).await;
+    for (id, role, sidecar_url) in [("p0", "prefill", sidecar.as_str()), ("d0", "decode", "http://127.0.0.1:9")] {
+        let port = common::free_port();
+        coord
+            .register(&json!({"id": id, "role": role, "node": "n", "model": MODEL, "block_size": 16,
+                              "engine_url": format!("http://127.0.0.1:{port}"), "sidecar_url": sidecar_url}))
+            .await;
+    }
+    let reports = "pd_coordinator_reports_total";
+    let mut counted = HashMap::new();
+    // (request, its end, how the decode's start is reported: on its own, folded, or not at all)
+    let requests = [
+        ("split-ok", "finished", Some(false)),
+        ("folded-ok", "finished", Some(true)),
+        ("split", "failed", Some(false)),
+        ("folded", "failed", Some(true)),
+        ("unstarted", "failed", None),
+    ];
+    for (id, end, started) in requests {
+        let prompt = format!("{id} {}", "x ".repeat(3000));
+        let (status, d) = coord.pair(&json!({"request_id": id, "model": MODEL, "prompt": prompt})).await;
+        assert_eq!((status, d["reason"].as_str()), (200, Some("disaggregated")), "{d}");
+        assert_eq!(coord.metric("pd_coordinator_handoffs_in_flight").await, 1.0, "{id}");
+        let before = coord.metric(reports).await;
+        let params = json!({"remote_request_id": id});
+        let done = json!({"request_id": id, "event": "prefill_done", "engine": "p0", "kv_transfer_params": params});
+        assert_eq!(coord.post("/v1/report", &done).await.0, 204);
+        if started == Some(false) {
+            let started = json!({"request_id": id, "event": "decode_started", "engine": "d0"});
+            assert_eq!(coord.post("/v1/report", &started).await.0, 204);
+        }
+        let mut last = json!({"request_id": id, "event": end, "engine": "d0"});
+        if end == "failed" {
+            last["kv_transfer_params"] = params;
+        }
+        if started == Some(true) {
+            last["decode_started"] = true.into();
+        }
+        assert_eq!(coord.post("/v1/report", &last).await.0, 204);
+        assert_eq!(coord.metric("pd_coordinator_handoffs_in_flight").await, 0.0, "{id}");
+        counted.insert(id, coord.metric(reports).await - before);
+    }
+    assert_eq!((counted["split-ok"], counted["folded-ok"]), (3.0, 3.0), "{counted:?}");
+    assert_eq!((counted["split"], counted["folded"], counted["unstarted"]), (3.0, 3.0, 2.0), "{counted:?}");
+    eventually(WITHIN, "the unstarted request's blocks released", || async { !releases.lock().is_empty() }).await;
+    // Releases are sent in the background: give any other one time to arrive.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = releases.lock().clone();
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert!(released[0].contains(r#""request_id":"unstarted""#), "{}", released[0]);
 }

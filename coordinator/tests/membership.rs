@@ -24,7 +24,7 @@ async fn registration_heartbeats_and_lease_expiry() {
     let coord = Coord::start(&["--lease-ms", "1500", "--heartbeat-ms", "500", "--health-interval-ms", "0"]).await;
     let (status, reg) = coord.post("/v1/engines", &spec("d0", "decode", true)).await;
     assert_eq!(status, 200);
-    assert_eq!(reg, json!({"engine": "d0", "lease_ms": 1500, "heartbeat_ms": 500}));
+    assert_eq!(reg, json!({"engine": "d0", "lease_ms": 1500, "heartbeat_ms": 500, "decode_started_on_end": true}));
     coord.register(&spec("p0", "prefill", true)).await;
 
     // Both heartbeat for a while: both stay alive past the lease.

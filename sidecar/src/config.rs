@@ -121,9 +121,10 @@ pub struct Config {
     /// Largest request body accepted, bytes.
     #[arg(long, env = "PD_SIDECAR_MAX_BODY_BYTES", default_value_t = 64 << 20, help_heading = "Serving")]
     pub max_body_bytes: usize,
-    /// Tokio worker threads (default: 2, or 1 on a single core). A sidecar spends ~0.2-0.3 ms of
-    /// CPU per request, so two workers carry thousands of requests per second; more workers
-    /// mostly add cross-thread wake-ups.
+    /// Tokio worker threads (default 1: one thread, tokio's current-thread runtime). A request
+    /// costs the sidecar about 0.05-0.4 ms of CPU (sidecar/README.md), so one thread carries
+    /// thousands per second; with more, each upstream exchange may wake an idle worker to steal
+    /// the task it hands over: more CPU per request.
     #[arg(long, env = "PD_SIDECAR_WORKERS", help_heading = "Serving")]
     pub workers: Option<usize>,
     /// How long a shutdown waits for requests in flight.

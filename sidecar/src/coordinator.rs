@@ -62,6 +62,8 @@ pub struct Coordinator {
     chars_per_token: f64,
     /// The id the coordinator confirmed at registration.
     engine: RwLock<Option<String>>,
+    /// The coordinator said at registration that it reads `decode_started` on a final report.
+    decode_started_on_end: AtomicBool,
     heartbeat: Mutex<Duration>,
     /// While set and in the future, calls on the request path are skipped.
     down_until: Mutex<Option<Instant>>,
@@ -113,6 +115,7 @@ impl Coordinator {
             prefill_scheme: cfg.prefill_scheme.clone(),
             chars_per_token: cfg.chars_per_token,
             engine: RwLock::new(None),
+            decode_started_on_end: AtomicBool::new(false),
             heartbeat: Mutex::new(Duration::from_secs(1)),
             down_until: Mutex::new(None),
             view: RwLock::new(Vec::new()),
@@ -259,6 +262,7 @@ impl Coordinator {
             *self.heartbeat.lock() = Duration::from_millis(r.heartbeat_ms.clamp(50, 60_000));
         }
         tracing::info!(engine = %r.engine, "registered with the coordinator");
+        self.decode_started_on_end.store(r.decode_started_on_end, Relaxed);
         *self.engine.write() = Some(r.engine);
         Ok(())
     }
@@ -473,6 +477,10 @@ pub struct Reporter {
     /// coordinator frees this attempt's blocks and never those of another attempt under the same
     /// request id (a sidecar that served a failed redirect itself).
     params: Option<String>,
+    /// The decode's first output came with its end (a whole non-streaming answer): the final
+    /// report says so instead of a `decode_started` report of its own (when the coordinator
+    /// reads that; see [`Registration::decode_started_on_end`]).
+    started_with_end: bool,
     done: bool,
 }
 
@@ -483,12 +491,20 @@ impl Reporter {
             metrics: Arc::clone(metrics),
             request_id: request_id.to_string(),
             params: None,
+            started_with_end: false,
             done: false,
         }
     }
 
     fn send(&self, event: ReportEvent, engine: Option<String>, params: Option<&str>, error: Option<&str>) {
         let kv_transfer_params = params.and_then(|p| RawValue::from_string(p.to_string()).ok());
+        let ends = matches!(event, ReportEvent::Finished | ReportEvent::Failed);
+        let folded = ends && self.started_with_end;
+        // A coordinator older than the field refuses it: report the first output on its own.
+        let decode_started = folded && self.c.decode_started_on_end.load(Relaxed);
+        if folded && !decode_started {
+            self.send(ReportEvent::DecodeStarted, Some(self.c.engine_id()), None, None);
+        }
         self.c.report(
             &self.metrics,
             Report {
@@ -497,6 +513,7 @@ impl Reporter {
                 engine,
                 kv_transfer_params,
                 error: error.map(String::from),
+                decode_started,
             },
         );
     }
@@ -509,9 +526,15 @@ impl Reporter {
     }
 
     /// The decode produced its first output: the coordinator times the handoff (or the local
-    /// prefill) by it.
-    pub fn decode_started(&self) {
-        self.send(ReportEvent::DecodeStarted, Some(self.c.engine_id()), None, None);
+    /// prefill) by it. When that output is the whole answer (`with_end`), the request ends in
+    /// the next moment and the final report carries the fact: one report instead of two, and
+    /// none to arrive after the end (reports travel independently).
+    pub fn decode_started(&mut self, with_end: bool) {
+        if with_end {
+            self.started_with_end = true;
+        } else {
+            self.send(ReportEvent::DecodeStarted, Some(self.c.engine_id()), None, None);
+        }
     }
 
     /// Another sidecar owns the request now (it was redirected there): report nothing.

@@ -53,25 +53,23 @@ pub struct Opened {
 pub async fn open(ctx: &Context, engines: &EnginePool, call: &DecodeCall<'_>) -> Result<Opened, LegError> {
     let started = Instant::now();
     let first_byte = ctx.cfg.decode_first_byte_timeout;
-    let headers = upstream::leg_headers(
-        call.headers,
-        LegHeaders {
-            request_id: call.request_id,
-            authorization: ctx.upstream_authorization(),
-            rewritten: call.rewritten,
-            identity: false,
-        },
-        &[],
-    );
-    let mut tried = Vec::with_capacity(engines.len());
+    let leg = LegHeaders {
+        request_id: call.request_id,
+        authorization: ctx.upstream_authorization(),
+        rewritten: call.rewritten,
+        identity: false,
+    };
+    let mut tried = Vec::new();
     let (resp, rank) = loop {
         let Some(rank) = engines.pick(&tried) else {
             return Err(LegError::DecodeUnavailable(String::new()));
         };
-        let target = engines.rank(rank.index).clone();
-        let req = upstream::post(&target, call.path, headers.clone(), call.body.clone());
+        let target = engines.rank(rank.index);
+        // Built per attempt: another attempt is rare, and hyper takes the map it is given.
+        let headers = upstream::leg_headers(call.headers, leg, &[]);
+        let req = upstream::post(target, call.path, headers, call.body.clone());
         let left = first_byte.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
-        match upstream::send(&ctx.client, &target, req, left).await {
+        match upstream::send(&ctx.client, target, req, left).await {
             Ok(r) => break (r, rank),
             Err(e @ UpstreamError::Connect { .. }) => {
                 tried.push(rank.index);
@@ -142,7 +140,7 @@ pub fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body> {
         inner: opened.incoming,
         idle: ctx.cfg.stream_idle_timeout,
         last_activity: Instant::now(),
-        timer: Box::pin(tokio::time::sleep(ctx.cfg.stream_idle_timeout)),
+        timer: None,
         sse: opened.sse,
         outcome: outcome_of(opened.status),
         fin: Some(fin),
@@ -164,7 +162,7 @@ pub async fn run(ctx: &Context, engines: &EnginePool, call: DecodeCall<'_>, mut 
     if opened.status.is_success() {
         // Output exists, so the engine has the KV: the prefill's blocks are its business now.
         fin.blocks_taken();
-        fin.decode_started();
+        fin.decode_started(opened.first.is_none() || opened.incoming.is_end_stream());
     } else {
         tracing::warn!(status = %opened.status, "decode engine answered an error");
         fin.release_now();
@@ -197,7 +195,9 @@ struct Relay {
     inner: Incoming,
     idle: Duration,
     last_activity: Instant,
-    timer: Pin<Box<tokio::time::Sleep>>,
+    /// Armed the first time the engine keeps the client waiting: a body that is there at once
+    /// (a non-streaming answer) never needs one.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
     sse: bool,
     outcome: Outcome,
     fin: Option<Finish>,
@@ -259,10 +259,11 @@ impl HttpBody for Relay {
                 // The timer is moved only when it fires early (cheaper than per frame).
                 loop {
                     let deadline = this.last_activity + this.idle;
-                    if this.timer.deadline().into_std() < deadline {
-                        this.timer.as_mut().reset(deadline.into());
+                    let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+                    if timer.deadline().into_std() < deadline {
+                        timer.as_mut().reset(deadline.into());
                     }
-                    if this.timer.as_mut().poll(cx).is_pending() {
+                    if timer.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
                     }
                     if Instant::now() >= this.last_activity + this.idle {

@@ -47,10 +47,10 @@ impl Finish {
         }
     }
 
-    /// The decode's first output arrived.
-    pub fn decode_started(&self) {
-        if let Some(r) = &self.reporter {
-            r.decode_started();
+    /// The decode's first output arrived; `with_end`: it is the whole answer.
+    pub fn decode_started(&mut self, with_end: bool) {
+        if let Some(r) = &mut self.reporter {
+            r.decode_started(with_end);
         }
     }
 

@@ -17,9 +17,16 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    rt.worker_threads(cfg.workers.unwrap_or(cores.min(2)).max(1));
+    // One worker runs on the calling thread: no handing tasks between threads, and no waking
+    // an idle worker to steal each task a response wakes (see `--workers`).
+    let workers = cfg.workers.unwrap_or(1);
+    let mut rt = if workers <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut rt = tokio::runtime::Builder::new_multi_thread();
+        rt.worker_threads(workers);
+        rt
+    };
     let rt = match rt.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

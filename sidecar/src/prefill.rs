@@ -36,13 +36,11 @@ pub async fn run(
     request_id: &str,
     body: Bytes,
 ) -> Legged<Prefilled> {
-    let headers = upstream::leg_headers(
-        client_headers,
-        LegHeaders { request_id, authorization: legs.ctx.upstream_authorization(), rewritten: true, identity: true },
-        &[],
-    );
+    let leg =
+        LegHeaders { request_id, authorization: legs.ctx.upstream_authorization(), rewritten: true, identity: true };
     legs.run(candidates, |target| {
-        let (mut headers, body) = (headers.clone(), body.clone());
+        // Built per attempt (hyper takes the map; another attempt is rare).
+        let (mut headers, body) = (upstream::leg_headers(client_headers, leg, &[]), body.clone());
         // The client's rank header names a rank of the engine it addressed, not of this one.
         upstream::set_dp_rank(&mut headers, target.dp_rank);
         async move {

@@ -201,13 +201,17 @@ async fn prefill_detached(
     let prefill_body = Bytes::from(rewrite::prefill_body(object, reader));
     let releaser = Arc::clone(&app.releaser);
     let orphan = Orphan { releaser, rid: rid.to_string(), path: path.to_string(), body: body.clone() };
-    let (legs, path, headers, rid) = (Arc::clone(&app.legs), path.to_string(), headers.clone(), rid.to_string());
+    let (legs, headers) = (Arc::clone(&app.legs), headers.clone());
     let span = tracing::info_span!("prefill", candidates = candidates.len());
-    let leg = async move { prefill::run(&legs, &candidates, &path, &headers, &rid, prefill_body).await };
-    Orphanable { leg: Some(Box::pin(leg.instrument(span))), orphan: Some(orphan) }.await
+    // The leg owns what an orphan needs and reads the request id and path from it.
+    let leg = async move {
+        let o = orphan;
+        (prefill::run(&legs, &candidates, &o.path, &headers, &o.rid, prefill_body).await, o)
+    };
+    Orphanable { leg: Some(Box::pin(leg.instrument(span))) }.await
 }
 
-type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = Legged<Prefilled>> + Send>>;
+type Leg = std::pin::Pin<Box<dyn std::future::Future<Output = (Legged<Prefilled>, Orphan)> + Send>>;
 
 /// What an abandoned prefill needs to release its blocks.
 struct Orphan {
@@ -220,7 +224,6 @@ struct Orphan {
 /// The prefill leg; dropped before it finished, it finishes in the background.
 struct Orphanable {
     leg: Option<Leg>,
-    orphan: Option<Orphan>,
 }
 
 impl std::future::Future for Orphanable {
@@ -228,7 +231,7 @@ impl std::future::Future for Orphanable {
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Legged<Prefilled>> {
         let leg = self.leg.as_mut().expect("polled after completion");
-        let out = std::task::ready!(leg.as_mut().poll(cx));
+        let (out, _) = std::task::ready!(leg.as_mut().poll(cx));
         self.leg = None;
         std::task::Poll::Ready(out)
     }
@@ -236,10 +239,11 @@ impl std::future::Future for Orphanable {
 
 impl Drop for Orphanable {
     fn drop(&mut self) {
-        let (Some(leg), Some(o)) = (self.leg.take(), self.orphan.take()) else { return };
+        let Some(leg) = self.leg.take() else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         rt.spawn(async move {
-            if let Legged::Done(Prefilled::Params { params, .. }) = leg.await {
+            let (out, o) = leg.await;
+            if let Legged::Done(Prefilled::Params { params, .. }) = out {
                 tracing::info!(request_id = %o.rid, "client left during the prefill; releasing its blocks");
                 drop(ReleaseGuard::new(&o.releaser, &o.rid, &params, o.body, &o.path));
             }

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, Request, State as AxState};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State as AxState};
 use axum::middleware::{self, Next};
+use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
@@ -41,10 +42,13 @@ pub fn router(app: Shared) -> Router {
     if ctx.cfg.mode == Mode::Sglang {
         r = r.route("/generate", post(generate));
     }
-    r.fallback(passthrough)
-        .layer(DefaultBodyLimit::max(ctx.cfg.max_body_bytes))
-        .layer(middleware::from_fn_with_state(Arc::clone(&ctx), auth))
-        .with_state(app)
+    let r = r.fallback(passthrough).layer(DefaultBodyLimit::max(ctx.cfg.max_body_bytes));
+    // Without a token there is nothing to check: no layer (it costs a boxed future per request).
+    let r = match ctx.cfg.auth_token {
+        Some(_) => r.layer(middleware::from_fn_with_state(Arc::clone(&ctx), auth)),
+        None => r,
+    };
+    r.with_state(app)
 }
 
 async fn auth(AxState(ctx): AxState<Arc<Context>>, req: Request, next: Next) -> Response<Body> {
@@ -65,20 +69,29 @@ fn path_and_query(uri: &Uri) -> String {
     uri.path_and_query().map_or_else(|| uri.path().to_string(), |p| p.as_str().to_string())
 }
 
-async fn completions(AxState(app): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    generation(app, Api::Completions, path_and_query(&uri), headers, body).await
+async fn completions(AxState(app): AxState<Shared>, req: Request) -> Response<Body> {
+    generation(app, Api::Completions, req).await
 }
 
-async fn chat(AxState(app): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    generation(app, Api::Chat, path_and_query(&uri), headers, body).await
+async fn chat(AxState(app): AxState<Shared>, req: Request) -> Response<Body> {
+    generation(app, Api::Chat, req).await
 }
 
-async fn generate(AxState(app): AxState<Shared>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response<Body> {
-    generation(app, Api::Generate, path_and_query(&uri), headers, body).await
+async fn generate(AxState(app): AxState<Shared>, req: Request) -> Response<Body> {
+    generation(app, Api::Generate, req).await
 }
 
 /// A generation request: its id, its span and its [`Finish`], then the mode's flow.
-async fn generation(app: Shared, api: Api, path: String, headers: HeaderMap, body: Bytes) -> Response<Body> {
+async fn generation(app: Shared, api: Api, req: Request) -> Response<Body> {
+    // The headers are moved out rather than cloned (what the `HeaderMap` extractor does); the
+    // body is read by the `Bytes` extractor, which keeps `DefaultBodyLimit` and its 413.
+    let (mut parts, body) = req.into_parts();
+    let headers = std::mem::take(&mut parts.headers);
+    let path = path_and_query(&parts.uri);
+    let body = match Bytes::from_request(Request::from_parts(parts, body), &()).await {
+        Ok(b) => b,
+        Err(rejection) => return rejection.into_response(),
+    };
     let rid = proxy::request_id(&app.ids, &headers);
     let span = tracing::info_span!("request", request_id = %rid, api = api.name(), redirect = tracing::field::Empty);
     async {

@@ -26,6 +26,8 @@ struct Fake {
     pair_ranks: Mutex<(Option<u32>, Option<u32>)>,
     notices: Mutex<Option<Value>>,
     forget_once: AtomicBool,
+    /// Registrations are answered as by a coordinator older than `decode_started_on_end`.
+    old: AtomicBool,
     beats: AtomicU32,
 }
 
@@ -39,7 +41,11 @@ async fn fake_coordinator() -> (String, Arc<Fake>) {
             post(|State(f): S, Json(spec): Json<Value>| async move {
                 let id = spec["id"].as_str().unwrap().to_string();
                 f.registrations.lock().unwrap().push(spec);
-                Json(json!({"engine": id, "lease_ms": 3000, "heartbeat_ms": 100}))
+                let mut answer = json!({"engine": id, "lease_ms": 3000, "heartbeat_ms": 100});
+                if !f.old.load(SeqCst) {
+                    answer["decode_started_on_end"] = true.into();
+                }
+                Json(answer)
             })
             .get(|| async { Json(json!([])) }),
         )
@@ -162,15 +168,43 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
     );
     assert!(pair["prompt"].as_str().unwrap().starts_with("co0 co1"));
     assert!(pair.get("lora_name").is_none(), "the engine's own model names no adapter: {pair}");
+    let reports_of = |id: &str| -> Vec<Value> {
+        fake.reports.lock().unwrap().iter().filter(|r| r["request_id"] == id).cloned().collect()
+    };
+    // Reports are sent independently: any may land first.
+    let arrived = |reports: &[Value], events: &[&str]| events.iter().all(|e| reports.iter().any(|r| r["event"] == *e));
     let reports = until("reports", Duration::from_secs(2), || {
-        let r = fake.reports.lock().unwrap().clone();
-        (r.len() >= 2).then_some(r)
+        let r = reports_of("coord-1");
+        arrived(&r, &["prefill_done", "finished"]).then_some(r)
     })
     .await;
     let done = reports.iter().find(|r| r["event"] == "prefill_done").unwrap();
     assert_eq!((done["request_id"].as_str(), done["engine"].as_str()), (Some("coord-1"), Some("pre-2")));
     assert_eq!(done["kv_transfer_params"]["do_remote_prefill"], true);
-    assert!(reports.iter().any(|r| r["event"] == "finished" && r["engine"] == "dec-1"));
+    // The answer came whole: its first output is reported with its end, in one report.
+    let finished = reports.iter().find(|r| r["event"] == "finished").unwrap();
+    assert_eq!((finished["engine"].as_str(), &finished["decode_started"]), (Some("dec-1"), &json!(true)));
+    // Streamed, the first output is reported when it comes, the end on its own.
+    let r = common::client()
+        .post(format!("{}/v1/completions", s.url))
+        .header("x-request-id", "coord-2")
+        .json(&json!({"model": "sim-model", "prompt": words(40, "st"), "max_tokens": 2, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("[DONE]"));
+    let reports = until("the streamed request's three reports", Duration::from_secs(2), || {
+        let r = reports_of("coord-2");
+        (r.len() >= 3).then_some(r)
+    })
+    .await;
+    let mut events: Vec<&str> = reports.iter().filter_map(|r| r["event"].as_str()).collect();
+    events.sort_unstable();
+    assert_eq!(events, ["decode_started", "finished", "prefill_done"], "{reports:?}");
+    assert!(reports.iter().all(|r| r.get("decode_started").is_none()), "{reports:?}");
+    // By now the whole answer's reports have long landed: no decode_started of its own.
+    assert_eq!(reports_of("coord-1").len(), 2, "{:?}", reports_of("coord-1"));
 
     // local_prefill: no prefill leg at all.
     *fake.pair_with.lock().unwrap() = None;
@@ -194,14 +228,30 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
     p1.leaks_until("released by notice", Duration::from_secs(2), |r| r["held_blocks"] == 0).await;
     let (status, _) = s.post("/v1/completions", &json!({"prompt": words(40, "dead"), "max_tokens": 2})).await;
     assert_eq!(status, 200);
-    assert_eq!(p2.leaks().await["leases_started"], 1, "the dead engine got nothing");
+    assert_eq!(p2.leaks().await["leases_started"], 2, "the dead engine got nothing (after its two above)");
     assert_eq!(p1.leaks().await["leases_started"], 2, "the static list served");
     assert_eq!(s.metric("pd_sidecar_dead_engine_notices_total").await, 1.0);
 
-    // The coordinator forgot us (restart): 404 on heartbeat → registered again.
+    // The coordinator forgot us (restart): 404 on heartbeat → registered again. It came back
+    // older, not reading `decode_started` on a final report: a whole answer is reported in two.
+    fake.old.store(true, SeqCst);
     fake.forget_once.store(true, SeqCst);
     until("re-registration", Duration::from_secs(3), || (fake.registrations.lock().unwrap().len() >= 2).then_some(()))
         .await;
+    let r = common::client()
+        .post(format!("{}/v1/completions", s.url))
+        .header("x-request-id", "coord-old")
+        .json(&json!({"model": "sim-model", "prompt": words(40, "old"), "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let reports = until("the start and the end reported apart", Duration::from_secs(2), || {
+        let r = reports_of("coord-old");
+        arrived(&r, &["decode_started", "finished"]).then_some(r)
+    })
+    .await;
+    assert!(reports.iter().all(|r| r.get("decode_started").is_none()), "{reports:?}");
 
     // Another model is one of the engine's LoRA adapters: named in the pairing, which asks
     // for the engine's model (whatever the simulated engine makes of the name).
@@ -278,6 +328,16 @@ async fn with_the_real_coordinator() {
     assert_eq!(ds.metric("pd_sidecar_disaggregated_total").await, 1.0);
     assert_eq!(d.leaks().await["pulls"], 1);
     p.leaks_until("prefill released", Duration::from_secs(1), |r| r["held_blocks"] == 0).await;
+    // prefill_done, then the end carrying decode_started (the answer came whole): the
+    // coordinator accepts it, counts it as the two reports it stands for and ends the handoff.
+    common::eventually("the reports taken", || async {
+        let m = coordinator.metrics().await;
+        let settled = common::metric_sum(&m, "pd_coordinator_handoffs_in_flight", "") == 0.0
+            && common::metric_sum(&m, "pd_coordinator_reports_total", "") == 3.0;
+        settled.then_some(())
+    })
+    .await;
+    assert_eq!(ds.metric("pd_sidecar_reports_dropped_total").await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -186,7 +186,12 @@ impl CoordinatorRpc for Service {
     async fn register(&self, request: Request<proto::EngineSpec>) -> Result<Response<proto::Registration>, Status> {
         let spec = EngineSpecJson::try_from(request.into_inner())?;
         let r = self.coordinator.register(spec).await?;
-        Ok(Response::new(proto::Registration { engine: r.engine, lease_ms: r.lease_ms, heartbeat_ms: r.heartbeat_ms }))
+        Ok(Response::new(proto::Registration {
+            engine: r.engine,
+            lease_ms: r.lease_ms,
+            heartbeat_ms: r.heartbeat_ms,
+            decode_started_on_end: r.decode_started_on_end,
+        }))
     }
 
     async fn heartbeat(&self, request: Request<proto::HeartbeatRequest>) -> Result<Response<proto::Notices>, Status> {
@@ -255,6 +260,7 @@ impl CoordinatorRpc for Service {
             engine: r.engine,
             kv_transfer_params: r.kv_transfer_params.map(raw_json).transpose()?,
             error: r.error,
+            decode_started: r.decode_started,
         };
         self.coordinator.report(report)?;
         Ok(Response::new(proto::Empty {}))

@@ -46,7 +46,12 @@ impl Coordinator {
         }
         inc(&self.metrics.registrations);
         tracing::info!(engine = %id, "registered");
-        Ok(Registration { engine: id, lease_ms: self.config.lease_ms, heartbeat_ms: self.config.heartbeat_ms })
+        Ok(Registration {
+            engine: id,
+            lease_ms: self.config.lease_ms,
+            heartbeat_ms: self.config.heartbeat_ms,
+            decode_started_on_end: true,
+        })
     }
 
     pub async fn heartbeat(self: &Arc<Self>, id: &str, load: Option<LoadJson>) -> Result<Notices, ApiError> {
@@ -330,10 +335,21 @@ impl Coordinator {
         if report.request_id.is_empty() || report.request_id.len() > MAX_REQUEST_ID {
             return Err(ApiError::BadRequest(format!("'request_id' must be 1..{MAX_REQUEST_ID} bytes")));
         }
+        // A sidecar folds the first output of an answer that came whole into its final report;
+        // one that reports it on its own sends `decode_started` (both accepted, same effect, and
+        // counted alike).
+        let ends = matches!(report.event, ReportEvent::Finished | ReportEvent::Failed);
+        let folded = report.decode_started && ends;
         inc(&self.metrics.reports);
+        if folded {
+            inc(&self.metrics.reports);
+        }
         let id = report.request_id;
         let actions = {
             let mut inner = self.inner.lock();
+            if folded {
+                inner.cluster.decode_started(&id, Instant::now());
+            }
             match report.event {
                 ReportEvent::PrefillDone => {
                     inner.cluster.prefill_done(&id, report.kv_transfer_params, Instant::now());

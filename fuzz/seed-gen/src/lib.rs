@@ -353,6 +353,7 @@ fn coordinator_api() -> Vec<Seed> {
         engine: Some("n1".into()),
         kv_transfer_params: Some(params.clone()),
         error: None,
+        decode_started: false,
     };
     let notices = Notices {
         dead_engines: vec!["n2".into()],
