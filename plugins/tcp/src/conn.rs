@@ -13,7 +13,7 @@ use rustls::client::UnbufferedClientConnection;
 use rustls::server::UnbufferedServerConnection;
 use socket2::SockRef;
 
-use crate::readahead::{self, ReadAhead};
+use crate::readahead::{self, Offer, ReadAhead};
 use crate::spin::{SpinBudget, Spun};
 use crate::tls_io::{self, TlsIo};
 
@@ -206,7 +206,7 @@ impl Conn {
             self.read_exact(buf)?;
             return Ok(true);
         }
-        let (got, spun) = self.spin(buf)?;
+        let (got, spun) = self.spin(buf, Offer::Buffer)?;
         self.spin.after_wait(spun);
         let first = match got {
             Some(n) => n,
@@ -214,7 +214,7 @@ impl Conn {
                 if self.stopped() {
                     return Ok(false);
                 }
-                match self.read_some(&mut [IoSliceMut::new(buf)]) {
+                match self.read_some(&mut [IoSliceMut::new(buf)], Offer::Buffer) {
                     Ok(n) => break n,
                     Err(e) if is_retry(&e) => continue,
                     Err(e) => return Err(e.into()),
@@ -229,25 +229,27 @@ impl Conn {
     }
 
     /// Reads an answer the peer is about to send (polling first, see [`crate::spin`]), bounded
-    /// like [`Conn::read_exact`].
-    pub fn read_answer(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
-        if self.ahead.buffered() > 0 {
-            return self.read_exact(buf);
-        }
-        let (got, spun) = self.spin(buf)?;
-        self.spin.after_wait(spun);
-        let first = match got {
-            Some(0) => return Err(ConnError::Eof),
-            Some(n) => n,
-            None => 0,
+    /// like [`Conn::read_exact`]; `offer`: whether what follows may land in the read-ahead
+    /// buffer.
+    pub fn read_answer(&mut self, buf: &mut [u8], offer: Offer) -> Result<(), ConnError> {
+        let first = if self.ahead.buffered() > 0 {
+            0
+        } else {
+            let (got, spun) = self.spin(buf, offer)?;
+            self.spin.after_wait(spun);
+            match got {
+                Some(0) => return Err(ConnError::Eof),
+                Some(n) => n,
+                None => 0,
+            }
         };
-        self.read_exact(&mut buf[first..])
+        self.read_exact_offering(&mut [IoSliceMut::new(&mut buf[first..])], offer)
     }
 
     /// Polls the socket without sleeping for up to the spin budget: `Some(n)` once `n` bytes
     /// were read into `buf` (0: the peer closed), `None` when nothing came (or spinning is
     /// off); and how the spin went. A spin that lost its CPU stops at once.
-    fn spin(&mut self, buf: &mut [u8]) -> Result<(Option<usize>, Spun), ConnError> {
+    fn spin(&mut self, buf: &mut [u8], offer: Offer) -> Result<(Option<usize>, Spun), ConnError> {
         let budget = self.spin.current();
         if budget.is_zero() || buf.is_empty() {
             return Ok((None, Spun::No));
@@ -256,7 +258,7 @@ impl Conn {
         let started = Instant::now();
         let mut last_poll = started;
         let result = loop {
-            match self.read_some(&mut [IoSliceMut::new(buf)]) {
+            match self.read_some(&mut [IoSliceMut::new(buf)], offer) {
                 Ok(n) => break Ok((Some(n), Spun::Caught)),
                 Err(e) if is_retry(&e) => {}
                 Err(e) => break Err(ConnError::from(e)),
@@ -277,9 +279,9 @@ impl Conn {
 
     /// One read into the front of `bufs`, from the read-ahead buffer or the stream (0: the
     /// peer closed).
-    fn read_some(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+    fn read_some(&mut self, bufs: &mut [IoSliceMut<'_>], offer: Offer) -> io::Result<usize> {
         let Conn { stream, ahead, .. } = self;
-        ahead.read_into(bufs, |iov| stream.read_vectored(iov))
+        ahead.read_into(bufs, offer, |iov| stream.read_vectored(iov))
     }
 
     pub fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), ConnError> {
@@ -287,12 +289,16 @@ impl Conn {
     }
 
     /// Fills every buffer in order.
-    pub fn read_exact_vectored(&mut self, mut bufs: &mut [IoSliceMut<'_>]) -> Result<(), ConnError> {
+    pub fn read_exact_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> Result<(), ConnError> {
+        self.read_exact_offering(bufs, Offer::Buffer)
+    }
+
+    fn read_exact_offering(&mut self, mut bufs: &mut [IoSliceMut<'_>], offer: Offer) -> Result<(), ConnError> {
         IoSliceMut::advance_slices(&mut bufs, 0);
         let mut last_progress = Instant::now();
         while !bufs.is_empty() {
             let window = bufs.len().min(IOV_MAX);
-            match self.read_some(&mut bufs[..window]) {
+            match self.read_some(&mut bufs[..window], offer) {
                 Ok(0) => return Err(ConnError::Eof),
                 Ok(n) => {
                     IoSliceMut::advance_slices(&mut bufs, n);

@@ -49,24 +49,30 @@ pub fn with_send_slices<R>(head: &[u8], pieces: &[LocalMem], f: impl FnOnce(&mut
     f(&mut iov)
 }
 
-/// Calls `f` with slices to receive into: the host pieces of `pieces`. The bytes are this
-/// exchange's destination alone.
-pub fn with_receive_slices<R>(pieces: &mut [LocalMem], f: impl FnOnce(&mut [IoSliceMut<'_>]) -> R) -> R {
-    let small = pieces.len() <= ON_STACK;
+/// Calls `f` with `front` followed by the host pieces of `pieces`, the destination of one
+/// readv(2): `front` takes what the stream carries before the payload (an answer's padding),
+/// the pieces this exchange's bytes alone.
+pub fn with_receive_slices<R>(
+    front: &mut [u8],
+    pieces: &mut [LocalMem],
+    f: impl FnOnce(&mut [IoSliceMut<'_>]) -> R,
+) -> R {
+    let small = pieces.len() < ON_STACK;
     let host = pieces.iter_mut().filter_map(|piece| match piece {
         LocalMem::Host(slice) => Some(receive_slice(slice)),
         _ => None,
     });
     if small {
         let mut iov: [IoSliceMut<'_>; ON_STACK] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
-        let mut n = 0;
-        for (slot, slice) in iov.iter_mut().zip(host) {
+        iov[0] = IoSliceMut::new(front);
+        let mut n = 1;
+        for (slot, slice) in iov[1..].iter_mut().zip(host) {
             *slot = slice;
             n += 1;
         }
         return f(&mut iov[..n]);
     }
-    f(&mut host.collect::<Vec<_>>())
+    f(&mut std::iter::once(IoSliceMut::new(front)).chain(host).collect::<Vec<_>>())
 }
 
 pub fn receive_slice(slice: &mut MemSlice) -> IoSliceMut<'_> {

@@ -27,6 +27,7 @@ use crate::frame::{self, Kind, WireDesc};
 use crate::inline::{self, Inline};
 use crate::keys::TcpRemoteKey;
 use crate::memio;
+use crate::readahead::{self, Offer};
 use crate::staged::Lanes;
 
 /// Tunables of the initiator.
@@ -464,8 +465,13 @@ pub(crate) fn receive_host(
     match chunk.op {
         Op::Write => read_response(shared, conn, request_id, 0),
         Op::Read => {
-            read_response(shared, conn, request_id, chunk.bytes)?;
-            memio::with_receive_slices(&mut chunk.local, |iov| conn.read_exact_vectored(iov))
+            // A payload the read-ahead buffer cannot hold whole is read straight into place,
+            // with the padding before it: buffering its front would cost a copy and save no
+            // read(2).
+            let offer = if chunk.bytes >= readahead::CAPACITY as u64 { Offer::Exact } else { Offer::Buffer };
+            let padding = read_response_until(shared, conn, request_id, chunk.bytes, offer)?;
+            let mut front = [0u8; frame::ALIGN];
+            memio::with_receive_slices(&mut front[..padding], &mut chunk.local, |iov| conn.read_exact_vectored(iov))
                 .map_err(|e| shared.conn_error(e))
         }
     }
@@ -483,16 +489,35 @@ pub(crate) fn request_head(shared: &PoolShared, chunk: &Chunk) -> (u64, Vec<u8>)
     (request_id, head)
 }
 
-/// Reads a response header; a refusal becomes an error, a mismatched one breaks the stream.
+/// Reads a response header and its tail; a refusal becomes an error, a mismatched one breaks
+/// the stream.
 fn read_response(
     shared: &PoolShared,
     conn: &mut Conn,
     request_id: u64,
     expect_payload: u64,
 ) -> Result<(), BackendError> {
+    read_response_until(shared, conn, request_id, expect_payload, Offer::Buffer).map(drop)
+}
+
+/// [`read_response`], except that with [`Offer::Exact`] an accepted answer's padding is left
+/// unread, for the caller to read with the payload straight into place; returns its length.
+fn read_response_until(
+    shared: &PoolShared,
+    conn: &mut Conn,
+    request_id: u64,
+    expect_payload: u64,
+    offer: Offer,
+) -> Result<usize, BackendError> {
     let mut buf = [0u8; frame::RESPONSE_LEN];
-    conn.read_answer(&mut buf).map_err(|e| shared.conn_error(e))?;
+    conn.read_answer(&mut buf, offer).map_err(|e| shared.conn_error(e))?;
     let response = frame::decode_response(&buf).map_err(|e| BackendError::Protocol(e.to_string()))?;
+    let accepted = response.code == 0 && response.request_id == request_id && response.payload_len == expect_payload;
+    // The padding fits the caller's front buffer (no more than ALIGN, however long a message
+    // a peer puts in an accepted answer).
+    if offer == Offer::Exact && accepted && response.tail_len() <= frame::ALIGN {
+        return Ok(response.tail_len());
+    }
     // An accepted answer's tail is padding at most: only a refusal's message needs the heap.
     let (mut small, mut large) = ([0u8; frame::ALIGN], Vec::new());
     let tail = match response.tail_len() {
@@ -522,7 +547,7 @@ fn read_response(
             response.payload_len
         )));
     }
-    Ok(())
+    Ok(0)
 }
 
 impl PoolShared {

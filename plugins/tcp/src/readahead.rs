@@ -18,6 +18,17 @@ pub const CAPACITY: usize = 32 << 10;
 /// is read as it is, into the destination alone).
 const SHARED_READ_SLICES: usize = 8;
 
+/// Whether a read from the socket also offers the buffer's free space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offer {
+    /// The bytes after the destination land in the buffer, to be copied out by later reads.
+    Buffer,
+    /// Only the destination: what follows stays in the socket, for a read straight into its
+    /// own destination (an answer's header before a payload larger than the buffer, which
+    /// would otherwise be copied out of the buffer for no saved syscall).
+    Exact,
+}
+
 #[derive(Debug)]
 pub struct ReadAhead {
     buf: Box<[u8]>,
@@ -37,11 +48,13 @@ impl ReadAhead {
     }
 
     /// Fills the front of `bufs`: from buffered bytes when there are some (no read), otherwise
-    /// with one call of `read`, whose bytes beyond `bufs` stay buffered. Returns how many bytes
-    /// went into `bufs`; 0 means `read` returned 0 (the end of the stream) or `bufs` is empty.
+    /// with one call of `read`, whose bytes beyond `bufs` stay buffered (`Offer::Buffer`) or
+    /// stay in the socket (`Offer::Exact`). Returns how many bytes went into `bufs`; 0 means
+    /// `read` returned 0 (the end of the stream) or `bufs` is empty.
     pub fn read_into(
         &mut self,
         bufs: &mut [IoSliceMut<'_>],
+        offer: Offer,
         read: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<usize>,
     ) -> io::Result<usize> {
         let wanted: usize = bufs.iter().map(|b| b.len()).sum();
@@ -53,7 +66,7 @@ impl ReadAhead {
         }
         self.start = 0;
         self.end = 0;
-        if bufs.len() > SHARED_READ_SLICES {
+        if offer == Offer::Exact || bufs.len() > SHARED_READ_SLICES {
             return read(bufs);
         }
         let n = bufs.len();
@@ -123,7 +136,9 @@ mod tests {
         let mut out = vec![0u8; len];
         let mut filled = 0;
         while filled < len {
-            let n = ahead.read_into(&mut [IoSliceMut::new(&mut out[filled..])], |iov| socket.read(iov)).unwrap();
+            let n = ahead
+                .read_into(&mut [IoSliceMut::new(&mut out[filled..])], Offer::Buffer, |iov| socket.read(iov))
+                .unwrap();
             assert!(n > 0, "unexpected end of stream");
             filled += n;
         }
@@ -175,12 +190,28 @@ mod tests {
         let mut socket = Socket::new(len + 16, &[]);
         let mut ahead = ReadAhead::new(capacity);
         let mut payload = vec![0u8; len];
-        let n = ahead.read_into(&mut [IoSliceMut::new(&mut payload)], |iov| socket.read(iov)).unwrap();
+        let n = ahead.read_into(&mut [IoSliceMut::new(&mut payload)], Offer::Buffer, |iov| socket.read(iov)).unwrap();
         assert_eq!(n, len, "one read fills the whole destination");
         assert_eq!(ahead.buffered(), 16, "only the bytes beyond it are buffered");
         assert_eq!(payload, socket.stream[..len]);
         assert_eq!(read_exact(&mut ahead, &mut socket, 16), socket.stream[len..]);
         assert_eq!(socket.calls, 1);
+    }
+
+    #[test]
+    fn an_exact_read_leaves_what_follows_in_the_socket() {
+        // An answer's header and padding, then a payload larger than the buffer: the payload
+        // must not be read into the buffer (a copy) but straight into its destination.
+        let (head_len, payload_len) = (128, 4 * CAPACITY);
+        let mut socket = Socket::new(head_len + payload_len, &[]);
+        let mut ahead = ReadAhead::new(CAPACITY);
+        let mut head = vec![0u8; head_len];
+        let n = ahead.read_into(&mut [IoSliceMut::new(&mut head)], Offer::Exact, |iov| socket.read(iov)).unwrap();
+        assert_eq!((n, ahead.buffered()), (head_len, 0));
+        let mut payload = vec![0u8; payload_len];
+        let n = ahead.read_into(&mut [IoSliceMut::new(&mut payload)], Offer::Buffer, |iov| socket.read(iov)).unwrap();
+        assert_eq!((n, ahead.buffered(), socket.calls), (payload_len, 0, 2));
+        assert_eq!([head, payload].concat(), socket.stream);
     }
 
     #[test]
@@ -190,17 +221,17 @@ mod tests {
         let mut ahead = ReadAhead::new(CAPACITY);
         let mut pieces = [[0u8; 100]; 4];
         let mut iov: Vec<IoSliceMut<'_>> = pieces.iter_mut().map(|p| IoSliceMut::new(p)).collect();
-        assert_eq!(ahead.read_into(&mut iov, |iov| socket.read(iov)).unwrap(), 400);
+        assert_eq!(ahead.read_into(&mut iov, Offer::Buffer, |iov| socket.read(iov)).unwrap(), 400);
         assert_eq!(ahead.buffered(), 200);
         let mut many = [[0u8; 10]; 20];
         let mut iov: Vec<IoSliceMut<'_>> = many.iter_mut().map(|p| IoSliceMut::new(p)).collect();
-        assert_eq!(ahead.read_into(&mut iov, |iov| socket.read(iov)).unwrap(), 200, "from the buffer");
+        assert_eq!(ahead.read_into(&mut iov, Offer::Buffer, |iov| socket.read(iov)).unwrap(), 200, "from the buffer");
         assert_eq!(socket.calls, 1);
         assert_eq!([pieces.concat(), many.concat()].concat(), socket.stream);
         let mut more = [0u8; 8];
         let mut iov: Vec<IoSliceMut<'_>> = (0..20).map(|_| IoSliceMut::new(&mut [])).collect();
         iov[19] = IoSliceMut::new(&mut more);
-        assert_eq!(ahead.read_into(&mut iov, |iov| socket.read(iov)).unwrap(), 0, "end of stream");
-        assert_eq!(ahead.read_into(&mut [], |iov| socket.read(iov)).unwrap(), 0, "nothing wanted");
+        assert_eq!(ahead.read_into(&mut iov, Offer::Buffer, |iov| socket.read(iov)).unwrap(), 0, "end of stream");
+        assert_eq!(ahead.read_into(&mut [], Offer::Buffer, |iov| socket.read(iov)).unwrap(), 0, "nothing wanted");
     }
 }

@@ -211,7 +211,7 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     }
                 }
                 Ok(Resolved { pieces: mut slices, .. }) => {
-                    memio::with_receive_slices(&mut slices, |iov| conn.read_exact_vectored(iov))?;
+                    memio::with_receive_slices(&mut [], &mut slices, |iov| conn.read_exact_vectored(iov))?;
                     drop(slices);
                     drop(current);
                     frame::encode_response(0, header.request_id, 0, "", &mut out);
