@@ -94,6 +94,13 @@ async fn fake_coordinator() -> (String, Arc<Fake>) {
     (format!("http://{}", common::serve(app).await), fake)
 }
 
+/// A completion of two tokens through the sidecar at `url`, under request id `id`.
+async fn complete(url: &str, id: &str, prompt: &str, stream: bool) -> reqwest::Response {
+    let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2, "stream": stream});
+    let request = common::client().post(format!("{url}/v1/completions")).header("x-request-id", id).json(&body);
+    request.send().await.unwrap()
+}
+
 async fn until<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + within;
     loop {
@@ -149,13 +156,7 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
     assert!(beat["body"]["load"]["kv_usage"].is_number(), "{beat}");
 
     // The coordinator's prefill wins over the static list; the decision is reported on.
-    let r = common::client()
-        .post(format!("{}/v1/completions", s.url))
-        .header("x-request-id", "coord-1")
-        .json(&json!({"model": "sim-model", "prompt": words(40, "co"), "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
+    let r = complete(&s.url, "coord-1", &words(40, "co"), false).await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         (p2.leaks().await["leases_started"].clone(), p1.leaks().await["leases_started"].clone()),
@@ -185,13 +186,7 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
     let finished = reports.iter().find(|r| r["event"] == "finished").unwrap();
     assert_eq!((finished["engine"].as_str(), &finished["decode_started"]), (Some("dec-1"), &json!(true)));
     // Streamed, the first output is reported when it comes, the end on its own.
-    let r = common::client()
-        .post(format!("{}/v1/completions", s.url))
-        .header("x-request-id", "coord-2")
-        .json(&json!({"model": "sim-model", "prompt": words(40, "st"), "max_tokens": 2, "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let r = complete(&s.url, "coord-2", &words(40, "st"), true).await;
     assert_eq!(r.status(), 200);
     assert!(r.text().await.unwrap().contains("[DONE]"));
     let reports = until("the streamed request's three reports", Duration::from_secs(2), || {
@@ -238,13 +233,7 @@ async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
     fake.forget_once.store(true, SeqCst);
     until("re-registration", Duration::from_secs(3), || (fake.registrations.lock().unwrap().len() >= 2).then_some(()))
         .await;
-    let r = common::client()
-        .post(format!("{}/v1/completions", s.url))
-        .header("x-request-id", "coord-old")
-        .json(&json!({"model": "sim-model", "prompt": words(40, "old"), "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
+    let r = complete(&s.url, "coord-old", &words(40, "old"), false).await;
     assert_eq!(r.status(), 200);
     let reports = until("the start and the end reported apart", Duration::from_secs(2), || {
         let r = reports_of("coord-old");
