@@ -554,33 +554,49 @@ fn t5_coordinator_prefers_the_prefill_holding_the_prefix() {
         for (i, holder) in ["sglang-prefill-a", "sglang-prefill-b"].into_iter().enumerate() {
             let t0 = Instant::now();
             let tokens = fresh_tokens(64);
+            let before = indexed_blocks(&client, c, holder).await;
             let body = json!({"input_ids": tokens, "sampling_params": {"max_new_tokens": 1, "temperature": 0}});
             pd_by_hand(&client, c, i, body, test_room(5 + i as u64)).await;
+            // Wait on the index's read-only stats, then ask once: a pair call records its own
+            // routing (the decode will hold the prompt), so asking again and again before the
+            // holder's events arrived would make the decode the best place for the prompt.
             let deadline = Instant::now() + Duration::from_secs(15);
-            let mut n = 0;
-            let (prefill, overlap, decision) = loop {
-                n += 1;
-                let pair =
-                    json!({"request_id": format!("e2e-sglang-{holder}-{n}"), "model": MODEL, "token_ids": tokens});
-                let (status, text) =
-                    post_json(&client, &format!("{}/v1/pair", c.coordinator_url), &pair, Duration::from_secs(10))
-                        .await
-                        .expect("pair");
-                assert_eq!(status, 200, "pair: {text}");
-                let d: Value = serde_json::from_str(&text).expect("pair json");
-                let prefill = d["prefill"]["id"].as_str().unwrap_or_default().to_string();
-                let overlap = d["prefill_overlap_blocks"].as_u64().unwrap_or(0);
-                if (prefill == holder && overlap == tokens.len() as u64) || Instant::now() > deadline {
-                    break (prefill, overlap, d);
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            };
+            let mut held = before;
+            while held < before + tokens.len() as u64 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                held = indexed_blocks(&client, c, holder).await;
+            }
+            assert!(
+                held >= before + tokens.len() as u64,
+                "{holder}'s events: {before} -> {held} indexed blocks in 15 s"
+            );
+            let pair = json!({"request_id": format!("e2e-sglang-{holder}"), "model": MODEL, "token_ids": tokens});
+            let (status, text) =
+                post_json(&client, &format!("{}/v1/pair", c.coordinator_url), &pair, Duration::from_secs(10))
+                    .await
+                    .expect("pair");
+            assert_eq!(status, 200, "pair: {text}");
+            let decision: Value = serde_json::from_str(&text).expect("pair json");
             timing(&format!("coordinator pairs toward {holder} ({} pages held)", tokens.len()), t0.elapsed());
-            assert_eq!(prefill, holder, "the prompt went to another prefill: {decision}");
-            assert_eq!(overlap, tokens.len() as u64, "overlap pages: {decision}");
+            assert_eq!(decision["prefill"]["id"], holder, "the prompt went elsewhere: {decision}");
+            assert_eq!(decision["prefill_overlap_blocks"], tokens.len() as u64, "overlap pages: {decision}");
             assert_eq!(decision["decode"]["id"], "sglang-decode", "{decision}");
         }
     });
+}
+
+/// How many blocks of `engine` the coordinator's index holds for the model (its stats route).
+async fn indexed_blocks(client: &reqwest::Client, c: &Cluster, engine: &str) -> u64 {
+    let stats: Value = client
+        .get(format!("{}/v1/index/stats", c.coordinator_url))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .expect("index stats")
+        .json()
+        .await
+        .expect("index stats json");
+    stats["models"][MODEL]["engines"][engine].as_u64().unwrap_or(0)
 }
 
 /// A client that leaves during the decode: the decode drops the request and every server's KV
