@@ -223,7 +223,9 @@ impl Cluster {
         let holder = ranks::holder(engine, ranks::batch_rank(spec.ranks(), stream_rank, batch.dp_rank)?);
         let model = spec.model.clone();
         let rekey = self.settings.rekey_sglang_adapters;
-        for event in &batch.events {
+        let mut at = 0;
+        while let Some(event) = batch.events.get(at) {
+            at += 1;
             match event {
                 // An adapter's blocks go to its own index; removals and clears name no adapter,
                 // so they reach every index of the model (hashes differ between adapters).
@@ -253,23 +255,32 @@ impl Cluster {
                     }
                     if !removal.published.is_empty() {
                         let rest = KvEvent::BlockRemoved { block_hashes: removal.published, medium: medium.clone() };
-                        self.apply_to_model(&model, holder, &rest);
+                        self.apply_to_model(&model, holder, std::slice::from_ref(&rest));
                     }
+                }
+                // A run of removals (engines evict one block per event) in one batch, so that
+                // the index loads their slots together.
+                KvEvent::BlockRemoved { .. } => {
+                    let start = at - 1;
+                    while matches!(batch.events.get(at), Some(KvEvent::BlockRemoved { .. })) {
+                        at += 1;
+                    }
+                    self.apply_to_model(&model, holder, &batch.events[start..at]);
                 }
                 _ => {
                     if matches!(event, KvEvent::AllBlocksCleared) {
                         self.rekeyer.clear(holder);
                     }
-                    self.apply_to_model(&model, holder, event);
+                    self.apply_to_model(&model, holder, std::slice::from_ref(event));
                 }
             }
         }
         Ok(())
     }
 
-    fn apply_to_model(&mut self, model: &str, holder: usize, event: &KvEvent) {
+    fn apply_to_model(&mut self, model: &str, holder: usize, events: &[KvEvent]) {
         for (_, index) in self.indexes.iter_mut().filter(|(key, _)| key_model(key) == model) {
-            index.apply(holder, event);
+            index.apply_batch(holder, events);
         }
     }
 

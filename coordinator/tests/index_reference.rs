@@ -464,3 +464,86 @@ fn exact_events_only() {
         assert_eq!(index.engine_blocks(9), 0);
     }
 }
+
+/// `apply_batch` against `apply` one event at a time, on random batches of one engine's events:
+/// runs of one-block removals (as engines evict), multi-block removals longer than a chunk,
+/// stores in any tier, clears, with guesses between batches; in a small table, and (even seeds)
+/// in one grown past the size from which `apply_batch` loads removals' slots ahead. After every
+/// batch both indexes must answer every query alike; every block's holders are compared every
+/// few batches.
+#[test]
+fn batch_apply_equals_one_by_one() {
+    const BACKGROUND: u64 = 1 << 32;
+    let now = Instant::now();
+    for seed in 1..=8u64 {
+        let mut rng = Rng::new(seed);
+        let (mut single, mut batched) = (PrefixIndex::default(), PrefixIndex::default());
+        let engines = [0usize, 1, 2, 5, 64, 130];
+        let space = 3000u64;
+        let background = if seed % 2 == 0 { 150_000 } else { 0 };
+        let filler: Vec<u64> = (BACKGROUND..BACKGROUND + background).collect();
+        for run in filler.chunks(1000) {
+            single.apply(engines[0], &stored(run, None));
+            batched.apply(engines[0], &stored(run, None));
+        }
+        if background > 0 {
+            assert!(batched.heap_bytes() > 4 << 20, "the table outgrew the cache-sized ones");
+        }
+        let mut events = Vec::new();
+        for round in 0..200 {
+            let engine = rng.pick(&engines);
+            events.clear();
+            for _ in 0..1 + rng.below(40) {
+                let start = rng.below(space);
+                let run: Vec<u64> = (start..start + 1 + rng.below(150)).map(|n| n % space).collect();
+                let evicted =
+                    if background > 0 && rng.below(4) == 0 { BACKGROUND + rng.below(background) } else { run[0] };
+                let event = match rng.below(100) {
+                    0..=29 => stored(&run, rng.pick(&[Some("GPU"), None, Some("CPU"), Some("disk")])),
+                    30..=89 => KvEvent::BlockRemoved {
+                        block_hashes: vec![BlockHash::Int(evicted)],
+                        medium: rng.pick(&[Some("GPU"), None, Some("CPU")]).map(str::to_owned),
+                    },
+                    90..=97 => KvEvent::BlockRemoved {
+                        block_hashes: run.iter().map(|&h| BlockHash::Int(h)).collect(),
+                        medium: None,
+                    },
+                    _ => KvEvent::AllBlocksCleared,
+                };
+                events.push(event);
+            }
+            for event in &events {
+                single.apply(engine, event);
+            }
+            batched.apply_batch(engine, &events);
+            if rng.below(4) == 0 {
+                let start = rng.below(space);
+                let guessed: Vec<u64> = (start..start + 1 + rng.below(60)).map(|n| n % space).collect();
+                let (guesser, until) = (rng.pick(&engines), now + Duration::from_secs(60));
+                single.insert_approximate(guesser, &guessed, until);
+                batched.insert_approximate(guesser, &guessed, until);
+            }
+            assert_eq!(single.entries(), batched.entries(), "seed {seed}, batch {round}");
+            assert_eq!(single.len(), batched.len(), "seed {seed}, batch {round}");
+            for &engine in &engines {
+                assert_eq!(single.engine_blocks(engine), batched.engine_blocks(engine), "seed {seed}, batch {round}");
+            }
+            for _ in 0..8 {
+                let start = rng.below(space);
+                let query: Vec<u64> = (start..start + 1 + rng.below(64)).map(|n| n % space).collect();
+                assert_eq!(single.overlaps(&query, now), batched.overlaps(&query, now), "seed {seed}, batch {round}");
+            }
+            if round % 25 == 0 {
+                for h in 0..space {
+                    for &engine in &engines {
+                        assert_eq!(
+                            single.holds(engine, h, now),
+                            batched.holds(engine, h, now),
+                            "seed {seed}, batch {round}, block {h}, engine {engine}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

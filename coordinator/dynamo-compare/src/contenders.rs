@@ -82,10 +82,9 @@ fn router_event(engine: usize, event_id: u64, event: &KvEvent, chain: &mut HashM
 fn router_events(stream: &Stream) -> Vec<RouterEvent> {
     let mut chain = HashMap::new();
     stream
-        .events
-        .iter()
+        .events()
         .enumerate()
-        .filter_map(|(id, (engine, event))| router_event(*engine, id as u64, event, &mut chain))
+        .filter_map(|(id, (engine, event))| router_event(engine, id as u64, event, &mut chain))
         .collect()
 }
 
@@ -123,8 +122,8 @@ impl Contender for Ours {
     fn prepare(&mut self, _: &Stream) {}
 
     fn apply(&mut self, stream: &Stream) {
-        for (engine, event) in &stream.events {
-            self.index.apply(*engine, event);
+        for (engine, events) in &stream.batches {
+            self.index.apply_batch(*engine, events);
         }
     }
 
@@ -330,7 +329,7 @@ fn alongside_lookups(
     })
 }
 
-/// Ours behind a read-write lock (one write lock per event), as a daemon sharing it would.
+/// Ours behind a read-write lock (one write lock per batch), as a daemon sharing it would.
 pub fn concurrent_ours(stream: &Stream) -> Concurrent {
     let index = RwLock::new(PrefixIndex::default());
     let now = Instant::now();
@@ -339,8 +338,8 @@ pub fn concurrent_ours(stream: &Stream) -> Concurrent {
         &stream.lookups,
         |request, latency, out| latency.time(|| index.read().prefix_matches(request, now, out)),
         || {
-            for (engine, event) in &stream.events {
-                index.write().apply(*engine, event);
+            for (engine, events) in &stream.batches {
+                index.write().apply_batch(*engine, events);
             }
         },
     )

@@ -281,7 +281,7 @@ fn compare(stream: &Stream) -> anyhow::Result<StreamResult> {
         name: stream.name.clone(),
         description: stream.description.clone(),
         engines: stream.engines,
-        events: stream.events.len(),
+        events: stream.events().count(),
         block_events: stream.block_events,
         entries,
         lookups_checked: stream.lookups.len(),

@@ -13,8 +13,9 @@ use crate::shared::workload::{block_events, build_batches, churn_batches, Rng, U
 pub struct Stream {
     pub name: String,
     pub engines: usize,
-    /// Every event in arrival order, with the engine that published it.
-    pub events: Vec<(usize, KvEvent)>,
+    /// Every event in arrival order, in the batches engines publish them in (vLLM's
+    /// `KVEventBatch`), with the engine that published each batch.
+    pub batches: Vec<(usize, Vec<KvEvent>)>,
     /// Block hashes in stored + removed events.
     pub block_events: usize,
     /// Requests looked up once every event is applied, `REQUEST_BLOCKS` blocks each.
@@ -31,8 +32,7 @@ pub fn coordbench(engines: usize, blocks: usize, churn: usize, lookups: usize, s
     let mut batches = build_batches(&universe, engines, &mut rng);
     batches.extend(churn_batches(&universe, &mut rng, churn.min(universe.conversations.len())));
     let block_events = batches.iter().map(|(_, b)| block_events(b)).sum();
-    let events: Vec<(usize, KvEvent)> =
-        batches.into_iter().flat_map(|(engine, batch)| batch.events.into_iter().map(move |e| (engine, e))).collect();
+    let batches = batches.into_iter().map(|(engine, batch)| (engine, batch.events)).collect();
     let mut request = Vec::with_capacity(REQUEST_BLOCKS);
     let lookups = (0..lookups)
         .map(|_| {
@@ -48,9 +48,16 @@ pub fn coordbench(engines: usize, blocks: usize, churn: usize, lookups: usize, s
             universe.distinct_blocks(),
             churn.min(universe.conversations.len())
         ),
-        events,
+        batches,
         block_events,
         lookups,
+    }
+}
+
+impl Stream {
+    /// Every event in arrival order, with the engine that published it.
+    pub fn events(&self) -> impl Iterator<Item = (usize, &KvEvent)> {
+        self.batches.iter().flat_map(|(engine, events)| events.iter().map(move |e| (*engine, e)))
     }
 }
 
@@ -102,7 +109,8 @@ impl Lru {
 /// (its conversation's first own block: every request shares block 0, and a conversation's
 /// turns stay on one worker); on arrival the worker stores the blocks it lacks (one
 /// `BlockStored` whose parent is the last block it had) and evicts past `capacity` blocks by
-/// LRU (one `BlockRemoved` per block, as vLLM publishes them). Lookups are the last replay's
+/// LRU (one `BlockRemoved` per block, as vLLM publishes them), all in one batch (a vLLM engine
+/// publishes one batch per scheduler step, so an arrival's events would share one at least). Lookups are the last replay's
 /// requests, cut or padded to `REQUEST_BLOCKS` with blocks no one holds.
 pub fn mooncake(
     path: &Path,
@@ -119,13 +127,15 @@ pub fn mooncake(
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(!rows.is_empty(), "the trace {} has no requests", path.display());
     let mut caches: Vec<Lru> = (0..workers).map(|_| Lru::default()).collect();
-    let (mut events, mut block_events, mut clock) = (Vec::new(), 0usize, 0u64);
+    let (mut batches, mut block_events, mut clock) = (Vec::new(), 0usize, 0u64);
     let mut requests = Vec::new();
     for replay in 0..replays.max(1) as u64 {
         for row in rows.iter().filter(|r| !r.hash_ids.is_empty()) {
             let blocks: Vec<u64> = row.hash_ids.iter().map(|&id| spread(id | replay << 40)).collect();
             let worker = (blocks[1.min(blocks.len() - 1)] % workers as u64) as usize;
             let cache = &mut caches[worker];
+            // What the worker publishes for this arrival: its stores and the evictions they cause.
+            let mut batch = Vec::new();
             let mut missing = Vec::new();
             for &block in blocks.iter().rev() {
                 clock += 1;
@@ -137,9 +147,7 @@ pub fn mooncake(
             if !missing.is_empty() {
                 let parent = blocks.len().checked_sub(missing.len() + 1).map(|i| BlockHash::Int(blocks[i]));
                 block_events += missing.len();
-                events.push((
-                    worker,
-                    KvEvent::BlockStored {
+                batch.push(KvEvent::BlockStored {
                         block_hashes: missing.into_iter().map(BlockHash::Int).collect(),
                         parent_block_hash: parent,
                         token_ids: Vec::new(),
@@ -148,16 +156,18 @@ pub fn mooncake(
                         medium: Some("GPU".into()),
                         lora_name: None,
                         cache_salt: None,
-                    },
-                ));
+                });
             }
             while cache.last_use.len() > capacity {
                 let old = cache.evict().expect("over capacity");
                 block_events += 1;
-                events.push((
-                    worker,
-                    KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(old)], medium: Some("GPU".into()) },
-                ));
+                batch.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![BlockHash::Int(old)],
+                    medium: Some("GPU".into()),
+                });
+            }
+            if !batch.is_empty() {
+                batches.push((worker, batch));
             }
             if replay + 1 == replays.max(1) as u64 {
                 requests.push(blocks);
@@ -184,7 +194,7 @@ pub fn mooncake(
             "Mooncake conversation trace ×{replays}: {} requests on {workers} workers, LRU of {capacity} blocks each",
             rows.len() * replays.max(1)
         ),
-        events,
+        batches,
         block_events,
         lookups,
     })

@@ -201,6 +201,21 @@ impl Slots {
         u64::from(tag) ^ self.words.get(self.base + i * self.stride).copied().unwrap_or(0)
     }
 
+    /// [`Slots::touch_at`] of slot `i`, and the first word of each later cache line holding
+    /// any of the `slots - 1` slots after it (those past the last slot are not loaded: a run
+    /// that wraps round to slot 0 is loaded up to the table's end only).
+    #[inline]
+    pub fn touch_run_at(&self, i: usize, slots: usize) -> u64 {
+        let per_line = (8 / self.stride).max(1);
+        let mut acc = self.touch_at(i);
+        let mut k = per_line - i % per_line;
+        while k < slots {
+            acc ^= self.words.get(self.base + (i + k) * self.stride).copied().unwrap_or(0);
+            k += per_line;
+        }
+        acc
+    }
+
     /// [`Slots::touch_at`] of the tag only: enough for a key that is probably absent.
     #[inline]
     pub fn touch_tag_at(&self, i: usize) -> u64 {
