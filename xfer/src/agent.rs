@@ -373,8 +373,22 @@ impl Agent {
     }
 
     /// Resolves a peer's descriptors once for repeated use by index.
+    /// A descriptor inside a grant loaded from the peer ([`Agent::load_grant`]) goes through
+    /// the newest such grant.
     pub fn prep_remote(&self, peer: &str, mem_type: MemType, descs: &[Desc]) -> Result<PreparedRemote, XferError> {
-        PreparedRemote::resolve(self.inner.peer(peer)?, mem_type, descs)
+        PreparedRemote::resolve(self.inner.peer(peer)?, mem_type, descs, true)
+    }
+
+    /// As [`Agent::prep_remote`], but through the peer's published regions only, whatever
+    /// grants are loaded: for reads the peer serves without a grant, of memory this agent may
+    /// also read under grants (which the peer revokes when it is done with them).
+    pub fn prep_remote_published(
+        &self,
+        peer: &str,
+        mem_type: MemType,
+        descs: &[Desc],
+    ) -> Result<PreparedRemote, XferError> {
+        PreparedRemote::resolve(self.inner.peer(peer)?, mem_type, descs, false)
     }
 
     /// A request between host-memory descriptor lists of equal total length.

@@ -62,11 +62,25 @@ impl PreparedLocal {
 }
 
 impl PreparedRemote {
-    pub(crate) fn resolve(peer: Arc<Peer>, mem_type: MemType, descs: &[Desc]) -> Result<Self, XferError> {
+    /// `through_grants`: a descriptor goes through the newest loaded grant covering it
+    /// ([`Peer::find`]); otherwise through the published region alone.
+    pub(crate) fn resolve(
+        peer: Arc<Peer>,
+        mem_type: MemType,
+        descs: &[Desc],
+        through_grants: bool,
+    ) -> Result<Self, XferError> {
+        let find = |desc: &Desc| {
+            if through_grants {
+                peer.find(mem_type, desc)
+            } else {
+                peer.find_published(mem_type, desc)
+            }
+        };
         let segs = descs
             .iter()
             .enumerate()
-            .map(|(index, desc)| match peer.find(mem_type, desc) {
+            .map(|(index, desc)| match find(desc) {
                 Some(region) => Ok(RemoteRef { region, addr: desc.addr, len: desc.len }),
                 None => Err(XferError::NotRegistered { side: Side::Remote, index, mem_type, desc: *desc }),
             })

@@ -148,6 +148,11 @@ impl Peer {
         if let Some(index) = self.grant_index.find(self.granted(), mem_type, desc) {
             return Some(self.published + index);
         }
+        self.find_published(mem_type, desc)
+    }
+
+    /// The published region containing a descriptor, whatever grants are loaded.
+    pub fn find_published(&self, mem_type: MemType, desc: &Desc) -> Option<usize> {
         find_containing(self.published(), |r| (r.mem_type, r.desc), mem_type, desc)
     }
 

@@ -255,4 +255,19 @@ fn offered_grants_are_claimed_then_revoked() {
     assert_eq!(&into.to_vec()[..8192], &[0u8; 8192][..], "a refused read delivered bytes");
     let again = reader.claim_grant(&side, "req-1", MemType::Dram, &[block]).unwrap_err();
     assert!(matches!(again, XferError::Refused { code: RefusalCode::Revoked, .. }), "{again}");
+
+    // The revoked grant stays loaded: a list prepared now still goes through it, one prepared
+    // through the published region reads the same bytes with the region's key.
+    let read_prepared = |remote: &xfer::PreparedRemote| -> Result<(), XferError> {
+        let local = reader.prep_local(MemType::Dram, &[local])?;
+        let req = reader.make_request(Op::Read, &local, &[0], remote, &[0], RequestOptions::default())?;
+        req.post()?;
+        req.wait(WAIT)
+    };
+    let through_grant = reader.prep_remote("prefill", MemType::Dram, &[block]).unwrap();
+    let refused = read_prepared(&through_grant).unwrap_err();
+    assert!(matches!(refused, XferError::Refused { code: RefusalCode::Revoked, .. }), "{refused}");
+    let published = reader.prep_remote_published("prefill", MemType::Dram, &[block]).unwrap();
+    read_prepared(&published).unwrap();
+    assert_eq!(&into.to_vec()[..8192], &data[4096..4096 + 8192]);
 }

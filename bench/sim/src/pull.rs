@@ -64,7 +64,10 @@ pub async fn peer_pool(engine: &Arc<Engine>, engine_id: &str, addr: &str) -> Res
     let region = pool_region(engine, &name)?;
     let descs: Vec<xfer::Desc> =
         (0..region.len / block_bytes).map(|i| xfer::Desc::new(region.addr + i * block_bytes, block_bytes, 0)).collect();
-    let prepared = Arc::new(engine.agent.prep_remote(&name, MemType::Dram, &descs)?);
+    // Through the published region, never a grant: a metadata fetch that finished while another
+    // request loaded its grant would otherwise cache that grant's key for those blocks, and
+    // every later ungranted read of them (a release decode) would be refused once it is revoked.
+    let prepared = Arc::new(engine.agent.prep_remote_published(&name, MemType::Dram, &descs)?);
     engine.peers.lock().insert(name, Arc::clone(&prepared));
     Ok(prepared)
 }
@@ -132,6 +135,7 @@ pub async fn read_blocks(
     let local_idx: Vec<usize> = local_ids.iter().map(|&id| id as usize).collect();
     let started = Instant::now();
     let grant = grant.filter(|_| !engine.cfg.no_kv_grants && !remote_idx.is_empty());
+    let notified = notif.clone();
     let result = match grant {
         Some(token) => match under_grant(engine, remote, token, &remote_idx) {
             Ok(granted) => read(engine, &granted, &local_idx, &(0..granted.len()).collect::<Vec<_>>(), notif).await,
@@ -151,7 +155,7 @@ pub async fn read_blocks(
         Err(err @ PullError::LateRead(_)) => {
             add(&engine.metrics.failed_pulls, 1);
             add(&engine.metrics.late_reads_refused, 1);
-            tracing::warn!(peer = engine_id, %err, "KV pull refused: read after the prefill's lease ended");
+            tracing::warn!(peer = engine_id, notif = %notified, granted = grant.is_some(), %err, "KV pull refused: read after the prefill's lease ended");
         }
         Err(err) => {
             add(&engine.metrics.failed_pulls, 1);
