@@ -503,18 +503,16 @@ pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     total
 }
 
+/// `GET url` within 10 s, the body as text.
+pub async fn get_text(client: &reqwest::Client, url: &str) -> String {
+    let response = client.get(url).timeout(Duration::from_secs(10)).send().await;
+    let body = response.unwrap_or_else(|e| panic!("GET {url}: {e}")).text().await;
+    body.unwrap_or_else(|e| panic!("GET {url}: the body: {e}"))
+}
+
 /// `GET {base}/metrics` and [`metric_sum`].
 pub async fn metric(client: &reqwest::Client, base: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let text = client
-        .get(format!("{base}/metrics"))
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("metrics body");
-    metric_sum(&text, name, labels)
+    metric_sum(&get_text(client, &format!("{base}/metrics")).await, name, labels)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -587,15 +587,8 @@ fn t5_coordinator_prefers_the_prefill_holding_the_prefix() {
 
 /// How many blocks of `engine` the coordinator's index holds for the model (its stats route).
 async fn indexed_blocks(client: &reqwest::Client, c: &Cluster, engine: &str) -> u64 {
-    let stats: Value = client
-        .get(format!("{}/v1/index/stats", c.coordinator_url))
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .expect("index stats")
-        .json()
-        .await
-        .expect("index stats json");
+    let stats: Value =
+        serde_json::from_str(&get_text(client, &format!("{}/v1/index/stats", c.coordinator_url)).await).expect("stats");
     stats["models"][MODEL]["engines"][engine].as_u64().unwrap_or(0)
 }
 
