@@ -165,7 +165,9 @@ pub async fn run(
         ))
     });
     let (coordinator, ctx) = (app.coordinator.clone(), Arc::clone(&app.ctx));
+    let timer_floor = tokio::spawn(keep_timer_armed());
     pd_http::serve(listener, server::router(app), tls, shutdown, drain).await;
+    timer_floor.abort();
     if let Some(c) = coordinator {
         coordinator::leave(&c, &ctx.client).await;
     }
@@ -173,4 +175,17 @@ pub async fn run(
         link.abort();
     }
     Ok(())
+}
+
+/// tokio's timer driver wakes itself — an eventfd write, then one more `epoll_wait` — whenever a
+/// timer is armed earlier than every timer pending when the runtime last went to sleep, which
+/// with few requests in flight is most requests (their leg timeouts, the keep-alive's header
+/// timeout). A timer that is always due within a second stays the earliest, so the timeouts of
+/// requests (seconds or more) arm without that; it costs one wake-up a second.
+async fn keep_timer_armed() {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+    }
 }
