@@ -87,16 +87,28 @@ async fn a_client_leaving_during_the_prefill_strands_nothing() {
     let p = Sim::start(&[]).await;
     let d = Sim::start(&[]).await;
     let s = Sidecar::start(&["--engine", &d.url, "--prefill", &p.addr()]).await;
-    // The prefill answers after 200 ms; the clients leave after 50 ms, mid-prefill.
-    p.faults(json!({"delay_ms": 200})).await;
-    let clients = (0..8).map(|i| {
-        let url = format!("{}/v1/completions", s.url);
-        async move {
-            let c = reqwest::Client::builder().timeout(Duration::from_millis(50)).build().unwrap();
-            c.post(url).json(&json!({"prompt": words(40, &format!("mid{i}x")), "max_tokens": 4})).send().await.is_err()
-        }
-    });
-    assert!(futures_util::future::join_all(clients).await.into_iter().all(|gave_up| gave_up));
+    // The prefill answers after 500 ms; the clients leave once the sidecar has all eight in
+    // hand, mid-prefill (a fixed 50 ms client timeout left before the sidecar read them under
+    // load, once: no prefill started).
+    p.faults(json!({"delay_ms": 500})).await;
+    let clients: Vec<_> = (0..8)
+        .map(|i| {
+            let url = format!("{}/v1/completions", s.url);
+            let body = json!({"prompt": words(40, &format!("mid{i}x")), "max_tokens": 4});
+            tokio::spawn(async move { reqwest::Client::new().post(url).json(&body).send().await })
+        })
+        .collect();
+    common::eventually("the sidecar holds the eight requests", || async {
+        (s.metric("pd_sidecar_in_flight").await == 8.0).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for client in &clients {
+        client.abort();
+    }
+    for client in clients {
+        assert!(client.await.is_err_and(|e| e.is_cancelled()), "a client got its answer before it left");
+    }
     // The prefills complete anyway and hold blocks; the sidecar releases each one.
     let report = p
         .leaks_until("leases started and released", Duration::from_secs(2), |r| {
