@@ -28,18 +28,38 @@ pub enum ProcError {
 /// A free TCP port on the loopback interface for a child to bind. It is drawn below the kernel's
 /// ephemeral range (32768 and up on Linux): a port the kernel handed out for binding port 0 is
 /// soon reused as the local port of some outgoing connection, and the child then fails to bind
-/// it ("Address already in use"), which happened under parallel tests. Falls back to port 0.
+/// it ("Address already in use"), which happened under parallel tests. Between this check and
+/// the child's bind another pdbench (tests run several side by side) could draw the same port:
+/// its child then failed to start, or the other's answered its health check. So each port handed
+/// out is also claimed, by a lock on a file named after it, held until this process exits.
+/// Falls back to port 0.
 pub fn free_port() -> Result<u16, ProcError> {
     use rand::Rng;
     let mut rng = rand::rng();
     for _ in 0..64 {
         let port = rng.random_range(10_000..32_000);
-        if let Ok(l) = TcpListener::bind(("127.0.0.1", port)) {
-            return Ok(l.local_addr().map_err(ProcError::Port)?.port());
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() && claim(port) {
+            return Ok(port);
         }
     }
     let l = TcpListener::bind("127.0.0.1:0").map_err(ProcError::Port)?;
     Ok(l.local_addr().map_err(ProcError::Port)?.port())
+}
+
+/// Locks `port`'s file for the rest of this process; `false` when another process holds it (or
+/// the file cannot be had: the port is then left to others too).
+fn claim(port: u16) -> bool {
+    static HELD: std::sync::Mutex<Vec<File>> = std::sync::Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("pdbench-ports");
+    let file = std::fs::create_dir_all(&dir).and_then(|()| {
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()))
+    });
+    let Ok(file) = file else { return false };
+    if file.try_lock().is_err() {
+        return false;
+    }
+    HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(file);
+    true
 }
 
 /// One child process; dropping it kills its process group.
@@ -79,6 +99,17 @@ impl Proc {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// What an exited child said: from the error it exited with (`Error: ...`, which a stack
+    /// backtrace may follow) when there is one, else the log's last lines.
+    fn exit_log(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        match all.iter().rposition(|l| l.starts_with("Error: ")) {
+            Some(at) => all[at..].iter().take(lines).copied().collect::<Vec<_>>().join("\n"),
+            None => self.log_tail(lines),
+        }
+    }
+
     /// Whether it has exited, with its status. The leader is not reaped here: while it is a
     /// zombie its pid, which is also its group's id, cannot be given to a new process, so the
     /// group signals of `stop_all` can never reach a stranger's group. `stop_all` reaps it.
@@ -104,7 +135,7 @@ impl Proc {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.exited() {
-                return Err(ProcError::Exited { name: self.name.clone(), status, log: self.log_tail(20) });
+                return Err(ProcError::Exited { name: self.name.clone(), status, log: self.exit_log(20) });
             }
             if let Ok(r) = http.get(url).timeout(Duration::from_secs(1)).send().await {
                 if r.status().is_success() {
