@@ -115,7 +115,7 @@ impl PeerShared {
         if slot.as_ref().is_some_and(|c| c.stable_id() == failed.stable_id()) {
             slot.take();
         }
-        failed.close(quinn::VarInt::from_u32(0), b"abandoned");
+        close_once(failed, b"abandoned");
     }
 
     async fn open(&self) -> Result<quinn::Connection, BackendError> {
@@ -274,7 +274,7 @@ impl PeerShared {
                     // A silent or lost peer fails the other pieces on the connection now, not
                     // one timeout each.
                     if !matches!(err, BackendError::Refused { .. }) {
-                        conn.close(quinn::VarInt::from_u32(0), b"request failed");
+                        close_once(&conn, b"request failed");
                     }
                 }
                 result
@@ -301,6 +301,15 @@ impl PeerShared {
 }
 
 /// Reads a response frame; a refusal becomes `Refused` with the target's message.
+/// Closes `conn` unless it is closed already. Closing overwrites the reason every pending and
+/// later stream operation reports (`LocallyClosed`), so closing a connection the idle bound ended
+/// would make the requests still running on it report a lost peer where it went silent.
+fn close_once(conn: &quinn::Connection, reason: &[u8]) {
+    if conn.close_reason().is_none() {
+        conn.close(quinn::VarInt::from_u32(0), reason);
+    }
+}
+
 async fn read_response(
     recv: &mut quinn::RecvStream,
     request_id: u64,
