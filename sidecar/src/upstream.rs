@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::errors::UpstreamError;
 use crate::target::Target;
@@ -58,6 +58,9 @@ pub fn client(connect_timeout: Duration, tls: rustls::ClientConfig) -> HttpClien
         .enable_http1()
         .wrap_connector(http);
     Client::builder(TokioExecutor::new())
+        // Without a timer the pool checks idleness only when it hands a connection out, so
+        // the connections of a past burst would stay open for good.
+        .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(4096)
         .build(https)

@@ -187,6 +187,16 @@ impl Agent {
         Ok(PreparedRemote { inner: prepared })
     }
 
+    /// As `prep_remote`, but through the peer's published regions only, whatever grants are
+    /// loaded: a list kept for later requests must not carry a grant's key that the peer will
+    /// revoke.
+    #[pyo3(signature = (peer, descs, mem_type = "DRAM"))]
+    fn prep_remote_published(&self, peer: &str, descs: Vec<DescTuple>, mem_type: &str) -> PyResult<PreparedRemote> {
+        let prepared =
+            self.inner.prep_remote_published(peer, self::mem_type(mem_type)?, &self::descs(&descs)).map_err(raise)?;
+        Ok(PreparedRemote { inner: prepared })
+    }
+
     /// A READ or WRITE between DRAM descriptor lists of equal total length (not yet posted).
     #[pyo3(signature = (op, local, peer, remote, notif = None, backend = None))]
     fn create_request(

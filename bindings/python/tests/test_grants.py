@@ -75,6 +75,34 @@ def test_grant_then_revoke(pair):
     assert bytes(local) == bytes(LEN), "a read refused after revocation delivered bytes"
 
 
+def test_published_list_does_not_go_through_a_loaded_grant(pair):
+    agent, peer, local, registration = pair
+    (addr, length, _), = registration.descs()
+    remote = [(peer.addr + OFFSET, LEN, 0)]
+    answer = peer.ask(f"grant {agent.name} {OFFSET} {LEN}")
+    assert agent.load_grant(bytes.fromhex(answer[1])) == peer.name
+    local_list = agent.prep_local([(addr, length, 0)])
+    through_grant = agent.prep_remote(peer.name, remote)
+    published = agent.prep_remote_published(peer.name, remote)
+    assert peer.ask("revoke")[0] == "REVOKED"
+
+    def read_from(remote_list):
+        request = agent.make_request("READ", local_list, [0], remote_list, [0])
+        try:
+            request.post()
+            request.wait(10.0)
+        finally:
+            request.release()
+
+    with pytest.raises(XferError) as late:
+        read_from(through_grant)
+    assert_revoked(late.value)
+    assert bytes(local) == bytes(LEN), "a read refused after revocation delivered bytes"
+    # The peer serves its published memory without a grant: the published list still reads.
+    read_from(published)
+    assert bytes(local) == pattern(5, SIZE, step=13)[OFFSET:OFFSET + LEN]
+
+
 def test_offered_grant_is_claimed_then_revoked(pair):
     agent, peer, local, registration = pair
     assert peer.ask("offer cmpl-1") == ["OFFERED"]

@@ -608,7 +608,10 @@ class nixl_agent:
         with _Translated("prep_xfer_dlist"):
             if name in LOCAL_AGENT_NAMES:
                 return nixl_prepped_dlist_handle(self._agent.prep_local(dlist.descs, dlist.mem_type), local=True)
-            prepared = self._agent.prep_remote(name, dlist.descs, dlist.mem_type)
+            # Through the published regions: a list kept across requests must not carry the key of
+            # a grant loaded meanwhile, which its peer revokes (reads under grants go through
+            # `_claim_for`).
+            prepared = self._agent.prep_remote_published(name, dlist.descs, dlist.mem_type)
             return nixl_prepped_dlist_handle(prepared, local=False, peer=name, dlist=dlist)
 
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle):
