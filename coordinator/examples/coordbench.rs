@@ -12,7 +12,8 @@
 //! held by the prefill and decode engine that served them, sometimes by one or three), until the
 //! index holds the requested number of distinct blocks. Every engine's blocks arrive as vLLM
 //! `BlockStored` events with their token ids, encoded with `pd_protocols::kv_events`; ingestion
-//! is timed through `decode_batch` + `PrefixIndex::apply`, and through `apply` alone. Memory is
+//! is timed through `decode_batch` + `PrefixIndex::apply_batch` (as the coordinator applies each
+//! batch it receives), and through `apply_batch` alone. Memory is
 //! what a counting global allocator sees the index keep. Everything runs on one thread.
 
 use std::fmt::Write as _;
@@ -195,9 +196,7 @@ fn main() {
     let decode_apply = measure(|| {
         for (engine, payload) in &encoded {
             let batch = decode_batch(payload).expect("our own encoding decodes");
-            for event in &batch.events {
-                decoded_index.apply(*engine, event);
-            }
+            decoded_index.apply_batch(*engine, &batch.events);
         }
     });
     drop(decoded_index);
@@ -209,9 +208,7 @@ fn main() {
     let mut index = PrefixIndex::default();
     let apply_only = measure(|| {
         for (engine, batch) in &batches {
-            for event in &batch.events {
-                index.apply(*engine, event);
-            }
+            index.apply_batch(*engine, &batch.events);
         }
     });
     let heap = live_bytes() - before;
@@ -294,24 +291,18 @@ fn main() {
         churn.iter().map(|(e, b)| (*e, encode_batch(b, EventFormat::TaggedMap))).collect();
     let mut churn_index = PrefixIndex::default();
     for (engine, batch) in &batches {
-        for event in &batch.events {
-            churn_index.apply(*engine, event);
-        }
+        churn_index.apply_batch(*engine, &batch.events);
     }
     let churn_decode_apply = measure(|| {
         for (engine, payload) in &churn_encoded {
             let batch = decode_batch(payload).expect("decodes");
-            for event in &batch.events {
-                churn_index.apply(*engine, event);
-            }
+            churn_index.apply_batch(*engine, &batch.events);
         }
     });
     drop(churn_index);
     let churn_apply = measure(|| {
         for (engine, batch) in &churn {
-            for event in &batch.events {
-                index.apply(*engine, event);
-            }
+            index.apply_batch(*engine, &batch.events);
         }
     });
     report.row(
