@@ -19,7 +19,7 @@ fn batch(n: u64) -> EventBatch {
 }
 
 fn free_port() -> u16 {
-    pd_sim::ports::free_loopback_port().expect("a free loopback port")
+    pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
 struct Publisher {

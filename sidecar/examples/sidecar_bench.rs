@@ -369,7 +369,7 @@ fn pct(h: &Histogram<u64>, q: f64) -> f64 {
 async fn overhead(o: Overhead) -> anyhow::Result<()> {
     let sim_bin = o.sim_bin.clone().unwrap_or_else(|| sibling("pd-sim"));
     let sidecar_bin = o.sidecar_bin.clone().unwrap_or_else(|| sibling("pd-sidecar"));
-    let free_port = pd_sim::ports::free_loopback_port;
+    let free_port = pdbench::ports::free_loopback_port;
     let (pp, dp, sp) = (free_port()?, free_port()?, free_port()?);
     let pinned = o.pin_sidecar.map(leave_cpu_to_sidecar).transpose()?;
     let sidecar_cpus = pinned.as_ref().map(|(mine, _)| mine.as_str());

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod daemons;
 pub mod metrics;
 pub mod plot;
+pub mod ports;
 pub mod procs;
 pub mod runner;
 pub mod sse;

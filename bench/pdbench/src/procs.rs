@@ -3,7 +3,6 @@
 //! on normal exit, on Ctrl-C (the caller drops the cluster) and on panic (unwinding drops it).
 
 use std::fs::File;
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -25,41 +24,9 @@ pub enum ProcError {
     Port(std::io::Error),
 }
 
-/// A free TCP port on the loopback interface for a child to bind. It is drawn below the kernel's
-/// ephemeral range (32768 and up on Linux): a port the kernel handed out for binding port 0 is
-/// soon reused as the local port of some outgoing connection, and the child then fails to bind
-/// it ("Address already in use"), which happened under parallel tests. Between this check and
-/// the child's bind another pdbench (tests run several side by side) could draw the same port:
-/// its child then failed to start, or the other's answered its health check. So each port handed
-/// out is also claimed, by a lock on a file named after it, held until this process exits.
-/// Falls back to port 0.
+/// A free loopback port for a child to bind ([`crate::ports::free_loopback_port`]).
 pub fn free_port() -> Result<u16, ProcError> {
-    use rand::Rng;
-    let mut rng = rand::rng();
-    for _ in 0..64 {
-        let port = rng.random_range(10_000..32_000);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() && claim(port) {
-            return Ok(port);
-        }
-    }
-    let l = TcpListener::bind("127.0.0.1:0").map_err(ProcError::Port)?;
-    Ok(l.local_addr().map_err(ProcError::Port)?.port())
-}
-
-/// Locks `port`'s file for the rest of this process; `false` when another process holds it (or
-/// the file cannot be had: the port is then left to others too).
-fn claim(port: u16) -> bool {
-    static HELD: std::sync::Mutex<Vec<File>> = std::sync::Mutex::new(Vec::new());
-    let dir = std::env::temp_dir().join("pdbench-ports");
-    let file = std::fs::create_dir_all(&dir).and_then(|()| {
-        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()))
-    });
-    let Ok(file) = file else { return false };
-    if file.try_lock().is_err() {
-        return false;
-    }
-    HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(file);
-    true
+    crate::ports::free_loopback_port().map_err(ProcError::Port)
 }
 
 /// One child process; dropping it kills its process group.

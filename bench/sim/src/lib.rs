@@ -17,7 +17,6 @@ pub mod mem;
 pub mod metrics;
 pub mod openai;
 pub mod pool;
-pub mod ports;
 pub mod pull;
 pub mod render;
 pub mod respond;

@@ -14,7 +14,7 @@ pub const WAIT: Duration = Duration::from_secs(15);
 pub const MODEL: &str = "sim-model";
 
 pub fn free_port() -> u16 {
-    pd_sim::ports::free_loopback_port().expect("a free loopback port")
+    pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
 pub fn client() -> reqwest::Client {

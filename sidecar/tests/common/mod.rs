@@ -15,7 +15,7 @@ use serde_json::Value;
 pub const WAIT: Duration = Duration::from_secs(10);
 
 pub fn free_port() -> u16 {
-    pd_sim::ports::free_loopback_port().expect("a free loopback port")
+    pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
 /// The pd-sim binary: `PD_SIM_BIN`, else next to pd-sidecar (built on first use if missing).

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 pub const WAIT: Duration = Duration::from_secs(10);
 
 pub fn free_port() -> u16 {
-    pd_sim::ports::free_loopback_port().expect("a free loopback port")
+    pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
 pub struct Sim {
