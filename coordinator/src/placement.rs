@@ -30,8 +30,9 @@
 //! have a few observations of their own (all three with a prefill-only engine among them, the
 //! local line alone where every other engine can decode: nothing is disaggregated there, so the
 //! other two never warm), the fixed [`LocalPrefillPolicy`] decides (it disaggregates long
-//! uncached prompts, so both kinds get observed); an operator's explicit thresholds always
-//! decide.
+//! uncached prompts, so both kinds get observed), except that a prompt it keeps local goes to a
+//! prefill-only engine holding as much of it when decodes are bound to the decode; an
+//! operator's explicit thresholds always decide.
 
 use std::time::Duration;
 
@@ -246,13 +247,22 @@ impl Placement {
                 Verdict::Disaggregate(0)
             }
         };
+        // Cold, a prompt the rule keeps local is still not computed beside decodes bound there
+        // when a prefill-only engine holds as much of it: the same compute there stalls nobody.
+        let cold = |policy: &LocalPrefillPolicy| match fixed(policy) {
+            Verdict::Local if decode.bound > 0 => prefills
+                .iter()
+                .position(|p| !p.decodes && p.uncached_tokens <= decode.uncached_tokens)
+                .map_or(Verdict::Local, Verdict::Disaggregate),
+            verdict => verdict,
+        };
         // Engines that can decode are weighed by the local line alone: where every engine can,
         // nothing is ever disaggregated and the prefill and handoff lines never warm.
         let warm =
             if prefills.iter().all(|p| p.decodes) { timings.local.samples() >= WARM_SAMPLES } else { timings.warm() };
         match self {
             Placement::Fixed(policy) => fixed(policy),
-            Placement::Adaptive { cold } if !warm => fixed(cold),
+            Placement::Adaptive { cold: policy } if !warm => cold(policy),
             Placement::Adaptive { .. } => {
                 let local = timings.local_cost_ms(decode);
                 let best = prefills
@@ -406,8 +416,19 @@ mod tests {
         // Cold: everything uncached is disaggregated (ratio 1.0 ≥ 0.7), as the fixed policy says.
         assert_eq!(p.decide(&cold, 1088, idle, &[idle]), Verdict::Disaggregate(0));
         assert_eq!(p.decide(&cold, 1088, site(64, 0), &[idle]), Verdict::Local);
+        // Cold with decodes bound there: a prefill engine holding as much computes it instead.
+        let holder = site(64, 0);
+        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle, holder]), Verdict::Disaggregate(1));
+        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle]), Verdict::Local, "only the decode holds it");
+        let both = Site { decodes: true, ..holder };
+        assert_eq!(
+            p.decide(&cold, 1088, site(64, 2), &[both]),
+            Verdict::Local,
+            "an engine that can decode: the rule as it is"
+        );
         let fixed = Placement::Fixed(LocalPrefillPolicy { max_uncached_tokens: 100, max_uncached_ratio: 1.0 });
         assert_eq!(fixed.decide(&warm(), 1088, idle, &[idle]), Verdict::Disaggregate(0), "warm, but fixed");
         assert_eq!(fixed.decide(&warm(), 1088, site(64, 9), &[idle]), Verdict::Local);
+        assert_eq!(fixed.decide(&cold, 1088, site(64, 9), &[holder]), Verdict::Local, "an operator's rule is kept");
     }
 }
