@@ -402,7 +402,9 @@ impl Cluster {
         let block_size = u64::from(req.block_size);
         let site = |c: &Candidate| Site {
             uncached_tokens: req.prompt_tokens.saturating_sub(c.overlap_blocks.saturating_mul(block_size)),
-            running: self.handoffs.running(c.engine),
+            bound: self.handoffs.bound(c.engine),
+            arrivals_per_ms: self.handoffs.arrivals_per_ms(c.engine, now),
+            decodes: decodes.iter().any(|d| d.engine == c.engine),
         };
         prefills.clear();
         prefills.extend(
@@ -415,6 +417,17 @@ impl Cluster {
         sites.clear();
         sites.extend(prefills.iter().map(site));
         let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, site(&decode), sites);
+        // What placement weighed, for reading its decisions back from a run's log.
+        tracing::debug!(
+            request = req.request_id,
+            decode = decode.engine,
+            decode_site = ?site(&decode),
+            elsewhere = ?sites,
+            local_ms = self.timings.local_cost_ms(site(&decode)),
+            first_elsewhere_ms = ?sites.first().map(|&p| self.timings.elsewhere_cost_ms(site(&decode), p)),
+            ?verdict,
+            "placement"
+        );
         let (decode, prefill) = match verdict.and_then_prefill(prefills) {
             None => (decode, None),
             // An engine that can decode as well keeps what it would compute: the same stall

@@ -52,14 +52,55 @@ pub struct Handoffs {
     /// What `live` adds up to per engine (by engine id), kept as handoffs change: pairing asks
     /// for every candidate's load on every decision.
     loads: Loads,
+    /// How often each engine is named as decode, by engine id.
+    arrivals: Vec<Arrivals>,
 }
 
-/// Per engine: blocks queued and decoding, and requests on their decode engine once the prompt
-/// is there (held or decoding; from the pairing for a local prefill).
+/// Per engine: blocks queued and decoding, and requests bound to decode there, in any stage
+/// (one prefilling elsewhere pulls and decodes there soon).
 #[derive(Debug, Default)]
 struct Loads {
     blocks: Vec<Load>,
-    running: Vec<u64>,
+    bound: Vec<u64>,
+}
+
+/// The rate at which requests are routed to one decode engine: an exponentially weighted mean
+/// of the gaps between them (about the last 10), so that placement can tell how many requests
+/// will start decoding there while a prompt is computed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Arrivals {
+    last: Option<Instant>,
+    /// Mean gap in ms; `None` until two arrivals were seen.
+    mean_gap_ms: Option<f64>,
+}
+
+/// Weight of the newest gap in the mean.
+const GAP_WEIGHT: f64 = 0.1;
+
+impl Arrivals {
+    pub fn arrived(&mut self, now: Instant) {
+        if let Some(last) = self.last {
+            let gap = now.saturating_duration_since(last).as_secs_f64() * 1e3;
+            self.mean_gap_ms = Some(match self.mean_gap_ms {
+                Some(mean) => mean + GAP_WEIGHT * (gap - mean),
+                None => gap,
+            });
+        }
+        self.last = Some(now.max(self.last.unwrap_or(now)));
+    }
+
+    /// Requests per ms; a quiet spell longer than the mean gap lowers it at once.
+    pub fn per_ms(&self, now: Instant) -> f64 {
+        let (Some(last), Some(mean)) = (self.last, self.mean_gap_ms) else { return 0.0 };
+        let since = now.saturating_duration_since(last).as_secs_f64() * 1e3;
+        let gap = mean.max(since);
+        if gap > 0.0 && gap.is_finite() {
+            1.0 / gap
+        } else {
+            // Arrivals in the same instant: as many as a millisecond could hold is plenty.
+            1.0
+        }
+    }
 }
 
 /// Adds (`add`) or takes back a handoff's share of its engines' load.
@@ -67,7 +108,7 @@ fn account(loads: &mut Loads, h: &Handoff, add: bool) {
     let engines = h.decode.max(h.prefill.unwrap_or(0)) + 1;
     if loads.blocks.len() < engines {
         loads.blocks.resize(engines, Load::default());
-        loads.running.resize(engines, 0);
+        loads.bound.resize(engines, 0);
     }
     let change = |value: &mut u64, by: u64| {
         *value = if add { value.saturating_add(by) } else { value.saturating_sub(by) };
@@ -77,14 +118,12 @@ fn account(loads: &mut Loads, h: &Handoff, add: bool) {
         (Stage::Decoding, _) => change(&mut loads.blocks[h.decode].active_decode_blocks, h.blocks),
         _ => {}
     }
-    if h.stage != Stage::Prefilling {
-        change(&mut loads.running[h.decode], 1);
-    }
+    change(&mut loads.bound[h.decode], 1);
 }
 
 impl Handoffs {
     pub fn new(max_age: Duration) -> Self {
-        Handoffs { max_age, live: HashMap::new(), loads: Loads::default() }
+        Handoffs { max_age, live: HashMap::new(), loads: Loads::default(), arrivals: Vec::new() }
     }
 
     /// A routing decision: `prefill` is `None` when the decode prefills locally.
@@ -103,6 +142,10 @@ impl Handoffs {
             pulled_tokens: 0,
         };
         account(&mut self.loads, &handoff, true);
+        if self.arrivals.len() <= decode {
+            self.arrivals.resize(decode + 1, Arrivals::default());
+        }
+        self.arrivals[decode].arrived(now);
         if let Some(old) = self.live.insert(request.to_string(), handoff) {
             account(&mut self.loads, &old, false);
         }
@@ -212,8 +255,11 @@ impl Handoffs {
         if let Some(load) = self.loads.blocks.get_mut(engine) {
             *load = Load::default();
         }
-        if let Some(running) = self.loads.running.get_mut(engine) {
-            *running = 0;
+        if let Some(bound) = self.loads.bound.get_mut(engine) {
+            *bound = 0;
+        }
+        if let Some(arrivals) = self.arrivals.get_mut(engine) {
+            *arrivals = Arrivals::default();
         }
     }
 
@@ -240,9 +286,14 @@ impl Handoffs {
         self.loads.blocks.get(engine).copied().unwrap_or_default()
     }
 
-    /// Requests on `engine` as their decode, once their prompt is there.
-    pub fn running(&self, engine: usize) -> u64 {
-        self.loads.running.get(engine).copied().unwrap_or(0)
+    /// Requests routed to decode on `engine` and not finished, in any stage.
+    pub fn bound(&self, engine: usize) -> u64 {
+        self.loads.bound.get(engine).copied().unwrap_or(0)
+    }
+
+    /// Requests per ms routed to decode on `engine` lately.
+    pub fn arrivals_per_ms(&self, engine: usize, now: Instant) -> f64 {
+        self.arrivals.get(engine).map_or(0.0, |a| a.per_ms(now))
     }
 
     pub fn len(&self) -> usize {
@@ -319,6 +370,36 @@ mod tests {
         assert_eq!(h.len(), 1);
     }
 
+    #[test]
+    fn arrival_rate_follows_the_gaps_and_decays_when_quiet() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut a = Arrivals::default();
+        assert_eq!(a.per_ms(t0), 0.0, "nothing seen");
+        a.arrived(t0);
+        assert_eq!(a.per_ms(t0), 0.0, "one arrival is no rate");
+        for i in 1..=50 {
+            a.arrived(ms(10 * i));
+        }
+        assert!((a.per_ms(ms(500)) - 0.1).abs() < 1e-6, "one per 10 ms: {}", a.per_ms(ms(500)));
+        assert!((a.per_ms(ms(600)) - 0.01).abs() < 1e-6, "100 ms quiet: {}", a.per_ms(ms(600)));
+        // A clock that went backwards, or a burst in one instant, stays finite.
+        a.arrived(t0);
+        a.arrived(t0);
+        assert!(a.per_ms(t0).is_finite() && a.per_ms(t0) > 0.0);
+        let mut burst = Arrivals::default();
+        burst.arrived(t0);
+        burst.arrived(t0);
+        assert_eq!(burst.per_ms(t0), 1.0);
+        // Handoffs keep one per decode engine.
+        let mut h = Handoffs::new(Duration::from_secs(60));
+        h.routed("a", Some(0), 1, 4, t0);
+        h.routed("b", None, 1, 4, ms(20));
+        assert!((h.arrivals_per_ms(1, ms(20)) - 0.05).abs() < 1e-9);
+        assert_eq!(h.arrivals_per_ms(0, ms(20)), 0.0, "a prefill engine is not arrived at");
+        assert_eq!((h.bound(0), h.bound(1)), (0, 2), "one prefilling elsewhere is bound to its decode");
+    }
+
     /// The running totals always equal a sum over the live handoffs.
     #[test]
     fn loads_match_a_recount() {
@@ -365,8 +446,8 @@ mod tests {
                     }
                 }
                 assert_eq!(h.load(engine), want, "step {step}, engine {engine}");
-                let running = h.live.values().filter(|x| x.decode == engine && x.stage != Stage::Prefilling).count();
-                assert_eq!(h.running(engine), running as u64, "step {step}, engine {engine}");
+                let bound = h.live.values().filter(|x| x.decode == engine).count();
+                assert_eq!(h.bound(engine), bound as u64, "step {step}, engine {engine}");
             }
         }
     }

@@ -8,19 +8,31 @@
 //! - local prefill: from the pairing to `decode_started`, against the tokens the decode computed.
 //!
 //! Each is a line `ms = overhead + per_token × tokens` fitted to recent observations. A prompt
-//! computed on an engine also stalls that engine's running decodes for its compute time (a
-//! prefill shares their batches), so each option costs its time to first token plus, per decode
-//! running where the prompt is computed, the prefill's compute time:
+//! computed on an engine also stalls that engine's decodes for its compute time (a prefill
+//! shares their batches), so each option costs its time to first token plus, per decode exposed
+//! where the prompt is computed, the prefill's compute time `stall = per_token × u`:
 //!
-//! - local: `local(u_d) + running_d × per_token × u_d`;
-//! - disaggregated to `p`: `prefill(u_p) + handoff(u_d) + running_p × per_token × u_p`.
+//! - local: `local(u_d) + exposed_d × stall(u_d)`;
+//! - disaggregated to `p`: `prefill(u_p) + handoff(u_d) + exposed_p × stall(u_p)`;
+//! - moved whole to `e`, an engine that can decode too: `handoff(0) + local(u_e) + exposed_e ×
+//!   stall(u_e)` (a hop, then a local prefill there; no pull, the blocks in one cache).
+//!
+//! The decodes exposed are those bound to the engine now (decoding, or prefilling elsewhere to
+//! pull and decode there: a short prefill ends within the compute) plus those routed to it
+//! during the compute, `rate × stall` at the rate requests reached it lately: an idle decode
+//! that takes a long prompt is not idle for long, and every request that starts decoding beside
+//! the prompt loses what is left of it. Counting every bound request errs towards the running
+//! decodes: a stall lands in their token gaps (the ITL tail), a transfer only in one request's
+//! time to first token.
 //!
 //! The decode keeps the prompt when local costs no more (affinity first); it is disaggregated
-//! only where the interference avoided outweighs the transfer, and where the better engine can
-//! decode as well, the request moves there whole instead (the caller's part: `cluster.rs`). Until every line has a few
-//! observations of its own, the fixed [`LocalPrefillPolicy`] decides (it disaggregates long
-//! uncached prompts, so both kinds get observed); an operator's explicit thresholds always
-//! decide.
+//! only where the interference avoided outweighs the transfer. Until the lines the options need
+//! have a few observations of their own (all three with a prefill-only engine among them, the
+//! local line alone where every other engine can decode: nothing is disaggregated there, so the
+//! other two never warm), the fixed [`LocalPrefillPolicy`] decides (it disaggregates long
+//! uncached prompts, so both kinds get observed), except that a prompt it keeps local goes to a
+//! prefill-only engine holding as much of it when decodes are bound to the decode; an
+//! operator's explicit thresholds always decide.
 
 use std::time::Duration;
 
@@ -125,8 +137,23 @@ pub enum Sample {
 pub struct Site {
     /// Prompt tokens it does not hold.
     pub uncached_tokens: u64,
-    /// Requests decoding on it now.
-    pub running: u64,
+    /// Requests bound to decode on it now: decoding, or computing their prompt (there or
+    /// elsewhere) to decode there.
+    pub bound: u64,
+    /// Requests per ms routed to decode on it lately.
+    pub arrivals_per_ms: f64,
+    /// It can decode as well: the request would move there whole (no pull), so it costs what
+    /// a local prefill there costs, plus a hop.
+    pub decodes: bool,
+}
+
+impl Site {
+    /// Decodes that computing `stall_ms` of prompt here would stall: those bound now and those
+    /// arriving meanwhile. Never NaN.
+    fn exposed(&self, stall_ms: f64) -> f64 {
+        let arriving = self.arrivals_per_ms * stall_ms;
+        self.bound as f64 + if arriving.is_finite() && arriving > 0.0 { arriving } else { 0.0 }
+    }
 }
 
 impl Timings {
@@ -147,14 +174,30 @@ impl Timings {
         self.prefill.line().1 * tokens as f64
     }
 
+    /// The stall of computing `site`'s uncached part there, summed over the decodes exposed.
+    fn interference_ms(&self, site: Site) -> f64 {
+        let stall = self.stall_ms(site.uncached_tokens);
+        site.exposed(stall) * stall
+    }
+
     pub fn local_cost_ms(&self, decode: Site) -> f64 {
-        self.local.predict_ms(decode.uncached_tokens) + decode.running as f64 * self.stall_ms(decode.uncached_tokens)
+        self.local.predict_ms(decode.uncached_tokens) + self.interference_ms(decode)
+    }
+
+    /// The cost of computing the prompt on `other`: moved there whole when it can decode (the
+    /// hop costs about a handoff's fixed part), else disaggregated.
+    pub fn elsewhere_cost_ms(&self, decode: Site, other: Site) -> f64 {
+        if other.decodes {
+            self.handoff.predict_ms(0) + self.local_cost_ms(other)
+        } else {
+            self.disaggregated_cost_ms(decode, other)
+        }
     }
 
     pub fn disaggregated_cost_ms(&self, decode: Site, prefill: Site) -> f64 {
         self.prefill.predict_ms(prefill.uncached_tokens)
             + self.handoff.predict_ms(decode.uncached_tokens)
-            + prefill.running as f64 * self.stall_ms(prefill.uncached_tokens)
+            + self.interference_ms(prefill)
     }
 }
 
@@ -204,14 +247,27 @@ impl Placement {
                 Verdict::Disaggregate(0)
             }
         };
+        // Cold, a prompt the rule keeps local is still not computed beside decodes bound there
+        // when a prefill-only engine holds as much of it: the same compute there stalls nobody.
+        let cold = |policy: &LocalPrefillPolicy| match fixed(policy) {
+            Verdict::Local if decode.bound > 0 => prefills
+                .iter()
+                .position(|p| !p.decodes && p.uncached_tokens <= decode.uncached_tokens)
+                .map_or(Verdict::Local, Verdict::Disaggregate),
+            verdict => verdict,
+        };
+        // Engines that can decode are weighed by the local line alone: where every engine can,
+        // nothing is ever disaggregated and the prefill and handoff lines never warm.
+        let warm =
+            if prefills.iter().all(|p| p.decodes) { timings.local.samples() >= WARM_SAMPLES } else { timings.warm() };
         match self {
             Placement::Fixed(policy) => fixed(policy),
-            Placement::Adaptive { cold } if !timings.warm() => fixed(cold),
+            Placement::Adaptive { cold: policy } if !warm => cold(policy),
             Placement::Adaptive { .. } => {
                 let local = timings.local_cost_ms(decode);
                 let best = prefills
                     .iter()
-                    .map(|&p| timings.disaggregated_cost_ms(decode, p))
+                    .map(|&p| timings.elsewhere_cost_ms(decode, p))
                     .enumerate()
                     .min_by(|a, b| a.1.total_cmp(&b.1));
                 match best {
@@ -229,6 +285,11 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    /// A prefill-only site with `bound` decodes and no arrivals.
+    fn site(uncached_tokens: u64, bound: u64) -> Site {
+        Site { uncached_tokens, bound, arrivals_per_ms: 0.0, decodes: false }
     }
 
     /// Timings of an engine computing 0.1 ms per token, pulls of 0.01 ms per token, 3 ms a leg.
@@ -271,11 +332,11 @@ mod tests {
         let t = warm();
         let p = Placement::default();
         // Nothing cached anywhere, nobody decoding: a pull only adds its time.
-        let d = Site { uncached_tokens: 1088, running: 0 };
-        let idle_prefill = Site { uncached_tokens: 1088, running: 0 };
+        let d = site(1088, 0);
+        let idle_prefill = site(1088, 0);
         assert_eq!(p.decide(&t, 1088, d, &[idle_prefill]), Verdict::Local);
         // The decode holds the prefix and the prefill does not: local, even under some load.
-        let hit = Site { uncached_tokens: 64, running: 3 };
+        let hit = site(64, 3);
         assert_eq!(p.decide(&t, 1088, hit, &[idle_prefill]), Verdict::Local);
     }
 
@@ -285,14 +346,14 @@ mod tests {
         let p = Placement::default();
         // 4 decodes running would each lose 108.8 ms to a local 1088-token prefill; the pull
         // costs 3 + 10.9 ms.
-        let busy = Site { uncached_tokens: 1088, running: 4 };
-        let dedicated = Site { uncached_tokens: 1088, running: 0 };
+        let busy = site(1088, 4);
+        let dedicated = site(1088, 0);
         assert_eq!(p.decide(&t, 1088, busy, &[dedicated]), Verdict::Disaggregate(0));
         // A prefill engine that holds the prefix is the better of two.
-        let holder = Site { uncached_tokens: 64, running: 0 };
+        let holder = site(64, 0);
         assert_eq!(p.decide(&t, 1088, busy, &[dedicated, holder]), Verdict::Disaggregate(1));
         // Colocated: the other engine is as busy, so the stall only moves; stay.
-        let as_busy = Site { uncached_tokens: 1088, running: 4 };
+        let as_busy = site(1088, 4);
         assert_eq!(p.decide(&t, 1088, busy, &[as_busy]), Verdict::Local);
         // A slow network makes the pull dearer than the stall it avoids.
         let mut slow = warm();
@@ -304,16 +365,70 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_decode_that_requests_keep_reaching_is_not_idle_for_long() {
+        let t = warm();
+        let p = Placement::default();
+        let dedicated = site(1088, 0);
+        // Nothing bound, but one request every 20 ms: about 5 start decoding during a
+        // 108.8 ms prefill and each loses what is left of it.
+        let reached = Site { arrivals_per_ms: 0.05, ..site(1088, 0) };
+        assert_eq!(p.decide(&t, 1088, reached, &[dedicated]), Verdict::Disaggregate(0));
+        // Quiet: the pull only adds its time.
+        let quiet = Site { arrivals_per_ms: 0.001, ..reached };
+        assert_eq!(p.decide(&t, 1088, quiet, &[dedicated]), Verdict::Local);
+        // A short uncached part stalls too briefly for arrivals to matter.
+        let hit = Site { uncached_tokens: 64, ..reached };
+        assert_eq!(p.decide(&t, 1088, hit, &[dedicated]), Verdict::Local);
+        // Odd rates never make the cost NaN.
+        for rate in [f64::NAN, f64::INFINITY, -1.0] {
+            let odd = Site { arrivals_per_ms: rate, ..reached };
+            assert!(t.local_cost_ms(odd).is_finite(), "{rate}");
+        }
+    }
+
+    #[test]
+    fn colocated_the_request_moves_whole_to_the_least_exposed_engine() {
+        // Only the local line observed, as where every engine prefills what it decodes.
+        let mut t = Timings::default();
+        for tokens in [100, 500, 1000, 2000] {
+            t.observe(Sample::Local { tokens, took: Duration::from_micros(3000 + 100 * tokens) });
+        }
+        assert!(!t.warm(), "prefill and handoff never observed");
+        let p = Placement::default();
+        let both = |uncached_tokens, bound| Site { decodes: true, ..site(uncached_tokens, bound) };
+        // A fresh prompt on an engine with 3 decodes goes to the one with 1.
+        assert_eq!(p.decide(&t, 1088, both(1088, 3), &[both(1088, 2), both(1088, 1)]), Verdict::Disaggregate(1));
+        // As exposed everywhere: stay (the hop buys nothing).
+        assert_eq!(p.decide(&t, 1088, both(1088, 1), &[both(1088, 1)]), Verdict::Local);
+        // A hit stays where its prompt is, though another engine is idle.
+        assert_eq!(p.decide(&t, 1088, both(64, 3), &[both(1088, 0)]), Verdict::Local);
+        // The same timings with a prefill-only engine among the candidates: cold, the fixed rule.
+        assert_eq!(p.decide(&t, 1088, both(1088, 3), &[site(1088, 0)]), Verdict::Disaggregate(0));
+        assert_eq!(p.decide(&t, 1088, both(1088, 0), &[site(1088, 3)]), Verdict::Disaggregate(0));
+    }
+
+    #[test]
     fn cold_or_fixed_the_thresholds_decide() {
         let cold = Timings::default();
         assert!(!cold.warm() && warm().warm());
         let p = Placement::default();
-        let idle = Site { uncached_tokens: 1088, running: 0 };
+        let idle = site(1088, 0);
         // Cold: everything uncached is disaggregated (ratio 1.0 ≥ 0.7), as the fixed policy says.
         assert_eq!(p.decide(&cold, 1088, idle, &[idle]), Verdict::Disaggregate(0));
-        assert_eq!(p.decide(&cold, 1088, Site { uncached_tokens: 64, running: 0 }, &[idle]), Verdict::Local);
+        assert_eq!(p.decide(&cold, 1088, site(64, 0), &[idle]), Verdict::Local);
+        // Cold with decodes bound there: a prefill engine holding as much computes it instead.
+        let holder = site(64, 0);
+        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle, holder]), Verdict::Disaggregate(1));
+        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle]), Verdict::Local, "only the decode holds it");
+        let both = Site { decodes: true, ..holder };
+        assert_eq!(
+            p.decide(&cold, 1088, site(64, 2), &[both]),
+            Verdict::Local,
+            "an engine that can decode: the rule as it is"
+        );
         let fixed = Placement::Fixed(LocalPrefillPolicy { max_uncached_tokens: 100, max_uncached_ratio: 1.0 });
         assert_eq!(fixed.decide(&warm(), 1088, idle, &[idle]), Verdict::Disaggregate(0), "warm, but fixed");
-        assert_eq!(fixed.decide(&warm(), 1088, Site { uncached_tokens: 64, running: 9 }, &[idle]), Verdict::Local);
+        assert_eq!(fixed.decide(&warm(), 1088, site(64, 9), &[idle]), Verdict::Local);
+        assert_eq!(fixed.decide(&cold, 1088, site(64, 9), &[holder]), Verdict::Local, "an operator's rule is kept");
     }
 }
