@@ -416,15 +416,16 @@ impl Cluster {
         }
         sites.clear();
         sites.extend(prefills.iter().map(site));
-        let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, site(&decode), sites);
+        let decode_site = site(&decode);
+        let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, decode_site, sites);
         // What placement weighed, for reading its decisions back from a run's log.
         tracing::debug!(
             request = req.request_id,
             decode = decode.engine,
-            decode_site = ?site(&decode),
+            ?decode_site,
             elsewhere = ?sites,
-            local_ms = self.timings.local_cost_ms(site(&decode)),
-            first_elsewhere_ms = ?sites.first().map(|&p| self.timings.elsewhere_cost_ms(site(&decode), p)),
+            local_ms = self.timings.local_cost_ms(decode_site),
+            first_elsewhere_ms = ?sites.first().map(|&p| self.timings.elsewhere_cost_ms(decode_site, p)),
             ?verdict,
             "placement"
         );
