@@ -127,7 +127,7 @@ done >"$WORK/iperf3.jsonl"
 cat "$WORK/iperf3.jsonl" >&2
 
 python3 bench/peers/report.py "$WORK/ours.json" "$WORK"/nixl.jsonl "$WORK"/mooncake.jsonl "$WORK"/iperf3.jsonl \
-  --json "$OUT/peers.json" --markdown "$OUT/peers.md" --machine "$(bench/machine.sh bench/peers/compare.sh "$load_start")"
+  --ours-params "$PARAMS" --json "$OUT/peers.json" --markdown "$OUT/peers.md" --machine "$(bench/machine.sh bench/peers/compare.sh "$load_start")"
 "$XFERBENCH" --rows "$OUT/peers.json" --plot "$OUT/peers" >/dev/null
 echo "wrote $OUT/peers.md $OUT/peers.json $OUT/peers.svg $OUT/peers.png" >&2
 if [ "$OUT" = bench/results ]; then bench/update-readme.sh; fi

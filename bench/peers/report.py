@@ -136,6 +136,7 @@ def main():
     p.add_argument("--markdown", required=True)
     p.add_argument("--machine", help="the report's first line: script, date, commit, machine (bench/machine.sh)")
     p.add_argument("--pipelined", action="store_true", help="rows of a settings sweep: report each tool's best")
+    p.add_argument("--ours-params", default="", help="the backend parameters ours ran with (xferbench --params)")
     args = p.parse_args()
     rows = [row for path in args.inputs for row in load(path)]
     if args.pipelined:
@@ -183,7 +184,8 @@ def main():
         f"median of {repeat} run(s) per cell; GB/s = 10^9 bytes/s. Peers: NIXL 1.5.1 Python agent (nixl-cu12, UCX backend,",
         "UCX_TLS=tcp), Mooncake transfer_engine_bench 0.3.13 (protocol tcp, 1 thread, batch 1), iperf3 (one stream,",
         "writes of the block size: a streaming ceiling, not a request/response transfer). Ours: xferbench",
-        "--backend tcp (default 2 streams); raw TCP: xferbench's request/ack baseline between the same processes.",
+        "--backend tcp (default 2 streams" + (f"; --params {args.ours_params}" if args.ours_params else "")
+        + "); raw TCP: xferbench's request/ack baseline between the same processes (blocking reads, no polling).",
         "",
         *lines,
         "",

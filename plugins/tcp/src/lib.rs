@@ -35,7 +35,7 @@
 //! | `staging_slots` | 2 | host slots per staging lane (2 or more overlap copy and wire) |
 //! | `staging_bytes` | 1048576 | bytes per staging slot |
 //! | `tls` | `off` | `on`: every data connection runs TLS 1.3 ([`tls`]), both ways |
-//! | `spin_us` | 0 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
+//! | `spin_us` | 50 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
 //! | `inline_bytes` | 262144 | single-chunk requests of host memory up to this size are sent by the caller's thread and their answer read by the waiting thread ([`inline`]); 0 = never |
 
 // Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
@@ -84,10 +84,11 @@ use xfer_core::staging::StagingConfig;
 /// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
 const STAGED: [MemType; 3] = [MemType::Dram, MemType::Vram, MemType::File];
 
-/// Default of `spin_us`: off, as measured on a 2-core machine shared with other work, where
-/// spinning did not lower latency and raised CPU per request (bench/README.md, "Small
-/// transfers: spin and CPU").
-const DEFAULT_SPIN_US: u64 = 0;
+/// Default of `spin_us`. On an idle 2-core VM a 50 µs spin cut a 4 KiB request from about 50 to
+/// 8 µs and the CPU both processes spend on it from 26–35 to 17 µs, since waking a sleeping
+/// thread costs more than the spin; on a loaded one the adaptive budget stops spinning after
+/// misses (bench/README.md, "Small transfers: spin and CPU").
+const DEFAULT_SPIN_US: u64 = 50;
 
 /// Registers the TCP backend under the name `tcp`.
 #[derive(Clone, Copy, Debug, Default)]
