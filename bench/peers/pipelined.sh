@@ -6,20 +6,26 @@
 #   MODE=pipelined WINDOWS="16" THREADS="1 2" REPEAT=1 OUT=/tmp/p bench/peers/compare.sh
 WINDOWS=${WINDOWS:-"16 64"}     # ours and NIXL: requests in flight per initiator thread
 THREADS=${THREADS:-"1 2 4"}     # ours and Mooncake: initiator threads
+OURS_STREAMS=${OURS_STREAMS:-"2 4"} # ours: connections per peer (the TCP backend's `streams`)
 BATCHES=${BATCHES:-"16 64"}     # Mooncake: requests per submitted batch
 STREAMS=${STREAMS:-"1 2 4"}     # iperf3: parallel streams
 DURATION=${DURATION:-1}         # seconds per Mooncake and iperf3 run
 CASE_BYTES=${CASE_BYTES:-268435456} # bytes ours and NIXL move per measured case (all threads)
 
-echo "== ours: xferbench --backend tcp, --window {$WINDOWS} x --threads {$THREADS}" >&2
-for window in $WINDOWS; do
-  for threads in $THREADS; do
-    for size in $SIZES; do
-      iters=$((CASE_BYTES / ($(bytes "$size") * threads)))
-      ((iters < 8)) && iters=8
-      "$XFERBENCH" --backend tcp ${PARAMS:+--params "$PARAMS"} --op both --block-sizes "$size" --threads "$threads" \
-        --window "$window" --iters "$iters" --repeat "$REPEAT" --warmup 2 --no-progress \
-        --json "$WORK/ours.w$window.t$threads.$size.json" >&2
+echo "== ours: xferbench --backend tcp, streams {$OURS_STREAMS} x --window {$WINDOWS} x --threads {$THREADS}" >&2
+for streams in $OURS_STREAMS; do
+  for window in $WINDOWS; do
+    for threads in $THREADS; do
+      for size in $SIZES; do
+        iters=$((CASE_BYTES / ($(bytes "$size") * threads)))
+        ((iters < 8)) && iters=8
+        json=$WORK/ours.s$streams.w$window.t$threads.$size.json
+        "$XFERBENCH" --backend tcp --params "streams=$streams${PARAMS:+,$PARAMS}" --op both --block-sizes "$size" \
+          --threads "$threads" --window "$window" --iters "$iters" --repeat "$REPEAT" --warmup 2 --no-progress \
+          --json "$json" >&2
+        # The rows name the streams they ran with, so the report can spell out the best setting.
+        python3 -c 'import json, sys; rows = json.load(open(sys.argv[1])); [r.update(streams=int(sys.argv[2])) for r in rows]; json.dump(rows, open(sys.argv[1], "w"))' "$json" "$streams"
+      done
     done
   done
 done

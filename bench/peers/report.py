@@ -56,7 +56,8 @@ def machine():
 def settings(row):
     if "settings" in row:
         return row["settings"]
-    return f"window {row.get('window', 1)}, {row.get('threads', 1)} thread(s)"
+    streams = f", {row['streams']} streams" if "streams" in row else ""
+    return f"window {row.get('window', 1)}, {row.get('threads', 1)} thread(s){streams}"
 
 
 def best_rows(rows):
@@ -115,10 +116,11 @@ def pipelined(rows, machine_line):
         "",
         "Two processes on loopback, many requests in flight, each tool at the best of a short sweep of its own",
         f"settings; each setting's figure is the median of {repeat} run(s); GB/s = 10^9 bytes/s. Ours: xferbench",
-        "--backend tcp, --window x --threads. NIXL 1.5.1 Python agent: UCX_TLS=tcp, one thread, a window of",
+        "--backend tcp, --params streams= x --window x --threads. NIXL 1.5.1 Python agent: UCX_TLS=tcp, one thread, a window of",
         "transfer handles. Mooncake transfer_engine_bench: protocol tcp, --batch_size x --threads where",
         "batch x block x threads fits its buffer. iperf3: -P streams of writes of the block size (at most",
-        "1 MiB), READ with -R. Settings tried per cell: " + tried(rows) + ".",
+        "1 MiB, one buffer written over and over, so it stays in the caches; the others move a block of",
+        "their own per request in flight), READ with -R. Settings tried per cell: " + tried(rows) + ".",
         f"Bar: ours ≥ {BAR} × each peer's best; met in {met} of {total} cells.",
         "",
         *lines,
