@@ -667,7 +667,18 @@ impl PrefixIndex {
     }
 
     /// The matches by dense engine number, in the order engines stop matching.
-    fn local_matches(
+    fn local_matches(&self, hashes: &[u64], now: Instant, out: &mut Vec<(usize, usize)>, probes: Option<&mut Probes>) {
+        // The bitset width as a constant where it is small (up to 128 engines), so that each
+        // block's copy and intersection compile to a few instructions, not loops and a call.
+        match self.words {
+            1 => self.matches_in::<1>(hashes, now, out, probes),
+            2 => self.matches_in::<2>(hashes, now, out, probes),
+            _ => self.matches_in::<0>(hashes, now, out, probes),
+        }
+    }
+
+    /// [`PrefixIndex::local_matches`] with `WORDS` bitset words per block (0: `self.words`).
+    fn matches_in<const WORDS: usize>(
         &self,
         hashes: &[u64],
         now: Instant,
@@ -678,7 +689,7 @@ impl PrefixIndex {
         if hashes.is_empty() || self.blocks.len() + self.approx.len() == 0 {
             return;
         }
-        let words = self.words;
+        let words = if WORDS == 0 { self.words } else { WORDS };
         let any_guesses = self.approx.len() > 0;
         let now = self.clock.ms(now);
         // active: engines holding every block so far; live: holders of the current block.
@@ -706,9 +717,26 @@ impl PrefixIndex {
             for ((home, tag), &hash) in homes.iter_mut().zip(&mut tags).zip(chunk) {
                 (*home, *tag) = self.blocks.home_and_tag(hash);
             }
-            self.blocks.touch_all(&homes[..chunk.len()]);
-            for (((slot, &hash), &home), &tag) in found.iter_mut().zip(chunk).zip(&homes).zip(&tags) {
-                *slot = self.blocks.find_tagged(home, tag, hash).unwrap_or(NONE);
+            // Tags first (a byte a slot: they mostly stay cached), all loaded before any is
+            // walked; the walks then name the slot each block's key is first compared in, so
+            // that the slot lines loaded next are the right ones (a block often sits past its
+            // home's line, a second miss otherwise found only after the first), and none is
+            // loaded for blocks after one that is absent (without guesses, the match ends there).
+            let warm = homes[..chunk.len()].iter().fold(0, |acc, &i| acc ^ self.blocks.touch_tag_at(i));
+            std::hint::black_box(warm);
+            let mut probed = chunk.len();
+            for (k, (home, &tag)) in homes[..chunk.len()].iter_mut().zip(&tags).enumerate() {
+                *home = self.blocks.first_tagged(*home, tag).unwrap_or(NONE);
+                if *home == NONE && !any_guesses {
+                    probed = k + 1;
+                    break;
+                }
+            }
+            let chunk = &chunk[..probed];
+            let warm = homes[..probed].iter().filter(|&&i| i != NONE).fold(0, |acc, &i| acc ^ self.blocks.touch_at(i));
+            std::hint::black_box(warm);
+            for (((slot, &hash), &first), &tag) in found.iter_mut().zip(chunk).zip(&homes).zip(&tags) {
+                *slot = if first == NONE { NONE } else { self.blocks.find_tagged(first, tag, hash).unwrap_or(NONE) };
             }
             if let Some(p) = probes.as_deref_mut() {
                 p.hashes.extend_from_slice(chunk);
@@ -1046,11 +1074,11 @@ impl PrefixIndex {
         }
     }
 
-    /// Exact holders of block slot `i`, stale bits masked.
+    /// Exact holders of block slot `i`, stale bits masked (`out` is `self.words` long).
     #[inline]
     fn live_exact(&self, i: usize, out: &mut [u64]) {
         let slot = self.blocks.slot(i);
-        out.copy_from_slice(&slot[BITS..BITS + self.words]);
+        out.copy_from_slice(&slot[BITS..BITS + out.len()]);
         if let Some(stale) = self.resets.stale((slot[1] & STAMP) as u32) {
             for (o, &s) in out.iter_mut().zip(stale) {
                 *o &= !s;

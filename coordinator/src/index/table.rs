@@ -190,6 +190,25 @@ impl Slots {
         }
     }
 
+    /// Where a walk from `home` for a key tagged `tag` first compares a key: the first slot with
+    /// that tag before an empty one, or `None` when the key is absent. It reads tags only, so a
+    /// batch of probes learns which slot lines to load (and which blocks are absent) without
+    /// loading any.
+    #[inline]
+    pub fn first_tagged(&self, home: usize, tag: u8) -> Option<usize> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut i = home;
+        loop {
+            match self.tags[i] {
+                0 => return None,
+                t if t == tag => return Some(i),
+                _ => i = self.next(i),
+            }
+        }
+    }
+
     /// Reads the first word of slot `i` (a home computed before), so that a batch of probes
     /// issued this way overlaps its cache misses (the caller passes the result to
     /// `std::hint::black_box`). A loop doing only this over
