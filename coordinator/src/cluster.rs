@@ -15,7 +15,7 @@ use crate::handoff::{self, Handoffs};
 use crate::index::{PrefixIndex, Probes};
 use crate::membership::{EngineSpec, Membership, Registered, Role};
 use crate::pairing::{choose, cost, Candidate, Load, TierWeights, Weights};
-use crate::placement::{Placement, Site, Timings};
+use crate::placement::{ms_after, Placement, Site, Timings};
 use crate::ranks::{self, UndeclaredRank};
 use crate::rekey::Rekeyer;
 
@@ -141,7 +141,8 @@ pub struct Cluster {
     pub handoffs: Handoffs,
     /// Load reported by the engines themselves (heartbeats), by engine number.
     reported: Vec<Option<Load>>,
-    /// Buffers every decision reuses (pairing allocates nothing in the steady state).
+    /// Buffers every decision reuses (pairing allocates nothing in the steady state but the
+    /// placement's few sites, which borrow the handoffs' lists).
     scratch: Scratch,
     cleanup: Cleanup,
     rekeyer: Rekeyer,
@@ -158,7 +159,6 @@ struct Scratch {
     overlap_of: Vec<Overlap>,
     decodes: Vec<Candidate>,
     prefills: Vec<Candidate>,
-    sites: Vec<Site>,
     /// The slots the lookup found, so that the speculative insert after it does not probe
     /// for them again (most of a decision's time is those probes' cache misses).
     probes: Probes,
@@ -348,7 +348,7 @@ impl Cluster {
         uniform: [f64; 2],
         scratch: &mut Scratch,
     ) -> Result<Decision, PairError> {
-        let Scratch { overlaps, overlap_of, decodes, prefills, sites, probes } = scratch;
+        let Scratch { overlaps, overlap_of, decodes, prefills, probes } = scratch;
         for &(holder, _) in overlaps.iter() {
             if let Some(overlap) = overlap_of.get_mut(ranks::engine_of(holder)) {
                 *overlap = Overlap::default(); // the previous decision's
@@ -403,6 +403,8 @@ impl Cluster {
         let site = |c: &Candidate| Site {
             uncached_tokens: req.prompt_tokens.saturating_sub(c.overlap_blocks.saturating_mul(block_size)),
             bound: self.handoffs.bound(c.engine),
+            starting: self.handoffs.starting(c.engine),
+            computing: self.handoffs.computing(c.engine),
             arrivals_per_ms: self.handoffs.arrivals_per_ms(c.engine, now),
             decodes: decodes.iter().any(|d| d.engine == c.engine),
         };
@@ -414,18 +416,17 @@ impl Cluster {
         if let Some(best) = choose(prefills, new_blocks, weights, uniform[1]) {
             prefills.swap(0, best);
         }
-        sites.clear();
-        sites.extend(prefills.iter().map(site));
+        let sites: Vec<Site<'_>> = prefills.iter().map(site).collect();
         let decode_site = site(&decode);
-        let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, decode_site, sites);
+        let verdict = self.settings.placement.decide(&self.timings, req.prompt_tokens, decode_site, &sites, now);
         // What placement weighed, for reading its decisions back from a run's log.
         tracing::debug!(
             request = req.request_id,
             decode = decode.engine,
             ?decode_site,
             elsewhere = ?sites,
-            local_ms = self.timings.local_cost_ms(decode_site),
-            first_elsewhere_ms = ?sites.first().map(|&p| self.timings.elsewhere_cost_ms(decode_site, p)),
+            local_ms = self.timings.local_cost_ms(decode_site, now),
+            first_elsewhere_ms = ?sites.first().map(|&p| self.timings.elsewhere_cost_ms(decode_site, p, now)),
             ?verdict,
             "placement"
         );
@@ -449,8 +450,10 @@ impl Cluster {
         let uncached = new_blocks.saturating_sub(decision.prefill_overlap_blocks.max(decision.decode_overlap_blocks));
         let computed = site(prefill.as_ref().unwrap_or(&decode)).uncached_tokens;
         let pulled = site(&decode).uncached_tokens;
+        let (computed_in, decoding_in) = self.timings.forecast_ms(computed, prefill.map(|_| pulled));
         self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
         self.handoffs.measure(req.request_id, computed, pulled);
+        self.handoffs.forecast(req.request_id, ms_after(now, computed_in), ms_after(now, decoding_in));
         // Both engines will hold the prefix shortly; say so until their events confirm it. An
         // engine that publishes events confirms what it holds, so its matched prefix needs no
         // guess; one without events keeps its routed prefix fresh (TTL).
@@ -927,9 +930,14 @@ mod tests {
         let at = t0 + ms(100_000);
         let fresh: Vec<u64> = (0..64).map(|b| 900_000 + b).collect();
         assert_eq!(c.pair(req("idle", &fresh), at, [0.0; 2]).unwrap().prefill, None);
-        // That one decoding there would lose ~100 ms to the next: disaggregate.
+        // Another fresh prompt at once would be computed beside it and both would start decoding
+        // together, stalling nobody: it stays too.
         let fresh: Vec<u64> = (0..64).map(|b| 800_000 + b).collect();
-        assert_eq!(c.pair(req("busy", &fresh), at, [0.0; 2]).unwrap().prefill, Some(0));
+        assert_eq!(c.pair(req("beside", &fresh), at, [0.0; 2]).unwrap().prefill, None);
+        // Once the first decodes, it would lose ~100 ms to the next: disaggregate.
+        c.decode_started("idle", at + ms(104));
+        let fresh: Vec<u64> = (0..64).map(|b| 700_000 + b).collect();
+        assert_eq!(c.pair(req("busy", &fresh), at + ms(105), [0.0; 2]).unwrap().prefill, Some(0));
     }
 
     /// Colocated, warm: a fresh prompt preferred on a busy engine moves whole to an idle one that

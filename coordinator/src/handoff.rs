@@ -33,6 +33,11 @@ pub struct Handoff {
     /// pulls when disaggregated): what the observed times are per ([`Handoffs::measure`]).
     pub computed_tokens: u64,
     pub pulled_tokens: u64,
+    /// When its prompt is predicted to be computed, and its decode to start (the same instant
+    /// for a local prefill): placement's view of the prompts running on each engine and of the
+    /// decodes about to start ([`Handoffs::forecast`]). `routed_at` until forecast: due now.
+    pub computed_at: Instant,
+    pub decoding_at: Instant,
 }
 
 /// What the caller must do after a change.
@@ -57,11 +62,15 @@ pub struct Handoffs {
 }
 
 /// Per engine: blocks queued and decoding, and requests bound to decode there, in any stage
-/// (one prefilling elsewhere pulls and decodes there soon).
+/// (one prefilling elsewhere pulls and decodes there soon); when each prompt computed there is
+/// predicted to be done, and when each request bound there that has not started decoding is
+/// predicted to start.
 #[derive(Debug, Default)]
 struct Loads {
     blocks: Vec<Load>,
     bound: Vec<u64>,
+    computing: Vec<Vec<Instant>>,
+    starting: Vec<Vec<Instant>>,
 }
 
 /// The rate at which requests are routed to one decode engine: an exponentially weighted mean
@@ -109,6 +118,8 @@ fn account(loads: &mut Loads, h: &Handoff, add: bool) {
     if loads.blocks.len() < engines {
         loads.blocks.resize(engines, Load::default());
         loads.bound.resize(engines, 0);
+        loads.computing.resize(engines, Vec::new());
+        loads.starting.resize(engines, Vec::new());
     }
     let change = |value: &mut u64, by: u64| {
         *value = if add { value.saturating_add(by) } else { value.saturating_sub(by) };
@@ -119,6 +130,27 @@ fn account(loads: &mut Loads, h: &Handoff, add: bool) {
         _ => {}
     }
     change(&mut loads.bound[h.decode], 1);
+    // A local prefill is computed until the decode's first output.
+    let computed_on = match (h.stage, h.prefill) {
+        (Stage::Prefilling, Some(prefill)) => Some(prefill),
+        (_, None) if !h.decode_seen => Some(h.decode),
+        _ => None,
+    };
+    if let Some(engine) = computed_on {
+        toggle(&mut loads.computing[engine], h.computed_at, add);
+    }
+    if !h.decode_seen {
+        toggle(&mut loads.starting[h.decode], h.decoding_at, add);
+    }
+}
+
+/// Adds `at` to `list`, or takes one equal to it back (equal instants are interchangeable).
+fn toggle(list: &mut Vec<Instant>, at: Instant, add: bool) {
+    if add {
+        list.push(at);
+    } else if let Some(i) = list.iter().position(|&x| x == at) {
+        list.swap_remove(i);
+    }
 }
 
 impl Handoffs {
@@ -140,6 +172,8 @@ impl Handoffs {
             decode_seen: false,
             computed_tokens: 0,
             pulled_tokens: 0,
+            computed_at: now,
+            decoding_at: now,
         };
         account(&mut self.loads, &handoff, true);
         if self.arrivals.len() <= decode {
@@ -155,6 +189,15 @@ impl Handoffs {
     pub fn measure(&mut self, request: &str, computed_tokens: u64, pulled_tokens: u64) {
         if let Some(h) = self.live.get_mut(request) {
             (h.computed_tokens, h.pulled_tokens) = (computed_tokens, pulled_tokens);
+        }
+    }
+
+    /// When a routed request's prompt is predicted to be computed and its decode to start.
+    pub fn forecast(&mut self, request: &str, computed_at: Instant, decoding_at: Instant) {
+        if let Some(h) = self.live.get_mut(request) {
+            account(&mut self.loads, h, false);
+            (h.computed_at, h.decoding_at) = (computed_at, decoding_at);
+            account(&mut self.loads, h, true);
         }
     }
 
@@ -177,8 +220,9 @@ impl Handoffs {
         let h = self.live.get_mut(request)?;
         account(&mut self.loads, h, false);
         h.stage = Stage::Decoding;
+        let seen = std::mem::replace(&mut h.decode_seen, true);
         account(&mut self.loads, h, true);
-        if std::mem::replace(&mut h.decode_seen, true) {
+        if seen {
             return None;
         }
         match (h.prefill, h.prefill_done_at) {
@@ -258,6 +302,11 @@ impl Handoffs {
         if let Some(bound) = self.loads.bound.get_mut(engine) {
             *bound = 0;
         }
+        for lists in [&mut self.loads.computing, &mut self.loads.starting] {
+            if let Some(list) = lists.get_mut(engine) {
+                list.clear();
+            }
+        }
         if let Some(arrivals) = self.arrivals.get_mut(engine) {
             *arrivals = Arrivals::default();
         }
@@ -291,6 +340,16 @@ impl Handoffs {
         self.loads.bound.get(engine).copied().unwrap_or(0)
     }
 
+    /// When each prompt computed on `engine` now is predicted to be done.
+    pub fn computing(&self, engine: usize) -> &[Instant] {
+        self.loads.computing.get(engine).map_or(&[], Vec::as_slice)
+    }
+
+    /// When each request bound to decode on `engine` that has not started is predicted to.
+    pub fn starting(&self, engine: usize) -> &[Instant] {
+        self.loads.starting.get(engine).map_or(&[], Vec::as_slice)
+    }
+
     /// Requests per ms routed to decode on `engine` lately.
     pub fn arrivals_per_ms(&self, engine: usize, now: Instant) -> f64 {
         self.arrivals.get(engine).map_or(0.0, |a| a.per_ms(now))
@@ -321,6 +380,30 @@ mod tests {
         assert_eq!(h.load(1), Load { active_decode_blocks: 10, queued_prefill_blocks: 0 });
         assert!(h.finished("r1").is_some());
         assert!(h.is_empty());
+    }
+
+    /// A prompt counts as computed on its engine until its prefill is done (disaggregated) or the
+    /// decode's first output (local); a request counts as starting until that first output.
+    #[test]
+    fn forecasts_follow_the_stages() {
+        let now = Instant::now();
+        let ms = |n| now + Duration::from_millis(n);
+        let mut h = Handoffs::new(Duration::from_secs(60));
+        h.routed("pd", Some(0), 1, 10, now);
+        h.forecast("pd", ms(80), ms(90));
+        h.routed("local", None, 1, 10, now);
+        h.forecast("local", ms(50), ms(50));
+        h.forecast("unknown", ms(1), ms(1));
+        assert_eq!((h.computing(0), h.computing(1)), (&[ms(80)][..], &[ms(50)][..]));
+        let mut starting = h.starting(1).to_vec();
+        starting.sort();
+        assert_eq!((&starting[..], h.starting(0)), (&[ms(50), ms(90)][..], &[][..]));
+        h.prefill_done("pd", ms(85));
+        assert_eq!((h.computing(0), h.starting(1).len()), (&[][..], 2), "pulled, not started");
+        h.decode_started("pd", ms(95));
+        h.decode_started("local", ms(60));
+        assert_eq!((h.computing(1), h.starting(1)), (&[][..], &[][..]));
+        assert_eq!(h.bound(1), 2, "both decoding");
     }
 
     #[test]
@@ -433,6 +516,7 @@ mod tests {
                     h.forget_engine(engine);
                 }
                 6 => drop(h.engine_died((x >> 8) as usize % 5)),
+                7 => h.forecast(&request, at + Duration::from_millis(x % 300), at + Duration::from_millis(x % 500)),
                 _ => drop(h.expire(at)),
             }
             for engine in 0..5 {
@@ -448,6 +532,28 @@ mod tests {
                 assert_eq!(h.load(engine), want, "step {step}, engine {engine}");
                 let bound = h.live.values().filter(|x| x.decode == engine).count();
                 assert_eq!(h.bound(engine), bound as u64, "step {step}, engine {engine}");
+                let sorted = |list: &[Instant]| {
+                    let mut list = list.to_vec();
+                    list.sort();
+                    list
+                };
+                let mut computing = Vec::new();
+                let mut starting = Vec::new();
+                for handoff in h.live.values() {
+                    let computed_on = match (handoff.stage, handoff.prefill) {
+                        (Stage::Prefilling, Some(prefill)) => Some(prefill),
+                        (_, None) if !handoff.decode_seen => Some(handoff.decode),
+                        _ => None,
+                    };
+                    if computed_on == Some(engine) {
+                        computing.push(handoff.computed_at);
+                    }
+                    if handoff.decode == engine && !handoff.decode_seen {
+                        starting.push(handoff.decoding_at);
+                    }
+                }
+                assert_eq!(sorted(h.computing(engine)), sorted(&computing), "step {step}, engine {engine}");
+                assert_eq!(sorted(h.starting(engine)), sorted(&starting), "step {step}, engine {engine}");
             }
         }
     }

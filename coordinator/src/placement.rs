@@ -9,21 +9,26 @@
 //!
 //! Each is a line `ms = overhead + per_token × tokens` fitted to recent observations. A prompt
 //! computed on an engine also stalls that engine's decodes for its compute time (a prefill
-//! shares their batches), so each option costs its time to first token plus, per decode exposed
-//! where the prompt is computed, the prefill's compute time `stall = per_token × u`:
+//! shares their batches), so each option costs its time to first token `t` plus the stalls it
+//! causes where the prompt is computed (`stalled`, of its compute time `stall = per_token × u`)
+//! and the stall it suffers where it decodes (`rest`):
 //!
-//! - local: `local(u_d) + exposed_d × stall(u_d)`;
-//! - disaggregated to `p`: `prefill(u_p) + handoff(u_d) + exposed_p × stall(u_p)`;
-//! - moved whole to `e`, an engine that can decode too: `handoff(0) + local(u_e) + exposed_e ×
-//!   stall(u_e)` (a hop, then a local prefill there; no pull, the blocks in one cache).
+//! - local: `t = local(u_d)`, `t + stalled_d(stall(u_d)) + rest_d(t)`;
+//! - disaggregated to `p`: `t = prefill(u_p) + handoff(u_d)`, `t + stalled_p(stall(u_p)) +
+//!   rest_d(t)`;
+//! - moved whole to `e`, an engine that can decode too: `t = handoff(0) + local(u_e)`, `t +
+//!   stalled_e(stall(u_e)) + rest_e(t)` (a hop, then a local prefill there; no pull, the blocks
+//!   in one cache).
 //!
-//! The decodes exposed are those bound to the engine now (decoding, or prefilling elsewhere to
-//! pull and decode there: a short prefill ends within the compute) plus those routed to it
-//! during the compute, `rate × stall` at the rate requests reached it lately: an idle decode
-//! that takes a long prompt is not idle for long, and every request that starts decoding beside
-//! the prompt loses what is left of it. Counting every bound request errs towards the running
-//! decodes: a stall lands in their token gaps (the ITL tail), a transfer only in one request's
-//! time to first token.
+//! `stalled` sums over the decodes the compute would stall: each decoding there now loses all of
+//! it; each bound there that has not started (its prompt computed there or elsewhere) and is
+//! predicted to start within the compute loses what is left of it, one predicted to start after
+//! nothing; each routed to it during the compute, `rate × stall` at the rate requests reached it
+//! lately, all of it (an idle decode that takes a long prompt is not idle for long). `rest(t)`
+//! is what is left, `t` from now, of each prompt computed where the request decodes: it decodes
+//! beside them. The predictions are the lines' own, made when each request was routed. Both err
+//! towards the decodes: a stall lands in their token gaps (the ITL tail), a transfer only in one
+//! request's time to first token.
 //!
 //! The decode keeps the prompt when local costs no more (affinity first); it is disaggregated
 //! only where the interference avoided outweighs the transfer. Until the lines the options need
@@ -34,7 +39,7 @@
 //! prefill-only engine holding as much of it when decodes are bound to the decode; an
 //! operator's explicit thresholds always decide.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::pairing::LocalPrefillPolicy;
 
@@ -134,12 +139,16 @@ pub enum Sample {
 
 /// One engine the prompt could be computed on.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Site {
+pub struct Site<'a> {
     /// Prompt tokens it does not hold.
     pub uncached_tokens: u64,
     /// Requests bound to decode on it now: decoding, or computing their prompt (there or
     /// elsewhere) to decode there.
     pub bound: u64,
+    /// When those of them that have not started decoding are predicted to.
+    pub starting: &'a [Instant],
+    /// When the prompts computed on it now are predicted to be done.
+    pub computing: &'a [Instant],
     /// Requests per ms routed to decode on it lately.
     pub arrivals_per_ms: f64,
     /// It can decode as well: the request would move there whole (no pull), so it costs what
@@ -147,12 +156,33 @@ pub struct Site {
     pub decodes: bool,
 }
 
-impl Site {
-    /// Decodes that computing `stall_ms` of prompt here would stall: those bound now and those
-    /// arriving meanwhile. Never NaN.
-    fn exposed(&self, stall_ms: f64) -> f64 {
+/// Milliseconds from `now` until `at`, 0 when past.
+fn ms_until(now: Instant, at: Instant) -> f64 {
+    at.saturating_duration_since(now).as_secs_f64() * 1e3
+}
+
+/// The instant `ms` after `now` (a prediction; at most an hour ahead, never NaN).
+pub fn ms_after(now: Instant, ms: f64) -> Instant {
+    let ms = if ms.is_finite() { ms.clamp(0.0, 3_600_000.0) } else { 0.0 };
+    now.checked_add(Duration::from_secs_f64(ms / 1e3)).unwrap_or(now)
+}
+
+impl Site<'_> {
+    /// The stall computing `stall_ms` of prompt here from `now` causes, summed over the decodes it
+    /// reaches: all of it for each decoding now and each arriving meanwhile, what is left of it
+    /// for each that starts meanwhile. Never NaN.
+    fn stalled_ms(&self, stall_ms: f64, now: Instant) -> f64 {
+        let decoding = self.bound.saturating_sub(self.starting.len() as u64) as f64;
         let arriving = self.arrivals_per_ms * stall_ms;
-        self.bound as f64 + if arriving.is_finite() && arriving > 0.0 { arriving } else { 0.0 }
+        let arriving = if arriving.is_finite() && arriving > 0.0 { arriving } else { 0.0 };
+        let joining: f64 = self.starting.iter().map(|&at| (stall_ms - ms_until(now, at)).max(0.0)).sum();
+        (decoding + arriving) * stall_ms + joining
+    }
+
+    /// What a request that starts decoding here `start_ms` from `now` loses to the prompts
+    /// computed here: the rest of each.
+    fn rest_ms(&self, start_ms: f64, now: Instant) -> f64 {
+        self.computing.iter().map(|&at| (ms_until(now, at) - start_ms).max(0.0)).sum()
     }
 }
 
@@ -174,30 +204,46 @@ impl Timings {
         self.prefill.line().1 * tokens as f64
     }
 
-    /// The stall of computing `site`'s uncached part there, summed over the decodes exposed.
-    fn interference_ms(&self, site: Site) -> f64 {
-        let stall = self.stall_ms(site.uncached_tokens);
-        site.exposed(stall) * stall
+    /// A request's time to first output `first_ms`, plus the stall its prompt computed on
+    /// `computed_on` causes there and the stall it suffers decoding on `decode`.
+    fn cost_ms(&self, first_ms: f64, computed_on: Site, decode: Site, now: Instant) -> f64 {
+        let caused = computed_on.stalled_ms(self.stall_ms(computed_on.uncached_tokens), now);
+        first_ms + caused + decode.rest_ms(first_ms, now)
     }
 
-    pub fn local_cost_ms(&self, decode: Site) -> f64 {
-        self.local.predict_ms(decode.uncached_tokens) + self.interference_ms(decode)
+    pub fn local_cost_ms(&self, decode: Site, now: Instant) -> f64 {
+        self.cost_ms(self.local.predict_ms(decode.uncached_tokens), decode, decode, now)
     }
 
     /// The cost of computing the prompt on `other`: moved there whole when it can decode (the
     /// hop costs about a handoff's fixed part), else disaggregated.
-    pub fn elsewhere_cost_ms(&self, decode: Site, other: Site) -> f64 {
+    pub fn elsewhere_cost_ms(&self, decode: Site, other: Site, now: Instant) -> f64 {
         if other.decodes {
-            self.handoff.predict_ms(0) + self.local_cost_ms(other)
+            let first = self.handoff.predict_ms(0) + self.local.predict_ms(other.uncached_tokens);
+            self.cost_ms(first, other, other, now)
         } else {
-            self.disaggregated_cost_ms(decode, other)
+            self.disaggregated_cost_ms(decode, other, now)
         }
     }
 
-    pub fn disaggregated_cost_ms(&self, decode: Site, prefill: Site) -> f64 {
-        self.prefill.predict_ms(prefill.uncached_tokens)
-            + self.handoff.predict_ms(decode.uncached_tokens)
-            + self.interference_ms(prefill)
+    pub fn disaggregated_cost_ms(&self, decode: Site, prefill: Site, now: Instant) -> f64 {
+        let first = self.prefill.predict_ms(prefill.uncached_tokens) + self.handoff.predict_ms(decode.uncached_tokens);
+        self.cost_ms(first, prefill, decode, now)
+    }
+
+    /// When a routed request's prompt will be computed and its decode start, in ms from now,
+    /// by the lines: `pulled_tokens` is `Some` when it is disaggregated.
+    pub fn forecast_ms(&self, computed_tokens: u64, pulled_tokens: Option<u64>) -> (f64, f64) {
+        match pulled_tokens {
+            Some(pulled) => {
+                let computed = self.prefill.predict_ms(computed_tokens);
+                (computed, computed + self.handoff.predict_ms(pulled))
+            }
+            None => {
+                let computed = self.local.predict_ms(computed_tokens);
+                (computed, computed)
+            }
+        }
     }
 }
 
@@ -238,7 +284,14 @@ impl Verdict {
 impl Placement {
     /// Local or one of `prefills` (already ordered best first by affinity and load: the first is
     /// the fixed policy's choice). `prompt_tokens` is the whole prompt.
-    pub fn decide(&self, timings: &Timings, prompt_tokens: u64, decode: Site, prefills: &[Site]) -> Verdict {
+    pub fn decide(
+        &self,
+        timings: &Timings,
+        prompt_tokens: u64,
+        decode: Site,
+        prefills: &[Site],
+        now: Instant,
+    ) -> Verdict {
         let fixed = |policy: &LocalPrefillPolicy| {
             let cached = prompt_tokens.saturating_sub(decode.uncached_tokens);
             if policy.prefill_locally(prompt_tokens, cached) || prefills.is_empty() {
@@ -264,10 +317,10 @@ impl Placement {
             Placement::Fixed(policy) => fixed(policy),
             Placement::Adaptive { cold: policy } if !warm => cold(policy),
             Placement::Adaptive { .. } => {
-                let local = timings.local_cost_ms(decode);
+                let local = timings.local_cost_ms(decode, now);
                 let best = prefills
                     .iter()
-                    .map(|&p| timings.elsewhere_cost_ms(decode, p))
+                    .map(|&p| timings.elsewhere_cost_ms(decode, p, now))
                     .enumerate()
                     .min_by(|a, b| a.1.total_cmp(&b.1));
                 match best {
@@ -288,8 +341,8 @@ mod tests {
     }
 
     /// A prefill-only site with `bound` decodes and no arrivals.
-    fn site(uncached_tokens: u64, bound: u64) -> Site {
-        Site { uncached_tokens, bound, arrivals_per_ms: 0.0, decodes: false }
+    fn site(uncached_tokens: u64, bound: u64) -> Site<'static> {
+        Site { uncached_tokens, bound, starting: &[], computing: &[], arrivals_per_ms: 0.0, decodes: false }
     }
 
     /// Timings of an engine computing 0.1 ms per token, pulls of 0.01 ms per token, 3 ms a leg.
@@ -329,65 +382,69 @@ mod tests {
 
     #[test]
     fn affinity_first_when_the_decode_is_idle() {
+        let now = Instant::now();
         let t = warm();
         let p = Placement::default();
         // Nothing cached anywhere, nobody decoding: a pull only adds its time.
         let d = site(1088, 0);
         let idle_prefill = site(1088, 0);
-        assert_eq!(p.decide(&t, 1088, d, &[idle_prefill]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, d, &[idle_prefill], now), Verdict::Local);
         // The decode holds the prefix and the prefill does not: local, even under some load.
         let hit = site(64, 3);
-        assert_eq!(p.decide(&t, 1088, hit, &[idle_prefill]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, hit, &[idle_prefill], now), Verdict::Local);
     }
 
     #[test]
     fn disaggregate_where_the_interference_avoided_outweighs_the_transfer() {
+        let now = Instant::now();
         let t = warm();
         let p = Placement::default();
         // 4 decodes running would each lose 108.8 ms to a local 1088-token prefill; the pull
         // costs 3 + 10.9 ms.
         let busy = site(1088, 4);
         let dedicated = site(1088, 0);
-        assert_eq!(p.decide(&t, 1088, busy, &[dedicated]), Verdict::Disaggregate(0));
+        assert_eq!(p.decide(&t, 1088, busy, &[dedicated], now), Verdict::Disaggregate(0));
         // A prefill engine that holds the prefix is the better of two.
         let holder = site(64, 0);
-        assert_eq!(p.decide(&t, 1088, busy, &[dedicated, holder]), Verdict::Disaggregate(1));
+        assert_eq!(p.decide(&t, 1088, busy, &[dedicated, holder], now), Verdict::Disaggregate(1));
         // Colocated: the other engine is as busy, so the stall only moves; stay.
         let as_busy = site(1088, 4);
-        assert_eq!(p.decide(&t, 1088, busy, &[as_busy]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, busy, &[as_busy], now), Verdict::Local);
         // A slow network makes the pull dearer than the stall it avoids.
         let mut slow = warm();
         for _ in 0..50 {
             slow.observe(Sample::Handoff { tokens: 1088, took: ms(2000) });
         }
-        assert_eq!(p.decide(&slow, 1088, busy, &[dedicated]), Verdict::Local);
-        assert_eq!(p.decide(&t, 1088, busy, &[]), Verdict::Local, "no prefill engine");
+        assert_eq!(p.decide(&slow, 1088, busy, &[dedicated], now), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, busy, &[], now), Verdict::Local, "no prefill engine");
     }
 
     #[test]
     fn an_idle_decode_that_requests_keep_reaching_is_not_idle_for_long() {
+        let now = Instant::now();
         let t = warm();
         let p = Placement::default();
         let dedicated = site(1088, 0);
         // Nothing bound, but one request every 20 ms: about 5 start decoding during a
         // 108.8 ms prefill and each loses what is left of it.
         let reached = Site { arrivals_per_ms: 0.05, ..site(1088, 0) };
-        assert_eq!(p.decide(&t, 1088, reached, &[dedicated]), Verdict::Disaggregate(0));
+        assert_eq!(p.decide(&t, 1088, reached, &[dedicated], now), Verdict::Disaggregate(0));
         // Quiet: the pull only adds its time.
         let quiet = Site { arrivals_per_ms: 0.001, ..reached };
-        assert_eq!(p.decide(&t, 1088, quiet, &[dedicated]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, quiet, &[dedicated], now), Verdict::Local);
         // A short uncached part stalls too briefly for arrivals to matter.
         let hit = Site { uncached_tokens: 64, ..reached };
-        assert_eq!(p.decide(&t, 1088, hit, &[dedicated]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, hit, &[dedicated], now), Verdict::Local);
         // Odd rates never make the cost NaN.
         for rate in [f64::NAN, f64::INFINITY, -1.0] {
             let odd = Site { arrivals_per_ms: rate, ..reached };
-            assert!(t.local_cost_ms(odd).is_finite(), "{rate}");
+            assert!(t.local_cost_ms(odd, now).is_finite(), "{rate}");
         }
     }
 
     #[test]
     fn colocated_the_request_moves_whole_to_the_least_exposed_engine() {
+        let now = Instant::now();
         // Only the local line observed, as where every engine prefills what it decodes.
         let mut t = Timings::default();
         for tokens in [100, 500, 1000, 2000] {
@@ -397,38 +454,96 @@ mod tests {
         let p = Placement::default();
         let both = |uncached_tokens, bound| Site { decodes: true, ..site(uncached_tokens, bound) };
         // A fresh prompt on an engine with 3 decodes goes to the one with 1.
-        assert_eq!(p.decide(&t, 1088, both(1088, 3), &[both(1088, 2), both(1088, 1)]), Verdict::Disaggregate(1));
+        assert_eq!(p.decide(&t, 1088, both(1088, 3), &[both(1088, 2), both(1088, 1)], now), Verdict::Disaggregate(1));
         // As exposed everywhere: stay (the hop buys nothing).
-        assert_eq!(p.decide(&t, 1088, both(1088, 1), &[both(1088, 1)]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, both(1088, 1), &[both(1088, 1)], now), Verdict::Local);
         // A hit stays where its prompt is, though another engine is idle.
-        assert_eq!(p.decide(&t, 1088, both(64, 3), &[both(1088, 0)]), Verdict::Local);
+        assert_eq!(p.decide(&t, 1088, both(64, 3), &[both(1088, 0)], now), Verdict::Local);
         // The same timings with a prefill-only engine among the candidates: cold, the fixed rule.
-        assert_eq!(p.decide(&t, 1088, both(1088, 3), &[site(1088, 0)]), Verdict::Disaggregate(0));
-        assert_eq!(p.decide(&t, 1088, both(1088, 0), &[site(1088, 3)]), Verdict::Disaggregate(0));
+        assert_eq!(p.decide(&t, 1088, both(1088, 3), &[site(1088, 0)], now), Verdict::Disaggregate(0));
+        assert_eq!(p.decide(&t, 1088, both(1088, 0), &[site(1088, 3)], now), Verdict::Disaggregate(0));
+    }
+
+    /// Prompts in flight count by when they end: a request decodes beside what is left of those
+    /// computed where it decodes, and one bound there that starts decoding only after a prompt
+    /// is done is not stalled by it.
+    #[test]
+    fn prompts_in_flight_stall_by_when_they_end() {
+        let now = Instant::now();
+        let at = |n| now + ms(n);
+        // Local prefills observed only: 3 ms + 0.1 ms a token; the hop is the prior's 2 ms.
+        let mut t = Timings::default();
+        for tokens in [100, 500, 1000, 2000] {
+            t.observe(Sample::Local { tokens, took: Duration::from_micros(3000 + 100 * tokens) });
+        }
+        let p = Placement::default();
+        let both = |uncached_tokens, bound| Site { decodes: true, ..site(uncached_tokens, bound) };
+        // The entry engine computes a local prompt for 400 ms more: a hit (9.4 ms to its first
+        // output) would decode beside the other 390 ms; an engine with one request decoding
+        // loses only the hit's 6.4 ms. One bound request each, as counted before: it stayed.
+        let long = [at(400)];
+        let computing_long = Site { starting: &long, computing: &long, ..both(64, 1) };
+        assert_eq!(p.decide(&t, 1088, computing_long, &[both(64, 1)], now), Verdict::Disaggregate(0));
+        // A request prefilling elsewhere that starts decoding here after a fresh prompt's 109 ms:
+        // nobody is stalled, so the prompt stays rather than hop to an idle engine.
+        let after = [at(300)];
+        let bound_later = Site { starting: &after, ..both(1088, 1) };
+        assert_eq!(p.decide(&t, 1088, bound_later, &[both(1088, 0)], now), Verdict::Local);
+        // Starting within it, it loses the rest (59 ms): the idle engine is better.
+        let within = [at(50)];
+        let bound_sooner = Site { starting: &within, ..both(1088, 1) };
+        assert_eq!(p.decide(&t, 1088, bound_sooner, &[both(1088, 0)], now), Verdict::Disaggregate(0));
+        // Predictions past are due now: as decoding.
+        let past = [now];
+        let due = Site { starting: &past, computing: &past, ..both(1088, 1) };
+        assert!((t.local_cost_ms(due, now) - t.local_cost_ms(both(1088, 1), now)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn forecasts_follow_the_lines_and_stay_in_range() {
+        let now = Instant::now();
+        let t = warm();
+        // About 102 ms to compute 1000 tokens, 13 ms to pull them (the priors pull a little).
+        let (computed, started) = t.forecast_ms(1000, Some(1000));
+        assert_eq!((computed, started), (t.prefill.predict_ms(1000), computed + t.handoff.predict_ms(1000)));
+        assert!((100.0..105.0).contains(&computed) && (12.0..15.0).contains(&(started - computed)));
+        let (computed, started) = t.forecast_ms(1000, None);
+        assert_eq!((computed, started), (t.local.predict_ms(1000), computed));
+        assert_eq!(ms_after(now, 250.0), now + ms(250));
+        for odd in [f64::NAN, -5.0, f64::NEG_INFINITY] {
+            assert_eq!(ms_after(now, odd), now, "{odd}");
+        }
+        assert_eq!(ms_after(now, f64::INFINITY), now, "not finite");
+        assert_eq!(ms_after(now, 1e300), now + Duration::from_secs(3600));
     }
 
     #[test]
     fn cold_or_fixed_the_thresholds_decide() {
+        let now = Instant::now();
         let cold = Timings::default();
         assert!(!cold.warm() && warm().warm());
         let p = Placement::default();
         let idle = site(1088, 0);
         // Cold: everything uncached is disaggregated (ratio 1.0 ≥ 0.7), as the fixed policy says.
-        assert_eq!(p.decide(&cold, 1088, idle, &[idle]), Verdict::Disaggregate(0));
-        assert_eq!(p.decide(&cold, 1088, site(64, 0), &[idle]), Verdict::Local);
+        assert_eq!(p.decide(&cold, 1088, idle, &[idle], now), Verdict::Disaggregate(0));
+        assert_eq!(p.decide(&cold, 1088, site(64, 0), &[idle], now), Verdict::Local);
         // Cold with decodes bound there: a prefill engine holding as much computes it instead.
         let holder = site(64, 0);
-        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle, holder]), Verdict::Disaggregate(1));
-        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle]), Verdict::Local, "only the decode holds it");
+        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle, holder], now), Verdict::Disaggregate(1));
+        assert_eq!(p.decide(&cold, 1088, site(64, 2), &[idle], now), Verdict::Local, "only the decode holds it");
         let both = Site { decodes: true, ..holder };
         assert_eq!(
-            p.decide(&cold, 1088, site(64, 2), &[both]),
+            p.decide(&cold, 1088, site(64, 2), &[both], now),
             Verdict::Local,
             "an engine that can decode: the rule as it is"
         );
         let fixed = Placement::Fixed(LocalPrefillPolicy { max_uncached_tokens: 100, max_uncached_ratio: 1.0 });
-        assert_eq!(fixed.decide(&warm(), 1088, idle, &[idle]), Verdict::Disaggregate(0), "warm, but fixed");
-        assert_eq!(fixed.decide(&warm(), 1088, site(64, 9), &[idle]), Verdict::Local);
-        assert_eq!(fixed.decide(&cold, 1088, site(64, 9), &[holder]), Verdict::Local, "an operator's rule is kept");
+        assert_eq!(fixed.decide(&warm(), 1088, idle, &[idle], now), Verdict::Disaggregate(0), "warm, but fixed");
+        assert_eq!(fixed.decide(&warm(), 1088, site(64, 9), &[idle], now), Verdict::Local);
+        assert_eq!(
+            fixed.decide(&cold, 1088, site(64, 9), &[holder], now),
+            Verdict::Local,
+            "an operator's rule is kept"
+        );
     }
 }
