@@ -132,11 +132,12 @@ pub fn outcome_of(status: StatusCode) -> Outcome {
 }
 
 /// Relays an opened decode response to the client; `fin` settles when the body ends or the
-/// client leaves.
-pub fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body> {
-    let relay = Relay {
+/// client leaves. What the engine sent right behind the first frame is gathered first, so the
+/// head, that burst and, for an answer already complete, the body's end leave in one write.
+pub async fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body> {
+    let mut relay = Relay {
         _rank: opened.rank,
-        first: opened.first,
+        ready: None,
         inner: opened.incoming,
         gathered: Gathered::default(),
         quiet_turns: 0,
@@ -151,6 +152,15 @@ pub fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body> {
         metrics: Arc::clone(&ctx.metrics),
         ended: false,
     };
+    match opened.first.map(Frame::into_data) {
+        Some(Ok(data)) => {
+            relay.gathered.push(data);
+            // With data gathered the relay never waits for the engine: at most a few turns.
+            relay.ready = std::future::poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
+        }
+        Some(Err(trailers)) => relay.ready = Some(Ok(trailers)),
+        None => {}
+    }
     let mut r = Response::new(Body::new(relay));
     *r.status_mut() = opened.status;
     *r.headers_mut() = opened.headers;
@@ -171,7 +181,7 @@ pub async fn run(ctx: &Context, engines: &EnginePool, call: DecodeCall<'_>, mut 
         tracing::warn!(status = %opened.status, "decode engine answered an error");
         fin.release_now();
     }
-    relay(ctx, opened, fin)
+    relay(ctx, opened, fin).await
 }
 
 /// The next frame carrying data (trailers pass as frames too), or `None` at the end.
@@ -208,13 +218,14 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// The engine's connection hands its body over one frame per turn of the runtime, so a burst of
 /// SSE events already read from the socket would reach the client as one write per event. After
-/// the first frame (which goes with the response head at once), the relay gathers what arrives
-/// while it gives that connection turns, and writes the burst as one frame once turns bring
-/// nothing new: the same bytes, one `writev` instead of one per event, and output that has not
-/// arrived yet is never waited for.
+/// a frame the relay gathers what arrives while it gives that connection turns, and writes the
+/// burst as one frame once turns bring nothing new: the same bytes, one `writev` instead of one
+/// per event, and output that has not arrived yet is never waited for. The first burst is
+/// gathered before the response head is handed to the server (see `relay`).
 struct Relay {
     _rank: Option<RankGuard>,
-    first: Option<Frame<Bytes>>,
+    /// The first burst, gathered before the response head went out.
+    ready: Option<Result<Frame<Bytes>, BoxError>>,
     inner: Incoming,
     /// Data read from the engine and not yet given to the client.
     gathered: Gathered,
@@ -311,10 +322,8 @@ impl HttpBody for Relay {
         cx: &mut task::Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        if let Some(f) = this.first.take() {
-            this.last_activity = Instant::now();
-            this.settle_if_done();
-            return Poll::Ready(Some(Ok(f)));
+        if let Some(f) = this.ready.take() {
+            return Poll::Ready(Some(f));
         }
         loop {
             if this.gathered.is_empty() {
@@ -399,7 +408,7 @@ impl HttpBody for Relay {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.first.is_none()
+        self.ready.is_none()
             && self.gathered.is_empty()
             && self.after.is_none()
             && (self.ended || self.inner.is_end_stream())
@@ -407,7 +416,8 @@ impl HttpBody for Relay {
 
     fn size_hint(&self) -> SizeHint {
         let inner = self.inner.size_hint();
-        let held = self.first.as_ref().and_then(Frame::data_ref).map_or(0, Bytes::len) + self.gathered.len();
+        let ready = self.ready.as_ref().and_then(|f| f.as_ref().ok()).and_then(Frame::data_ref);
+        let held = ready.map_or(0, Bytes::len) + self.gathered.len();
         if held == 0 {
             return inner;
         }

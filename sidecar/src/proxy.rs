@@ -91,7 +91,7 @@ pub(crate) async fn route<'a>(
     let plan = match route {
         Route::Here(plan) | Route::NoSidecar { plan, .. } => plan,
         Route::Redirect(r) => match redirect::open(&app.ctx, &r, path, headers, rid, body).await {
-            Ok(opened) => return Routed::Served(redirect::relay(&app.ctx, opened, fin)),
+            Ok(opened) => return Routed::Served(redirect::relay(&app.ctx, opened, fin).await),
             Err(fallback) => fallback,
         },
     };

@@ -85,9 +85,9 @@ pub async fn open(
 }
 
 /// Relays the redirected answer; the other sidecar reports on the request, so this one does not.
-pub fn relay(ctx: &Context, opened: Opened, mut fin: Finish) -> Response<Body> {
+pub async fn relay(ctx: &Context, opened: Opened, mut fin: Finish) -> Response<Body> {
     fin.disown();
-    decode::relay(ctx, opened, fin)
+    decode::relay(ctx, opened, fin).await
 }
 
 #[cfg(test)]

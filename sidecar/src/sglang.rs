@@ -142,7 +142,7 @@ pub async fn run(
                         // The decode has its KV; let the prefill's call end on its own.
                         prefill.detach();
                     }
-                    decode::relay(ctx, opened, fin)
+                    decode::relay(ctx, opened, fin).await
                 }
             }
         }
