@@ -176,9 +176,9 @@ pub struct Config {
     #[arg(long, env = "PD_COORDINATOR_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
 
-    /// Log filter (tracing's EnvFilter syntax; RUST_LOG works too).
-    #[arg(long, env = "PD_COORDINATOR_LOG", default_value = "info")]
-    pub log: String,
+    /// Log filter (tracing's EnvFilter syntax); without it RUST_LOG, else `info`.
+    #[arg(long, env = "PD_COORDINATOR_LOG")]
+    pub log: Option<String>,
     /// Tokio worker threads (default: available cores).
     #[arg(long, env = "PD_COORDINATOR_WORKERS")]
     pub workers: Option<usize>,

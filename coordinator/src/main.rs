@@ -12,8 +12,12 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
+    // An explicit --log wins over the environment's RUST_LOG (launchers pass flags per child).
+    let filter = match &config.log {
+        Some(directives) => tracing_subscriber::EnvFilter::new(directives),
+        None => tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    };
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
