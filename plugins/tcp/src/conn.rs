@@ -109,6 +109,11 @@ impl Conn {
     }
 
     /// Lets waits for a frame or an answer poll for up to `max` before they sleep.
+    /// Bytes read from the stream that no read has taken yet.
+    pub fn buffered(&self) -> usize {
+        self.ahead.buffered()
+    }
+
     pub fn set_spin(&mut self, max: Duration) {
         self.spin = SpinBudget::new(max);
     }

@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use xfer_core::staging::needs_staging;
 use xfer_core::{BackendError, Completion, Progress};
 
-use crate::pool::{receive_host, request_head, send_host, Chunk, PoolConfig, PoolShared, Pooled, Work};
+use crate::pool::{finish, receive_host, request_head, send_host, Chunk, PoolShared, Pooled, Work};
 
 /// How old an inline request nobody has claimed must be before a worker adopts it.
 pub const ADOPT_AFTER: Duration = Duration::from_millis(10);
@@ -43,9 +43,16 @@ struct InFlight {
 /// nothing of the pool.
 struct Hook(Weak<Inline>);
 
-/// Whether a planned request goes inline: one chunk of host memory, small, not empty.
-pub fn eligible(chunk: &Chunk, config: &PoolConfig) -> bool {
-    chunk.bytes > 0 && chunk.bytes <= config.inline_bytes && !needs_staging(&chunk.local)
+/// Whether a planned request goes inline: one chunk of host memory, small, not empty, while
+/// fewer inline requests to this peer are in flight than it has streams. Past that, the stream
+/// workers keep many requests in flight on each of their connections; more inline connections
+/// would each cost a thread of the target's.
+pub fn eligible(pool: &PoolShared, chunk: &Chunk) -> bool {
+    let config = &pool.config;
+    chunk.bytes > 0
+        && chunk.bytes <= config.inline_bytes
+        && !needs_staging(&chunk.local)
+        && pool.inline.lock().iter().filter(|inline| inline.is_pending()).count() < config.streams.max(1)
 }
 
 /// Sends `chunk` on this thread; its answer is read by the request's waiter (or a worker).
@@ -62,7 +69,7 @@ pub fn post(pool: &Arc<PoolShared>, chunk: Chunk) {
         Ok(pooled) => pooled,
         Err(err) => {
             pool.record_failure(&err);
-            return finish_chunk(pool, chunk, Err(err));
+            return finish(pool, chunk, Err(err));
         }
     };
     let tracker = Arc::clone(&chunk.tracker);
@@ -106,13 +113,6 @@ pub fn adopt_unclaimed(pool: &PoolShared, older_than: Duration) {
     }
 }
 
-fn finish_chunk(pool: &PoolShared, chunk: Chunk, result: Result<(), BackendError>) {
-    let Chunk { tracker, local, .. } = chunk;
-    // Release the pins before completing, so a waiter that deregisters next never waits.
-    drop(local);
-    tracker.finish_chunk(pool, result);
-}
-
 impl Inline {
     fn is_pending(&self) -> bool {
         self.in_flight.lock().is_some()
@@ -128,7 +128,7 @@ impl Inline {
         // not wait out a second timeout for it.
         if let Some(err) = pool.failed_since(chunk.queued_at) {
             pool.abandon(&mut slot);
-            return finish_chunk(pool, chunk, Err(err));
+            return finish(pool, chunk, Err(err));
         }
         let result = match &mut slot {
             Some(pooled) => receive_host(pool, &mut pooled.conn, &mut chunk, request_id),
@@ -145,7 +145,7 @@ impl Inline {
                 pool.abandon(&mut slot);
             }
         }
-        finish_chunk(pool, chunk, result);
+        finish(pool, chunk, result);
     }
 
     /// Leaves the answer to the stream workers (once).

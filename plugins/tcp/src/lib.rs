@@ -36,7 +36,7 @@
 //! | `staging_bytes` | 1048576 | bytes per staging slot |
 //! | `tls` | `off` | `on`: every data connection runs TLS 1.3 ([`tls`]), both ways |
 //! | `spin_us` | 50 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
-//! | `inline_bytes` | 262144 | single-chunk requests of host memory up to this size are sent by the caller's thread and their answer read by the waiting thread ([`inline`]); 0 = never |
+//! | `inline_bytes` | 262144 | single-chunk requests of host memory up to this size are sent by the caller's thread and their answer read by the waiting thread ([`inline`]), while fewer than `streams` of them are in flight to the peer; 0 = never |
 
 // Unsafe only in `memio` (registered memory as slices for vectored socket I/O).
 #![deny(unsafe_code)]

@@ -52,6 +52,11 @@ pub struct PoolConfig {
 const MAX_CHUNK_DESCS: usize = 8192;
 /// Idle inline connections kept per peer (one per thread that posts small requests at once).
 const MAX_IDLE_INLINE: usize = 16;
+/// Requests one stream keeps in flight: a worker that finds more small requests queued sends
+/// up to this many before it reads their answers, in order.
+const PIPELINE_DEPTH: usize = 16;
+/// Bytes of payload one pipelined run of requests may carry.
+const PIPELINE_BYTES: u64 = 1 << 20;
 
 pub(crate) struct PoolShared {
     local_name: String,
@@ -181,7 +186,7 @@ impl RemoteAgent for PeerPool {
         };
         self.start_workers();
         match planned {
-            Planned::One(chunk) if inline::eligible(&chunk, &self.shared.config) => inline::post(&self.shared, chunk),
+            Planned::One(chunk) if inline::eligible(&self.shared, &chunk) => inline::post(&self.shared, chunk),
             Planned::One(chunk) => self.queue(chunk),
             Planned::Many(chunks) => chunks.into_iter().for_each(|chunk| self.queue(chunk)),
         }
@@ -210,6 +215,8 @@ pub(crate) struct Chunk {
     pub(crate) bytes: u64,
     pub(crate) queued_at: Instant,
     pub(crate) tracker: Arc<Tracker>,
+    /// The request's only chunk (the pieces of a split request go to different streams).
+    whole: bool,
 }
 
 /// Completion bookkeeping shared by a request's chunks.
@@ -326,7 +333,8 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Planned, (Completer, Ba
         // carries the completion (and notification).
         local.retain(|piece| !piece.is_empty());
         let tracker = new_tracker(1);
-        return Ok(Planned::One(Chunk { op, local, remote: wire, bytes: total, queued_at: Instant::now(), tracker }));
+        let chunk = Chunk { op, local, remote: wire, bytes: total, queued_at: Instant::now(), tracker, whole: true };
+        return Ok(Planned::One(chunk));
     }
     // Cuts at 4 KiB multiples, so an O_DIRECT file's pieces stay aligned on every stream.
     let sizes = even_sizes(total, parts, file_io::DIRECT_ALIGN);
@@ -345,6 +353,7 @@ fn plan(job: TransferJob, config: &PoolConfig) -> Result<Planned, (Completer, Ba
                 bytes,
                 queued_at: Instant::now(),
                 tracker: Arc::clone(&tracker),
+                whole: false,
             })
             .collect(),
     ))
@@ -359,44 +368,134 @@ pub(crate) struct Pooled {
 fn worker(shared: Arc<PoolShared>, receiver: Receiver<Work>) {
     let mut conn: Option<Pooled> = None;
     let mut lanes = Lanes::default();
+    // A chunk taken from the queue that could not join the run before it.
+    let mut held: Option<Chunk> = None;
     loop {
-        let work = match receiver.recv_timeout(Duration::from_millis(250)) {
-            Ok(work) => work,
-            Err(RecvTimeoutError::Timeout) if shared.closed.load(Ordering::Acquire) => {
-                return inline::adopt_unclaimed(&shared, Duration::ZERO);
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                inline::adopt_unclaimed(&shared, inline::ADOPT_AFTER);
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
+        let first = match held.take() {
+            Some(chunk) => chunk,
+            None => match receiver.recv_timeout(Duration::from_millis(250)) {
+                Ok(Work::Chunk(chunk)) => chunk,
+                Ok(Work::Adopt(inline)) => {
+                    inline.finish();
+                    continue;
+                }
+                Err(RecvTimeoutError::Timeout) if shared.closed.load(Ordering::Acquire) => {
+                    return inline::adopt_unclaimed(&shared, Duration::ZERO);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    inline::adopt_unclaimed(&shared, inline::ADOPT_AFTER);
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            },
         };
-        let mut chunk = match work {
-            Work::Chunk(chunk) => chunk,
-            Work::Adopt(inline) => {
-                inline.finish();
-                continue;
+        if !pipelines(&shared.config, &first) {
+            let mut chunk = first;
+            let result = match unsendable(&shared, &chunk) {
+                Some(err) => Err(err),
+                None => {
+                    run_chunk(&shared, &mut conn, &mut lanes, &mut chunk).inspect_err(|err| shared.record_failure(err))
+                }
+            };
+            finish(&shared, chunk, result);
+            inline::adopt_unclaimed(&shared, inline::ADOPT_AFTER);
+            continue;
+        }
+        let mut run = vec![first];
+        let mut bytes = run[0].bytes;
+        // A fair share of what is queued, so the other streams get work too.
+        let share = (receiver.len() + 1).div_ceil(shared.config.streams.max(1)).clamp(1, PIPELINE_DEPTH);
+        while run.len() < share && bytes < PIPELINE_BYTES {
+            match receiver.try_recv() {
+                // One direction per run: a READ's answers and a WRITE's requests both carry
+                // payload, and two sides each blocked writing to the other would stall.
+                Ok(Work::Chunk(next)) if next.op == run[0].op && pipelines(&shared.config, &next) => {
+                    bytes += next.bytes;
+                    run.push(next);
+                }
+                Ok(Work::Chunk(next)) => {
+                    held = Some(next);
+                    break;
+                }
+                Ok(Work::Adopt(inline)) => inline.finish(),
+                Err(_) => break,
             }
-        };
-        let result = if shared.closed.load(Ordering::Acquire) {
-            Err(shared.disconnected("connection pool closed"))
-        } else if chunk.tracker.failed() || chunk.tracker.cancelled() {
-            // The request already has its outcome (the first error is kept).
-            Err(BackendError::Cancelled)
-        } else if let Some(err) = shared.failed_since(chunk.queued_at) {
-            Err(err)
-        } else {
-            let result = run_chunk(&shared, &mut conn, &mut lanes, &mut chunk);
-            if let Err(err) = &result {
-                shared.record_failure(err);
-            }
-            result
-        };
-        let Chunk { tracker, local, .. } = chunk;
-        // Release the pins before completing, so a waiter that deregisters next never waits.
-        drop(local);
-        tracker.finish_chunk(&shared, result);
+        }
+        run_pipelined(&shared, &mut conn, run);
         inline::adopt_unclaimed(&shared, inline::ADOPT_AFTER);
+    }
+}
+
+/// Whether `chunk` may share a stream with other requests in flight: a small request of host
+/// memory, whole.
+fn pipelines(config: &PoolConfig, chunk: &Chunk) -> bool {
+    chunk.whole
+        && chunk.bytes > 0
+        && chunk.bytes < config.split_bytes.min(PIPELINE_BYTES)
+        && !needs_staging(&chunk.local)
+}
+
+/// Why `chunk` must not be sent, if it must not.
+fn unsendable(shared: &PoolShared, chunk: &Chunk) -> Option<BackendError> {
+    if shared.closed.load(Ordering::Acquire) {
+        Some(shared.disconnected("connection pool closed"))
+    } else if chunk.tracker.failed() || chunk.tracker.cancelled() {
+        // The request already has its outcome (the first error is kept).
+        Some(BackendError::Cancelled)
+    } else {
+        shared.failed_since(chunk.queued_at)
+    }
+}
+
+/// Completes a chunk; its pins go before the completion, so a waiter that deregisters next
+/// never waits.
+pub(crate) fn finish(shared: &PoolShared, chunk: Chunk, result: Result<(), BackendError>) {
+    let Chunk { tracker, local, .. } = chunk;
+    drop(local);
+    tracker.finish_chunk(shared, result);
+}
+
+/// Sends every request of `run` on one connection in one write, then reads their answers in
+/// order. A refusal answers its own request and leaves the stream in step; any other failure
+/// abandons the connection and fails every request of the run not answered yet.
+fn run_pipelined(shared: &PoolShared, slot: &mut Option<Pooled>, run: Vec<Chunk>) {
+    let mut sendable = Vec::with_capacity(run.len());
+    for chunk in run {
+        match unsendable(shared, &chunk) {
+            Some(err) => finish(shared, chunk, Err(err)),
+            None => sendable.push(chunk),
+        }
+    }
+    let heads: Vec<(u64, Vec<u8>)> = sendable.iter().map(|chunk| request_head(shared, chunk)).collect();
+    let sent = shared.current(slot).and_then(|conn| {
+        let mut iov = Vec::with_capacity(2 * heads.len());
+        for (chunk, (_, head)) in sendable.iter().zip(&heads) {
+            iov.push(IoSlice::new(head));
+            if chunk.op == Op::Write {
+                iov.extend(memio::send_from(&chunk.local));
+            }
+        }
+        conn.write_all_vectored(&mut iov).map_err(|e| shared.conn_error(e))
+    });
+    let mut broken = sent.err();
+    if let Some(err) = &broken {
+        shared.record_failure(err);
+        shared.abandon(slot);
+    }
+    for (mut chunk, (request_id, _)) in sendable.into_iter().zip(heads) {
+        let result = match (broken.as_ref(), slot.as_mut()) {
+            (Some(err), _) => Err(shared.same_failure(err)),
+            (None, None) => Err(shared.disconnected("no connection")),
+            (None, Some(pooled)) => receive_host(shared, &mut pooled.conn, &mut chunk, request_id),
+        };
+        if let Err(err) = &result {
+            if broken.is_none() && !matches!(err, BackendError::Refused { .. }) {
+                shared.record_failure(err);
+                shared.abandon(slot);
+                broken = Some(shared.same_failure(err));
+            }
+        }
+        finish(shared, chunk, result);
     }
 }
 
@@ -623,6 +722,15 @@ impl PoolShared {
 
     pub(crate) fn disconnected(&self, reason: impl Into<String>) -> BackendError {
         BackendError::PeerDisconnected { peer: self.peer.clone(), reason: reason.into() }
+    }
+
+    /// The error a request fails with when another one on its stream failed with `err`.
+    fn same_failure(&self, err: &BackendError) -> BackendError {
+        match err {
+            BackendError::TimedOut(after) => BackendError::TimedOut(*after),
+            BackendError::Tls { reason, .. } => BackendError::Tls { peer: self.peer.clone(), reason: reason.clone() },
+            other => self.disconnected(format!("a request before it on its stream failed: {other}")),
+        }
     }
 
     fn conn_error(&self, err: ConnError) -> BackendError {

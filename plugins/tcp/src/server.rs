@@ -154,6 +154,8 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
     let mut header_buf = [0u8; frame::HEADER_LEN];
     let mut table = Vec::new();
     let mut descs = Vec::new();
+    // Answers not written yet: an answer without payload waits while the next request is
+    // already read ahead, so a run of pipelined requests is answered in one write.
     let mut out = Vec::with_capacity(64);
     let mut lanes = Lanes::default();
     let staging = &*shared.staging;
@@ -166,7 +168,6 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
         table.resize(frame::table_len(header.n_desc), 0);
         conn.read_exact(&mut table)?;
         frame::decode_descs(&header, &table, &mut descs)?;
-        out.clear();
         let current = fence.read();
         if *current != session {
             return Err(ServeError::Superseded);
@@ -182,7 +183,6 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 (shared.notifs)(&peer, message);
                 drop(current);
                 frame::encode_response(0, header.request_id, 0, "", &mut out);
-                conn.write_all(&out)?;
             }
             Kind::Write => match resolve(&shared.keys, &shared.grants, &peer, &descs, &mut grants_used) {
                 Ok(Resolved { mut pieces, .. }) if needs_staging(&pieces) => {
@@ -200,13 +200,10 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     drop(pieces);
                     drop(current);
                     match staged {
-                        Ok(()) => {
-                            frame::encode_response(0, header.request_id, 0, "", &mut out);
-                            conn.write_all(&out)?;
-                        }
+                        Ok(()) => frame::encode_response(0, header.request_id, 0, "", &mut out),
                         Err(err) => {
                             let msg = format!("storing staged memory: {err}");
-                            refuse(&mut conn, &header, RefusalCode::BadRequest, &msg, &mut out)?;
+                            refusal(&header, RefusalCode::BadRequest, &msg, &mut out);
                         }
                     }
                 }
@@ -215,22 +212,22 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                     drop(slices);
                     drop(current);
                     frame::encode_response(0, header.request_id, 0, "", &mut out);
-                    conn.write_all(&out)?;
                 }
                 Err((code, msg)) => {
                     conn.discard(header.payload_len)?;
-                    refuse(&mut conn, &header, code, &msg, &mut out)?;
+                    refusal(&header, code, &msg, &mut out);
                 }
             },
             Kind::Read => match resolve(&shared.keys, &shared.grants, &peer, &descs, &mut grants_used) {
                 Ok(Resolved { mut pieces, .. }) if needs_staging(&pieces) => match check_files(Flow::ToWire, &pieces) {
                     Err(err) => {
                         let msg = format!("reading staged memory: {err}");
-                        refuse(&mut conn, &header, RefusalCode::BadRequest, &msg, &mut out)?;
+                        refusal(&header, RefusalCode::BadRequest, &msg, &mut out);
                     }
                     Ok(()) => {
                         frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
                         conn.write_all(&out)?;
+                        out.clear();
                         // The answer is promised: a copy failing now (checked above, so a device
                         // error or the file changing meanwhile) can only end the connection.
                         lanes
@@ -241,17 +238,25 @@ fn serve(stream: TcpStream, shared: &ServerShared) -> Result<(), ServeError> {
                 Ok(Resolved { pieces: slices, .. }) => {
                     frame::encode_response(0, header.request_id, header.payload_len, "", &mut out);
                     memio::with_send_slices(&out, &slices, |iov| conn.write_all_vectored(iov))?;
+                    out.clear();
                 }
-                Err((code, msg)) => refuse(&mut conn, &header, code, &msg, &mut out)?,
+                Err((code, msg)) => refusal(&header, code, &msg, &mut out),
             },
+        }
+        if !out.is_empty() && (conn.buffered() < frame::HEADER_LEN || out.len() >= MAX_HELD_ANSWERS) {
+            conn.write_all(&out)?;
+            out.clear();
         }
     }
 }
 
-fn refuse(conn: &mut Conn, header: &Header, code: RefusalCode, msg: &str, out: &mut Vec<u8>) -> Result<(), ConnError> {
+/// Bytes of answers held back for the requests read ahead.
+const MAX_HELD_ANSWERS: usize = 16 << 10;
+
+/// Appends a refusal of `header`'s request to the answers to write.
+fn refusal(header: &Header, code: RefusalCode, msg: &str, out: &mut Vec<u8>) {
     tracing::debug!(request = header.request_id, %code, msg, "refusing request");
     frame::encode_response(code.to_wire(), header.request_id, 0, msg, out);
-    conn.write_all(out)
 }
 
 /// Answers an initiator that sent a plain hello to this TLS target with a refusal it can read,

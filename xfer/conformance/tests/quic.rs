@@ -29,6 +29,8 @@ xfer_conformance::conformance_tests!(
         peer_protocol,
         transfer_matrix,
         transfer_large,
+        requests_in_flight,
+        refusals_in_flight,
         notifications,
         api_errors,
         bad_remote_key,

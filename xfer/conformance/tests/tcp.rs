@@ -9,6 +9,8 @@ xfer_conformance::conformance_tests!(
         peer_protocol,
         transfer_matrix,
         transfer_large,
+        requests_in_flight,
+        refusals_in_flight,
         notifications,
         api_errors,
         bad_remote_key,
@@ -41,6 +43,8 @@ mod tls {
             peer_protocol,
             transfer_matrix,
             transfer_large,
+            requests_in_flight,
+            refusals_in_flight,
             notifications,
             api_errors,
             bad_remote_key,
@@ -62,6 +66,6 @@ mod no_spin {
     xfer_conformance::conformance_tests!(
         "tcp",
         "listen=127.0.0.1:0,spin_us=0",
-        [transfer_matrix, notifications, completion_styles, sigkill_mid_transfer]
+        [transfer_matrix, requests_in_flight, notifications, completion_styles, sigkill_mid_transfer]
     );
 }

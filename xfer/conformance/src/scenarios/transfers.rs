@@ -1,13 +1,14 @@
 //! READ and WRITE of pseudo-random data over many sizes and descriptor shapes, every byte
-//! checked, including the bytes around the destination that must stay untouched.
+//! checked, including the bytes around the destination that must stay untouched; and many small
+//! requests in flight at once, in runs of each direction.
 
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::Rng;
-use xfer::{Op, RequestOptions};
+use xfer::{Op, RefusalCode, RequestOptions, XferError};
 
-use super::{rng, spawn_peer, Initiator, WAIT};
+use super::{drop_within, rng, spawn_peer, Initiator, WAIT};
 use crate::layout::{zip_runs, Layout};
 use crate::pattern::{check_pattern, pattern_hash, write_pattern};
 use crate::peer::Peer;
@@ -138,4 +139,111 @@ pub fn transfer_large(backend: &str, params: &str) {
         let remote = Layout::scatter(&mut bench.rng, LARGE, 1);
         bench.case(op, &local, &remote, LARGE_WAIT);
     }
+}
+
+/// Small requests in flight at once (backends may send several on one connection before their
+/// answers): each has its own region on both sides.
+const IN_FLIGHT: usize = 96;
+/// Room per request; the sizes cycle through small, odd and chunk-sized ones.
+const IN_FLIGHT_SLOT: u64 = 80 << 10;
+const IN_FLIGHT_SIZES: [u64; 5] = [4096, 65536, 1000, 32768 + 5, 1];
+
+/// `IN_FLIGHT` requests made once, WRITEs and READs in uneven runs (so a run of one direction
+/// is cut where the next starts), local and remote slots in different orders (so an answer
+/// landing in another request's place shows).
+struct InFlight {
+    bench: Bench,
+    requests: Vec<(xfer::XferRequest, Op, u64, u64, u64)>,
+}
+
+impl InFlight {
+    fn new(scenario: &str, backend: &str, params: &str) -> InFlight {
+        let bench = Bench::new(scenario, backend, params, IN_FLIGHT as u64 * IN_FLIGHT_SLOT);
+        let requests = (0..IN_FLIGHT)
+            .map(|i| {
+                let op = if i % 7 < 4 { Op::Write } else { Op::Read };
+                let local = i as u64 * IN_FLIGHT_SLOT;
+                let remote = ((i * 37) % IN_FLIGHT) as u64 * IN_FLIGHT_SLOT + 3;
+                let len = IN_FLIGHT_SIZES[i % IN_FLIGHT_SIZES.len()];
+                let (local_desc, remote_desc) = ([bench.init.desc(local, len)], [bench.peer.desc(remote, len)]);
+                let req = bench.init.agent.create_request(
+                    op,
+                    &local_desc,
+                    &bench.peer_name,
+                    &remote_desc,
+                    RequestOptions::default(),
+                );
+                (req.unwrap_or_else(|e| panic!("request {i}: {e}")), op, local, remote, len)
+            })
+            .collect();
+        InFlight { bench, requests }
+    }
+
+    fn post_all(&self, what: &str) {
+        for (i, (req, ..)) in self.requests.iter().enumerate() {
+            req.post().unwrap_or_else(|e| panic!("{what}: post {i}: {e}"));
+        }
+    }
+
+    /// New data everywhere, every request posted before any is waited for, every byte checked.
+    fn round(&mut self, round: u64) {
+        let base: u64 = self.bench.rng.random();
+        let seed = |i: usize| base ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for (i, &(_, op, local, remote, len)) in self.requests.iter().enumerate() {
+            match op {
+                Op::Write => write_pattern(&self.bench.init.buf, local, seed(i), 0, len),
+                Op::Read => self.bench.peer.fill(seed(i), remote, len).expect("peer fill"),
+            }
+        }
+        self.post_all(&format!("round {round}"));
+        for (i, (req, op, _, _, len)) in self.requests.iter().enumerate() {
+            req.wait(WAIT).unwrap_or_else(|e| panic!("round {round}: request {i} ({op:?}, {len} bytes): {e}"));
+        }
+        let writes: Vec<(usize, u64, u64)> = (self.requests.iter().enumerate())
+            .filter(|(_, r)| r.1 == Op::Write)
+            .map(|(i, &(_, _, _, remote, len))| (i, remote, len))
+            .collect();
+        let ranges: Vec<(u64, u64)> = writes.iter().map(|&(_, remote, len)| (remote, len)).collect();
+        let got = self.bench.peer.hashes(&ranges).expect("peer hashes");
+        for (&(i, remote, len), got) in writes.iter().zip(got) {
+            assert_eq!(
+                got,
+                pattern_hash(seed(i), 0, len),
+                "round {round}: WRITE {i} left wrong bytes at remote offset {remote}"
+            );
+        }
+        for (i, &(_, op, local, _, len)) in self.requests.iter().enumerate() {
+            if op == Op::Read {
+                if let Err(at) = check_pattern(&self.bench.init.buf, local, seed(i), 0, len) {
+                    panic!("round {round}: READ {i} has a wrong byte at local offset {}", local + at);
+                }
+            }
+        }
+    }
+}
+
+/// Three rounds of `IN_FLIGHT` small requests in flight at once, reposting the same requests.
+pub fn requests_in_flight(backend: &str, params: &str) {
+    let mut in_flight = InFlight::new("in-flight", backend, params);
+    for round in 0..3 {
+        in_flight.round(round);
+    }
+}
+
+/// For a backend whose target checks every request against its registrations: after a round
+/// of requests in flight the peer deregisters, and the same requests, all in flight again, are
+/// each refused on their own (the stream stays in step from one refusal to the next); the
+/// initiator's registration then drops within the bound.
+pub fn refusals_in_flight(backend: &str, params: &str) {
+    let mut in_flight = InFlight::new("refusals-in-flight", backend, params);
+    in_flight.round(0);
+    in_flight.bench.peer.dereg().expect("peer dereg");
+    in_flight.post_all("after the peer's deregistration");
+    for (i, (req, ..)) in in_flight.requests.iter().enumerate() {
+        match req.wait(WAIT) {
+            Err(XferError::Deregistered | XferError::Refused { code: RefusalCode::UnknownKey, .. }) => {}
+            other => panic!("request {i} to a deregistered region: {other:?}, not a refusal"),
+        }
+    }
+    drop_within("the initiator's requests and registration", WAIT, in_flight);
 }
