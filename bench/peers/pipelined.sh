@@ -10,7 +10,7 @@ OURS_STREAMS=${OURS_STREAMS:-"2 4"} # ours: connections per peer (the TCP backen
 BATCHES=${BATCHES:-"16 64"}     # Mooncake: requests per submitted batch
 STREAMS=${STREAMS:-"1 2 4"}     # iperf3: parallel streams
 DURATION=${DURATION:-1}         # seconds per Mooncake and iperf3 run
-CASE_BYTES=${CASE_BYTES:-268435456} # bytes ours and NIXL move per measured case (all threads)
+CASE_BYTES=${CASE_BYTES:-1073741824} # bytes ours and NIXL move per measured case (all threads)
 
 echo "== ours: xferbench --backend tcp, streams {$OURS_STREAMS} x --window {$WINDOWS} x --threads {$THREADS}" >&2
 for streams in $OURS_STREAMS; do
