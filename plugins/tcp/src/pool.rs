@@ -477,14 +477,17 @@ fn run_pipelined(shared: &PoolShared, slot: &mut Option<Pooled>, run: Vec<Chunk>
         }
         conn.write_all_vectored(&mut iov).map_err(|e| shared.conn_error(e))
     });
-    let mut broken = sent.err();
-    if let Some(err) = &broken {
-        shared.record_failure(err);
+    // The write's own error goes to the run's first request, a copy of it to the others.
+    let (mut broken, mut write_failure) = (None, None);
+    if let Err(err) = sent {
+        shared.record_failure(&err);
         shared.abandon(slot);
+        broken = Some(shared.same_failure(&err));
+        write_failure = Some(err);
     }
     for (mut chunk, (request_id, _)) in sendable.into_iter().zip(heads) {
         let result = match (broken.as_ref(), slot.as_mut()) {
-            (Some(err), _) => Err(shared.same_failure(err)),
+            (Some(err), _) => Err(write_failure.take().unwrap_or_else(|| shared.same_failure(err))),
             (None, None) => Err(shared.disconnected("no connection")),
             (None, Some(pooled)) => receive_host(shared, &mut pooled.conn, &mut chunk, request_id),
         };
@@ -724,12 +727,14 @@ impl PoolShared {
         BackendError::PeerDisconnected { peer: self.peer.clone(), reason: reason.into() }
     }
 
-    /// The error a request fails with when another one on its stream failed with `err`.
+    /// The error the other requests on a stream fail with once `err` broke it (applied to its
+    /// own result, the same error again).
     fn same_failure(&self, err: &BackendError) -> BackendError {
         match err {
             BackendError::TimedOut(after) => BackendError::TimedOut(*after),
             BackendError::Tls { reason, .. } => BackendError::Tls { peer: self.peer.clone(), reason: reason.clone() },
-            other => self.disconnected(format!("a request before it on its stream failed: {other}")),
+            BackendError::PeerDisconnected { reason, .. } => self.disconnected(reason.clone()),
+            other => self.disconnected(format!("its stream broke: {other}")),
         }
     }
 
