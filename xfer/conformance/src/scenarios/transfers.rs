@@ -153,7 +153,16 @@ const IN_FLIGHT_SIZES: [u64; 5] = [4096, 65536, 1000, 32768 + 5, 1];
 /// landing in another request's place shows).
 struct InFlight {
     bench: Bench,
-    requests: Vec<(xfer::XferRequest, Op, u64, u64, u64)>,
+    requests: Vec<Placed>,
+}
+
+/// One request of [`InFlight`] and where its bytes go: `local` and `remote` offsets, `len` bytes.
+struct Placed {
+    req: xfer::XferRequest,
+    op: Op,
+    local: u64,
+    remote: u64,
+    len: u64,
 }
 
 impl InFlight {
@@ -173,15 +182,15 @@ impl InFlight {
                     &remote_desc,
                     RequestOptions::default(),
                 );
-                (req.unwrap_or_else(|e| panic!("request {i}: {e}")), op, local, remote, len)
+                Placed { req: req.unwrap_or_else(|e| panic!("request {i}: {e}")), op, local, remote, len }
             })
             .collect();
         InFlight { bench, requests }
     }
 
     fn post_all(&self, what: &str) {
-        for (i, (req, ..)) in self.requests.iter().enumerate() {
-            req.post().unwrap_or_else(|e| panic!("{what}: post {i}: {e}"));
+        for (i, placed) in self.requests.iter().enumerate() {
+            placed.req.post().unwrap_or_else(|e| panic!("{what}: post {i}: {e}"));
         }
     }
 
@@ -189,19 +198,19 @@ impl InFlight {
     fn round(&mut self, round: u64) {
         let base: u64 = self.bench.rng.random();
         let seed = |i: usize| base ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        for (i, &(_, op, local, remote, len)) in self.requests.iter().enumerate() {
+        for (i, &Placed { op, local, remote, len, .. }) in self.requests.iter().enumerate() {
             match op {
                 Op::Write => write_pattern(&self.bench.init.buf, local, seed(i), 0, len),
                 Op::Read => self.bench.peer.fill(seed(i), remote, len).expect("peer fill"),
             }
         }
         self.post_all(&format!("round {round}"));
-        for (i, (req, op, _, _, len)) in self.requests.iter().enumerate() {
+        for (i, Placed { req, op, len, .. }) in self.requests.iter().enumerate() {
             req.wait(WAIT).unwrap_or_else(|e| panic!("round {round}: request {i} ({op:?}, {len} bytes): {e}"));
         }
         let writes: Vec<(usize, u64, u64)> = (self.requests.iter().enumerate())
-            .filter(|(_, r)| r.1 == Op::Write)
-            .map(|(i, &(_, _, _, remote, len))| (i, remote, len))
+            .filter(|(_, placed)| placed.op == Op::Write)
+            .map(|(i, placed)| (i, placed.remote, placed.len))
             .collect();
         let ranges: Vec<(u64, u64)> = writes.iter().map(|&(_, remote, len)| (remote, len)).collect();
         let got = self.bench.peer.hashes(&ranges).expect("peer hashes");
@@ -212,7 +221,7 @@ impl InFlight {
                 "round {round}: WRITE {i} left wrong bytes at remote offset {remote}"
             );
         }
-        for (i, &(_, op, local, _, len)) in self.requests.iter().enumerate() {
+        for (i, &Placed { op, local, len, .. }) in self.requests.iter().enumerate() {
             if op == Op::Read {
                 if let Err(at) = check_pattern(&self.bench.init.buf, local, seed(i), 0, len) {
                     panic!("round {round}: READ {i} has a wrong byte at local offset {}", local + at);
@@ -239,8 +248,8 @@ pub fn refusals_in_flight(backend: &str, params: &str) {
     in_flight.round(0);
     in_flight.bench.peer.dereg().expect("peer dereg");
     in_flight.post_all("after the peer's deregistration");
-    for (i, (req, ..)) in in_flight.requests.iter().enumerate() {
-        match req.wait(WAIT) {
+    for (i, placed) in in_flight.requests.iter().enumerate() {
+        match placed.req.wait(WAIT) {
             Err(XferError::Deregistered | XferError::Refused { code: RefusalCode::UnknownKey, .. }) => {}
             other => panic!("request {i} to a deregistered region: {other:?}, not a refusal"),
         }
