@@ -2,13 +2,18 @@
 # The GPU check: one machine with an NVIDIA GPU and a CUDA 12 driver, at most 5 minutes.
 #
 #   ci/gpu-check.sh            # builds (release) what it runs, then checks
-#   BIN_DIR=DIR ci/gpu-check.sh  # uses prebuilt xferbench, cuda_bandwidth and test binaries in DIR
+#   BIN_DIR=DIR ci/gpu-check.sh  # uses prebuilt xferbench, cuda_bandwidth and test binaries in DIR,
+#                                # and the pd-xfer wheel unpacked in DIR/pd-xfer-site if it is there
 #
 # 1. The GPU tests with XFER_REQUIRE_GPU=1 (a skip is a failure here): xfer-cuda's driver test
 #    and real VRAM over TCP through CUDA lanes, and VRAM → FILE through posix
 #    (xfer/tests/staged.rs); GDS VRAM↔FILE through cuFile (plugins/gds/tests), which skips
 #    loudly where libcufile is not installed (compat mode needs no nvidia-fs: the script points
-#    CUFILE_ENV_PATH_JSON at a cufile.json allowing it unless one is set).
+#    CUFILE_ENV_PATH_JSON at a cufile.json allowing it unless one is set). cuFile is loaded as
+#    libcufile.so; where only PyPI's nvidia-cufile (libcufile.so.0) is installed, the script
+#    links it under that name. Without udev (a microVM, a container) cuFile cannot register
+#    files; as root the script then writes the udev record cuFile reads (see below). Then the Python wheel: a GPU KV cache READ and WRITTEN between
+#    two processes through pd_xfer.nixl (bindings/python/tests/test_cuda_kv.py).
 # 2. The baselines, in this run: cuMemcpy device→host, host→device, device→device, and the
 #    staging pipeline alone (examples/cuda_bandwidth.rs).
 # 3. xferbench over TCP, consistency-checked: DRAM→DRAM (the baseline), VRAM→remote DRAM and
@@ -32,6 +37,26 @@ if [[ -z "${CUFILE_ENV_PATH_JSON:-}" ]]; then
   printf '{"properties": {"allow_compat_mode": true}}\n' >"$out/cufile.json"
   export CUFILE_ENV_PATH_JSON="$out/cufile.json"
 fi
+# cuFile's compat mode looks a file's block device up in udev's database and refuses the file
+# (cuFileHandleRegister: CU_FILE_HANDLE_NOT_REGISTERED, "unable to get volume attributes")
+# where there is none, as in a microVM or container without udev. There, as root, the script
+# writes the record cuFile reads for the root filesystem's device.
+root_dev=$(mountpoint -d / 2>/dev/null || true)
+if [[ ! -d /run/udev && -n "$root_dev" && $(id -u) == 0 ]]; then
+  mkdir -p /run/udev/data
+  printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(findmnt -n -o FSTYPE /)" >"/run/udev/data/b$root_dev"
+  echo "cuFile: no udev database here; wrote /run/udev/data/b$root_dev for the root filesystem"
+fi
+if ! ldconfig -p | grep -q 'libcufile\.so '; then
+  sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+  # shellcheck disable=SC2086 # the site directories are words
+  pip_cufile=$(find $sites -name 'libcufile.so.[0-9]*' 2>/dev/null | head -1)
+  if [[ -n "$pip_cufile" ]]; then
+    mkdir -p "$out/lib" && ln -s "$pip_cufile" "$out/lib/libcufile.so"
+    export LD_LIBRARY_PATH="$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "cuFile: $pip_cufile, linked as libcufile.so"
+  fi
+fi
 
 if [[ -z "${BIN_DIR:-}" ]]; then
   cargo build --release --locked -p xfer-bench --bin xferbench ${XFER_UCX:+--features ucx}
@@ -42,11 +67,24 @@ if [[ -z "${BIN_DIR:-}" ]]; then
   cargo test --release --locked -p xfer --test staged -- --test-threads 1
   echo "== GDS (cuFile) tests"
   cargo test --release --locked -p xfer-gds -- --test-threads 1 --nocapture
+  site=$(bindings/python/build.sh | tail -1)
 else
   echo "== GPU tests (prebuilt)"
-  for test_bin in "$BIN_DIR"/staged-* "$BIN_DIR"/xfer_cuda-* "$BIN_DIR"/agent-*; do
-    [[ -x "$test_bin" ]] && "$test_bin" --test-threads 1
+  for test_bin in "$BIN_DIR"/staged-* "$BIN_DIR"/xfer_cuda-* "$BIN_DIR"/xfer_gds-* "$BIN_DIR"/agent-*; do
+    if [[ -x "$test_bin" ]]; then
+      echo "-- $(basename "$test_bin")"
+      "$test_bin" --test-threads 1 --nocapture
+    fi
   done
+  site="$BIN_DIR/pd-xfer-site"
+fi
+
+if [[ -d "$site" ]]; then
+  echo "== the Python wheel: a GPU KV cache between two processes (pd_xfer.nixl)"
+  # The site carries its own pytest: plugins installed beside another pytest are not loaded.
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH="$(realpath "$site")" python3 -m pytest -q -p no:cacheprovider bindings/python/tests/test_cuda_kv.py
+else
+  echo "the Python wheel: not checked ($site is missing)"
 fi
 
 echo "== baselines (cuMemcpy, staging pipeline)"

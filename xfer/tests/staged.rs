@@ -421,15 +421,15 @@ fn real_gpu_memory_crosses_tcp_through_cuda_lanes() {
         agent.add_backend("tcp", BackendParams::new().with("listen", "127.0.0.1:0")).unwrap();
     }
     a.add_backend("posix", BackendParams::new()).unwrap();
+    // The registration is returned with the descriptor: dropping it deregisters the memory.
     let register_gpu = |agent: &Agent, buf: &DeviceBuffer| {
         let desc = Desc::new(buf.ptr(), buf.len() as u64, buf.device());
         // SAFETY: the device buffer outlives the registration (both live to the end of the test).
-        unsafe { agent.register_memory(MemType::Vram, &[desc]) }.unwrap();
-        desc
+        (desc, unsafe { agent.register_memory(MemType::Vram, &[desc]) }.unwrap())
     };
     let gpu_a = DeviceBuffer::new(0, len).unwrap();
     let gpu_b = DeviceBuffer::new(0, len).unwrap();
-    let (desc_a, desc_b) = (register_gpu(&a, &gpu_a), register_gpu(&b, &gpu_b));
+    let ((desc_a, _reg_a), (desc_b, _reg_b)) = (register_gpu(&a, &gpu_a), register_gpu(&b, &gpu_b));
     let host_b = Arc::new(HostBuffer::new(len));
     let _host_reg = b.register_buffer(&host_b).unwrap();
     let side_channel = b.start_side_channel("127.0.0.1:0").unwrap();
