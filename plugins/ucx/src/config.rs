@@ -25,9 +25,23 @@ pub const DEFAULT_TCP_SEG_SIZE: u64 = 256 << 10;
 /// Largest accepted `tcp_seg_size` (UCX frames a message length in 32 bits; each worker keeps
 /// a pool of segment buffers).
 pub const MAX_TCP_SEG_SIZE: u64 = 64 << 20;
-/// UCX's TCP options behind `tcp_seg_size`, as `ucp_config_modify` takes them (transport
-/// options go by their name inside the transport's table, without `TCP_`).
+/// UCX's TCP options behind `tcp_seg_size`, as UCX 1.13's `ucp_config_modify` takes them: by
+/// their name inside the transport's table, without `TCP_`. UCX 1.22 refuses that name
+/// (`Invalid parameter`) and takes the full one, `TCP_TX_SEG_SIZE` ([`with_transport`]), which
+/// 1.13 accepts without effect, warning of an invalid configuration when the worker starts.
 const TCP_SEG_OPTIONS: [&str; 2] = ["TX_SEG_SIZE", "RX_SEG_SIZE"];
+
+/// The name under which a UCX version that wants transport options with their transport's
+/// prefix takes `option`, when `option` is one of TCP's segment sizes.
+pub fn with_transport(option: &str) -> Option<String> {
+    TCP_SEG_OPTIONS.contains(&option).then(|| format!("TCP_{option}"))
+}
+
+/// Whether an option name given to `ucp_config_modify` names TCP segment size `option`, with or
+/// without the transport's prefix.
+fn names_tcp_option(name: &str, option: &str) -> bool {
+    name == option || name.strip_prefix("TCP_") == Some(option)
+}
 
 /// How endpoints handle a failed peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,7 +134,8 @@ impl Settings {
     pub fn ucx_options(&self, env: impl Fn(&str) -> Option<String>) -> Vec<(String, String)> {
         let mut options = Vec::with_capacity(self.ucx.len() + 2);
         let set_elsewhere = TCP_SEG_OPTIONS.iter().any(|option| {
-            env(&format!("UCX_TCP_{option}")).is_some() || self.ucx.iter().any(|(name, _)| name == option)
+            env(&format!("UCX_TCP_{option}")).is_some()
+                || self.ucx.iter().any(|(name, _)| names_tcp_option(name, option))
         });
         let setting = |option: &str| {
             let explicit = self.ucx.iter().rev().find(|(name, _)| name == option).map(|(_, value)| value.clone());
@@ -157,7 +172,7 @@ impl Settings {
             let value = options
                 .iter()
                 .rev()
-                .find(|(name, _)| name == option)
+                .find(|(name, _)| names_tcp_option(name, option))
                 .map(|(_, value)| value.clone())
                 .or_else(|| env(&format!("UCX_TCP_{option}")))
                 .or_else(|| env(&format!("UCX_{option}")));
@@ -255,11 +270,21 @@ mod tests {
         assert_eq!(segments("tcp_seg_size=0", &[]), (8192, 65_536), "UCX's own defaults");
         assert_eq!(segments("", &[("UCX_TCP_RX_SEG_SIZE", "1m")]), (8192, 1 << 20), "the environment's");
         assert_eq!(segments("ucx_tx_seg_size=16k", &[]), (16_384, 65_536));
+        assert_eq!(segments("ucx_tcp_tx_seg_size=16k", &[]), (16_384, 65_536), "UCX 1.22's name");
         assert_eq!(segments("tcp_seg_size=65536,ucx_rx_seg_size=128KB", &[]), (65_536, 131_072), "last wins");
         assert_eq!(segments("", &[("UCX_TCP_TX_SEG_SIZE", "lots")]), (0, 65_536), "unparsable: unknown");
         // No TCP possible: nothing to check.
         assert_eq!(segments("tls=posix+cma+self", &[]), (0, 0));
         assert_eq!(segments("", &[("UCX_NET_DEVICES", "mlx5_0:1")]), (0, 0));
+    }
+
+    #[test]
+    fn tcp_segment_options_have_a_full_name_for_newer_ucx() {
+        assert_eq!(with_transport("TX_SEG_SIZE").as_deref(), Some("TCP_TX_SEG_SIZE"));
+        assert_eq!(with_transport("RX_SEG_SIZE").as_deref(), Some("TCP_RX_SEG_SIZE"));
+        // Anything else is passed as given: its error is the user's to read.
+        assert_eq!(with_transport("TLS"), None);
+        assert_eq!(with_transport("TCP_TX_SEG_SIZE"), None);
     }
 
     #[test]
@@ -292,6 +317,7 @@ mod tests {
         // Set by the environment or an explicit option: UCX's own rules, ours stay out.
         assert_eq!(options("", &[("UCX_TCP_RX_SEG_SIZE", "1m")]), pairs(&[]));
         assert_eq!(options("ucx_tx_seg_size=16k", &[]), pairs(&[("TX_SEG_SIZE", "16k")]));
+        assert_eq!(options("ucx_tcp_rx_seg_size=1m", &[]), pairs(&[("TCP_RX_SEG_SIZE", "1m")]));
         assert_eq!(options("tcp_seg_size=0", &[]), pairs(&[]));
         // Given explicitly: applies whatever the environment says; explicit options still win.
         assert_eq!(

@@ -27,7 +27,7 @@ use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use xfer_core::{BackendError, Completion, Desc, LocalRegion, MemType, NotifSink, Progress, RefusalCode, TransferJob};
 
-use crate::config::{ErrorMode, Settings};
+use crate::config::{with_transport, ErrorMode, Settings};
 use crate::conn::{Conn, Env, Finished, Job, PeerInfo, Waiter};
 use crate::grants::{self, Held, UcxGrantKey, REMEMBER_AFTER_EXPIRY};
 use crate::keys::{self, ProcessId, UcxRemoteKey};
@@ -459,7 +459,11 @@ impl Engine {
     fn new(agent_name: String, settings: Settings, notifs: NotifSink) -> Result<Engine, BackendError> {
         let mut config = Config::from_env().map_err(|s| ucx_error("reading the configuration", s))?;
         for (name, value) in &settings.ucx_options(|name| std::env::var(name).ok()) {
-            config.set(name, value).map_err(|status| BackendError::InvalidParam {
+            let applied = config.set(name, value).or_else(|status| match with_transport(name) {
+                Some(full_name) => config.set(&full_name, value),
+                None => Err(status),
+            });
+            applied.map_err(|status| BackendError::InvalidParam {
                 name: name.to_ascii_lowercase(),
                 reason: format!("UCX_{name}={value}: {status}"),
             })?;

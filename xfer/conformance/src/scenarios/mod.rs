@@ -50,7 +50,7 @@ pub use protocol::peer_protocol;
 pub use rail_failover::{rail_failover, REDO_BOUND};
 pub use rails::{scattered_write, two_rails};
 pub use reconnect::reconnect_cycles;
-pub use stall::{notif_once_across_stall, stalled_peer_times_out};
+pub use stall::{notif_once_across_stall, stalled_peer_bounded, stalled_peer_times_out};
 pub use tls_tcp::tls_mismatch_and_pinning;
 pub use transfers::{refusals_in_flight, requests_in_flight, transfer_large, transfer_matrix};
 pub use waits::completion_styles;

@@ -16,9 +16,28 @@ const SMALL: u64 = 1 << 20;
 /// chunks by the backend) must fail by the backend's timeout within the bound, not once per
 /// chunk, and so must a standalone notification; after SIGCONT the peer is served again.
 pub fn stalled_peer_times_out(backend: &str, params: &str) {
+    stalled_peer(backend, params, WriteToFrozen::TimesOut);
+}
+
+/// The same over a transport that writes into the target's memory without the target's CPU
+/// (UCX 1.22's shared memory through `process_vm_writev`, as an RDMA adapter would): the WRITE
+/// may complete while the target is frozen, and then its bytes must be there after SIGCONT; the
+/// notification, which needs the target, still fails by the timeout.
+pub fn stalled_peer_bounded(backend: &str, params: &str) {
+    stalled_peer(backend, params, WriteToFrozen::TimesOutOrLands);
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WriteToFrozen {
+    TimesOut,
+    TimesOutOrLands,
+}
+
+fn stalled_peer(backend: &str, params: &str, expected: WriteToFrozen) {
     let init = Initiator::new("stall-init", backend, params, BIG);
     let mut peer = spawn_peer("stall-peer", backend, params, BIG);
     let name = init.connect(&peer);
+    write_pattern(&init.buf, 0, 5, 0, BIG);
     init.transfer(Op::Write, &[init.desc(0, SMALL)], &name, &[peer.desc(0, SMALL)], RequestOptions::default(), WAIT)
         .expect("write before the stop");
     // Opens the notification path, so the stalled one below reuses a live connection.
@@ -40,12 +59,17 @@ pub fn stalled_peer_times_out(backend: &str, params: &str) {
     eprintln!("stalled peer: the write ended after {took:?}: {result:?}");
     eprintln!("stalled peer: the notification ended after {notif_took:?}: {notif_result:?}");
     signal(&peer, "CONT");
-    let err = result.err().unwrap_or_else(|| panic!("a write to a stopped peer succeeded"));
-    assert!(
-        matches!(err, XferError::TimedOut(after) if after < HANG),
-        "write to a stopped peer: {err:?} after {took:?}"
-    );
-    assert!(took < FAILURE_BOUND, "write to a stopped peer took {took:?} to fail");
+    assert!(took < FAILURE_BOUND, "write to a stopped peer took {took:?} to end");
+    match result {
+        Ok(()) if expected == WriteToFrozen::TimesOutOrLands => {
+            assert_eq!(peer.hash(0, BIG).expect("hash"), pattern_hash(5, 0, BIG), "write into a stopped peer");
+        }
+        Ok(()) => panic!("a write to a stopped peer succeeded"),
+        Err(err) => assert!(
+            matches!(err, XferError::TimedOut(after) if after < HANG),
+            "write to a stopped peer: {err:?} after {took:?}"
+        ),
+    }
     let err = notif_result.err().unwrap_or_else(|| panic!("a notification to a stopped peer succeeded"));
     assert!(is_disconnect(&err), "notification to a stopped peer: {err:?}");
     assert!(notif_took < FAILURE_BOUND, "notification to a stopped peer took {notif_took:?} to fail");
