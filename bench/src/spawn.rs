@@ -35,7 +35,7 @@ impl Target {
         let stdout = child.stdout.take().expect("piped stdout");
         // From here on the guard owns the child: any error below still stops it.
         let mut target = Target { side: None, raw: String::new(), child: Some(child) };
-        let line = first_line(stdout, READY_TIMEOUT).map_err(|e| {
+        let line = ready_line(stdout, READY_TIMEOUT).map_err(|e| {
             let status = target.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
             match status {
                 Some(status) => anyhow!("the target exited ({status}) before it was ready"),
@@ -69,13 +69,22 @@ impl Drop for Target {
     }
 }
 
-/// Reads the first line of `stream` within `timeout`, then keeps draining the stream.
-fn first_line(stream: impl Read + Send + 'static, timeout: Duration) -> Result<String> {
+/// Reads `stream` up to its first line that starts with `READY` within `timeout`, then keeps
+/// draining it. Lines before it go to stderr: libraries the target loads (UCX with
+/// `UCX_LOG_LEVEL` set, say) may log to stdout before the target is ready.
+fn ready_line(stream: impl Read + Send + 'static, timeout: Duration) -> Result<String> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut reader = BufReader::new(stream);
         let mut line = String::new();
-        let _ = tx.send(reader.read_line(&mut line).map(|_| line));
+        let read = loop {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(n) if n > 0 && !line.starts_with("READY") => eprint!("xferbench target: {line}"),
+                done => break done.map(|_| line),
+            }
+        };
+        let _ = tx.send(read);
         let _ = std::io::copy(&mut reader, &mut std::io::sink());
     });
     match rx.recv_timeout(timeout) {
@@ -126,10 +135,14 @@ mod tests {
     }
 
     #[test]
-    fn first_line_times_out_on_silence() {
+    fn ready_line_skips_logs_and_times_out_on_silence() {
         let (reader, _writer) = std::os::unix::net::UnixStream::pair().unwrap();
-        let err = first_line(reader, Duration::from_millis(50)).unwrap_err();
+        let err = ready_line(reader, Duration::from_millis(50)).unwrap_err();
         assert!(err.to_string().contains("not ready"), "{err}");
-        assert_eq!(first_line(&b"READY a b\nmore"[..], Duration::from_secs(5)).unwrap(), "READY a b\n");
+        assert_eq!(ready_line(&b"READY a b\nmore"[..], Duration::from_secs(5)).unwrap(), "READY a b\n");
+        let logged = &b"[1.2] UCX  DEBUG loaded\nREADY a b\n"[..];
+        assert_eq!(ready_line(logged, Duration::from_secs(5)).unwrap(), "READY a b\n");
+        let err = ready_line(&b"UCX  ERROR failed\n"[..], Duration::from_secs(5)).unwrap_err();
+        assert!(err.to_string().contains("closed its stdout"), "{err}");
     }
 }
