@@ -54,3 +54,60 @@ def test_gpu_kv_blocks_read_and_written_between_processes(backend):
     assert record["write"] == "DONE", record
     assert record["intact"], "the prefill's cache differs from what the WRITE should have left"
     assert record["notifs"][0] == "req-1" and record["notifs"][-1] == "written:1,2,40", record["notifs"]
+
+
+@pytest.mark.parametrize("backend", ["GDS", "POSIX"])
+def test_gpu_kv_blocks_to_a_file_and_back(backend, tmp_path):
+    """KV offload to storage as NIXL's GDS and POSIX plugins are used: GPU blocks WRITTEN to a
+    registered file in reversed order (the agent names itself as the file list's remote
+    agent), then READ back into other GPU memory; GDS through cuFile, POSIX staged through
+    host memory."""
+    reason = cuda_missing()
+    if reason:
+        if os.environ.get("XFER_REQUIRE_GPU") == "1":
+            pytest.fail(f"XFER_REQUIRE_GPU=1 but {reason}")
+        print(f"SKIPPED test_gpu_kv_blocks_to_a_file_and_back ({backend}): {reason}", file=sys.__stderr__, flush=True)
+        pytest.skip(reason)
+    import time
+
+    import torch
+
+    from pd_xfer.nixl import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(f"files-{backend}", nixl_agent_config(backends=[backend]))
+    blocks, block = 64, 256 * 1024
+    size = blocks * block
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    back = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    path = tmp_path / "kv.bin"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        device = source.device.index
+        for tensor in (source, back):
+            agent.register_memory([(tensor.data_ptr(), size, device, "")], "VRAM")
+        agent.register_memory([(0, size, fd, str(path))], "FILE")
+        file_side = agent.prep_xfer_dlist(agent.name, [(i * block, block, fd) for i in range(blocks)], "FILE")
+        for op, tensor in (("WRITE", source), ("READ", back)):
+            local = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", [(tensor.data_ptr() + i * block, block, device) for i in range(blocks)], "VRAM"
+            )
+            started = time.perf_counter()
+            handle = agent.make_prepped_xfer(op, local, list(range(blocks)), file_side, list(reversed(range(blocks))))
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 60
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(handle)
+            seconds = time.perf_counter() - started
+            assert state == "DONE", f"{op}: {state}"
+            assert agent.query_xfer_backend(handle) == backend
+            agent.release_xfer_handle(handle)
+            print(f"{backend} {op} VRAM↔FILE: {size / seconds / 1e9:.2f} GB/s", file=sys.__stderr__, flush=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, source), "the blocks read back from the file differ"
+        on_disk = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        assert torch.equal(on_disk[:block], source[size - block:].cpu()), "the file's first block is not the last one written"
+    finally:
+        os.close(fd)
