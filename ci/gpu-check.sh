@@ -82,7 +82,7 @@ fi
 if [[ -d "$site" ]]; then
   echo "== the Python wheel: a GPU KV cache between two processes (pd_xfer.nixl)"
   # The site carries its own pytest: plugins installed beside another pytest are not loaded.
-  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH="$(realpath "$site")" python3 -m pytest -q -p no:cacheprovider bindings/python/tests/test_cuda_kv.py
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH="$(realpath "$site")" python3 -m pytest -q -s -p no:cacheprovider bindings/python/tests/test_cuda_kv.py
 else
   echo "the Python wheel: not checked ($site is missing)"
 fi
@@ -96,7 +96,7 @@ bench() {
   shift 2
   "$BIN_DIR/xferbench" --backend "$backend" --op write --block-sizes 16M --iters 40 --warmup 4 --check --no-progress \
     --json "$out/$name.json" "$@" >"$out/$name.log" 2>&1 || { cat "$out/$name.log"; return 1; }
-  python3 -c 'import json,sys; print(max(r["gbps"] for r in json.load(open(sys.argv[1]))))' "$out/$name.json"
+  python3 -c 'import json,sys; print("%.2f" % max(r["gbps"] for r in json.load(open(sys.argv[1]))))' "$out/$name.json"
 }
 
 echo "== xferbench over TCP (16 MiB blocks, write, checked)"
