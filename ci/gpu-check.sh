@@ -9,9 +9,9 @@
 #    and real VRAM over TCP through CUDA lanes, and VRAM → FILE through posix
 #    (xfer/tests/staged.rs); GDS VRAM↔FILE through cuFile (plugins/gds/tests), which skips
 #    loudly where libcufile is not installed (compat mode needs no nvidia-fs: the script points
-#    CUFILE_ENV_PATH_JSON at a cufile.json allowing it unless one is set). cuFile is loaded as
-#    libcufile.so; where only PyPI's nvidia-cufile (libcufile.so.0) is installed, the script
-#    links it under that name. Without udev (a microVM, a container) cuFile cannot register
+#    CUFILE_ENV_PATH_JSON at a cufile.json allowing it unless one is set). Where cuFile is
+#    only PyPI's nvidia-cufile (libcufile.so.0 under site-packages, off the loader's path), the
+#    script puts its folder on LD_LIBRARY_PATH for the Rust tests; the wheel finds it itself. Without udev (a microVM, a container) cuFile cannot register
 #    files; as root the script then writes the udev record cuFile reads (see below). Then the Python wheel: a GPU KV cache READ and WRITTEN between
 #    two processes through pd_xfer.nixl (bindings/python/tests/test_cuda_kv.py).
 # 2. The baselines, in this run: cuMemcpy device→host, host→device, device→device, and the
@@ -47,14 +47,13 @@ if [[ ! -d /run/udev && -n "$root_dev" && $(id -u) == 0 ]]; then
   printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(findmnt -n -o FSTYPE /)" >"/run/udev/data/b$root_dev"
   echo "cuFile: no udev database here; wrote /run/udev/data/b$root_dev for the root filesystem"
 fi
-if ! ldconfig -p | grep -q 'libcufile\.so '; then
+if ! ldconfig -p | grep -q 'libcufile\.so'; then
   sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
   # shellcheck disable=SC2086 # the site directories are words
   pip_cufile=$(find $sites -name 'libcufile.so.[0-9]*' 2>/dev/null | head -1)
   if [[ -n "$pip_cufile" ]]; then
-    mkdir -p "$out/lib" && ln -s "$pip_cufile" "$out/lib/libcufile.so"
-    export LD_LIBRARY_PATH="$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    echo "cuFile: $pip_cufile, linked as libcufile.so"
+    export LD_LIBRARY_PATH="$(dirname "$pip_cufile")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "cuFile: $pip_cufile (PyPI), its folder on LD_LIBRARY_PATH for the Rust tests"
   fi
 fi
 

@@ -170,3 +170,23 @@ def test_gds_is_listed_and_refused_with_the_reason_without_a_gpu():
         assert "CUDA is not available" in str(err) or "libcufile" in str(err), str(err)
     else:
         print("SKIPPED the refusal half: GDS attached (a GPU with cuFile is here)", file=sys.__stderr__)
+
+
+def test_load_cufile_finds_pypi_nvidia_packages(tmp_path, monkeypatch):
+    """Where PyPI's nvidia-cufile puts cuFile (``nvidia/cu13/lib/libcufile.so.0``, off the
+    loader's path) is where ``load_cufile`` looks; a stand-in library (this extension module,
+    which loads anywhere) is loaded from there by path, and nothing is loaded without it."""
+    if "nvidia" in sys.modules:
+        pytest.skip("an nvidia package is already imported: its search path is fixed")
+    import importlib
+    import shutil
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert pd_xfer.load_cufile() is None or "nvidia" in pd_xfer.load_cufile()
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcufile_rdma.so.1").write_bytes(b"not a library: never loaded")
+    shutil.copy(pd_xfer._native.__file__, lib / "libcufile.so.0")
+    importlib.invalidate_caches()
+    assert pd_xfer.load_cufile() == str(lib / "libcufile.so.0")

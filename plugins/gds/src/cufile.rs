@@ -3,12 +3,94 @@
 
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
-use std::sync::Arc;
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::cufile::sys;
 use xfer_core::{file_io, BackendError, Desc, DeviceError, FileIoError};
+
+/// Names cuFile's library is installed under: the CUDA toolkit's development link, and the
+/// versioned name alone, which is all PyPI's nvidia-cufile (what torch's and vLLM's wheels
+/// install) ships. cudarc's own loader tries neither `.so.0` nor `.so.1`, hence this one;
+/// cudarc still gives the types.
+const LIBRARY_NAMES: [&str; 3] = ["libcufile.so", "libcufile.so.0", "libcufile.so.1"];
+
+/// The cuFile entry points this backend calls, resolved once per process.
+struct CuFile {
+    driver_open: unsafe extern "C" fn() -> sys::CUfileError_t,
+    driver_close: unsafe extern "C" fn() -> sys::CUfileError_t,
+    buf_register: unsafe extern "C" fn(*const c_void, usize, c_int) -> sys::CUfileError_t,
+    buf_deregister: unsafe extern "C" fn(*const c_void) -> sys::CUfileError_t,
+    handle_register: unsafe extern "C" fn(*mut sys::CUfileHandle_t, *mut sys::CUfileDescr_t) -> sys::CUfileError_t,
+    handle_deregister: unsafe extern "C" fn(sys::CUfileHandle_t),
+    read: unsafe extern "C" fn(sys::CUfileHandle_t, *mut c_void, usize, sys::off_t, sys::off_t) -> isize,
+    write: unsafe extern "C" fn(sys::CUfileHandle_t, *const c_void, usize, sys::off_t, sys::off_t) -> isize,
+    batch_set_up: unsafe extern "C" fn(*mut sys::CUfileBatchHandle_t, c_uint) -> sys::CUfileError_t,
+    batch_submit: unsafe extern "C" fn(
+        sys::CUfileBatchHandle_t,
+        c_uint,
+        *mut sys::CUfileIOParams_t,
+        c_uint,
+    ) -> sys::CUfileError_t,
+    batch_status: unsafe extern "C" fn(
+        sys::CUfileBatchHandle_t,
+        c_uint,
+        *mut c_uint,
+        *mut sys::CUfileIOEvents_t,
+        *mut sys::timespec,
+    ) -> sys::CUfileError_t,
+    batch_cancel: unsafe extern "C" fn(sys::CUfileBatchHandle_t) -> sys::CUfileError_t,
+    batch_destroy: unsafe extern "C" fn(sys::CUfileBatchHandle_t),
+    /// Kept loaded for the process's life: the pointers above point into it.
+    _library: libloading::Library,
+}
+
+impl CuFile {
+    /// The library, loaded on first call; the same answer afterwards.
+    fn get() -> Result<&'static CuFile, DeviceError> {
+        static CUFILE: OnceLock<Result<CuFile, DeviceError>> = OnceLock::new();
+        CUFILE.get_or_init(CuFile::load).as_ref().map_err(Clone::clone)
+    }
+
+    fn load() -> Result<CuFile, DeviceError> {
+        // SAFETY: loading runs the library's initialisers, as linking it would.
+        let library = LIBRARY_NAMES.iter().find_map(|name| unsafe { libloading::Library::new(*name) }.ok());
+        let Some(library) = library else {
+            let tried = LIBRARY_NAMES.join(", ");
+            return Err(DeviceError::Unavailable(format!(
+                "the GPUDirect Storage library is not installed (tried {tried})"
+            )));
+        };
+        let missing = |name: &str, err: libloading::Error| {
+            DeviceError::Unavailable(format!("the GPUDirect Storage library lacks {name}: {err}"))
+        };
+        macro_rules! entry {
+            ($name:literal) => {
+                // SAFETY: each field's type is cuFile's prototype of that name (cufile.h, as
+                // cudarc's bindings declare it); the pointers live in the same struct as the
+                // library, which a static keeps loaded for the process's life.
+                *unsafe { library.get(concat!($name, "\0").as_bytes()) }.map_err(|err| missing($name, err))?
+            };
+        }
+        Ok(CuFile {
+            driver_open: entry!("cuFileDriverOpen"),
+            driver_close: entry!("cuFileDriverClose"),
+            buf_register: entry!("cuFileBufRegister"),
+            buf_deregister: entry!("cuFileBufDeregister"),
+            handle_register: entry!("cuFileHandleRegister"),
+            handle_deregister: entry!("cuFileHandleDeregister"),
+            read: entry!("cuFileRead"),
+            write: entry!("cuFileWrite"),
+            batch_set_up: entry!("cuFileBatchIOSetUp"),
+            batch_submit: entry!("cuFileBatchIOSubmit"),
+            batch_status: entry!("cuFileBatchIOGetStatus"),
+            batch_cancel: entry!("cuFileBatchIOCancel"),
+            batch_destroy: entry!("cuFileBatchIODestroy"),
+            _library: library,
+        })
+    }
+}
 
 fn failed(call: &'static str, err: sys::CUfileError_t) -> DeviceError {
     DeviceError::Driver { call, message: format!("{:?} (CUDA {:?})", err.err, err.cu_err) }
@@ -22,20 +104,23 @@ fn check(call: &'static str, err: sys::CUfileError_t) -> Result<(), DeviceError>
 }
 
 /// cuFile's driver, open for this backend's life (and its registrations': each holds it).
-#[derive(Debug)]
-pub struct Driver(());
+pub struct Driver {
+    cufile: &'static CuFile,
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Driver")
+    }
+}
 
 impl Driver {
     pub fn open() -> Result<Arc<Driver>, BackendError> {
         xfer_cuda::Cuda::get()?;
-        // SAFETY: only tries to open the library (dlopen) under its usual names.
-        if !unsafe { sys::is_culib_present() } {
-            let reason = "the GPUDirect Storage library (libcufile.so) is not installed".to_string();
-            return Err(DeviceError::Unavailable(reason).into());
-        }
-        // SAFETY: the library is present (checked above); opening the driver has no inputs.
-        check("cuFileDriverOpen", unsafe { sys::cuFileDriverOpen() })?;
-        Ok(Arc::new(Driver(())))
+        let cufile = CuFile::get()?;
+        // SAFETY: a loaded library's entry point; opening the driver has no inputs.
+        check("cuFileDriverOpen", unsafe { (cufile.driver_open)() })?;
+        Ok(Arc::new(Driver { cufile }))
     }
 
     /// Registers GPU memory with cuFile (in its device's primary context).
@@ -44,8 +129,8 @@ impl Driver {
         let ptr = desc.addr as usize as *const c_void;
         // SAFETY: `desc` is a registered VRAM region (its registration's contract: live device
         // memory until deregistered, which drops this registration first).
-        check("cuFileBufRegister", unsafe { sys::cuFileBufRegister(ptr, desc.len as usize, 0) })?;
-        Ok(Registered { kind: Kind::Buffer { device: desc.dev_id, ptr: desc.addr }, _driver: Arc::clone(self) })
+        check("cuFileBufRegister", unsafe { (self.cufile.buf_register)(ptr, desc.len as usize, 0) })?;
+        Ok(Registered { kind: Kind::Buffer { device: desc.dev_id, ptr: desc.addr }, driver: Arc::clone(self) })
     }
 
     /// Registers a FILE region's descriptor with cuFile.
@@ -63,10 +148,10 @@ impl Driver {
         let mut handle: sys::CUfileHandle_t = std::ptr::null_mut();
         // SAFETY: `descr` names an open descriptor (checked above) that the FILE registration keeps
         // open; cuFile writes the handle.
-        check("cuFileHandleRegister", unsafe { sys::cuFileHandleRegister(&mut handle, &mut descr) })?;
+        check("cuFileHandleRegister", unsafe { (self.cufile.handle_register)(&mut handle, &mut descr) })?;
         Ok(Registered {
             kind: Kind::File { handle, readable: mode.readable, writable: mode.writable },
-            _driver: Arc::clone(self),
+            driver: Arc::clone(self),
         })
     }
 
@@ -100,9 +185,9 @@ impl Driver {
             // caller).
             let n = unsafe {
                 if to_file {
-                    sys::cuFileWrite(handle, base, size, file_at, device_at)
+                    (self.cufile.write)(handle, base, size, file_at, device_at)
                 } else {
-                    sys::cuFileRead(handle, base, size, file_at, device_at)
+                    (self.cufile.read)(handle, base, size, file_at, device_at)
                 }
             };
             let op = if to_file { "cuFileWrite" } else { "cuFileRead" };
@@ -164,13 +249,13 @@ impl Driver {
         xfer_cuda::bind_device(device).map_err(|err| BatchError::Failed(err.into()))?;
         let mut batch: sys::CUfileBatchHandle_t = std::ptr::null_mut();
         // SAFETY: cuFile writes the batch handle; `count` entries are allocated for it.
-        check("cuFileBatchIOSetUp", unsafe { sys::cuFileBatchIOSetUp(&mut batch, count) })
+        check("cuFileBatchIOSetUp", unsafe { (self.cufile.batch_set_up)(&mut batch, count) })
             .map_err(BatchError::Unavailable)?;
-        let batch = BatchHandle(batch);
+        let batch = BatchHandle { raw: batch, cufile: self.cufile };
         // SAFETY: `params` holds `count` entries naming registered buffers (the request's pins keep
         // them registered), registered file handles and offsets that fit `off_t` (the caller
         // checked); cuFile reads them during the call.
-        check("cuFileBatchIOSubmit", unsafe { sys::cuFileBatchIOSubmit(batch.0, count, params.as_mut_ptr(), 0) })
+        check("cuFileBatchIOSubmit", unsafe { (self.cufile.batch_submit)(batch.raw, count, params.as_mut_ptr(), 0) })
             .map_err(BatchError::Unavailable)?;
         let mut events: Vec<Option<BatchEvent>> = vec![None; runs.len()];
         let mut raw = vec![RawEvent { cookie: std::ptr::null_mut(), status: 0, ret: 0 }; runs.len()];
@@ -187,7 +272,7 @@ impl Driver {
             // SAFETY: `raw` has room for `got` events and mirrors `CUfileIOEvents_t`'s layout with
             // the status as a plain u32 (see `RawEvent`); cuFile writes at most `got` of them.
             let status =
-                unsafe { sys::cuFileBatchIOGetStatus(batch.0, 1, &mut got, raw.as_mut_ptr().cast(), &mut wait) };
+                unsafe { (self.cufile.batch_status)(batch.raw, 1, &mut got, raw.as_mut_ptr().cast(), &mut wait) };
             if let Err(err) = check("cuFileBatchIOGetStatus", status) {
                 batch.cancel();
                 return Err(BatchError::Failed(err.into()));
@@ -248,33 +333,31 @@ pub enum BatchError {
 }
 
 /// A batch set up with cuFile, destroyed on drop.
-struct BatchHandle(sys::CUfileBatchHandle_t);
+struct BatchHandle {
+    raw: sys::CUfileBatchHandle_t,
+    cufile: &'static CuFile,
+}
 
 impl BatchHandle {
     fn cancel(&self) {
         // SAFETY: a live batch handle; cancelling one that is already done is harmless.
-        let _ = unsafe { sys::cuFileBatchIOCancel(self.0) };
+        let _ = unsafe { (self.cufile.batch_cancel)(self.raw) };
     }
 }
 
 impl Drop for BatchHandle {
     fn drop(&mut self) {
         // SAFETY: set up in `batch`, destroyed once; cancelled first when it did not finish.
-        unsafe { sys::cuFileBatchIODestroy(self.0) };
+        unsafe { (self.cufile.batch_destroy)(self.raw) };
     }
 }
 
 impl Drop for Driver {
     fn drop(&mut self) {
         // SAFETY: opened in `open`; every registration (holding an Arc) is gone by now.
-        let _ = unsafe { sys::cuFileDriverClose() };
+        let _ = unsafe { (self.cufile.driver_close)() };
     }
 }
-
-// SAFETY: the driver handle is process-wide state of cuFile, usable from any thread.
-unsafe impl Send for Driver {}
-// SAFETY: as above.
-unsafe impl Sync for Driver {}
 
 /// One run of a request: `len` bytes at `device_offset` of the registered buffer at `base` on
 /// `device`, and at `file_offset` of the file.
@@ -310,7 +393,7 @@ enum Kind {
 #[derive(Debug)]
 pub struct Registered {
     kind: Kind,
-    _driver: Arc<Driver>,
+    driver: Arc<Driver>,
 }
 
 // SAFETY: cuFile handles and registered buffer addresses may be used from any thread.
@@ -324,11 +407,11 @@ impl Drop for Registered {
             Kind::Buffer { device, ptr } => {
                 if xfer_cuda::bind_device(device).is_ok() {
                     // SAFETY: registered in `register_buffer`, deregistered once.
-                    let _ = unsafe { sys::cuFileBufDeregister(ptr as usize as *const c_void) };
+                    let _ = unsafe { (self.driver.cufile.buf_deregister)(ptr as usize as *const c_void) };
                 }
             }
             // SAFETY: registered in `register_file`, deregistered once.
-            Kind::File { handle, .. } => unsafe { sys::cuFileHandleDeregister(handle) },
+            Kind::File { handle, .. } => unsafe { (self.driver.cufile.handle_deregister)(handle) },
         }
     }
 }

@@ -19,8 +19,14 @@
 //! it runs on the request's own thread. An entry that moved fewer bytes than asked finishes run
 //! by run, so a read that meets the end of the file is `ShortFile`.
 //!
-//! The library is loaded at run time: builds need no CUDA. cudarc panics when a library it calls
-//! is missing, so presence is checked before the first call.
+//! The library is loaded at run time: builds need no CUDA. cuFile is looked for as
+//! `libcufile.so`, then `libcufile.so.0` and `.so.1` (PyPI's nvidia-cufile ships only
+//! `libcufile.so.0`, outside the loader's path: `pd_xfer.load_cufile()` loads it first, or name
+//! its folder in `LD_LIBRARY_PATH`); cudarc gives the types only, its own loader not knowing
+//! those names. The run on an NVIDIA H200 (`ci/gpu-check.sh`) passed with the CUDA toolkit's
+//! cuFile and with PyPI's alone, in compatibility mode (no nvidia-fs there); moving 64 blocks of
+//! 256 KiB took cuFile 0.12–0.16 GB/s against 1.4–2.5 GB/s for `posix`'s staging, so where
+//! nvidia-fs is missing `posix` is the faster choice.
 //!
 //! Parameters: `max_request_bytes` (default 16777216, NIXL's GDS default): the largest single
 //! cuFile read or write; `batch_limit` (default 128, cuFile's default `io_batchsize`): the most

@@ -5,7 +5,8 @@ The native API (``Agent``, ``Registration``, ``PreparedLocal``, ``PreparedRemote
 ``pd_xfer._native``. This module
 adds ``regions()``, which turns the objects engines hold (torch tensors, numpy arrays, writable
 buffers, ``(addr, len, dev_id)`` tuples) into the descriptor tuples the agent takes, and
-``register()``, which registers such objects and keeps them alive while registered.
+``register()``, which registers such objects and keeps them alive while registered, and
+``load_cufile()``, which makes PyPI's cuFile findable by the GDS backend.
 
 ``pd_xfer.nixl`` offers NIXL's Python agent (``nixl_agent``) over this API, and
 ``pd_xfer.vllm`` a vLLM KV connector that uses it.
@@ -14,6 +15,9 @@ buffers, ``(addr, len, dev_id)`` tuples) into the descriptor tuples the agent ta
 from __future__ import annotations
 
 import ctypes
+import glob
+import importlib.util
+import os
 from typing import Any, Iterable
 
 from ._native import Agent, Grant, GrantOffer, PreparedLocal, PreparedRemote, Registration, Request, XferError
@@ -29,6 +33,7 @@ __all__ = [
     "Registration",
     "Request",
     "XferError",
+    "load_cufile",
     "memory_type_of",
     "register",
     "regions",
@@ -109,3 +114,17 @@ def memory_type_of(objs: Any, default: str = "DRAM") -> str:
 def register(agent: Agent, objs: Any, mem_type: str | None = None) -> Registration:
     """Registers tensors, arrays, buffers or tuples; the objects stay alive while registered."""
     return agent.register_memory(regions(objs), mem_type or memory_type_of(objs), keep_alive=objs)
+
+
+def load_cufile() -> str | None:
+    """Loads cuFile from PyPI's NVIDIA packages (``nvidia/*/lib/libcufile.so.N``, which torch's
+    and vLLM's wheels install off the loader's search path), so that the GDS backend, which
+    looks for ``libcufile.so`` and then ``libcufile.so.0`` by name, finds it already loaded.
+    Returns the path loaded, or None where no such package is installed (the GDS backend then
+    looks on the usual path). ``nixl_agent.create_backend("GDS")`` calls it."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(glob.glob(os.path.join(root, "*", "lib", "libcufile.so.[0-9]*"))):
+            ctypes.CDLL(path)
+            return path
+    return None

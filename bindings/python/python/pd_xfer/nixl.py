@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-from . import Agent, XferError, memory_type_of, regions
+from . import Agent, XferError, load_cufile, memory_type_of, regions
 
 logger = logging.getLogger(__name__)
 
@@ -409,6 +409,8 @@ class nixl_agent:
                 nixlInvalidParamError, "create_backend", f"backend {backend!r} already created", "backend_exists"
             )
         params = {k: str(v) for k, v in (initParams or {}).items() if k not in THREAD_PARAMS}
+        if ours == "gds":
+            load_cufile()
         with _Translated("create_backend"):
             self._agent.add_backend(ours, params)
         self.backends[backend.upper()] = ours
