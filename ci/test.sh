@@ -115,7 +115,7 @@ PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test 
 step "Python wheel pd-xfer: built from source with UCX, its tests inside the real-vLLM venv (torch, numpy, nixl)"
 await_background wheel
 xfer_site=$last_line
-PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -p no:cacheprovider \
+PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
   -W ignore::DeprecationWarning bindings/python/tests
 
 # t4 (lease expiry with xfer's agents, then a late read refused under its revoked grant) and t5 (a NIXL prefill with an xfer decode) are the
