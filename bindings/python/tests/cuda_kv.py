@@ -7,7 +7,6 @@ blocks back. test_cuda_kv.py runs it; it needs torch with a CUDA device.
     python cuda_kv.py BACKEND --target   # the prefill side, started by the decode side
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -16,24 +15,13 @@ import time
 import numpy
 import torch
 
+from nixl_calls import MARK, emit, read_emitted
 from pd_xfer.nixl import nixl_agent, nixl_agent_config
 
 LAYERS = 4
 BLOCKS = 64
 BLOCK = 256 * 1024 + 512  # not a power of two: the staging slots' edges fall inside blocks
 WAIT_S = 60
-MARK = "@@"
-
-
-def emit(obj):
-    print(MARK + json.dumps(obj, sort_keys=True), flush=True)
-
-
-def read_emitted(stream):
-    for line in stream:
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    raise EOFError("the other process ended without its record")
 
 
 def pattern(layer: int, seed: int) -> torch.Tensor:

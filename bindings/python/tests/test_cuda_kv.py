@@ -1,5 +1,5 @@
 """A GPU KV cache between two processes through ``pd_xfer.nixl`` (cuda_kv.py). It needs torch
-with a CUDA device and skips loudly, with the reason, everywhere else (every CI machine);
+with a CUDA device and skips everywhere else with the reason, which `pytest -rs` (ci/test.sh) lists;
 ``ci/gpu-check.sh`` runs it on a GPU machine, where ``XFER_REQUIRE_GPU=1`` makes a skip a
 failure."""
 
@@ -30,14 +30,19 @@ def cuda_missing() -> str | None:
 BACKENDS = ["TCP"] + (["UCX"] if "ucx" in pd_xfer.Agent.available_backends() else [])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gpu_kv_blocks_read_and_written_between_processes(backend):
+def require_cuda():
+    """Skips without torch and a CUDA device, with the reason; fails instead where
+    ``XFER_REQUIRE_GPU=1`` (the GPU check)."""
     reason = cuda_missing()
     if reason:
         if os.environ.get("XFER_REQUIRE_GPU") == "1":
             pytest.fail(f"XFER_REQUIRE_GPU=1 but {reason}")
-        print(f"SKIPPED test_gpu_kv_blocks ({backend}): {reason}", file=sys.__stderr__, flush=True)
         pytest.skip(reason)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_kv_blocks_read_and_written_between_processes(backend):
+    require_cuda()
     sys.path.insert(0, HERE)
     from cuda_kv import MARK
 
@@ -62,12 +67,7 @@ def test_gpu_kv_blocks_to_a_file_and_back(backend, tmp_path):
     registered file in reversed order (the agent names itself as the file list's remote
     agent), then READ back into other GPU memory; GDS through cuFile, POSIX staged through
     host memory."""
-    reason = cuda_missing()
-    if reason:
-        if os.environ.get("XFER_REQUIRE_GPU") == "1":
-            pytest.fail(f"XFER_REQUIRE_GPU=1 but {reason}")
-        print(f"SKIPPED test_gpu_kv_blocks_to_a_file_and_back ({backend}): {reason}", file=sys.__stderr__, flush=True)
-        pytest.skip(reason)
+    require_cuda()
     import time
 
     import torch
