@@ -140,7 +140,7 @@ step "UCX benchmark smoke run (consistency-checked, shared memory)"
 target/debug/xferbench --backend ucx --params tls=posix+cma+self --op both --block-sizes 64K,1M \
   --iters 20 --warmup 2 --check --no-progress
 
-# The build above links Debian's UCX 1.13; NIXL's wheels and GPU machines bring newer ones.
+# The build above links Debian's UCX 1.13; Python environments on GPU machines install newer ones.
 step "UCX conformance again with the newest UCX release (PyPI libucx-cu13, loaded in place of Debian's 1.13)"
 LD_LIBRARY_PATH="$(ci/ucx-latest.sh)" cargo test --workspace --all-features --locked --test ucx
 
