@@ -11,9 +11,11 @@
 #    loudly where libcufile is not installed (compat mode needs no nvidia-fs: the script points
 #    CUFILE_ENV_PATH_JSON at a cufile.json allowing it unless one is set). Where cuFile is
 #    only PyPI's nvidia-cufile (libcufile.so.0 under site-packages, off the loader's path), the
-#    script puts its folder on LD_LIBRARY_PATH for the Rust tests; the wheel finds it itself. Without udev (a microVM, a container) cuFile cannot register
-#    files; as root the script then writes the udev record cuFile reads (see below). Then the Python wheel: a GPU KV cache READ and WRITTEN between
-#    two processes through pd_xfer.nixl (bindings/python/tests/test_cuda_kv.py).
+#    script puts its folder on LD_LIBRARY_PATH for the Rust tests; the wheel finds it itself.
+#    Without udev (a microVM, a container) cuFile cannot register files; as root the script
+#    then writes the udev record cuFile reads (see below). Then the Python wheel: a GPU KV cache
+#    READ and WRITTEN between two processes through pd_xfer.nixl, and GPU blocks to a file and
+#    back through GDS and POSIX (bindings/python/tests/test_cuda_kv.py).
 # 2. The baselines, in this run: cuMemcpy device→host, host→device, device→device, and the
 #    staging pipeline alone (examples/cuda_bandwidth.rs).
 # 3. xferbench over TCP, consistency-checked: DRAM→DRAM (the baseline), VRAM→remote DRAM and

@@ -2,7 +2,8 @@
 # Installs the newest UCX release as PyPI ships it (libucx-cu13: UCX with its CUDA transports,
 # which load only where a CUDA driver is) into a cache, once, and prints the directory of its
 # libraries. Loaded in place of Debian's UCX 1.13 through LD_LIBRARY_PATH, it checks that xfer's
-# UCX backend works with the UCX that NIXL and GPU machines bring, not only the one it builds on.
+# UCX backend works with the UCX that Python environments on GPU machines install, not only the
+# one it builds on.
 #
 #   LD_LIBRARY_PATH=$(ci/ucx-latest.sh) cargo test ... --test ucx
 set -euo pipefail

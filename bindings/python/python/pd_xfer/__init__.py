@@ -123,7 +123,8 @@ def load_cufile() -> str | None:
     Returns the path loaded, or None where no such package is installed (the GDS backend then
     looks on the usual path). ``nixl_agent.create_backend("GDS")`` calls it."""
     spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
+    roots = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
+    for root in roots:
         for path in sorted(glob.glob(os.path.join(root, "*", "lib", "libcufile.so.[0-9]*"))):
             ctypes.CDLL(path)
             return path
