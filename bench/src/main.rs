@@ -32,7 +32,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("xferbench{}: error: {err:#}", if args.target { " target" } else { "" });
+            let line = pd_config_file::report::error_line(err.as_ref());
+            eprintln!("xferbench{}: error: {line}", if args.target { " target" } else { "" });
             ExitCode::FAILURE
         }
     }

@@ -181,7 +181,7 @@ fn grant(shared: &Shared, initiator: &str, ranges: &[(u64, u64)]) -> Result<Vec<
 }
 
 fn region_io_failed(err: &anyhow::Error) -> Reply {
-    eprintln!("xferbench target: {err:#}");
+    eprintln!("xferbench target: {}", pd_config_file::report::error_line(err.as_ref()));
     Reply::Refused(Refusal::RegionIo)
 }
 

@@ -94,6 +94,14 @@ fn raw_baseline_alone_and_clear_errors() {
     let out = xferbench("--block-sizes 128M");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside 4K..64M"));
+
+    // A target that is not there: the cause is said once, not once per layer that names it.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let out = xferbench(&format!("--connect {closed} --iters 1"));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.matches("Connection refused").count(), 1, "{stderr}");
+    assert!(stderr.contains(&format!("side channel {closed}: connect: ")), "{stderr}");
 }
 
 #[test]

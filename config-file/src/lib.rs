@@ -4,12 +4,14 @@
 //! `--key value` placed before the real command line, so that flags given there win. `true`
 //! becomes the bare flag, `false` leaves it out, an array repeats the flag once per item.
 //! Underscores in keys become dashes (`block_size` and `block-size` both mean `--block-size`).
-//! [`reference`] renders a daemon's flags (its settings reference) from the same definition.
+//! [`reference`] renders a daemon's flags (its settings reference) from the same definition;
+//! [`report`] prints a binary's final error on one line.
 
 use std::path::Path;
 
 mod duration;
 pub mod reference;
+pub mod report;
 #[cfg(feature = "signals")]
 pub mod signals;
 

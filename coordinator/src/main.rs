@@ -29,8 +29,9 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
-            tracing::error!("{err:#}");
-            eprintln!("pd-coordinator: {err:#}");
+            let line = pd_config_file::report::error_line(err.as_ref());
+            tracing::error!("{line}");
+            eprintln!("pd-coordinator: {line}");
             std::process::ExitCode::FAILURE
         }
     }

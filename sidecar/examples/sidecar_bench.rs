@@ -521,7 +521,7 @@ async fn drive(o: Drive) -> anyhow::Result<()> {
                         Ok(_) => h.record(t.elapsed().as_micros().max(1) as u64).unwrap(),
                         Err(e) => {
                             if errors.fetch_add(1, Relaxed) < 3 {
-                                eprintln!("request failed: {e:#}");
+                                eprintln!("request failed: {}", pd_config_file::report::error_line(e.as_ref()));
                             }
                         }
                     }

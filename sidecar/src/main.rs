@@ -50,7 +50,7 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("pd-sidecar: {e:#}");
+            eprintln!("pd-sidecar: {}", pd_config_file::report::error_line(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }

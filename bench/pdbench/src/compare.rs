@@ -209,8 +209,9 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
             let prepared = match prepare_setup(kind, &sims.engines, &c, tokenizer.as_deref(), &log_dir, &http).await {
                 Ok(p) => p,
                 Err(e) => {
-                    eprintln!("{name}: skipped: {e:#}");
-                    rows.push(Row::skipped(kind, &name, rep, format!("{e:#}")));
+                    let why = pd_config_file::report::error_line(e.as_ref());
+                    eprintln!("{name}: skipped: {why}");
+                    rows.push(Row::skipped(kind, &name, rep, why));
                     continue;
                 }
             };

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use pd_config_file::report::error_line;
 use xfer::credential::ClusterCredential;
 use xfer::{Agent, BackendParams, BackendRegistry, Desc, Grant, GrantOffer, HostBuffer, MemType, Registration};
 use xfer_conformance::pattern::{self, Buffer, Check};
@@ -73,7 +74,7 @@ fn main() {
         Ok(started) => started,
         Err(err) => {
             // The harness waits for READY; an answer on stdout says why it will never come.
-            let _ = writeln!(out, "ERR startup: {err:#}");
+            let _ = writeln!(out, "ERR startup: {}", error_line(err.as_ref()));
             let _ = out.flush();
             std::process::exit(1);
         }
@@ -90,7 +91,7 @@ fn main() {
             command => match target.run(command) {
                 Ok(text) if text.is_empty() => "OK".to_string(),
                 Ok(text) => format!("OK {text}"),
-                Err(err) => format!("ERR {}", format!("{err:#}").replace('\n', " ")),
+                Err(err) => format!("ERR {}", error_line(err.as_ref()).replace('\n', " ")),
             },
         };
         if writeln!(out, "{reply}").and_then(|()| out.flush()).is_err() {
