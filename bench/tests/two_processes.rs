@@ -155,3 +155,17 @@ fn many_to_one_and_one_to_many_schemes() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("no raw-tcp, --compare or --check"));
 }
+
+/// Over UCX 1.13's shared memory no transport can detect a failed peer, and the backend learns
+/// so by asking for peer error handling once; UCX logs the refusal at ERROR level, which on a
+/// healthy run would tell an operator something is broken. The run moves and checks its bytes
+/// and neither process logs a UCX error.
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_over_shared_memory_logs_no_error() {
+    let out = xferbench("--backend ucx --params tls=posix+cma+self --op both --block-sizes 64K --iters 10 --check");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    // UCX logs to stdout unless UCX_LOG_FILE says otherwise.
+    assert!(!stdout.contains("UCX  ERROR") && !stderr.contains("UCX  ERROR"), "{stdout}\n{stderr}");
+}

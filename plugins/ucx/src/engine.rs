@@ -942,9 +942,13 @@ fn conn_for<'a>(
     match conns.entry(peer.id) {
         Entry::Occupied(entry) => Ok(entry.into_mut()),
         Entry::Vacant(entry) => {
-            let ep = match worker.connect(&peer.address, *mode != ErrorMode::None, peer.local_pid) {
+            let first = match *mode {
+                ErrorMode::Auto => worker.connect_probing(&peer.address, peer.local_pid),
+                _ => worker.connect(&peer.address, *mode == ErrorMode::Peer, peer.local_pid),
+            };
+            let ep = match first {
                 Err(status) if status.is_unreachable() && *mode == ErrorMode::Auto => {
-                    // Asked once per backend (UCX logs the refusal): the transports are fixed.
+                    // Asked once per backend: the transports are fixed.
                     tracing::info!("ucx: no transport detects peer failure; dead peers end by timeout_ms");
                     *mode = ErrorMode::None;
                     worker.connect(&peer.address, false, peer.local_pid)

@@ -112,11 +112,12 @@
 //!   InfiniBand/RoCE the adapter refuses it. Grants close that for peers running this backend
 //!   (the revocation exchange above), not against a peer that ignores revocations.
 //! - UCX 1.13's shared-memory transports cannot detect a dead peer (`error_mode=auto` falls
-//!   back to `none`): requests to it end by `timeout_ms`, and UCX never completes the operations
-//!   it had queued to it. Their memory stays pinned (a deregistration waits) until the peer's
-//!   process has exited, then it is let go: a deregistration after a peer was killed returns
-//!   within `timeout_ms` plus about 2.5 s. A frozen peer's operations pin their memory until it
-//!   resumes or exits.
+//!   back to `none`, once per backend, with an info line of ours; the ERROR line UCX logs for
+//!   that refusal is kept out of its log): requests to it end by `timeout_ms`, and UCX never
+//!   completes the operations it had queued to it. Their memory stays pinned (a deregistration
+//!   waits) until the peer's process has exited, then it is let go: a deregistration after a
+//!   peer was killed returns within `timeout_ms` plus about 2.5 s. A frozen peer's operations
+//!   pin their memory until it resumes or exits.
 //! - In about one run in four of a shared-memory peer killed mid-transfer, requests to this
 //!   worker's other shared-memory peers stop completing too, from the moment of the kill, and
 //!   end by `timeout_ms`. The likely cause: a slot of this worker's receive FIFO that the dead

@@ -18,13 +18,13 @@
 //! operation that UCX never completes (UCX 1.13 over shared memory cannot detect a dead
 //! peer) would pin its registration until the backend shuts down.
 
-use std::cell::RefCell;
-use std::ffi::{c_void, CStr, CString};
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_char, c_uint, c_void, CStr, CString};
 use std::fmt;
 use std::os::fd::RawFd;
 use std::ptr;
 use std::rc::Rc;
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -654,6 +654,71 @@ impl Worker {
         Status::check(unsafe { sys::ucp_ep_create(self.inner.raw, &params, &mut raw) })?;
         let state = Rc::new(EpState { local_pid, closed_at: std::cell::Cell::new(None) });
         Ok(Endpoint { raw, worker: Rc::clone(&self.inner), state })
+    }
+
+    /// [`Worker::connect`] in peer error-handling mode, asked only to learn whether the
+    /// transports can detect a failed peer: when none can (UCX 1.13's shared memory), the
+    /// refusal is `UCS_ERR_UNREACHABLE` and the caller connects without it. UCX also logs that
+    /// refusal at ERROR level, which on a healthy connection would tell an operator something
+    /// is broken; the log lines of transport selection this call causes are dropped.
+    pub fn connect_probing(&self, address: &[u8], local_pid: Option<u32>) -> Result<Endpoint, Status> {
+        static HANDLER: Once = Once::new();
+        HANDLER.call_once(|| {
+            let handler: LogHandler = drop_probe_refusal;
+            // SAFETY: UCS calls the handler with these seven arguments; the last, a `va_list`,
+            // is passed as one pointer-sized value on the ABIs UCX runs on (a pointer on
+            // x86-64 and ppc64le; on aarch64 a 32-byte struct, which AAPCS64 passes by
+            // reference), and the handler never reads it, so declaring it a `*mut c_void`
+            // changes nothing at the call. Pushed once per process and never popped.
+            unsafe {
+                sys::ucs_log_push_handler(std::mem::transmute::<Option<LogHandler>, sys::ucs_log_func_t>(Some(
+                    handler,
+                )))
+            };
+        });
+        PROBING.set(true);
+        let probe = self.connect(address, true, local_pid);
+        PROBING.set(false);
+        probe
+    }
+}
+
+thread_local! {
+    /// Set while this thread runs [`Worker::connect_probing`].
+    static PROBING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// `ucs_log_func_t` with its `va_list` as an opaque pointer (see [`Worker::connect_probing`]).
+type LogHandler = unsafe extern "C" fn(
+    *const c_char,
+    c_uint,
+    *const c_char,
+    sys::ucs_log_level_t,
+    *const sys::ucs_log_component_config_t,
+    *const c_char,
+    *mut c_void,
+) -> sys::ucs_log_func_rc_t;
+
+/// Stops UCS's error lines from transport selection (`wireup/select.c`) on a thread that is
+/// probing; every other line goes on to UCS's own handler.
+unsafe extern "C" fn drop_probe_refusal(
+    file: *const c_char,
+    _line: c_uint,
+    _function: *const c_char,
+    level: sys::ucs_log_level_t,
+    _component: *const sys::ucs_log_component_config_t,
+    _message: *const c_char,
+    _args: *mut c_void,
+) -> sys::ucs_log_func_rc_t {
+    if level != sys::UCS_LOG_LEVEL_ERROR || !PROBING.get() || file.is_null() {
+        return sys::UCS_LOG_FUNC_RC_CONTINUE;
+    }
+    // SAFETY: UCS passes its `__FILE__`, a static NUL-terminated string.
+    let file = unsafe { CStr::from_ptr(file) };
+    if file.to_bytes().ends_with(b"select.c") {
+        sys::UCS_LOG_FUNC_RC_STOP
+    } else {
+        sys::UCS_LOG_FUNC_RC_CONTINUE
     }
 }
 
