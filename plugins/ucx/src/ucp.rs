@@ -671,9 +671,7 @@ impl Worker {
             // reference), and the handler never reads it, so declaring it a `*mut c_void`
             // changes nothing at the call. Pushed once per process and never popped.
             unsafe {
-                sys::ucs_log_push_handler(std::mem::transmute::<Option<LogHandler>, sys::ucs_log_func_t>(Some(
-                    handler,
-                )))
+                sys::ucs_log_push_handler(std::mem::transmute::<Option<LogHandler>, sys::ucs_log_func_t>(Some(handler)))
             };
         });
         PROBING.set(true);
