@@ -28,7 +28,7 @@ use pd_protocols::kv_events::{decode_batch, encode_batch, BlockHash, EventBatch,
 mod shared;
 
 use shared::measure::{live_bytes, measure, Latency, Span, Summary};
-use shared::workload::{block_events, build_batches, churn_batches, Rng, Universe, BLOCK_SIZE, REQUEST_BLOCKS};
+use shared::workload::{build_batches, churn_batches, Rng, Universe, BLOCK_SIZE, REQUEST_BLOCKS};
 
 struct Options {
     json: bool,
@@ -168,7 +168,7 @@ fn main() {
     let batches = build_batches(&universe, o.engines, &mut rng);
     let encoded: Vec<(usize, Vec<u8>)> =
         batches.iter().map(|(e, b)| (*e, encode_batch(b, EventFormat::TaggedMap))).collect();
-    let events: usize = batches.iter().map(|(_, b)| block_events(b)).sum();
+    let events: usize = batches.iter().map(|(_, b)| b.block_count()).sum();
     let payload: usize = encoded.iter().map(|(_, p)| p.len()).sum();
     report.field("engines", o.engines);
     report.field("distinct_blocks", universe.distinct_blocks());
@@ -286,7 +286,7 @@ fn main() {
     // Steady-state churn: stores of new conversations with per-block evictions of old ones.
     progress("churn");
     let churn = churn_batches(&universe, &mut rng, 20_000.min(universe.conversations.len()));
-    let churn_events: usize = churn.iter().map(|(_, b)| block_events(b)).sum();
+    let churn_events: usize = churn.iter().map(|(_, b)| b.block_count()).sum();
     let churn_encoded: Vec<(usize, Vec<u8>)> =
         churn.iter().map(|(e, b)| (*e, encode_batch(b, EventFormat::TaggedMap))).collect();
     let mut churn_index = PrefixIndex::default();
@@ -583,7 +583,7 @@ fn pairing(universe: &Universe, batches: &[(usize, EventBatch)], o: &Options, rn
             let start = Instant::now();
             cluster.apply_events(engine, 0, &batch).expect("engines without data parallel take every batch");
             applying += start.elapsed();
-            applied += block_events(&batch);
+            applied += batch.block_count();
         }
     }
     Pairing {

@@ -23,6 +23,7 @@
 
 mod approx;
 mod due;
+mod shared;
 mod table;
 
 use std::collections::HashMap;
@@ -32,6 +33,7 @@ use std::time::{Duration, Instant};
 use pd_protocols::kv_events::KvEvent;
 
 use self::approx::Approx;
+pub use self::shared::{IndexWriter, SharedIndex, PUBLISH_EVERY};
 use self::table::Slots;
 use crate::pairing::TierWeights;
 

@@ -60,11 +60,30 @@ pub enum KvEvent {
     },
 }
 
+impl KvEvent {
+    /// The blocks this event stores or removes (none for the other kinds).
+    pub fn block_count(&self) -> usize {
+        match self {
+            KvEvent::BlockStored { block_hashes, .. } | KvEvent::BlockRemoved { block_hashes, .. } => {
+                block_hashes.len()
+            }
+            KvEvent::AllBlocksCleared | KvEvent::Other { .. } => 0,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct EventBatch {
     pub ts: f64,
     pub events: Vec<KvEvent>,
     pub dp_rank: Option<i64>,
+}
+
+impl EventBatch {
+    /// Block events: the blocks its events store or remove.
+    pub fn block_count(&self) -> usize {
+        self.events.iter().map(KvEvent::block_count).sum()
+    }
 }
 
 /// How events are laid out when encoding.

@@ -12,7 +12,7 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, PositionalIndexer, RadixTree};
 use parking_lot::RwLock;
-use pd_coordinator::index::PrefixIndex;
+use pd_coordinator::index::{PrefixIndex, SharedIndex, PUBLISH_EVERY};
 use pd_protocols::kv_events::KvEvent;
 
 use crate::shared::measure::{measure, Latency, Span, Summary};
@@ -341,6 +341,26 @@ pub fn concurrent_ours(stream: &Stream) -> Concurrent {
             for (engine, events) in &stream.batches {
                 index.write().apply_batch(*engine, events);
             }
+        },
+    )
+}
+
+/// Ours as two copies ([`SharedIndex`]): lookups read the published copy while the writer
+/// applies to the other. The writer takes its events owned, as from a decoder; they are copied
+/// out of the stream before the clock starts, as Dynamo's pools get theirs.
+pub fn concurrent_ours_shared(stream: &Stream) -> Concurrent {
+    let (index, mut writer) = SharedIndex::new();
+    let batches = stream.batches.clone();
+    let now = Instant::now();
+    alongside_lookups(
+        format!("ours: SharedIndex (two copies, published every {PUBLISH_EVERY} block events)"),
+        &stream.lookups,
+        |request, latency, out| latency.time(|| index.snapshot().prefix_matches(request, now, out)),
+        move || {
+            for (engine, events) in batches {
+                writer.apply_batch(engine, events);
+            }
+            writer.publish();
         },
     )
 }

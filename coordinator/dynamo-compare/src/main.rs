@@ -269,6 +269,7 @@ fn compare(stream: &Stream) -> anyhow::Result<StreamResult> {
     progress(&format!("{}: applying while a second thread looks up", stream.name));
     let concurrent = vec![
         concurrent_row(contenders::concurrent_ours(stream), stream),
+        concurrent_row(contenders::concurrent_ours_shared(stream), stream),
         concurrent_row(contenders::concurrent_positional(stream), stream),
         concurrent_row(contenders::concurrent_pool(contenders::positional_pool(1), stream), stream),
         concurrent_row(contenders::concurrent_pool(contenders::crtc_pool(1), stream), stream),

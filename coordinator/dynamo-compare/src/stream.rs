@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Context as _;
 use pd_protocols::kv_events::{BlockHash, KvEvent};
 
-use crate::shared::workload::{block_events, build_batches, churn_batches, Rng, Universe, REQUEST_BLOCKS};
+use crate::shared::workload::{build_batches, churn_batches, Rng, Universe, REQUEST_BLOCKS};
 
 /// Everything one comparison replays.
 pub struct Stream {
@@ -31,7 +31,7 @@ pub fn coordbench(engines: usize, blocks: usize, churn: usize, lookups: usize, s
     let universe = Universe::generate(&mut rng, engines, blocks);
     let mut batches = build_batches(&universe, engines, &mut rng);
     batches.extend(churn_batches(&universe, &mut rng, churn.min(universe.conversations.len())));
-    let block_events = batches.iter().map(|(_, b)| block_events(b)).sum();
+    let block_events = batches.iter().map(|(_, b)| b.block_count()).sum();
     let batches = batches.into_iter().map(|(engine, batch)| (engine, batch.events)).collect();
     let mut request = Vec::with_capacity(REQUEST_BLOCKS);
     let lookups = (0..lookups)
@@ -148,14 +148,14 @@ pub fn mooncake(
                 let parent = blocks.len().checked_sub(missing.len() + 1).map(|i| BlockHash::Int(blocks[i]));
                 block_events += missing.len();
                 batch.push(KvEvent::BlockStored {
-                        block_hashes: missing.into_iter().map(BlockHash::Int).collect(),
-                        parent_block_hash: parent,
-                        token_ids: Vec::new(),
-                        block_size: 512,
-                        lora_id: None,
-                        medium: Some("GPU".into()),
-                        lora_name: None,
-                        cache_salt: None,
+                    block_hashes: missing.into_iter().map(BlockHash::Int).collect(),
+                    parent_block_hash: parent,
+                    token_ids: Vec::new(),
+                    block_size: 512,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                    lora_name: None,
+                    cache_salt: None,
                 });
             }
             while cache.last_use.len() > capacity {

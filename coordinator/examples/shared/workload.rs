@@ -212,19 +212,6 @@ pub fn build_batches(universe: &Universe, engines: usize, rng: &mut Rng) -> Vec<
     }
 }
 
-pub fn block_events(batch: &EventBatch) -> usize {
-    batch
-        .events
-        .iter()
-        .map(|e| match e {
-            KvEvent::BlockStored { block_hashes, .. } | KvEvent::BlockRemoved { block_hashes, .. } => {
-                block_hashes.len()
-            }
-            _ => 0,
-        })
-        .sum()
-}
-
 /// Steady state: new conversations stored, old ones evicted one block per `BlockRemoved` (as
 /// vLLM's LRU eviction publishes them).
 pub fn churn_batches(universe: &Universe, rng: &mut Rng, count: usize) -> Vec<(usize, EventBatch)> {

@@ -95,16 +95,7 @@ impl Coordinator {
             Update::Batch(batch) => {
                 inc(&self.metrics.event_batches);
                 self.metrics.events.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
-                let blocks: usize = batch
-                    .events
-                    .iter()
-                    .map(|event| match event {
-                        pd_protocols::kv_events::KvEvent::BlockStored { block_hashes, .. }
-                        | pd_protocols::kv_events::KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.len(),
-                        _ => 0,
-                    })
-                    .sum();
-                self.metrics.block_events.fetch_add(blocks as u64, Ordering::Relaxed);
+                self.metrics.block_events.fetch_add(batch.block_count() as u64, Ordering::Relaxed);
                 if let Err(err) = inner.cluster.apply_events(engine, stream.unwrap_or(0), &batch) {
                     drop(inner);
                     self.malformed(Some(engine), &err.to_string());
