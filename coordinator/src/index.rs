@@ -1124,7 +1124,7 @@ mod tests {
 
     use super::*;
 
-    fn stored(hashes: &[u64]) -> KvEvent {
+    pub(super) fn stored(hashes: &[u64]) -> KvEvent {
         stored_on(hashes, "GPU")
     }
 
@@ -1141,7 +1141,7 @@ mod tests {
         }
     }
 
-    fn removed(hashes: &[u64]) -> KvEvent {
+    pub(super) fn removed(hashes: &[u64]) -> KvEvent {
         KvEvent::BlockRemoved { block_hashes: hashes.iter().map(|&h| BlockHash::Int(h)).collect(), medium: None }
     }
 

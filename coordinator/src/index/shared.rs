@@ -139,26 +139,8 @@ impl IndexWriter {
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use pd_protocols::kv_events::BlockHash;
-
+    use super::super::tests::{removed, stored};
     use super::*;
-
-    fn stored(hashes: impl IntoIterator<Item = u64>) -> KvEvent {
-        KvEvent::BlockStored {
-            block_hashes: hashes.into_iter().map(BlockHash::Int).collect(),
-            parent_block_hash: None,
-            token_ids: vec![],
-            block_size: 16,
-            lora_id: None,
-            medium: None,
-            lora_name: None,
-            cache_salt: None,
-        }
-    }
-
-    fn removed(hash: u64) -> KvEvent {
-        KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(hash)], medium: None }
-    }
 
     /// After each publish the published copy answers as a plain index given the same writes,
     /// and so does the other copy after the next one.
@@ -170,7 +152,8 @@ mod tests {
         let request: Vec<u64> = (0..40).collect();
         for step in 0..30u64 {
             let engine = (step % 4) as usize;
-            let events = if step % 5 == 4 { vec![removed(step)] } else { vec![stored(0..step + 1)] };
+            let events =
+                if step % 5 == 4 { vec![removed(&[step])] } else { vec![stored(&(0..step + 1).collect::<Vec<_>>())] };
             plain.apply_batch(engine, &events);
             writer.apply_batch(engine, events);
             writer.publish();
@@ -196,11 +179,11 @@ mod tests {
     fn writes_show_once_published() {
         let now = Instant::now();
         let (shared, mut writer) = SharedIndex::new();
-        writer.apply_batch(0, vec![stored(0..10)]);
+        writer.apply_batch(0, vec![stored(&(0..10).collect::<Vec<_>>())]);
         assert!(shared.snapshot().overlaps(&[0, 1], now).is_empty());
         writer.publish();
         assert_eq!(shared.snapshot().overlaps(&[0, 1], now)[&0], 2);
-        writer.apply_batch(1, vec![stored(0..PUBLISH_EVERY as u64)]);
+        writer.apply_batch(1, vec![stored(&(0..PUBLISH_EVERY as u64).collect::<Vec<_>>())]);
         assert_eq!(shared.snapshot().overlaps(&[0, 1], now)[&1], 2, "published by itself");
     }
 
@@ -234,7 +217,7 @@ mod tests {
             });
             for block in 0..BLOCKS {
                 for engine in 0..3 {
-                    writer.apply_batch(engine, vec![stored([block])]);
+                    writer.apply_batch(engine, vec![stored(&[block])]);
                 }
             }
             writer.publish();
