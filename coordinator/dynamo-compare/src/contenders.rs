@@ -355,7 +355,7 @@ pub fn concurrent_ours_shared(stream: &Stream) -> Concurrent {
     alongside_lookups(
         format!("ours: SharedIndex (two copies, published every {PUBLISH_EVERY} block events)"),
         &stream.lookups,
-        |request, latency, out| latency.time(|| index.snapshot().prefix_matches(request, now, out)),
+        |request, latency, out| latency.time(|| index.read(|copy| copy.prefix_matches(request, now, out))),
         move || {
             for (engine, events) in batches {
                 writer.apply_batch(engine, events);

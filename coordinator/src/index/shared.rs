@@ -8,8 +8,8 @@
 //! index takes twice the memory. What lookups see is at most `PUBLISH_EVERY` block events
 //! behind the writer: a routing decision already works from events that crossed a network.
 //!
-//! The writer waits, at each swap, for the lookups still reading the copy it takes back; a
-//! snapshot from [`SharedIndex::snapshot`] is for one lookup, not to be held across a wait.
+//! The writer waits, at each swap, for the lookups still reading the copy it takes back (each
+//! runs inside [`SharedIndex::read`], as under a read lock).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,9 +37,11 @@ impl SharedIndex {
         (shared, writer)
     }
 
-    /// The published copy, for a lookup.
-    pub fn snapshot(&self) -> Arc<PrefixIndex> {
-        Arc::clone(&self.published.lock())
+    /// Runs `lookup` on the published copy. The writer's next swap waits for it, so it should
+    /// look up and return, as under a read lock.
+    pub fn read<R>(&self, lookup: impl FnOnce(&PrefixIndex) -> R) -> R {
+        let published = Arc::clone(&self.published.lock());
+        lookup(&published)
     }
 }
 
@@ -157,18 +159,22 @@ mod tests {
             plain.apply_batch(engine, &events);
             writer.apply_batch(engine, events);
             writer.publish();
-            assert_eq!(shared.snapshot().overlaps(&request, now), plain.overlaps(&request, now), "step {step}");
-            assert_eq!(shared.snapshot().entries(), plain.entries(), "step {step}");
+            assert_eq!(
+                shared.read(|index| index.overlaps(&request, now)),
+                plain.overlaps(&request, now),
+                "step {step}"
+            );
+            assert_eq!(shared.read(|index| index.entries()), plain.entries(), "step {step}");
         }
         writer.remove_engine(1);
         plain.remove_engine(1);
-        assert_eq!(shared.snapshot().overlaps(&request, now), plain.overlaps(&request, now));
+        assert_eq!(shared.read(|index| index.overlaps(&request, now)), plain.overlaps(&request, now));
         writer.forget_engine(2);
         plain.forget_engine(2);
         writer.expire(now);
         plain.expire(now);
-        assert_eq!(shared.snapshot().overlaps(&request, now), plain.overlaps(&request, now));
-        assert_eq!(shared.snapshot().entries(), plain.entries());
+        assert_eq!(shared.read(|index| index.overlaps(&request, now)), plain.overlaps(&request, now));
+        assert_eq!(shared.read(|index| index.entries()), plain.entries());
         // The writer's own copy caught up too.
         assert_eq!(writer.back.overlaps(&request, now), plain.overlaps(&request, now));
     }
@@ -180,17 +186,17 @@ mod tests {
         let now = Instant::now();
         let (shared, mut writer) = SharedIndex::new();
         writer.apply_batch(0, vec![stored(&(0..10).collect::<Vec<_>>())]);
-        assert!(shared.snapshot().overlaps(&[0, 1], now).is_empty());
+        assert!(shared.read(|index| index.overlaps(&[0, 1], now).is_empty()));
         writer.publish();
-        assert_eq!(shared.snapshot().overlaps(&[0, 1], now)[&0], 2);
+        assert_eq!(shared.read(|index| index.overlaps(&[0, 1], now))[&0], 2);
         writer.apply_batch(1, vec![stored(&(0..PUBLISH_EVERY as u64).collect::<Vec<_>>())]);
-        assert_eq!(shared.snapshot().overlaps(&[0, 1], now)[&1], 2, "published by itself");
+        assert_eq!(shared.read(|index| index.overlaps(&[0, 1], now))[&1], 2, "published by itself");
     }
 
     /// A lookup running alongside the writer sees whole batches, in order: each round stores
     /// one more block of the prefix for engines 0, 1 and 2, in that order, so an engine never
     /// matches more than the one before it, nor one more than the one after it, and no
-    /// engine's length goes back; the writer publishes by itself while lookups hold snapshots.
+    /// engine's length goes back; the writer publishes by itself while lookups are reading.
     #[test]
     fn lookups_alongside_the_writer_see_whole_batches_in_order() {
         const BLOCKS: u64 = 20_000;
@@ -202,7 +208,7 @@ mod tests {
             let reader = s.spawn(|| {
                 let (mut last, mut lookups, mut out) = ([0; 3], 0u64, Vec::new());
                 while !done.load(Ordering::Relaxed) || lookups == 0 {
-                    shared.snapshot().prefix_matches(&request, now, &mut out);
+                    shared.read(|index| index.prefix_matches(&request, now, &mut out));
                     let mut lengths = [0; 3];
                     for &(engine, n) in &out {
                         lengths[engine] = n;
@@ -225,7 +231,7 @@ mod tests {
             reader.join().expect("the reader's checks hold")
         });
         assert!(lookups > 0 && last.iter().all(|&n| n <= BLOCKS as usize));
-        let overlaps = shared.snapshot().overlaps(&request, now);
+        let overlaps = shared.read(|index| index.overlaps(&request, now));
         assert_eq!((overlaps.len(), overlaps[&0], overlaps[&2]), (3, BLOCKS as usize, BLOCKS as usize));
     }
 }
