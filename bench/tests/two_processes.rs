@@ -169,3 +169,15 @@ fn ucx_over_shared_memory_logs_no_error() {
     // UCX logs to stdout unless UCX_LOG_FILE says otherwise.
     assert!(!stdout.contains("UCX  ERROR") && !stderr.contains("UCX  ERROR"), "{stdout}\n{stderr}");
 }
+
+/// QUIC with datagrams larger than quinn's initial congestion window allows (14,720 bytes hold
+/// one 16 KiB datagram and nothing of the next): the backend raises that window, and the pair
+/// connects and moves its bytes (the handshake stalled until its bound before).
+#[cfg(feature = "quic")]
+#[test]
+fn quic_with_loopback_sized_datagrams_connects_and_moves_bytes() {
+    let out =
+        xferbench("--backend quic --params mtu=16384,initial_mtu=16384 --op both --block-sizes 1M --iters 4 --check");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+}

@@ -56,6 +56,10 @@ use xfer_tcp::tls::{self, TlsIdentity};
 use initiator::{PeerConfig, QuicPeer};
 use target::TargetShared;
 
+/// quinn's initial congestion window (RFC 9002's 14,720 bytes), which it does not scale with
+/// the initial MTU.
+const QUINN_INITIAL_WINDOW: u64 = 14_720;
+
 /// Most request streams a peer may have open at once (the initiator's `streams` and one
 /// notification fit well under it), once its hello has passed.
 const MAX_STREAMS: usize = 256;
@@ -121,6 +125,17 @@ impl Tuning {
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(self.mtu);
         transport.mtu_discovery_config(Some(mtu)).initial_mtu(self.initial_mtu);
+        // quinn sends a datagram only while the bytes in flight, plus the datagram, plus what a
+        // packet already begun in it may add (up to another datagram), stay under the
+        // congestion window, and its initial window is 14,720 bytes whatever the MTU: from an
+        // initial MTU of about 12,000 bytes nothing after the first flight ever goes, and the
+        // handshake times out. A window of three datagrams lets the first ones go.
+        let datagrams = 3 * u64::from(self.initial_mtu);
+        if datagrams > QUINN_INITIAL_WINDOW {
+            let mut cubic = quinn::congestion::CubicConfig::default();
+            cubic.initial_window(datagrams);
+            transport.congestion_controller_factory(Arc::new(cubic));
+        }
         transport
     }
 }
