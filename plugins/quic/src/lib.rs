@@ -125,11 +125,11 @@ impl Tuning {
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(self.mtu);
         transport.mtu_discovery_config(Some(mtu)).initial_mtu(self.initial_mtu);
-        // quinn sends a datagram only while the bytes in flight, plus the datagram, plus what a
-        // packet already begun in it may add (up to another datagram), stay under the
-        // congestion window, and its initial window is 14,720 bytes whatever the MTU: from an
-        // initial MTU of about 12,000 bytes nothing after the first flight ever goes, and the
-        // handshake times out. A window of three datagrams lets the first ones go.
+        // quinn builds a datagram only while the bytes in flight, those it has built and not yet
+        // counted (up to a datagram), and a whole next datagram stay under the congestion
+        // window, and its initial window is 14,720 bytes whatever the MTU: from an initial MTU
+        // of about 12,000 bytes the handshake's second flight never goes, and connecting times
+        // out. A window of three datagrams lets it go.
         let datagrams = 3 * u64::from(self.initial_mtu);
         if datagrams > QUINN_INITIAL_WINDOW {
             let mut cubic = quinn::congestion::CubicConfig::default();
