@@ -327,7 +327,7 @@ pub enum Event {
 struct EventSink {
     events: RefCell<Vec<Event>>,
     /// Counts progress calls: a [`ReplyTo`] is only good within the call that produced it.
-    generation: std::cell::Cell<u64>,
+    generation: Cell<u64>,
 }
 
 /// The endpoint UCX created for the sender of a message, to answer on. UCX may release it
@@ -361,7 +361,7 @@ struct EpState {
     ///
     /// [`connect`]: Worker::connect
     local_pid: Option<u32>,
-    closed_at: std::cell::Cell<Option<std::time::Instant>>,
+    closed_at: Cell<Option<std::time::Instant>>,
 }
 
 impl EpState {
@@ -387,7 +387,7 @@ struct WorkerInner {
     raw: sys::ucp_worker_h,
     sink: Box<EventSink>,
     parked: RefCell<Vec<Parked>>,
-    orphans_checked: std::cell::Cell<Option<std::time::Instant>>,
+    orphans_checked: Cell<Option<std::time::Instant>>,
     signal: Arc<Mutex<Option<SignalTarget>>>,
     _ctx: Rc<ContextInner>,
 }
@@ -507,7 +507,7 @@ impl Worker {
             signal: Arc::new(Mutex::new(Some(SignalTarget(raw)))),
             sink,
             parked: RefCell::new(Vec::new()),
-            orphans_checked: std::cell::Cell::new(None),
+            orphans_checked: Cell::new(None),
             _ctx: Rc::clone(&ctx.inner),
         });
         let handler = sys::ucp_am_handler_param_t {
@@ -652,7 +652,7 @@ impl Worker {
         // (a worker address as another UCX worker published it). The error handler's arg
         // outlives every endpoint (owned by the worker).
         Status::check(unsafe { sys::ucp_ep_create(self.inner.raw, &params, &mut raw) })?;
-        let state = Rc::new(EpState { local_pid, closed_at: std::cell::Cell::new(None) });
+        let state = Rc::new(EpState { local_pid, closed_at: Cell::new(None) });
         Ok(Endpoint { raw, worker: Rc::clone(&self.inner), state })
     }
 
