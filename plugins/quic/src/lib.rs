@@ -46,6 +46,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use quinn::congestion::ControllerFactory as _;
 use xfer_core::{
     Backend, BackendContext, BackendError, BackendFactory, Capabilities, LocalRegion, MemType, RemoteAgent,
 };
@@ -55,10 +56,6 @@ use xfer_tcp::tls::{self, TlsIdentity};
 
 use initiator::{PeerConfig, QuicPeer};
 use target::TargetShared;
-
-/// quinn's initial congestion window (RFC 9002's 14,720 bytes), which it does not scale with
-/// the initial MTU.
-const QUINN_INITIAL_WINDOW: u64 = 14_720;
 
 /// Most request streams a peer may have open at once (the initiator's `streams` and one
 /// notification fit well under it), once its hello has passed.
@@ -127,11 +124,14 @@ impl Tuning {
         transport.mtu_discovery_config(Some(mtu)).initial_mtu(self.initial_mtu);
         // quinn builds a datagram only while the bytes in flight, those it has built and not yet
         // counted (up to a datagram), and a whole next datagram stay under the congestion
-        // window, and its initial window is 14,720 bytes whatever the MTU: from an initial MTU
-        // of about 12,000 bytes the handshake's second flight never goes, and connecting times
-        // out. A window of three datagrams lets it go.
+        // window, and its initial window does not grow with the MTU (12,000 bytes in 0.11):
+        // from an initial MTU of about 12,000 bytes the handshake's second flight never goes,
+        // and connecting times out. A window of three datagrams lets it go.
         let datagrams = 3 * u64::from(self.initial_mtu);
-        if datagrams > QUINN_INITIAL_WINDOW {
+        let default_window = Arc::new(quinn::congestion::CubicConfig::default())
+            .build(Instant::now(), self.initial_mtu)
+            .initial_window();
+        if datagrams > default_window {
             let mut cubic = quinn::congestion::CubicConfig::default();
             cubic.initial_window(datagrams);
             transport.congestion_controller_factory(Arc::new(cubic));
