@@ -22,8 +22,8 @@ use super::PrefixIndex;
 /// Block events the writer applies before it publishes them by itself.
 pub const PUBLISH_EVERY: usize = 4096;
 
-/// The side lookups read.
-#[derive(Debug, Default)]
+/// The side lookups read; made only with its writer ([`SharedIndex::new`]).
+#[derive(Debug)]
 pub struct SharedIndex {
     published: Mutex<Arc<PrefixIndex>>,
 }
@@ -31,7 +31,7 @@ pub struct SharedIndex {
 impl SharedIndex {
     /// The index and its one writer.
     pub fn new() -> (Arc<SharedIndex>, IndexWriter) {
-        let shared = Arc::new(SharedIndex::default());
+        let shared = Arc::new(SharedIndex { published: Mutex::new(Arc::new(PrefixIndex::default())) });
         let writer =
             IndexWriter { shared: Arc::clone(&shared), back: PrefixIndex::default(), kept: Vec::new(), unpublished: 0 };
         (shared, writer)
