@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{Duration, Instant};
 
-use pd_protocols::kv_events::KvEvent;
+use pd_protocols::kv_events::{BlockHash, KvEvent};
 
 use self::approx::Approx;
 pub use self::shared::{IndexWriter, SharedIndex, PUBLISH_EVERY};
@@ -403,11 +403,7 @@ impl PrefixIndex {
             }
             KvEvent::BlockRemoved { block_hashes, medium } => {
                 let Some(local) = self.known(engine) else { return };
-                // A medium removes that tier's copy only; none removes every copy.
-                let tier = medium.as_deref().map(|m| Tier::from_medium(Some(m)));
-                for hash in block_hashes {
-                    self.remove(local, hash.as_u64(), tier);
-                }
+                self.remove_all(local, block_hashes, medium.as_deref());
             }
             KvEvent::AllBlocksCleared => self.remove_engine(engine),
             KvEvent::Other { .. } => {}
@@ -449,8 +445,13 @@ impl PrefixIndex {
             // Homes at the current capacity: removals never grow the table.
             let warm = homes[..n].iter().fold(0, |acc, &i| acc ^ self.blocks.touch_run_at(i, REMOVAL_RUN));
             std::hint::black_box(warm);
-            for event in &events[at..end] {
-                self.apply(engine, event);
+            // The engine is looked up once for the run (most runs are one block per event).
+            if let Some(local) = self.known(engine) {
+                for event in &events[at..end] {
+                    if let KvEvent::BlockRemoved { block_hashes, medium } = event {
+                        self.remove_all(local, block_hashes, medium.as_deref());
+                    }
+                }
             }
             at = end;
         }
@@ -1010,6 +1011,15 @@ impl PrefixIndex {
             return GPU_ONLY;
         }
         self.tiers.get(&(hash, local)).copied().unwrap_or(GPU_ONLY)
+    }
+
+    /// A `BlockRemoved` event of engine `local`: a medium removes that tier's copy only; none
+    /// removes every copy.
+    fn remove_all(&mut self, local: u32, hashes: &[BlockHash], medium: Option<&str>) {
+        let tier = medium.map(|m| Tier::from_medium(Some(m)));
+        for hash in hashes {
+            self.remove(local, hash.as_u64(), tier);
+        }
     }
 
     /// Drops `local`'s copy of `hash` in `tier`, or every copy (`None`).
