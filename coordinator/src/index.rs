@@ -7,7 +7,8 @@
 //!   bitset of the engines that hold it exactly; engines are numbered densely per index, so up to
 //!   128 engines fit a 32-byte slot, whatever their global ids. A lookup walks the request's
 //!   hashes a chunk at a time, probing the whole chunk before reading it so the cache misses
-//!   overlap, and intersects bitsets: two words per block for 128 engines.
+//!   overlap (unless the table is small enough to stay cached), and intersects bitsets: two
+//!   words per block for 128 engines.
 //! - Forgetting an engine (it died, restarted, cleared its cache, or its event stream had a gap)
 //!   is O(1): it is logged as a reset, and its bit counts as stale in every slot stamped before
 //!   the reset. Reads mask stale bits; a slot drops them when it is next written; `expire` (or
@@ -105,7 +106,9 @@ const FIRST_CHUNK: usize = 8;
 const REMOVAL_RUN: usize = 8;
 /// Block tables smaller than this (a core's L2 cache on the machine measured) stay cached:
 /// [`PrefixIndex::apply_batch`] loads nothing ahead for them (on the Mooncake trace with 16
-/// workers, a 1 MiB table, loading ahead cost up to 10 %).
+/// workers, a 1 MiB table, loading ahead cost up to 10 %), and lookups walk each block once
+/// instead of loading a chunk's tags, then its slots, then walking (14-30 % less time a lookup
+/// on matches of 32-128 blocks in a 1 MiB table, 16 or 128 engines).
 const CACHED_TABLE_BYTES: usize = 2 << 20;
 const NONE: usize = usize::MAX;
 /// Deadlines are `i32` milliseconds from the clock origin; past this the origin moves up.
@@ -712,6 +715,7 @@ impl PrefixIndex {
         let mut guessed = [NONE; CHUNK];
         let mut end = hashes.len();
         let mut start = 0;
+        let cached = self.blocks.heap_bytes() < CACHED_TABLE_BYTES;
         'chunks: while start < hashes.len() {
             let len = if start == 0 { FIRST_CHUNK } else { LOOKUP_CHUNK };
             let chunk = &hashes[start..hashes.len().min(start + len)];
@@ -725,22 +729,37 @@ impl PrefixIndex {
             // that the slot lines loaded next are the right ones (a block often sits past its
             // home's line, a second miss otherwise found only after the first), and none is
             // loaded for blocks after one that is absent (without guesses, the match ends there).
-            let warm = homes[..chunk.len()].iter().fold(0, |acc, &i| acc ^ self.blocks.touch_tag_at(i));
-            std::hint::black_box(warm);
             let mut probed = chunk.len();
-            for (k, (home, &tag)) in homes[..chunk.len()].iter_mut().zip(&tags).enumerate() {
-                *home = self.blocks.first_tagged(*home, tag).unwrap_or(NONE);
-                if *home == NONE && !any_guesses {
-                    probed = k + 1;
-                    break;
+            if cached {
+                // Nothing to overlap: one walk a block.
+                for (k, ((slot, &hash), (&home, &tag))) in
+                    found.iter_mut().zip(chunk).zip(homes.iter().zip(&tags)).enumerate()
+                {
+                    *slot = self.blocks.find_tagged(home, tag, hash).unwrap_or(NONE);
+                    if *slot == NONE && !any_guesses {
+                        probed = k + 1;
+                        break;
+                    }
+                }
+            } else {
+                let warm = homes[..chunk.len()].iter().fold(0, |acc, &i| acc ^ self.blocks.touch_tag_at(i));
+                std::hint::black_box(warm);
+                for (k, (home, &tag)) in homes[..chunk.len()].iter_mut().zip(&tags).enumerate() {
+                    *home = self.blocks.first_tagged(*home, tag).unwrap_or(NONE);
+                    if *home == NONE && !any_guesses {
+                        probed = k + 1;
+                        break;
+                    }
+                }
+                let warm =
+                    homes[..probed].iter().filter(|&&i| i != NONE).fold(0, |acc, &i| acc ^ self.blocks.touch_at(i));
+                std::hint::black_box(warm);
+                for (((slot, &hash), &first), &tag) in found.iter_mut().zip(&chunk[..probed]).zip(&homes).zip(&tags) {
+                    *slot =
+                        if first == NONE { NONE } else { self.blocks.find_tagged(first, tag, hash).unwrap_or(NONE) };
                 }
             }
             let chunk = &chunk[..probed];
-            let warm = homes[..probed].iter().filter(|&&i| i != NONE).fold(0, |acc, &i| acc ^ self.blocks.touch_at(i));
-            std::hint::black_box(warm);
-            for (((slot, &hash), &first), &tag) in found.iter_mut().zip(chunk).zip(&homes).zip(&tags) {
-                *slot = if first == NONE { NONE } else { self.blocks.find_tagged(first, tag, hash).unwrap_or(NONE) };
-            }
             if let Some(p) = probes.as_deref_mut() {
                 p.hashes.extend_from_slice(chunk);
                 p.blocks.extend_from_slice(&found[..chunk.len()]);
