@@ -724,11 +724,6 @@ impl PrefixIndex {
             for ((home, tag), &hash) in homes.iter_mut().zip(&mut tags).zip(chunk) {
                 (*home, *tag) = self.blocks.home_and_tag(hash);
             }
-            // Tags first (a byte a slot: they mostly stay cached), all loaded before any is
-            // walked; the walks then name the slot each block's key is first compared in, so
-            // that the slot lines loaded next are the right ones (a block often sits past its
-            // home's line, a second miss otherwise found only after the first), and none is
-            // loaded for blocks after one that is absent (without guesses, the match ends there).
             let mut probed = chunk.len();
             if cached {
                 // Nothing to overlap: one walk a block.
@@ -742,6 +737,12 @@ impl PrefixIndex {
                     }
                 }
             } else {
+                // Tags first (a byte a slot: they mostly stay cached), all loaded before any is
+                // walked; the walks then name the slot each block's key is first compared in,
+                // so that the slot lines loaded next are the right ones (a block often sits past
+                // its home's line, a second miss otherwise found only after the first), and none
+                // is loaded for blocks after one that is absent (without guesses, the match ends
+                // there).
                 let warm = homes[..chunk.len()].iter().fold(0, |acc, &i| acc ^ self.blocks.touch_tag_at(i));
                 std::hint::black_box(warm);
                 for (k, (home, &tag)) in homes[..chunk.len()].iter_mut().zip(&tags).enumerate() {
@@ -1393,5 +1394,47 @@ mod tests {
         }
         index.apply(299_000, &KvEvent::AllBlocksCleared);
         assert_eq!(index.overlaps(&[1, 2, 3], now).len(), 299);
+    }
+
+    /// Lookups walk a cached table block by block and a larger one a chunk at a time: both
+    /// give the same answers, exact and guessed, whatever else the table holds.
+    #[test]
+    fn lookups_agree_in_cached_and_uncached_tables() {
+        let now = Instant::now();
+        let (mut small, mut large) = (PrefixIndex::default(), PrefixIndex::default());
+        let filler: Vec<u64> = (1 << 40..(1 << 40) + 150_000).collect();
+        for run in filler.chunks(5000) {
+            large.apply(999, &stored(run));
+        }
+        let mut x = 7u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % 5000
+        };
+        let mut requests = Vec::new();
+        for index in [&mut small, &mut large] {
+            for engine in 0..6u64 {
+                // Engine e holds 0..100 + 20 e, then guesses the next 10 blocks.
+                let held: Vec<u64> = (0..100 + 20 * engine).collect();
+                index.apply(engine as usize, &stored(&held));
+                let guessed: Vec<u64> = (held.len() as u64..held.len() as u64 + 10).collect();
+                index.insert_approximate(engine as usize, &guessed, now + Duration::from_secs(5));
+            }
+        }
+        for _ in 0..200 {
+            let cut = next() % 260;
+            let mut request: Vec<u64> = (0..cut).collect();
+            request.extend((0..next() % 40).map(|k| (1 << 50) + k));
+            requests.push((cut as usize, request));
+        }
+        assert!(small.blocks.heap_bytes() < CACHED_TABLE_BYTES);
+        assert!(large.blocks.heap_bytes() >= CACHED_TABLE_BYTES);
+        for (cut, request) in &requests {
+            let (a, b) = (small.overlaps(request, now), large.overlaps(request, now));
+            assert_eq!(a, b, "request of {} blocks", request.len());
+            assert_eq!(a.get(&5).copied(), Some((*cut).min(210)).filter(|&n| n > 0), "engine 5");
+        }
     }
 }
