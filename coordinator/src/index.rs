@@ -101,9 +101,10 @@ const CHUNK: usize = 64;
 const LOOKUP_CHUNK: usize = 32;
 const FIRST_CHUNK: usize = 8;
 /// Slots [`PrefixIndex::apply_batch`] loads from a removed block's home: the block's own slot
-/// (often past its home) and the slots after it that the backward shift reads (on coordbench's
-/// churn, 8 and 12 measured alike; 1 and 4 left it 5-10 % slower).
-const REMOVAL_RUN: usize = 8;
+/// (often past its home) and the slots after it that the backward shift reads. On coordbench's
+/// churn, with the table 40-80 % full, 4 and 6 measured alike and 3 % faster than 8; when it
+/// was 53-80 % full, 8 and 12 measured alike and 1 and 4 were 5-10 % slower.
+const REMOVAL_RUN: usize = 4;
 /// Block tables smaller than this (a core's L2 cache on the machine measured) stay cached:
 /// [`PrefixIndex::apply_batch`] loads nothing ahead for them (on the Mooncake trace with 16
 /// workers, a 1 MiB table, loading ahead cost up to 10 %), and lookups walk each block once
