@@ -3,8 +3,7 @@
 //!
 //! A request header is three words padded to [`HEADER_LEN`] bytes. The padding is deliberate:
 //! where a payload starts in the stream changes the kernel's copy rate severalfold on some
-//! machines (measured on loopback with page-aligned buffers: a payload 24 or 64 bytes into the
-//! stream copies 2-3x slower than one 0 or 128+ bytes in), and the baseline is meant to show the
+//! machines (bench/README.md, "Payload alignment"), and the baseline is meant to show the
 //! machine's ceiling. A READ's payload comes back with nothing in front of it.
 //!
 //! | request | header `(cmd, len, seed)` then | target answers |

@@ -94,22 +94,19 @@ const MAX_PENDING_RESETS: usize = 64;
 /// Tables this small are swept at once on a reset (cheaper than carrying the reset).
 const EAGER_SWEEP_BELOW: usize = 4096;
 /// Blocks probed ahead of reading them in a write (stores, guesses): their homes are computed,
-/// then loaded, so that the cache misses overlap (64 measured better than 32 and 128).
+/// then loaded, so that the cache misses overlap (sizes measured in BENCH.md).
 const CHUNK: usize = 64;
 /// The same in a lookup, which may stop early (32; the first chunk is shorter: a request whose
 /// first block nobody holds costs a few probes only).
 const LOOKUP_CHUNK: usize = 32;
 const FIRST_CHUNK: usize = 8;
 /// Slots [`PrefixIndex::apply_batch`] loads from a removed block's home: the block's own slot
-/// (often past its home) and the slots after it that the backward shift reads. On coordbench's
-/// churn, with the table 40-80 % full, 4 and 6 measured alike and 3 % faster than 8; when it
-/// was 53-80 % full, 8 and 12 measured alike and 1 and 4 were 5-10 % slower.
+/// (often past its home) and the slots after it that the backward shift reads. The best length
+/// follows the table's load (BENCH.md, "A block table that doubles").
 const REMOVAL_RUN: usize = 4;
-/// Block tables smaller than this (a core's L2 cache on the machine measured) stay cached:
-/// [`PrefixIndex::apply_batch`] loads nothing ahead for them (on the Mooncake trace with 16
-/// workers, a 1 MiB table, loading ahead cost up to 10 %), and lookups walk each block once
-/// instead of loading a chunk's tags, then its slots, then walking (14-30 % less time a lookup
-/// on matches of 32-128 blocks in a 1 MiB table, 16 or 128 engines).
+/// Block tables smaller than this (about a core's L2 cache) stay cached, so there are no misses
+/// to overlap: [`PrefixIndex::apply_batch`] loads nothing ahead for them, and lookups walk each
+/// block once instead of loading a chunk's tags, then its slots, then walking.
 const CACHED_TABLE_BYTES: usize = 2 << 20;
 const NONE: usize = usize::MAX;
 /// Deadlines are `i32` milliseconds from the clock origin; past this the origin moves up.

@@ -95,8 +95,8 @@ pub struct Membership {
     free: Vec<usize>,
     incarnations: u64,
     /// Live engines by model, by number, rebuilt whenever one is born, dies or changes: every
-    /// pairing decision lists them twice, and walking every engine's record for that was
-    /// about 8 % of a decision.
+    /// pairing decision lists them twice, and walking every engine's record each time showed in
+    /// its profile.
     roster: HashMap<String, Vec<(usize, Role)>>,
 }
 

@@ -16,9 +16,9 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A dense table doubles once more than 4/5 of its slots are taken (40-80 % full), and shrinks
-/// (to half full) below a quarter. Growing by half instead kept it 53-80 % full (22 against 34
-/// bytes per entry on coordbench), but its probe runs were long enough that coordbench's churn (stores, and removals
-/// whose backward shift reads the rest of the run) applied 23 % fewer block events a second.
+/// (to half full) below a quarter. Growing by half would save memory, but its longer probe runs
+/// slow the stores (which walk to the first empty slot) and the removals (whose backward shift
+/// reads the rest of the run) more than that is worth (BENCH.md, "A block table that doubles").
 const DENSE: Load = Load { max: (4, 5), grow: (2, 1), shrink_below: 4 };
 /// A sparse one grows by half past half full (33-50 % full), and shrinks (to a third full)
 /// below a sixth: probes that miss (new keys) walk about 2 slots instead of 5-13.

@@ -18,8 +18,7 @@
 //! quiet poll, up to 1 ms (an idle agent wakes 1000 times a second, as with a fixed 1 ms).
 //! shm serves a peer's RMA inside our progress calls and puts nothing in our CQ for it, so
 //! on shm a counter of remote RMA (FI_RMA_EVENT) counts as activity too; without it a
-//! target answered each operation only at its next 1 ms poll (`over_shm::transfer_matrix`:
-//! 22–24 s with the fixed 1 ms, 3–4 s adaptive, same runs). The agent metadata carries every
+//! target answered each operation only at its next 1 ms poll. The agent metadata carries every
 //! rail's endpoint address (`fi_getname`; peers insert it into their AV on connect) and, per
 //! registration, its key on every rail.
 //!
@@ -75,7 +74,7 @@
 //! rxm passthru: with `FI_OFI_RXM_ENABLE_PASSTHRU=1` in the environment, libfabric 1.17's
 //! `ofi_rxm` hands RDM calls straight to the tcp provider's own RDM endpoint instead of running
 //! its rendezvous protocol over tcp's connected endpoints. It was ahead of rxm's protocol in one
-//! session's runs and mixed in another's (figures below), so the backend leaves libfabric's
+//! session's runs and mixed in another's (bench/README.md), so the backend leaves libfabric's
 //! default (off) alone rather than write the process environment behind the caller's back
 //! (`set_var` while other threads may read it is not synchronised by glibc); set it before
 //! the process starts to try it.
@@ -97,28 +96,8 @@
 //! | `recv_buffers` | 32 | receive buffers kept posted for notifications |
 //! | `spin_us` | 200 | the engine polls this long after the last event before it blocks in `fi_cq_sread` |
 //!
-//! Measured (`bench/libfabric-compare.sh`, report in `bench/results/libfabric.md`: 2 vCPUs,
-//! loopback, `tcp;ofi_rxm` of libfabric 1.17, release xferbench, one request in flight, one
-//! lane, 5 alternating rounds, each ratio ours ÷ raw TCP from the same run, median of the
-//! rounds). On a quiet machine (load average 0.8–1.2) every row meets the 0.7× bar: with
-//! rxm's own protocol (the default) READ 1.09× / 1.72× at 1 MiB / 16 MiB, WRITE 0.89× / 1.23×;
-//! with passthru 1.09× / 1.57× and 0.92× / 1.50×. Under load
-//! from other builds and benchmarks (5–8) single rounds move from 0.12× to 1.9× and the medians
-//! fall: two such runs gave passthru READ 1 MiB 0.51×, 0.70×, 16 MiB 0.70×, 0.91×, WRITE 16 MiB
-//! 0.69×, 1.14×, but WRITE 1 MiB 0.38× both times (rxm's protocol: 0.50×, 0.65×), so passthru
-//! is no clear win there; an earlier session measured it ahead on all four (0.91×, 1.03×,
-//! 0.70×, 1.00×). Splitting 1 MiB writes into 256 KiB
-//! operations (`max_op_bytes=262144`) did not help them (0.83×, 0.78× against 1.17×, 0.90×,
-//! two runs). Sessions before passthru, at load 11.5–15.5: more lanes (2, 4) did not help
-//! (each lane is two more engine threads on two busy CPUs; hence `lanes` defaults to 1, the
-//! knob to try on hosts with cores to spare); `max_op_bytes=256K`, `spin_us=5000`,
-//! `FI_TCP_NODELAY=1` and `FI_TCP_STAGING_SBUF_SIZE=0` with `FI_TCP_PREFETCH_RBUF_SIZE=0`
-//! changed nothing beyond the noise; `FI_OFI_RXM_DATA_AUTO_PROGRESS=1` (the script's `auto`
-//! mode) was mixed. libfabric's own `fi_pingpong -e rdm` (send/receive; Debian 12's
-//! libfabric-bin ships only `fi_info`, `fi_pingpong` and `fi_strerror`, no `fi_rma_bw`) moved
-//! 1.31 / 1.76 GB/s at 1 / 16 MiB in the quiet run (the backend: 1.4–1.9× that) and
-//! 0.06–0.09 / 0.28–0.47 GB/s under load (the backend: 10–29× and 2.2–4.9×), so the second bar
-//! (≥ 0.9× fi_pingpong) is met.
+//! Figures against raw TCP and `fi_pingpong`, and the settings tried beside lanes and passthru,
+//! are in bench/README.md ("libfabric against raw TCP").
 //!
 //! Limits:
 //! - DRAM only. GPU memory is refused with the reason (`register` fails with `Unsupported`):

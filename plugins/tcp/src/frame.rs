@@ -18,8 +18,8 @@
 //!
 //! Zero padding follows the descriptor table of every request, and the message of a response
 //! that carries a payload, up to a multiple of [`ALIGN`] bytes: a payload that starts at a
-//! misaligned offset of the sender's write copies 2–3× slower through loopback TCP (measured
-//! with xferbench), and KV payloads are page-aligned in memory.
+//! misaligned offset of the sender's write copies several times slower through loopback TCP
+//! (bench/README.md, "Payload alignment"), and KV payloads are page-aligned in memory.
 
 //!
 //! Flag bit 0 of the hello: the initiator holds the cluster credential. A target that holds it

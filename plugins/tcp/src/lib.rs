@@ -84,10 +84,9 @@ use xfer_core::staging::StagingConfig;
 /// The memory TCP moves: host memory straight from the socket, GPU memory and files staged.
 const STAGED: [MemType; 3] = [MemType::Dram, MemType::Vram, MemType::File];
 
-/// Default of `spin_us`. On an idle 2-core VM a 50 µs spin cut a 4 KiB request from about 50 to
-/// 8 µs and the CPU both processes spend on it from 26–35 to 17 µs, since waking a sleeping
-/// thread costs more than the spin; on a loaded one the adaptive budget stops spinning after
-/// misses (bench/README.md, "Small transfers: spin and CPU").
+/// Default of `spin_us`: waking a sleeping thread costs more, in latency and in CPU, than a
+/// short spin while the answer is on its way; on a loaded machine the adaptive budget stops
+/// spinning after misses (bench/README.md, "Small transfers: spin and CPU").
 const DEFAULT_SPIN_US: u64 = 50;
 
 /// Registers the TCP backend under the name `tcp`.

@@ -89,8 +89,8 @@ pub fn decode_conn_info(text: &str) -> Result<(&str, Option<Fingerprint>), TlsEr
 }
 
 /// ring's suites with AES-128-GCM first: a server follows the client's order, and AES-128 costs
-/// about half of AES-256 per byte here (0.24 against 0.44 ns/B sealing 1452-byte packets), which
-/// both `tls=on` and the QUIC backend pay twice per byte moved.
+/// about half of AES-256 per byte (plugins/quic/README.md), which both `tls=on` and the QUIC
+/// backend pay twice per byte moved.
 fn provider() -> Arc<CryptoProvider> {
     let mut provider = rustls::crypto::ring::default_provider();
     provider.cipher_suites.sort_by_key(|suite| suite.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
