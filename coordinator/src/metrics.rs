@@ -95,6 +95,8 @@ pub struct Metrics {
     pub heartbeats: AtomicU64,
     pub pair_disaggregated: AtomicU64,
     pub pair_local_prefill: AtomicU64,
+    /// Answers naming a decode other than the asking sidecar's engine (the request moves there).
+    pub pair_moved: AtomicU64,
     pub pair_no_decode: AtomicU64,
     pub pair_invalid: AtomicU64,
     pub pair_latency: Histogram,
@@ -190,6 +192,12 @@ impl Metrics {
                 ("{reason=\"no_decode\"}", get(&self.pair_no_decode)),
                 ("{reason=\"invalid\"}", get(&self.pair_invalid)),
             ],
+        );
+        family(
+            "pair_moved_total",
+            "counter",
+            "Pairing answers whose decode is not the asking sidecar's engine (the request moves there).",
+            &[("", get(&self.pair_moved))],
         );
         family(
             "reports_total",

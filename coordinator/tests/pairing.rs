@@ -104,6 +104,7 @@ async fn pairing_follows_real_kv_events() {
     assert!(stats["models"][MODEL]["blocks"].as_u64().unwrap() >= 34, "{stats}");
     assert!(coord.metric("pd_coordinator_kv_block_events_total").await >= 34.0);
     assert!(coord.metric("pd_coordinator_pair_decisions_total{reason=\"disaggregated\"}").await >= 2.0);
+    assert_eq!(coord.metric("pd_coordinator_pair_moved_total").await, 1.0, "l3 only");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

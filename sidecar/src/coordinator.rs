@@ -24,7 +24,7 @@ use crate::engines::{DeadSet, EnginePool};
 use crate::errors::UpstreamError;
 use crate::handoff::{Pairing, RemoteDecode};
 use crate::load;
-use crate::metrics::{inc, Metrics};
+use crate::metrics::{inc, Metrics, Phase};
 use crate::release::Releaser;
 use crate::rewrite::Prompt;
 use crate::target::Target;
@@ -213,7 +213,10 @@ impl Coordinator {
             local_engine: Some(engine.clone()),
         };
         let body = serde_json::to_vec(&req).ok()?;
-        match self.call(client, Method::POST, "/v1/pair", Some(body)).await {
+        let asked = Instant::now();
+        let answer = self.call(client, Method::POST, "/v1/pair", Some(body)).await;
+        metrics.phase(Phase::Pairing).since(asked);
+        match answer {
             Ok((s, body)) if s.is_success() => {
                 self.mark_up();
                 let d: PairDecision = match serde_json::from_slice(&body) {

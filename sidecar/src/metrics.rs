@@ -106,6 +106,9 @@ impl Outcome {
 /// The phases timed per request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
+    /// The coordinator's pairing call, answered or not (what routing through the coordinator
+    /// adds before a request's first leg).
+    Pairing,
     /// The prefill call (all attempts).
     Prefill,
     /// From the prefill's answer to the decode's response headers (the engine's pull and
@@ -118,9 +121,10 @@ pub enum Phase {
 }
 
 impl Phase {
-    const ALL: [Phase; 4] = [Phase::Prefill, Phase::KvHandoff, Phase::DecodeFirstByte, Phase::EndToEnd];
+    const ALL: [Phase; 5] = [Phase::Pairing, Phase::Prefill, Phase::KvHandoff, Phase::DecodeFirstByte, Phase::EndToEnd];
     fn label(self) -> &'static str {
         match self {
+            Phase::Pairing => "pairing",
             Phase::Prefill => "prefill",
             Phase::KvHandoff => "kv_handoff",
             Phase::DecodeFirstByte => "decode_first_byte",

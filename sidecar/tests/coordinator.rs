@@ -314,6 +314,8 @@ async fn with_the_real_coordinator() {
         ds.post("/v1/completions", &json!({"model": "sim-model", "prompt": words(64, "real"), "max_tokens": 3})).await;
     assert_eq!(status, 200, "{out}");
     assert_eq!(ds.metric("pd_sidecar_pairings_total").await, 1.0);
+    assert_eq!(ds.metric("pd_sidecar_phase_seconds_count{phase=\"pairing\"}").await, 1.0);
+    assert!(ds.metric("pd_sidecar_phase_seconds_sum{phase=\"pairing\"}").await > 0.0);
     assert_eq!(ds.metric("pd_sidecar_disaggregated_total").await, 1.0);
     assert_eq!(d.leaks().await["pulls"], 1);
     p.leaks_until("prefill released", Duration::from_secs(1), |r| r["held_blocks"] == 0).await;

@@ -190,9 +190,26 @@ fn fmt_load(l: Option<[f64; 3]>) -> String {
 }
 
 fn decisions_cell(m: &Measured) -> String {
-    m.decisions.map_or_else(String::new, |d| {
-        format!("{:.0} disaggregated / {:.0} local prefill", d.coordinator_disaggregated, d.coordinator_local_prefill)
-    })
+    m.decisions.as_ref().map_or_else(String::new, decisions_text)
+}
+
+/// The coordinator's answers, the requests it moved, and what a pairing call cost.
+fn decisions_text(d: &Decisions) -> String {
+    let mut cell =
+        format!("{:.0} disaggregated / {:.0} local prefill", d.coordinator_disaggregated, d.coordinator_local_prefill);
+    if d.coordinator_moved > 0.0 {
+        cell.push_str(&format!(", {:.0} moved", d.coordinator_moved));
+    }
+    let answered = d.coordinator_disaggregated + d.coordinator_local_prefill;
+    if d.sidecar_pairing_calls > 0.0 && answered > 0.0 {
+        let ms = |secs: f64, n: f64| 1e3 * secs / n;
+        cell.push_str(&format!(
+            "; pairing call {:.2} ms ({:.2} in the coordinator)",
+            ms(d.sidecar_pairing_seconds, d.sidecar_pairing_calls),
+            ms(d.coordinator_pair_seconds, answered)
+        ));
+    }
+    cell
 }
 
 fn engine_hits(m: &Measured) -> String {
@@ -376,6 +393,23 @@ pub fn update_readme(path: &Path, section: Option<&str>, inner: &str) -> anyhow:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_decisions_cell_names_moves_and_the_pairing_cost() {
+        let plain = Decisions { coordinator_disaggregated: 3.0, coordinator_local_prefill: 1.0, ..Default::default() };
+        assert_eq!(decisions_text(&plain), "3 disaggregated / 1 local prefill");
+        let timed = Decisions {
+            coordinator_moved: 2.0,
+            coordinator_pair_seconds: 0.002,
+            sidecar_pairing_calls: 5.0,
+            sidecar_pairing_seconds: 0.006,
+            ..plain
+        };
+        assert_eq!(
+            decisions_text(&timed),
+            "3 disaggregated / 1 local prefill, 2 moved; pairing call 1.20 ms (0.50 in the coordinator)"
+        );
+    }
 
     #[test]
     fn replaces_only_between_the_markers() {

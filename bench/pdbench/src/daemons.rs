@@ -157,6 +157,10 @@ impl Daemons {
                 d.sidecar_pulls += metrics::sum(&t, "pd_sidecar_pulls_ok_total");
                 d.sidecar_handoff_seconds +=
                     metrics::sum_labeled(&t, "pd_sidecar_phase_seconds_sum", "phase=\"kv_handoff\"");
+                d.sidecar_pairing_seconds +=
+                    metrics::sum_labeled(&t, "pd_sidecar_phase_seconds_sum", "phase=\"pairing\"");
+                d.sidecar_pairing_calls +=
+                    metrics::sum_labeled(&t, "pd_sidecar_phase_seconds_count", "phase=\"pairing\"");
             }
         }
         if let Some(t) = get_text(http, &format!("{}/metrics", self.coordinator_url)).await {
@@ -166,6 +170,8 @@ impl Daemons {
             d.coordinator_local_prefill = by("local_prefill");
             d.coordinator_no_decode = by("no_decode");
             d.coordinator_invalid = by("invalid");
+            d.coordinator_moved = metrics::sum(&t, "pd_coordinator_pair_moved_total");
+            d.coordinator_pair_seconds = metrics::sum(&t, "pd_coordinator_pair_latency_seconds_sum");
         }
         d
     }
@@ -189,6 +195,14 @@ pub struct Decisions {
     /// Pairing requests the coordinator could not answer: no live decode engine, or malformed.
     pub coordinator_no_decode: f64,
     pub coordinator_invalid: f64,
+    /// Answers that moved the request to another engine than the asking sidecar's.
+    pub coordinator_moved: f64,
+    /// Time in the coordinator's pairing handler (answers only).
+    pub coordinator_pair_seconds: f64,
+    /// The sidecars' pairing calls and their time, as the sidecars saw it (HTTP and queueing
+    /// included).
+    pub sidecar_pairing_calls: f64,
+    pub sidecar_pairing_seconds: f64,
     /// Why the sidecars decoded requests without a prefill leg.
     pub local_reasons: LocalReasons,
     /// Sidecar pull mode: bytes the sidecars pulled, their pulls, and time in the KV handoff phase.
@@ -206,6 +220,10 @@ impl Decisions {
             coordinator_local_prefill: self.coordinator_local_prefill - b.coordinator_local_prefill,
             coordinator_no_decode: self.coordinator_no_decode - b.coordinator_no_decode,
             coordinator_invalid: self.coordinator_invalid - b.coordinator_invalid,
+            coordinator_moved: self.coordinator_moved - b.coordinator_moved,
+            coordinator_pair_seconds: self.coordinator_pair_seconds - b.coordinator_pair_seconds,
+            sidecar_pairing_calls: self.sidecar_pairing_calls - b.sidecar_pairing_calls,
+            sidecar_pairing_seconds: self.sidecar_pairing_seconds - b.sidecar_pairing_seconds,
             local_reasons: self.local_reasons.minus(b.local_reasons),
             sidecar_pull_bytes: self.sidecar_pull_bytes - b.sidecar_pull_bytes,
             sidecar_pulls: self.sidecar_pulls - b.sidecar_pulls,

@@ -221,6 +221,7 @@ impl Coordinator {
 
     pub fn pair(&self, req: PairRequestJson) -> Result<PairDecisionJson, ApiError> {
         let start = Instant::now();
+        let asked_by = req.local_engine.clone();
         let result = self.pair_inner(req);
         match &result {
             Ok(decision) => {
@@ -228,6 +229,9 @@ impl Coordinator {
                     PairReason::Disaggregated => &self.metrics.pair_disaggregated,
                     PairReason::LocalPrefill => &self.metrics.pair_local_prefill,
                 });
+                if asked_by.is_some_and(|engine| engine != decision.decode.id) {
+                    inc(&self.metrics.pair_moved);
+                }
                 self.metrics.pair_latency.observe(start.elapsed());
             }
             Err(ApiError::Unavailable(_)) => inc(&self.metrics.pair_no_decode),
