@@ -380,3 +380,48 @@ async fn data_parallel_ranks_are_paired_by_rank() {
     let (_, d) = coord.pair(&pair("undeclared", &undeclared)).await;
     assert_eq!(d["decode_overlap_blocks"], 0, "{d}");
 }
+
+/// A prompt that takes long to tokenize (megabytes of text) never holds the coordinator's
+/// runtime: while as many of them as it has workers are being tokenized, /health and an
+/// engine's heartbeat (whose absence would declare the engine dead) are answered first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_prompts_are_tokenized_off_the_runtime() {
+    let dir = std::env::temp_dir().join(format!("pd-coord-long-prompt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = write_tokenizer(&dir);
+    let tok = tokenizer.to_str().unwrap();
+    let d0 = Sim::start("d0", &["--tokenizer", tok]).await;
+    let coord = std::sync::Arc::new(Coord::start(&["--tokenizer", tok]).await);
+    coord.register(&d0.spec("decode", None)).await;
+    // About 4 MiB of words: each tokenization takes far longer than a health check.
+    let text = std::sync::Arc::new((0..800_000).map(|i| format!("w{}", i % 500)).collect::<Vec<_>>().join(" "));
+
+    let started = Instant::now();
+    // The harness runs the coordinator with two workers.
+    let pairs: Vec<_> = (0..2)
+        .map(|i| {
+            let (coord, text) = (std::sync::Arc::clone(&coord), std::sync::Arc::clone(&text));
+            tokio::spawn(async move {
+                let body = json!({"request_id": format!("long-{i}"), "model": MODEL, "prompt": *text});
+                let answer = coord.pair(&body).await;
+                (answer, started.elapsed())
+            })
+        })
+        .collect();
+    // The bodies are uploaded and being tokenized by now.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (status, body) = coord.get("/health").await;
+    assert_eq!((status, body.as_str()), (200, Some("ok")));
+    let (status, body) = coord.heartbeat("d0").await;
+    assert_eq!(status, 200, "{body}");
+    let answered = started.elapsed();
+    for pair in pairs {
+        let ((status, decision), done) = pair.await.unwrap();
+        assert_eq!(status, 200, "{decision}");
+        assert_eq!(decision["decode"]["id"], "d0");
+        assert!(
+            answered < done,
+            "health and heartbeat answered after {answered:?}, behind a pairing done after {done:?}"
+        );
+    }
+}

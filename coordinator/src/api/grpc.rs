@@ -240,7 +240,7 @@ impl CoordinatorRpc for Service {
             local_engine: r.local_engine,
             lora_name: r.lora_name,
         };
-        Ok(Response::new(self.coordinator.pair(req)?.into()))
+        Ok(Response::new(self.coordinator.pair_without_blocking(req).await?.into()))
     }
 
     async fn report(&self, request: Request<proto::ReportRequest>) -> Result<Response<proto::Empty>, Status> {

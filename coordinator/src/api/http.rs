@@ -98,7 +98,7 @@ async fn pair(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, ApiErr
             return Err(err);
         }
     };
-    Ok(Json(c.pair(req)?))
+    Ok(Json(c.pair_without_blocking(req).await?))
 }
 
 async fn report(State(c): Shared, body: Bytes) -> Result<StatusCode, ApiError> {

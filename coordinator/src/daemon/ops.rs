@@ -21,8 +21,25 @@ use super::state::{endpoint, engines, Coordinator, Origin};
 /// Longest request id accepted, bytes.
 const MAX_REQUEST_ID: usize = 512;
 /// Only a prompt's first blocks are hashed: prefixes longer than this are not worth telling
-/// apart, and hashing stays bounded (it runs on the request's thread).
+/// apart, and hashing stays bounded.
 const MAX_HASHED_BLOCKS: usize = 16_384;
+/// Prompt text up to this many bytes is tokenized on the runtime worker that took the request
+/// (about a millisecond of work); longer text, and token ids beyond [`INLINE_TOKEN_IDS`], are
+/// hashed on a blocking thread, so that heartbeats, KV events and other pairings do not wait
+/// behind them.
+const INLINE_PROMPT_BYTES: usize = 8 << 10;
+const INLINE_TOKEN_IDS: usize = 1 << 16;
+/// Prompt text tokenized off the runtime at once, KiB: tokenizing holds about 50 bytes per byte
+/// of text (HF `tokenizers` keeps offsets per byte; coordinator/README.md), so 32 MiB of it, two
+/// of the largest bodies accepted, is about 1.7 GB.
+pub(crate) const LONG_HASHING_KIB: usize = 32 << 10;
+
+/// The KiB of [`LONG_HASHING_KIB`] a pairing hashed off the runtime takes: its text, and at
+/// least a worker's share, so that no more of them run at once than there are workers.
+fn long_hashing_permits(text_bytes: usize, workers: usize) -> u32 {
+    let kib = (text_bytes >> 10).clamp(LONG_HASHING_KIB / workers.max(1), LONG_HASHING_KIB);
+    u32::try_from(kib).unwrap_or(u32::MAX)
+}
 
 impl Coordinator {
     pub async fn register(self: &Arc<Self>, spec: EngineSpecJson) -> Result<Registration, ApiError> {
@@ -217,6 +234,31 @@ impl Coordinator {
                 indexed_blocks: indexed(i, &e.spec.model),
             })
             .collect()
+    }
+
+    /// [`Coordinator::pair`] for the API edges: a request whose prompt takes long to hash is
+    /// decided on a blocking thread, so the runtime's workers are never held by it. At most one
+    /// such pairing per runtime worker runs at a time, and at most [`LONG_HASHING_KIB`] of
+    /// prompt text; the others wait their turn.
+    pub async fn pair_without_blocking(self: &Arc<Self>, req: PairRequestJson) -> Result<PairDecisionJson, ApiError> {
+        let text_bytes = req.prompt.as_ref().map_or(0, String::len);
+        let long =
+            text_bytes > INLINE_PROMPT_BYTES || req.token_ids.as_ref().is_some_and(|ids| ids.len() > INLINE_TOKEN_IDS);
+        if !long {
+            return self.pair(req);
+        }
+        let permit = Arc::clone(&self.long_hashing)
+            .acquire_many_owned(long_hashing_permits(text_bytes, self.workers))
+            .await
+            .map_err(|_| ApiError::Unavailable("the coordinator is shutting down".into()))?;
+        let c = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            // Held until the hashing is done, even when the caller has gone.
+            let _permit = permit;
+            c.pair(req)
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("pairing failed: {e}")))?
     }
 
     pub fn pair(&self, req: PairRequestJson) -> Result<PairDecisionJson, ApiError> {
@@ -423,5 +465,20 @@ impl Coordinator {
         m.event_replayed_batches.store(c.replayed_batches.load(Relaxed), Relaxed);
         m.event_resets.store(c.resets.load(Relaxed), Relaxed);
         m.render(&gauges)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_hashings_are_bounded_by_workers_and_by_text() {
+        // Two workers: a short long prompt takes half the budget, so two run at once.
+        assert_eq!(long_hashing_permits(10 << 10, 2) as usize, LONG_HASHING_KIB / 2);
+        // Large prompts take their size: two 16 MiB prompts at once on 64 workers, not 64.
+        assert_eq!(long_hashing_permits(16 << 20, 64), 16 << 10);
+        assert_eq!(long_hashing_permits(usize::MAX, 64) as usize, LONG_HASHING_KIB, "never more than the budget");
+        assert_eq!(long_hashing_permits(0, 0) as usize, LONG_HASHING_KIB, "no workers counts as one");
     }
 }

@@ -61,6 +61,10 @@ pub struct Coordinator {
     /// Stops collector mode's thread (`--kv-events-listen`).
     pub(crate) collector_stop: Arc<std::sync::atomic::AtomicBool>,
     pub(crate) runtime: tokio::runtime::Handle,
+    /// The runtime's worker threads.
+    pub(crate) workers: usize,
+    /// KiB of prompt text being hashed off the runtime (`ops::LONG_HASHING_KIB` in all).
+    pub(crate) long_hashing: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -105,7 +109,11 @@ impl Coordinator {
             .use_preconfigured_tls(tls)
             .build()?;
         let cluster = Cluster::new(config.settings());
+        let workers =
+            config.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from)).max(1);
         Ok(Coordinator {
+            workers,
+            long_hashing: Arc::new(tokio::sync::Semaphore::new(super::ops::LONG_HASHING_KIB)),
             inner: Mutex::new(Inner {
                 cluster,
                 meta: Vec::new(),
