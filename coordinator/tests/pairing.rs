@@ -11,8 +11,10 @@ use common::{eventually, tokens, Coord, Sim, MODEL};
 use serde_json::json;
 
 /// A word-level tokenizer.json ("w0".."w499", whitespace pre-tokenizer) shared by the
-/// simulated engines and the coordinator.
-fn write_tokenizer(dir: &std::path::Path) -> std::path::PathBuf {
+/// simulated engines and the coordinator, in a directory of the test's own.
+fn write_tokenizer(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("pd-coord-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
     let mut vocab = serde_json::Map::new();
     vocab.insert("[UNK]".into(), 0.into());
     for i in 0..500 {
@@ -34,9 +36,7 @@ fn words(from: usize, n: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pairing_follows_real_kv_events() {
-    let dir = std::env::temp_dir().join(format!("pd-coord-pairing-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let tokenizer = write_tokenizer(&dir);
+    let tokenizer = write_tokenizer("pairing");
     let tok = tokenizer.to_str().unwrap();
     let p0 = Sim::start("p0", &["--tokenizer", tok]).await;
     // p1 publishes like older vLLM: events as tagged arrays, hashes as raw digests.
@@ -105,7 +105,7 @@ async fn pairing_follows_real_kv_events() {
     assert!(coord.metric("pd_coordinator_kv_block_events_total").await >= 34.0);
     assert!(coord.metric("pd_coordinator_pair_decisions_total{reason=\"disaggregated\"}").await >= 2.0);
     assert_eq!(coord.metric("pd_coordinator_pair_moved_total").await, 1.0, "l3 only");
-    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(tokenizer.parent().unwrap()).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,9 +386,7 @@ async fn data_parallel_ranks_are_paired_by_rank() {
 /// engine's heartbeat (whose absence would declare the engine dead) are answered first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn long_prompts_are_tokenized_off_the_runtime() {
-    let dir = std::env::temp_dir().join(format!("pd-coord-long-prompt-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let tokenizer = write_tokenizer(&dir);
+    let tokenizer = write_tokenizer("long-prompt");
     let tok = tokenizer.to_str().unwrap();
     let d0 = Sim::start("d0", &["--tokenizer", tok]).await;
     let coord = std::sync::Arc::new(Coord::start(&["--tokenizer", tok]).await);
@@ -424,4 +422,5 @@ async fn long_prompts_are_tokenized_off_the_runtime() {
             "health and heartbeat answered after {answered:?}, behind a pairing done after {done:?}"
         );
     }
+    std::fs::remove_dir_all(tokenizer.parent().unwrap()).unwrap();
 }
