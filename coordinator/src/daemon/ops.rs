@@ -474,7 +474,7 @@ mod tests {
 
     #[test]
     fn long_hashings_are_bounded_by_workers_and_by_text() {
-        // Two workers: a short long prompt takes half the budget, so two run at once.
+        // Two workers: a prompt just over the inline limit takes half the budget, so two run at once.
         assert_eq!(long_hashing_permits(10 << 10, 2) as usize, LONG_HASHING_KIB / 2);
         // Large prompts take their size: two 16 MiB prompts at once on 64 workers, not 64.
         assert_eq!(long_hashing_permits(16 << 20, 64), 16 << 10);
