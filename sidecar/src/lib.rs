@@ -88,6 +88,8 @@ pub struct App {
     pub coordinator: Option<Arc<coordinator::Coordinator>>,
     /// The sidecar's own KV reads (`--mode sim-pull`).
     pub puller: Option<Arc<pull::Puller>>,
+    /// Permits for requests with large bodies to run off the runtime (`--offload-body-bytes`).
+    pub offloads: Arc<tokio::sync::Semaphore>,
 }
 
 /// Builds the request context and the handles from a configuration.
@@ -125,6 +127,7 @@ pub fn build(cfg: Config) -> anyhow::Result<App> {
         releaser,
         coordinator,
         puller,
+        offloads: Arc::new(tokio::sync::Semaphore::new(server::OFFLOADS_AT_ONCE)),
     })
 }
 

@@ -257,6 +257,7 @@ pub struct Metrics {
     redirects: Vec<AtomicU64>,
     pub in_flight: AtomicI64,
     pub disaggregated: AtomicU64,
+    pub offloaded: AtomicU64,
     pub failovers: AtomicU64,
     pub passthrough: AtomicU64,
     pub routing_header_rejected: AtomicU64,
@@ -286,6 +287,7 @@ impl Default for Metrics {
             redirects: counters(RedirectOutcome::ALL.len()),
             in_flight: AtomicI64::new(0),
             disaggregated: z(),
+            offloaded: z(),
             failovers: z(),
             passthrough: z(),
             routing_header_rejected: z(),
@@ -380,11 +382,16 @@ impl Metrics {
         }
         help(&mut out, "pd_sidecar_in_flight", "gauge", "Generation requests in flight.");
         let _ = writeln!(out, "pd_sidecar_in_flight {}", self.in_flight.load(Relaxed).max(0));
-        let plain: [(&str, &str, &AtomicU64); 17] = [
+        let plain: [(&str, &str, &AtomicU64); 18] = [
             (
                 "pd_sidecar_disaggregated_total",
                 "Requests whose decode got the prefill's KV params.",
                 &self.disaggregated,
+            ),
+            (
+                "pd_sidecar_offloaded_total",
+                "Requests with large bodies run on a thread of their own (--offload-body-bytes).",
+                &self.offloaded,
             ),
             ("pd_sidecar_failovers_total", "Moves to the next prefill candidate.", &self.failovers),
             ("pd_sidecar_passthrough_total", "Requests forwarded untouched to the engine.", &self.passthrough),

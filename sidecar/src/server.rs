@@ -81,8 +81,47 @@ async fn generate(AxState(app): AxState<Shared>, req: Request) -> Response<Body>
     generation(app, Api::Generate, req).await
 }
 
-/// A generation request: its id, its span and its [`Finish`], then the mode's flow.
+/// Requests with large bodies that may run off the runtime at once (`--offload-body-bytes`).
+pub(crate) const OFFLOADS_AT_ONCE: usize = 4;
+
+/// A generation request, on a thread of its own when its body is large
+/// (`--offload-body-bytes`) and a permit is free, else on the runtime.
 async fn generation(app: Shared, api: Api, req: Request) -> Response<Body> {
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len >= app.ctx.cfg.offload_body_bytes) {
+        if let Ok(permit) = Arc::clone(&app.offloads).try_acquire_owned() {
+            inc(&app.ctx.metrics.offloaded);
+            return offloaded(app, api, req, permit).await;
+        }
+    }
+    flow(app, api, req).await
+}
+
+/// Runs [`flow`] on a blocking-pool thread whose I/O this runtime still drives: the CPU a
+/// large body costs (the read's copies, the parse, the rewrites) is spent there, not on the
+/// runtime's thread. Dropping this future (the client left) drops the flow there too, as it
+/// would have been dropped here.
+async fn offloaded(app: Shared, api: Api, req: Request, permit: tokio::sync::OwnedSemaphorePermit) -> Response<Body> {
+    let runtime = tokio::runtime::Handle::current();
+    let (_client_waits, client_left) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        runtime.block_on(async move {
+            tokio::select! {
+                response = flow(app, api, req) => Some(response),
+                _ = client_left => None,
+            }
+        })
+    });
+    match task.await {
+        Ok(Some(response)) => response,
+        // A panic in the flow (the sender lives as long as this future, so not a client that left).
+        _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request failed inside the sidecar").response(),
+    }
+}
+
+/// A generation request: its id, its span and its [`Finish`], then the mode's flow.
+async fn flow(app: Shared, api: Api, req: Request) -> Response<Body> {
     // The headers are moved out rather than cloned (what the `HeaderMap` extractor does); the
     // body is read by the `Bytes` extractor, which keeps `DefaultBodyLimit` and its 413.
     let (mut parts, body) = req.into_parts();

@@ -84,9 +84,24 @@ async fn pd_release_frees_blocks_named_by_params() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_during_the_prefill_strands_nothing() {
+    leave_during_the_prefill(&[]).await;
+}
+
+/// The same with every body counted as large (`--offload-body-bytes 0`): four of the eight
+/// requests run off the runtime (as many as it allows at once), and are dropped there when
+/// their clients leave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_during_an_offloaded_prefill_strands_nothing() {
+    leave_during_the_prefill(&["--offload-body-bytes", "0"]).await;
+}
+
+async fn leave_during_the_prefill(flags: &[&str]) {
     let p = Sim::start(&[]).await;
     let d = Sim::start(&[]).await;
-    let s = Sidecar::start(&["--engine", &d.url, "--prefill", &p.addr()]).await;
+    let prefill = p.addr();
+    let args: Vec<&str> =
+        ["--engine", d.url.as_str(), "--prefill", prefill.as_str()].into_iter().chain(flags.iter().copied()).collect();
+    let s = Sidecar::start(&args).await;
     // The prefill answers after 500 ms; the clients leave once the sidecar has all eight in
     // hand, mid-prefill (a fixed 50 ms client timeout left before the sidecar read them under
     // load, once: no prefill started).
