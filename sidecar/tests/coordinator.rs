@@ -333,18 +333,8 @@ async fn with_the_real_coordinator() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_named_data_parallel_rank_reaches_its_engine() {
-    // Engines that record the headers of every request: a prefill answering with the params a
-    // decode pulls with, and a decode answering a completion.
-    let params = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p",
-                        "remote_block_ids": [1, 2], "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1});
-    let prefilled = json!({"id": "p", "object": "text_completion", "kv_transfer_params": params,
-                           "choices": [{"index": 0, "text": "a", "finish_reason": "length"}]})
-    .to_string();
-    let (prefill, prefill_seen) = common::fake(move |_| (200, "application/json", prefilled.clone())).await;
-    let decoded =
-        json!({"id": "d", "object": "text_completion", "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]})
-            .to_string();
-    let (decode, decode_seen) = common::fake(move |_| (200, "application/json", decoded.clone())).await;
+    // Engines that record the headers of every request.
+    let ((prefill, prefill_seen), (decode, decode_seen)) = common::fake_handoff_engines().await;
     let (url, fake) = fake_coordinator().await;
     *fake.pair_with.lock().unwrap() = Some(("pre-1".into(), format!("http://{prefill}")));
     let s = Sidecar::start(&[

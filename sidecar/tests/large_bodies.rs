@@ -16,16 +16,7 @@ use serde_json::{json, Value};
 /// engines must get the prompt whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_prompt_does_not_hold_up_other_requests() {
-    let params = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p",
-                        "remote_block_ids": [1, 2], "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1});
-    let prefilled = json!({"id": "p", "object": "text_completion", "kv_transfer_params": params,
-                           "choices": [{"index": 0, "text": "a", "finish_reason": "length"}]})
-    .to_string();
-    let (prefill, prefill_seen) = common::fake(move |_| (200, "application/json", prefilled.clone())).await;
-    let decoded =
-        json!({"id": "d", "object": "text_completion", "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]})
-            .to_string();
-    let (decode, decode_seen) = common::fake(move |_| (200, "application/json", decoded.clone())).await;
+    let ((prefill, prefill_seen), (decode, decode_seen)) = common::fake_handoff_engines().await;
     let prompt = "lorem ipsum ".repeat(3 << 20);
     let body = json!({"model": "m", "prompt": prompt, "max_tokens": 2}).to_string();
 

@@ -268,6 +268,22 @@ where
     (serve(app).await, log)
 }
 
+/// Two fakes for a vLLM handoff: a prefill answering with the params a decode pulls with, and
+/// a decode answering a completion; each records what it was sent.
+pub async fn fake_handoff_engines() -> ((String, Log), (String, Log)) {
+    let params = serde_json::json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p",
+                        "remote_block_ids": [1, 2], "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 1});
+    let prefilled = serde_json::json!({"id": "p", "object": "text_completion", "kv_transfer_params": params,
+                           "choices": [{"index": 0, "text": "a", "finish_reason": "length"}]})
+    .to_string();
+    let decoded =
+        serde_json::json!({"id": "d", "object": "text_completion", "choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]})
+            .to_string();
+    let prefill = fake(move |_| (200, "application/json", prefilled.clone())).await;
+    let decode = fake(move |_| (200, "application/json", decoded.clone())).await;
+    (prefill, decode)
+}
+
 /// `pd-coordinator` built next to `pd-sidecar` (same profile), if any.
 /// The `pd-coordinator` built next to `pd-sidecar`. The workspace test command builds it (its
 /// package has integration tests); a test that needs it fails, not skips, when it is missing.
