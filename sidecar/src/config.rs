@@ -121,10 +121,10 @@ pub struct Config {
     /// Largest request body accepted, bytes.
     #[arg(long, env = "PD_SIDECAR_MAX_BODY_BYTES", default_value_t = 64 << 20, help_heading = "Serving")]
     pub max_body_bytes: usize,
-    /// Requests whose body declares (Content-Length) at least this many bytes run on a thread of
-    /// their own, so that reading, parsing and rewriting a long prompt (about 2 ns a byte: over
-    /// a millisecond for a 128 k-token prompt) does not hold up the other requests on the
-    /// runtime; at most 4 at a time, more run inline as smaller ones do.
+    /// Requests whose body declares (Content-Length) at least this many bytes, or is sent in
+    /// chunks, run on a thread of their own, so that reading, parsing and rewriting a long prompt
+    /// (about 2 ns a byte: over a millisecond for a 128 k-token prompt) does not hold up the
+    /// other requests on the runtime; at most 4 at a time, more run inline as smaller ones do.
     #[arg(long, env = "PD_SIDECAR_OFFLOAD_BODY_BYTES", default_value_t = 256 << 10, help_heading = "Serving")]
     pub offload_body_bytes: u64,
     /// Tokio worker threads (default 1: one thread, tokio's current-thread runtime). A request

@@ -2,6 +2,7 @@
 //! or SGLang, by `--mode`), pass-through to the engine, health, readiness, metrics,
 //! `/pd/release`.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -85,30 +86,46 @@ async fn generate(AxState(app): AxState<Shared>, req: Request) -> Response<Body>
 pub(crate) const OFFLOADS_AT_ONCE: usize = 4;
 
 /// A generation request, on a thread of its own when its body is large
-/// (`--offload-body-bytes`) and a permit is free, else on the runtime.
+/// (`--offload-body-bytes`) and a permit is free, else on the runtime. The size is judged
+/// before the body is read, so that the read's copies move too: by its `Content-Length`, and a
+/// body sent in chunks (no length given; rare from HTTP clients) counts as large.
 async fn generation(app: Shared, api: Api, req: Request) -> Response<Body> {
-    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|len| len >= app.ctx.cfg.offload_body_bytes) {
-        if let Ok(permit) = Arc::clone(&app.offloads).try_acquire_owned() {
-            inc(&app.ctx.metrics.offloaded);
-            return offloaded(app, api, req, permit).await;
+    let headers = req.headers();
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let large = match declared {
+        Some(len) => len >= app.ctx.cfg.offload_body_bytes,
+        None => headers.contains_key(header::TRANSFER_ENCODING),
+    };
+    if large {
+        if let Some(permit) = offload_permit(&app) {
+            return offloaded(permit, flow(app, api, req)).await;
         }
     }
     flow(app, api, req).await
 }
 
-/// Runs [`flow`] on a blocking-pool thread whose I/O this runtime still drives: the CPU a
-/// large body costs (the read's copies, the parse, the rewrites) is spent there, not on the
-/// runtime's thread. Dropping this future (the client left) drops the flow there too, as it
-/// would have been dropped here.
-async fn offloaded(app: Shared, api: Api, req: Request, permit: tokio::sync::OwnedSemaphorePermit) -> Response<Body> {
+/// A permit to run a request off the runtime, counted, if one is free.
+fn offload_permit(app: &App) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    let permit = Arc::clone(&app.offloads).try_acquire_owned().ok()?;
+    inc(&app.ctx.metrics.offloaded);
+    Some(permit)
+}
+
+/// Runs `flow` on a blocking-pool thread whose I/O this runtime still drives: the CPU a large
+/// body costs (the read's copies, the parse, the rewrites) is spent there, not on the runtime's
+/// thread. Dropping this future (the client left) drops the flow there too, as it would have
+/// been dropped here.
+async fn offloaded(
+    permit: tokio::sync::OwnedSemaphorePermit,
+    flow: impl Future<Output = Response<Body>> + Send + 'static,
+) -> Response<Body> {
     let runtime = tokio::runtime::Handle::current();
     let (_client_waits, client_left) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         runtime.block_on(async move {
             tokio::select! {
-                response = flow(app, api, req) => Some(response),
+                response = flow => Some(response),
                 _ = client_left => None,
             }
         })
