@@ -125,8 +125,11 @@ async fn offloaded(
         let _permit = permit;
         runtime.block_on(async move {
             tokio::select! {
-                response = flow => Some(response),
+                // A client gone (or the connection closed by a shutdown) wins over a flow that
+                // became ready in the same wake-up, as the flow would have been dropped inline.
+                biased;
                 _ = client_left => None,
+                response = flow => Some(response),
             }
         })
     });
