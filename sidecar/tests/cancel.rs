@@ -84,7 +84,7 @@ async fn pd_release_frees_blocks_named_by_params() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_during_the_prefill_strands_nothing() {
-    leave_during_the_prefill(&[]).await;
+    leave_during_the_prefill(&[], 0.0).await;
 }
 
 /// The same with every body counted as large (`--offload-body-bytes 0`): four of the eight
@@ -92,10 +92,10 @@ async fn a_client_leaving_during_the_prefill_strands_nothing() {
 /// their clients leave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_during_an_offloaded_prefill_strands_nothing() {
-    leave_during_the_prefill(&["--offload-body-bytes", "0"]).await;
+    leave_during_the_prefill(&["--offload-body-bytes", "0"], 4.0).await;
 }
 
-async fn leave_during_the_prefill(flags: &[&str]) {
+async fn leave_during_the_prefill(flags: &[&str], offloaded: f64) {
     let p = Sim::start(&[]).await;
     let d = Sim::start(&[]).await;
     let prefill = p.addr();
@@ -117,6 +117,7 @@ async fn leave_during_the_prefill(flags: &[&str]) {
         (s.metric("pd_sidecar_in_flight").await == 8.0).then_some(())
     })
     .await;
+    assert_eq!(s.metric("pd_sidecar_offloaded_total").await, offloaded);
     tokio::time::sleep(Duration::from_millis(50)).await;
     for client in &clients {
         client.abort();
