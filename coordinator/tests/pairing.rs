@@ -424,3 +424,63 @@ async fn long_prompts_are_tokenized_off_the_runtime() {
     }
     std::fs::remove_dir_all(tokenizer.parent().unwrap()).unwrap();
 }
+
+/// A pairing body of the largest size accepted (16 MiB of token ids, far more than a prompt
+/// needs, but a peer may send it) is joined and parsed off the coordinator's runtime, as long
+/// prompts are hashed: while four of them are in, /health keeps answering. On the runtime, each
+/// held one of its two workers for about as long as the pairing took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_largest_pairing_bodies_are_parsed_off_the_runtime() {
+    let d0 = Sim::start("d0", &[]).await;
+    let coord = std::sync::Arc::new(Coord::start(&[]).await);
+    coord.register(&d0.spec("decode", None)).await;
+    // Single-digit ids, the most of them a body can hold: the slowest body to parse.
+    let prefix = format!(r#"{{"request_id": "big", "model": "{MODEL}", "token_ids": ["#);
+    let ids = (16 << 20) - prefix.len() - 8;
+    let mut body = prefix.into_bytes();
+    for i in 0..ids / 2 {
+        body.extend_from_slice(if i == 0 { b"7" } else { b",7" });
+    }
+    body.extend_from_slice(b"]}");
+    let body = std::sync::Arc::new(body);
+
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let (coord, done) = (std::sync::Arc::clone(&coord), std::sync::Arc::clone(&done));
+        tokio::spawn(async move {
+            let mut waits = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let asked = Instant::now();
+                let (status, _) = coord.get("/health").await;
+                assert_eq!(status, 200);
+                waits.push(asked.elapsed());
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            waits
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let pairs: Vec<_> = (0..4)
+        .map(|_| {
+            let (coord, body) = (std::sync::Arc::clone(&coord), std::sync::Arc::clone(&body));
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let answer = coord.post_raw("/v1/pair", body.to_vec()).await;
+                (answer, sent.elapsed())
+            })
+        })
+        .collect();
+    let mut fastest = Duration::MAX;
+    for pair in pairs {
+        let ((status, decision), took) = pair.await.unwrap();
+        assert_eq!(status, 200, "{decision}");
+        assert_eq!(decision["decode"]["id"], "d0");
+        fastest = fastest.min(took);
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let waits = prober.await.unwrap();
+    let longest = waits.iter().max().copied().unwrap();
+    eprintln!("fastest pairing {fastest:?}; longest /health wait {longest:?} over {} checks", waits.len());
+    assert!(waits.len() >= 10, "only {} health checks", waits.len());
+    assert!(longest * 3 < fastest, "/health waited {longest:?} while pairings took {fastest:?} and more");
+}

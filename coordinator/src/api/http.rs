@@ -4,12 +4,13 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 
 use crate::api::{ApiError, EngineSpecJson, Heartbeat, PairRequestJson, ReportJson};
@@ -17,6 +18,10 @@ use crate::daemon::Coordinator;
 
 /// Largest request body accepted (a long prompt's token ids fit).
 const MAX_BODY: usize = 16 << 20;
+/// A pairing body from this size on is joined and parsed off the runtime, as long prompts are
+/// hashed: two 16 MiB bodies of token ids held /health for 52-62 ms on the two workers parsing
+/// them.
+const INLINE_PAIR_BODY: usize = 256 << 10;
 
 type Shared = State<Arc<Coordinator>>;
 
@@ -29,6 +34,49 @@ impl IntoResponse for ApiError {
 
 fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
+}
+
+/// A request body as it arrived, in frames, up to [`MAX_BODY`] bytes in all. The frames are
+/// joined only where the body is used: joining copies every byte, about 15 ms for the largest
+/// body on our VM, which a large pairing does off the runtime.
+struct Body {
+    frames: Vec<Bytes>,
+    len: usize,
+}
+
+impl<S: Sync> FromRequest<S> for Body {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, _: &S) -> Result<Self, ApiError> {
+        let declared = request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
+        if declared.is_some_and(|n: usize| n > MAX_BODY) {
+            return Err(ApiError::TooLarge(MAX_BODY));
+        }
+        let mut data = request.into_body().into_data_stream();
+        let mut body = Body { frames: Vec::new(), len: 0 };
+        while let Some(frame) = data.next().await {
+            let frame = frame.map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?;
+            body.len += frame.len();
+            if body.len > MAX_BODY {
+                return Err(ApiError::TooLarge(MAX_BODY));
+            }
+            body.frames.push(frame);
+        }
+        Ok(body)
+    }
+}
+
+impl Body {
+    fn join(mut self) -> Bytes {
+        if self.frames.len() == 1 {
+            return self.frames.swap_remove(0);
+        }
+        let mut joined = Vec::with_capacity(self.len);
+        for frame in &self.frames {
+            joined.extend_from_slice(frame);
+        }
+        joined.into()
+    }
 }
 
 pub fn router(coordinator: Arc<Coordinator>) -> Router {
@@ -49,7 +97,6 @@ pub fn router(coordinator: Arc<Coordinator>) -> Router {
             body["error"]["code"] = 405.into();
             (StatusCode::METHOD_NOT_ALLOWED, Json(body))
         })
-        .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(middleware::from_fn_with_state(Arc::clone(&coordinator), authorize))
         .with_state(coordinator)
 }
@@ -67,12 +114,13 @@ async fn authorize(State(c): Shared, request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-async fn register(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, ApiError> {
-    let spec: EngineSpecJson = parse(&body)?;
+async fn register(State(c): Shared, body: Body) -> Result<impl IntoResponse, ApiError> {
+    let spec: EngineSpecJson = parse(&body.join())?;
     Ok(Json(c.register(spec).await?))
 }
 
-async fn heartbeat(State(c): Shared, Path(id): Path<String>, body: Bytes) -> Result<impl IntoResponse, ApiError> {
+async fn heartbeat(State(c): Shared, Path(id): Path<String>, body: Body) -> Result<impl IntoResponse, ApiError> {
+    let body = body.join();
     let body: Heartbeat = if body.iter().all(u8::is_ascii_whitespace) { Heartbeat::default() } else { parse(&body)? };
     Ok(Json(c.heartbeat(&id, body.load).await?))
 }
@@ -90,19 +138,21 @@ async fn list(State(c): Shared) -> impl IntoResponse {
     Json(c.list())
 }
 
-async fn pair(State(c): Shared, body: Bytes) -> Result<impl IntoResponse, ApiError> {
-    let req: PairRequestJson = match parse(&body) {
-        Ok(req) => req,
-        Err(err) => {
-            crate::metrics::inc(&c.metrics.pair_invalid);
-            return Err(err);
-        }
+async fn pair(State(c): Shared, body: Body) -> Result<impl IntoResponse, ApiError> {
+    let decision = if body.len >= INLINE_PAIR_BODY {
+        c.off_runtime(body.len, move |c| c.pair(parse_pair(c, &body.join())?)).await?
+    } else {
+        c.pair_without_blocking(parse_pair(&c, &body.join())?).await?
     };
-    Ok(Json(c.pair_without_blocking(req).await?))
+    Ok(Json(decision))
 }
 
-async fn report(State(c): Shared, body: Bytes) -> Result<StatusCode, ApiError> {
-    let report: ReportJson = parse(&body)?;
+fn parse_pair(c: &Coordinator, body: &[u8]) -> Result<PairRequestJson, ApiError> {
+    parse(body).inspect_err(|_| crate::metrics::inc(&c.metrics.pair_invalid))
+}
+
+async fn report(State(c): Shared, body: Body) -> Result<StatusCode, ApiError> {
+    let report: ReportJson = parse(&body.join())?;
     c.report(report)?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -87,6 +87,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("{0}")]
     NotFound(String),
+    /// A request body over the limit (bytes).
+    #[error("request body over {0} bytes")]
+    TooLarge(usize),
     /// The call lacked the bearer token `--auth-token` demands.
     #[error("missing or invalid bearer token")]
     Unauthorized,
@@ -101,6 +104,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => 400,
             ApiError::NotFound(_) => 404,
+            ApiError::TooLarge(_) => 413,
             ApiError::Unauthorized => 401,
             ApiError::Unavailable(_) => 503,
             ApiError::Internal(_) => 500,
@@ -109,7 +113,7 @@ impl ApiError {
 
     pub fn kind(&self) -> &'static str {
         match self {
-            ApiError::BadRequest(_) => "invalid_request_error",
+            ApiError::BadRequest(_) | ApiError::TooLarge(_) => "invalid_request_error",
             ApiError::NotFound(_) => "not_found_error",
             ApiError::Unauthorized => "authentication_error",
             ApiError::Unavailable(_) => "service_unavailable",

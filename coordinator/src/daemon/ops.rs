@@ -34,10 +34,10 @@ const INLINE_TOKEN_IDS: usize = 1 << 16;
 /// of the largest bodies accepted, is about 1.7 GB.
 pub(crate) const LONG_HASHING_KIB: usize = 32 << 10;
 
-/// The KiB of [`LONG_HASHING_KIB`] a pairing hashed off the runtime takes: its text, and at
+/// The KiB of [`LONG_HASHING_KIB`] a job off the runtime takes: its text or body, and at
 /// least a worker's share, so that no more of them run at once than there are workers.
-fn long_hashing_permits(text_bytes: usize, workers: usize) -> u32 {
-    let kib = (text_bytes >> 10).clamp(LONG_HASHING_KIB / workers.max(1), LONG_HASHING_KIB);
+fn long_hashing_permits(bytes: usize, workers: usize) -> u32 {
+    let kib = (bytes >> 10).clamp(LONG_HASHING_KIB / workers.max(1), LONG_HASHING_KIB);
     u32::try_from(kib).unwrap_or(u32::MAX)
 }
 
@@ -237,9 +237,7 @@ impl Coordinator {
     }
 
     /// [`Coordinator::pair`] for the API edges: a request whose prompt takes long to hash is
-    /// decided on a blocking thread, so the runtime's workers are never held by it. At most one
-    /// such pairing per runtime worker runs at a time, and at most [`LONG_HASHING_KIB`] of
-    /// prompt text; the others wait their turn.
+    /// decided on a blocking thread ([`Coordinator::off_runtime`]).
     pub async fn pair_without_blocking(self: &Arc<Self>, req: PairRequestJson) -> Result<PairDecisionJson, ApiError> {
         let text_bytes = req.prompt.as_ref().map_or(0, String::len);
         let long =
@@ -247,15 +245,27 @@ impl Coordinator {
         if !long {
             return self.pair(req);
         }
+        self.off_runtime(text_bytes, move |c| c.pair(req)).await
+    }
+
+    /// Runs `work` (a pairing, with whatever parsing it needs) on a blocking thread, so that the
+    /// runtime's workers are never held by it. At most one such job per runtime worker runs at
+    /// a time, and at most [`LONG_HASHING_KIB`] of `bytes` (the prompt text or body it reads);
+    /// the others wait their turn.
+    pub async fn off_runtime<T: Send + 'static>(
+        self: &Arc<Self>,
+        bytes: usize,
+        work: impl FnOnce(&Coordinator) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
         let permit = Arc::clone(&self.long_hashing)
-            .acquire_many_owned(long_hashing_permits(text_bytes, self.workers))
+            .acquire_many_owned(long_hashing_permits(bytes, self.workers))
             .await
             .map_err(|_| ApiError::Unavailable("the coordinator is shutting down".into()))?;
         let c = Arc::clone(self);
         tokio::task::spawn_blocking(move || {
-            // Held until the hashing is done, even when the caller has gone.
+            // Held until the work is done, even when the caller has gone.
             let _permit = permit;
-            c.pair(req)
+            work(&c)
         })
         .await
         .map_err(|e| ApiError::Internal(format!("pairing failed: {e}")))?
