@@ -48,10 +48,6 @@ impl<S: Sync> FromRequest<S> for Body {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, _: &S) -> Result<Self, ApiError> {
-        let declared = request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse().ok());
-        if declared.is_some_and(|n: usize| n > MAX_BODY) {
-            return Err(ApiError::TooLarge(MAX_BODY));
-        }
         let mut data = request.into_body().into_data_stream();
         let mut body = Body { frames: Vec::new(), len: 0 };
         while let Some(frame) = data.next().await {
