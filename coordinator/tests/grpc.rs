@@ -70,6 +70,14 @@ async fn every_grpc_method_once() {
     assert_eq!(d.reason, "disaggregated");
     let unknown = PairRequest { request_id: "r2".into(), model: "other".into(), ..PairRequest::default() };
     assert_eq!(client.pair(unknown).await.unwrap_err().code(), Code::Unavailable);
+    // A message over 4 MiB (1.5 M token ids of 3 bytes each) is refused before it is decoded.
+    let huge = PairRequest {
+        request_id: "r3".into(),
+        model: MODEL.into(),
+        token_ids: vec![100_000; 1_500_000],
+        ..PairRequest::default()
+    };
+    assert_eq!(client.pair(huge).await.unwrap_err().code(), Code::OutOfRange);
 
     let report = ReportRequest {
         request_id: "r1".into(),

@@ -55,7 +55,7 @@ impl From<ApiError> for Status {
         match err {
             ApiError::BadRequest(m) => Status::invalid_argument(m),
             ApiError::NotFound(m) => Status::not_found(m),
-            ApiError::TooLarge(_) => Status::resource_exhausted(err.to_string()),
+            ApiError::TooLarge(_) => Status::out_of_range(err.to_string()),
             ApiError::Unauthorized => Status::unauthenticated(ApiError::Unauthorized.to_string()),
             ApiError::Unavailable(m) => Status::unavailable(m),
             ApiError::Internal(m) => Status::internal(m),
