@@ -85,9 +85,11 @@ impl Universe {
             .collect();
         let mut universe = Universe { families: Vec::new(), conversations: Vec::new(), popularity };
         let mut distinct: usize = families.iter().map(|f| f.blocks.len()).sum();
-        while distinct < target_blocks {
+        // At least one conversation, where the families alone reach the target (a small
+        // `--blocks`): lookups are drawn from conversations.
+        while distinct < target_blocks || universe.conversations.is_empty() {
             let family = universe.pick_family(rng);
-            let len = rng.range(8, 160).min(target_blocks - distinct).max(1);
+            let len = rng.range(8, 160).min(target_blocks.saturating_sub(distinct)).max(1);
             let fam = &mut families[family];
             // Served by a prefill and a decode (both keep the blocks), sometimes locally by one
             // engine, sometimes re-routed to a third; mostly engines that had the system prompt.
