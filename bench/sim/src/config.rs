@@ -15,6 +15,16 @@ pub enum FailurePolicy {
     Recompute,
 }
 
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum PrefillQueueMode {
+    /// Each prompt takes its own time, however many are computed at once.
+    #[default]
+    None,
+    /// One prompt at a time, in arrival order: the engine's prefill throughput is one token per
+    /// `--prefill-us-per-token`, as a GPU's is, so prompts arriving together wait for each other.
+    Fifo,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Role {
     /// vLLM style: any request may carry `kv_transfer_params`.
@@ -82,6 +92,10 @@ pub struct Config {
     /// single decode step pays for interference.
     #[arg(long, default_value_t = 2048)]
     pub step_token_budget: u64,
+    /// How prompts computed at the same time share the engine (bench/sim/README.md, "Prompts
+    /// computed at the same time").
+    #[arg(long, value_enum, default_value_t = PrefillQueueMode::None)]
+    pub prefill_queue: PrefillQueueMode,
     /// Requests running at once; more wait in a queue.
     #[arg(long, default_value_t = 256)]
     pub max_running: usize,

@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::content;
 use crate::events::EventSink;
 use crate::faults::Faults;
-use crate::interference::{Law, PrefillLog};
+use crate::interference::{Law, PrefillLog, PrefillQueue};
 use crate::lease::{LeaseTable, Notif, Released};
 use crate::mem::PoolMemory;
 use crate::metrics::{add, Gauges, Metrics};
@@ -96,6 +96,8 @@ pub struct Engine {
     pub started: Instant,
     /// The prefills this engine computed lately: what its decode steps pay for.
     pub prefill_log: Mutex<PrefillLog>,
+    /// When queued prompts run (`--prefill-queue fifo`).
+    pub prefill_queue: Mutex<PrefillQueue>,
 }
 
 /// A request's decode steps, timed by the interference law. Each step is charged with the
@@ -178,6 +180,7 @@ impl Engine {
             xfer_port,
             started: Instant::now(),
             prefill_log: Mutex::new(PrefillLog::default()),
+            prefill_queue: Mutex::new(PrefillQueue::default()),
             engine_id,
             tokenizer,
             cfg,

@@ -11,6 +11,10 @@
 //! a prefill loses that prefill's whole compute time, in steps of at most a budget's worth;
 //! factor 0 turns the law off. Prefill itself is not slowed by decodes (a decode token costs
 //! what `--decode-us-per-token` says, prefill tokens dominate a mixed step).
+//!
+//! With `--prefill-queue fifo` prompts are computed one at a time in arrival order
+//! ([`PrefillQueue`]), so each runs over its own slot of the engine's time and the log's spans
+//! do not overlap.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -94,6 +98,34 @@ impl PrefillLog {
     }
 }
 
+/// An engine computing one prompt at a time, in arrival order: when each prompt runs.
+#[derive(Debug, Default)]
+pub struct PrefillQueue {
+    /// When the last prompt admitted is done.
+    busy_until: Option<Instant>,
+}
+
+impl PrefillQueue {
+    /// Admits a prompt taking `took` at `now`: it runs over the returned `(start, end)`, after
+    /// every prompt admitted before it.
+    pub fn admit(&mut self, now: Instant, took: Duration) -> (Instant, Instant) {
+        let start = self.busy_until.map_or(now, |busy| busy.max(now));
+        let end = start + took;
+        self.busy_until = Some(end);
+        (start, end)
+    }
+
+    /// The prompt admitted over `(start, end)` was abandoned at `now` (its client left). When it
+    /// is the last one queued, the engine's time after `now` (or after its start, if it had not
+    /// started) is free again. One with prompts queued behind it keeps its slot: they were given
+    /// their times already, so its time is lost, as if the engine had computed it anyway.
+    pub fn withdraw(&mut self, (start, end): (Instant, Instant), now: Instant) {
+        if self.busy_until == Some(end) {
+            self.busy_until = Some(start.max(now).min(end));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,6 +168,29 @@ mod tests {
             (since, now) = (now, now + Duration::from_micros(step as u64));
         }
         assert!((lost_us - 120_000.0).abs() < 2_000.0, "{lost_us} µs: 1200 tokens × 100 µs");
+    }
+
+    #[test]
+    fn queued_prompts_run_one_after_another_and_a_withdrawn_last_one_frees_its_time() {
+        let t0 = Instant::now();
+        let mut queue = PrefillQueue::default();
+        assert_eq!(queue.admit(t0, ms(10)), (t0, t0 + ms(10)), "an idle engine starts at once");
+        assert_eq!(queue.admit(t0 + ms(2), ms(5)), (t0 + ms(10), t0 + ms(15)), "after the first");
+        let third = queue.admit(t0 + ms(3), ms(20));
+        assert_eq!(third, (t0 + ms(15), t0 + ms(35)));
+        // The third leaves before it started: the engine is free from the second's end.
+        queue.withdraw(third, t0 + ms(4));
+        assert_eq!(queue.admit(t0 + ms(5), ms(1)), (t0 + ms(15), t0 + ms(16)));
+        // Withdrawn midway, the last one frees the rest of its time.
+        let fifth = queue.admit(t0 + ms(6), ms(10));
+        queue.withdraw(fifth, t0 + ms(20));
+        assert_eq!(queue.admit(t0 + ms(20), ms(1)).0, t0 + ms(20));
+        // One with others behind it keeps its slot.
+        let (a, b) = (queue.admit(t0 + ms(30), ms(10)), queue.admit(t0 + ms(30), ms(10)));
+        queue.withdraw(a, t0 + ms(30));
+        assert_eq!(queue.admit(t0 + ms(30), ms(1)).0, b.1);
+        // An idle engine starts a prompt when it arrives, not when the last one ended.
+        assert_eq!(queue.admit(t0 + ms(500), ms(1)).0, t0 + ms(500));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use pd_protocols::kv_params::{KvTransferParams, GRANT_KEY, RELEASE_REQUEST_ID_SUFFIX};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use crate::config::{FailurePolicy, Role};
+use crate::config::{FailurePolicy, PrefillQueueMode, Role};
 use crate::engine::{random_hex, DecodeSteps, Engine, Prompt};
 use crate::faults::Verdict;
 use crate::metrics::add;
@@ -395,15 +395,51 @@ async fn reserve(
     }
 }
 
-/// Computes the uncached part of the prompt: content, prefill time, prefix cache.
+/// Computes the uncached part of the prompt: content, prefill time (after the prompts queued
+/// before it, with `--prefill-queue fifo`), prefix cache.
 async fn compute(engine: &Arc<Engine>, prompt: &Prompt, blocks: &[BlockId], hit: usize) {
     engine.fill(prompt, blocks, hit);
     let computed = prompt.tokens.len() - hit * engine.cfg.block_size;
     let took = Duration::from_secs_f64(computed as f64 * engine.cfg.prefill_us_per_token / 1e6);
-    engine.prefill_log.lock().record(Instant::now(), took, computed as u64);
-    respond::pause(computed, engine.cfg.prefill_us_per_token).await;
+    let now = Instant::now();
+    match engine.cfg.prefill_queue {
+        PrefillQueueMode::None => {
+            engine.prefill_log.lock().record(now, took, computed as u64);
+            respond::pause(computed, engine.cfg.prefill_us_per_token).await;
+        }
+        PrefillQueueMode::Fifo => {
+            let run = engine.prefill_queue.lock().admit(now, took);
+            engine.prefill_log.lock().record(run.0, took, computed as u64);
+            let slot = QueueSlot { engine, run: Some(run) };
+            if run.1 > now {
+                tokio::time::sleep_until(run.1.into()).await;
+            }
+            slot.done();
+        }
+    }
     add(&engine.metrics.prompt_tokens_local, computed as u64);
     engine.commit(prompt, blocks, hit);
+}
+
+/// A prompt's place in the engine's prefill queue: given back if the request is dropped before
+/// its prompt is computed (its client left).
+struct QueueSlot<'a> {
+    engine: &'a Engine,
+    run: Option<(Instant, Instant)>,
+}
+
+impl QueueSlot<'_> {
+    fn done(mut self) {
+        self.run = None;
+    }
+}
+
+impl Drop for QueueSlot<'_> {
+    fn drop(&mut self) {
+        if let Some(run) = self.run {
+            self.engine.prefill_queue.lock().withdraw(run, Instant::now());
+        }
+    }
 }
 
 async fn pull_vllm(

@@ -170,3 +170,29 @@ async fn a_taken_port_is_reported_at_once_and_retried() {
     assert_ne!(sim.port, port);
     drop(taken);
 }
+
+/// With `--prefill-queue fifo` an engine computes one prompt at a time: five distinct 100-token
+/// prompts sent at once (100 ms each at 1 ms a token) come back about 100 ms apart, the last
+/// after 500 ms. Without the queue (the default) each takes its own 100 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_prefill_queue_computes_one_prompt_at_a_time() {
+    async fn slowest(args: &[&str]) -> Duration {
+        let s = Sim::start(&[&["--prefill-us-per-token", "1000"], args].concat()).await;
+        let url = format!("{}/v1/completions", s.url);
+        let sent = Instant::now();
+        let answers = (0..5).map(|i| {
+            let url = url.clone();
+            async move {
+                let body = json!({"prompt": common::words(100, &format!("q{i}w")), "max_tokens": 1});
+                let (status, answer) = common::post(&url, &body).await;
+                assert_eq!(status, 200, "{answer}");
+                sent.elapsed()
+            }
+        });
+        futures_util::future::join_all(answers).await.into_iter().max().unwrap()
+    }
+    let queued = slowest(&["--prefill-queue", "fifo"]).await;
+    let side_by_side = slowest(&[]).await;
+    assert!(queued >= Duration::from_millis(500), "five 100 ms prompts one after another took {queued:?}");
+    assert!(side_by_side < Duration::from_millis(400), "five 100 ms prompts side by side took {side_by_side:?}");
+}
