@@ -448,11 +448,12 @@ impl Cluster {
             prefill_rank: prefill.as_ref().and_then(rank_of),
         };
         let uncached = new_blocks.saturating_sub(decision.prefill_overlap_blocks.max(decision.decode_overlap_blocks));
-        let computed = site(prefill.as_ref().unwrap_or(&decode)).uncached_tokens;
+        let computed_on = site(prefill.as_ref().unwrap_or(&decode));
+        let (computed, queued_ms) = (computed_on.uncached_tokens, computed_on.queued_ms(now));
         let pulled = site(&decode).uncached_tokens;
-        let (computed_in, decoding_in) = self.timings.forecast_ms(computed, prefill.map(|_| pulled));
+        let (computed_in, decoding_in) = self.timings.forecast_ms(computed, queued_ms, prefill.map(|_| pulled));
         self.handoffs.routed(req.request_id, decision.prefill, decision.decode, uncached, now);
-        self.handoffs.measure(req.request_id, computed, pulled);
+        self.handoffs.measure(req.request_id, computed, pulled, queued_ms);
         self.handoffs.forecast(req.request_id, ms_after(now, computed_in), ms_after(now, decoding_in));
         // Both engines will hold the prefix shortly; say so until their events confirm it. An
         // engine that publishes events confirms what it holds, so its matched prefix needs no
@@ -925,7 +926,7 @@ mod tests {
             c.finished(&id);
         }
         assert!(c.timings().warm());
-        assert!((c.timings().prefill.line().1 - 0.1).abs() < 0.01, "{:?}", c.timings().prefill.line());
+        assert!((c.timings().prefill.line().per_token - 0.1).abs() < 0.01, "{:?}", c.timings().prefill.line());
         // Warm, idle decode: the fresh prompt stays (the pull would only add its time).
         let at = t0 + ms(100_000);
         let fresh: Vec<u64> = (0..64).map(|b| 900_000 + b).collect();
@@ -951,9 +952,9 @@ mod tests {
         c.register(spec("e1", Role::Both), now);
         for tokens in [64, 500, 1024, 2000] {
             let us = |per: u64| Duration::from_micros(3000 + per * tokens);
-            c.timings.observe(Sample::Prefill { tokens, took: us(100) });
+            c.timings.observe(Sample::Prefill { tokens, queued_ms: 0.0, took: us(100) });
             c.timings.observe(Sample::Handoff { tokens, took: us(2) });
-            c.timings.observe(Sample::Local { tokens, took: us(100) });
+            c.timings.observe(Sample::Local { tokens, queued_ms: 0.0, took: us(100) });
         }
         let prefer = Some(Preference { engine: 0, max_cost_ratio: f64::INFINITY });
         for i in 0..3 {

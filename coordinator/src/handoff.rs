@@ -33,6 +33,8 @@ pub struct Handoff {
     /// pulls when disaggregated): what the observed times are per ([`Handoffs::measure`]).
     pub computed_tokens: u64,
     pub pulled_tokens: u64,
+    /// The ms of prompts queued ahead of it where it is computed, when it was routed.
+    pub queued_ms: f64,
     /// When its prompt is predicted to be computed, and its decode to start (the same instant
     /// for a local prefill): placement's view of the prompts running on each engine and of the
     /// decodes about to start ([`Handoffs::forecast`]). `routed_at` until forecast: due now.
@@ -172,6 +174,7 @@ impl Handoffs {
             decode_seen: false,
             computed_tokens: 0,
             pulled_tokens: 0,
+            queued_ms: 0.0,
             computed_at: now,
             decoding_at: now,
         };
@@ -185,10 +188,11 @@ impl Handoffs {
         }
     }
 
-    /// The tokens a routed request's times are measured against.
-    pub fn measure(&mut self, request: &str, computed_tokens: u64, pulled_tokens: u64) {
+    /// The tokens a routed request's times are measured against, and what was queued ahead of
+    /// its prompt.
+    pub fn measure(&mut self, request: &str, computed_tokens: u64, pulled_tokens: u64, queued_ms: f64) {
         if let Some(h) = self.live.get_mut(request) {
-            (h.computed_tokens, h.pulled_tokens) = (computed_tokens, pulled_tokens);
+            (h.computed_tokens, h.pulled_tokens, h.queued_ms) = (computed_tokens, pulled_tokens, queued_ms);
         }
     }
 
@@ -211,7 +215,8 @@ impl Handoffs {
         h.stage = Stage::Held;
         account(&mut self.loads, h, true);
         h.prefill_done_at = Some(now);
-        Some(Sample::Prefill { tokens: h.computed_tokens, took: now.saturating_duration_since(h.routed_at) })
+        let took = now.saturating_duration_since(h.routed_at);
+        Some(Sample::Prefill { tokens: h.computed_tokens, queued_ms: h.queued_ms, took })
     }
 
     /// The decode's first output; returns how long the handoff took (disaggregated) or the
@@ -230,7 +235,8 @@ impl Handoffs {
                 Some(Sample::Handoff { tokens: h.pulled_tokens, took: now.saturating_duration_since(done) })
             }
             (None, _) => {
-                Some(Sample::Local { tokens: h.computed_tokens, took: now.saturating_duration_since(h.routed_at) })
+                let took = now.saturating_duration_since(h.routed_at);
+                Some(Sample::Local { tokens: h.computed_tokens, queued_ms: h.queued_ms, took })
             }
             (Some(_), None) => None,
         }

@@ -7,7 +7,11 @@
 //!   tokens the decode pulled;
 //! - local prefill: from the pairing to `decode_started`, against the tokens the decode computed.
 //!
-//! Each is a line `ms = overhead + per_token × tokens` fitted to recent observations. A prompt
+//! Each is a line `ms = overhead + per_token × tokens + per_queued × queued` fitted to recent
+//! observations, `queued` being the ms of prompts routed to the same engine before it that were
+//! still to be computed when it was routed (by their own predictions). An engine that computes
+//! one prompt at a time, as one GPU does, makes a prompt wait for those (`per_queued` near 1);
+//! one that computes them side by side does not (near 0, the prior). A prompt
 //! computed on an engine also stalls that engine's decodes for its compute time (a prefill
 //! shares their batches), so each option costs its time to first token `t` plus the stalls it
 //! causes where the prompt is computed (`stalled`, of its compute time `stall = per_token × u`)
@@ -51,35 +55,46 @@ const FORGET: f64 = 0.95;
 /// observation had the same length.
 const PRIOR_WEIGHT: f64 = 0.05;
 
-/// `ms = overhead + per_token × tokens`, least squares over exponentially weighted observations
-/// plus a fixed prior.
+/// `ms = overhead + per_token × tokens + per_queued × queued_ms`, least squares over
+/// exponentially weighted observations plus a fixed prior (`per_queued` 0: prompts do not wait
+/// for each other until observations say so).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TimeFit {
-    /// Weighted sums of 1, x, y, x², xy (x tokens, y ms).
-    sums: [f64; 5],
-    prior: [f64; 5],
+    /// Weighted sums of the products of (1, x, z, y) (x tokens, z queued ms, y ms):
+    /// 11, 1x, 1z, 1y, xx, xz, xy, zz, zy.
+    sums: [f64; 9],
+    prior: [f64; 9],
     samples: u64,
 }
 
+/// A fitted [`TimeFit`], all three non-negative, `per_queued` at most 1.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Line {
+    pub overhead: f64,
+    pub per_token: f64,
+    pub per_queued: f64,
+}
+
 impl TimeFit {
-    /// A prior line, as two points at 0 and 1000 tokens.
+    /// A prior line, as points at 0 and 1000 tokens with nothing queued, and one with 10 ms
+    /// queued that costs nothing (near enough to weigh little against observations of queues).
     pub fn new(overhead_ms: f64, per_token_ms: f64) -> TimeFit {
-        let mut prior = [0.0; 5];
-        for x in [0.0, 1000.0] {
-            add(&mut prior, x, overhead_ms + per_token_ms * x, PRIOR_WEIGHT);
+        let mut prior = [0.0; 9];
+        for (x, z) in [(0.0, 0.0), (1000.0, 0.0), (0.0, 10.0)] {
+            add(&mut prior, x, z, overhead_ms + per_token_ms * x, PRIOR_WEIGHT);
         }
-        TimeFit { sums: [0.0; 5], prior, samples: 0 }
+        TimeFit { sums: [0.0; 9], prior, samples: 0 }
     }
 
-    pub fn observe(&mut self, tokens: u64, took: Duration) {
-        let (x, y) = (tokens as f64, took.as_secs_f64() * 1e3);
-        if !(x.is_finite() && y.is_finite()) {
+    pub fn observe(&mut self, tokens: u64, queued_ms: f64, took: Duration) {
+        let (x, z, y) = (tokens as f64, queued_ms, took.as_secs_f64() * 1e3);
+        if !(x.is_finite() && z.is_finite() && z >= 0.0 && y.is_finite()) {
             return;
         }
         for s in &mut self.sums {
             *s *= FORGET;
         }
-        add(&mut self.sums, x, y, 1.0);
+        add(&mut self.sums, x, z, y, 1.0);
         self.samples += 1;
     }
 
@@ -87,28 +102,44 @@ impl TimeFit {
         self.samples
     }
 
-    /// (overhead ms, ms per token), both non-negative.
-    pub fn line(&self) -> (f64, f64) {
-        let s: Vec<f64> = self.sums.iter().zip(&self.prior).map(|(a, b)| a + b).collect();
-        let (w, sx, sy, sxx, sxy) = (s[0], s[1], s[2], s[3], s[4]);
-        let det = w * sxx - sx * sx;
-        let slope = if det > 1e-9 { ((w * sxy - sx * sy) / det).max(0.0) } else { 0.0 };
-        let overhead = ((sy - slope * sx) / w).max(0.0);
-        if overhead.is_finite() && slope.is_finite() {
-            (overhead, slope)
+    pub fn line(&self) -> Line {
+        let mut s = [0.0; 9];
+        for ((t, a), b) in s.iter_mut().zip(&self.sums).zip(&self.prior) {
+            *t = a + b;
+        }
+        let [w, sx, sz, sy, sxx, sxz, sxy, szz, szy] = s;
+        // The three normal equations by Cramer's rule; then the constraints, each by refitting
+        // the others with the clamped one fixed.
+        let det3 = |m: [[f64; 3]; 3]| {
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        };
+        let m = [[w, sx, sz], [sx, sxx, sxz], [sz, sxz, szz]];
+        let det = det3(m);
+        let free_per_queued =
+            if det.abs() > 1e-9 { det3([[w, sx, sy], [sx, sxx, sxy], [sz, sxz, szy]]) / det } else { 0.0 };
+        let per_queued = if free_per_queued.is_finite() { free_per_queued.clamp(0.0, 1.0) } else { 0.0 };
+        // With per_queued fixed: y - per_queued × z against x.
+        let (sy, sxy) = (sy - per_queued * sz, sxy - per_queued * sxz);
+        let det2 = w * sxx - sx * sx;
+        let per_token = if det2 > 1e-9 { ((w * sxy - sx * sy) / det2).max(0.0) } else { 0.0 };
+        let overhead = ((sy - per_token * sx) / w).max(0.0);
+        if [overhead, per_token, per_queued].iter().all(|v| v.is_finite()) {
+            Line { overhead, per_token, per_queued }
         } else {
-            (0.0, 0.0)
+            Line { overhead: 0.0, per_token: 0.0, per_queued: 0.0 }
         }
     }
 
-    pub fn predict_ms(&self, tokens: u64) -> f64 {
-        let (overhead, slope) = self.line();
-        overhead + slope * tokens as f64
+    pub fn predict_ms(&self, tokens: u64, queued_ms: f64) -> f64 {
+        let line = self.line();
+        let queued = if queued_ms.is_finite() { queued_ms.max(0.0) } else { 0.0 };
+        line.overhead + line.per_token * tokens as f64 + line.per_queued * queued
     }
 }
 
-fn add(sums: &mut [f64; 5], x: f64, y: f64, w: f64) {
-    for (s, v) in sums.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+fn add(sums: &mut [f64; 9], x: f64, z: f64, y: f64, w: f64) {
+    for (s, v) in sums.iter_mut().zip([1.0, x, z, y, x * x, x * z, x * y, z * z, z * y]) {
         *s += w * v;
     }
 }
@@ -129,12 +160,13 @@ impl Default for Timings {
     }
 }
 
-/// An observation, from the handoffs' timestamps.
+/// An observation, from the handoffs' timestamps; `queued_ms` is what was queued ahead of the
+/// prompt where it was computed when it was routed ([`Site::queued_ms`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Sample {
-    Prefill { tokens: u64, took: Duration },
+    Prefill { tokens: u64, queued_ms: f64, took: Duration },
     Handoff { tokens: u64, took: Duration },
-    Local { tokens: u64, took: Duration },
+    Local { tokens: u64, queued_ms: f64, took: Duration },
 }
 
 /// One engine the prompt could be computed on.
@@ -168,6 +200,12 @@ pub fn ms_after(now: Instant, ms: f64) -> Instant {
 }
 
 impl Site<'_> {
+    /// The ms of prompts computed here still to go (by their predictions): what a prompt routed
+    /// here now waits for where the engine computes one at a time.
+    pub fn queued_ms(&self, now: Instant) -> f64 {
+        self.computing.iter().map(|&at| ms_until(now, at)).fold(0.0, f64::max)
+    }
+
     /// The stall computing `stall_ms` of prompt here from `now` causes, summed over the decodes it
     /// reaches: all of it for each decoding now and each arriving meanwhile, what is left of it
     /// for each that starts meanwhile. Never NaN.
@@ -189,9 +227,9 @@ impl Site<'_> {
 impl Timings {
     pub fn observe(&mut self, sample: Sample) {
         match sample {
-            Sample::Prefill { tokens, took } => self.prefill.observe(tokens, took),
-            Sample::Handoff { tokens, took } => self.handoff.observe(tokens, took),
-            Sample::Local { tokens, took } => self.local.observe(tokens, took),
+            Sample::Prefill { tokens, queued_ms, took } => self.prefill.observe(tokens, queued_ms, took),
+            Sample::Handoff { tokens, took } => self.handoff.observe(tokens, 0.0, took),
+            Sample::Local { tokens, queued_ms, took } => self.local.observe(tokens, queued_ms, took),
         }
     }
 
@@ -201,7 +239,7 @@ impl Timings {
 
     /// What computing `tokens` on an engine costs each decode running there.
     fn stall_ms(&self, tokens: u64) -> f64 {
-        self.prefill.line().1 * tokens as f64
+        self.prefill.line().per_token * tokens as f64
     }
 
     /// A request's time to first output `first_ms`, plus the stall its prompt computed on
@@ -212,14 +250,15 @@ impl Timings {
     }
 
     pub fn local_cost_ms(&self, decode: Site, now: Instant) -> f64 {
-        self.cost_ms(self.local.predict_ms(decode.uncached_tokens), decode, decode, now)
+        self.cost_ms(self.local.predict_ms(decode.uncached_tokens, decode.queued_ms(now)), decode, decode, now)
     }
 
     /// The cost of computing the prompt on `other`: moved there whole when it can decode (the
     /// hop costs about a handoff's fixed part), else disaggregated.
     pub fn elsewhere_cost_ms(&self, decode: Site, other: Site, now: Instant) -> f64 {
         if other.decodes {
-            let first = self.handoff.predict_ms(0) + self.local.predict_ms(other.uncached_tokens);
+            let first =
+                self.handoff.predict_ms(0, 0.0) + self.local.predict_ms(other.uncached_tokens, other.queued_ms(now));
             self.cost_ms(first, other, other, now)
         } else {
             self.disaggregated_cost_ms(decode, other, now)
@@ -227,20 +266,22 @@ impl Timings {
     }
 
     pub fn disaggregated_cost_ms(&self, decode: Site, prefill: Site, now: Instant) -> f64 {
-        let first = self.prefill.predict_ms(prefill.uncached_tokens) + self.handoff.predict_ms(decode.uncached_tokens);
+        let first = self.prefill.predict_ms(prefill.uncached_tokens, prefill.queued_ms(now))
+            + self.handoff.predict_ms(decode.uncached_tokens, 0.0);
         self.cost_ms(first, prefill, decode, now)
     }
 
     /// When a routed request's prompt will be computed and its decode start, in ms from now,
-    /// by the lines: `pulled_tokens` is `Some` when it is disaggregated.
-    pub fn forecast_ms(&self, computed_tokens: u64, pulled_tokens: Option<u64>) -> (f64, f64) {
+    /// by the lines: `queued_ms` is what is queued where it is computed, `pulled_tokens` is
+    /// `Some` when it is disaggregated.
+    pub fn forecast_ms(&self, computed_tokens: u64, queued_ms: f64, pulled_tokens: Option<u64>) -> (f64, f64) {
         match pulled_tokens {
             Some(pulled) => {
-                let computed = self.prefill.predict_ms(computed_tokens);
-                (computed, computed + self.handoff.predict_ms(pulled))
+                let computed = self.prefill.predict_ms(computed_tokens, queued_ms);
+                (computed, computed + self.handoff.predict_ms(pulled, 0.0))
             }
             None => {
-                let computed = self.local.predict_ms(computed_tokens);
+                let computed = self.local.predict_ms(computed_tokens, queued_ms);
                 (computed, computed)
             }
         }
@@ -350,9 +391,9 @@ mod tests {
         let mut t =
             Timings { prefill: TimeFit::new(0.0, 0.0), handoff: TimeFit::new(0.0, 0.0), local: TimeFit::new(0.0, 0.0) };
         for tokens in [100, 500, 1000, 2000, 64, 1088] {
-            t.observe(Sample::Prefill { tokens, took: Duration::from_micros(3000 + 100 * tokens) });
+            t.observe(Sample::Prefill { tokens, queued_ms: 0.0, took: Duration::from_micros(3000 + 100 * tokens) });
             t.observe(Sample::Handoff { tokens, took: Duration::from_micros(3000 + 10 * tokens) });
-            t.observe(Sample::Local { tokens, took: Duration::from_micros(3000 + 100 * tokens) });
+            t.observe(Sample::Local { tokens, queued_ms: 0.0, took: Duration::from_micros(3000 + 100 * tokens) });
         }
         t
     }
@@ -361,23 +402,68 @@ mod tests {
     fn the_fit_finds_the_line_and_forgets_the_old_one() {
         let mut f = TimeFit::new(2.0, 0.1);
         assert_eq!(f.samples(), 0);
-        let (o, s) = f.line();
-        assert!((o - 2.0).abs() < 1e-9 && (s - 0.1).abs() < 1e-9, "the prior alone: {o} {s}");
+        let l = f.line();
+        assert!((l.overhead - 2.0).abs() < 1e-9 && (l.per_token - 0.1).abs() < 1e-9, "the prior alone: {l:?}");
+        assert!(l.per_queued.abs() < 1e-9, "prompts do not wait for each other until seen to: {l:?}");
         for i in 0..200u64 {
             let tokens = 100 + (i * 37) % 1000;
-            f.observe(tokens, Duration::from_micros(5000 + 50 * tokens));
+            f.observe(tokens, 0.0, Duration::from_micros(5000 + 50 * tokens));
         }
-        let (o, s) = f.line();
-        assert!((o - 5.0).abs() < 0.5 && (s - 0.05).abs() < 0.003, "{o} {s}");
+        let l = f.line();
+        assert!((l.overhead - 5.0).abs() < 0.5 && (l.per_token - 0.05).abs() < 0.003, "{l:?}");
         // All recent observations the same length: still a line, between prior and data.
         for _ in 0..200 {
-            f.observe(1000, ms(20));
+            f.observe(1000, 0.0, ms(20));
         }
-        assert!((f.predict_ms(1000) - 20.0).abs() < 1.0, "{}", f.predict_ms(1000));
-        assert!(f.predict_ms(0) >= 0.0 && f.line().1 >= 0.0);
+        assert!((f.predict_ms(1000, 0.0) - 20.0).abs() < 1.0, "{}", f.predict_ms(1000, 0.0));
+        assert!(f.predict_ms(0, 0.0) >= 0.0 && f.line().per_token >= 0.0);
         // Garbage never makes NaN.
-        f.observe(u64::MAX, Duration::MAX);
-        assert!(f.predict_ms(10).is_finite());
+        f.observe(u64::MAX, f64::NAN, Duration::MAX);
+        f.observe(5, -1.0, ms(1));
+        assert!(f.predict_ms(10, f64::INFINITY).is_finite() && f.predict_ms(10, f64::NAN).is_finite());
+    }
+
+    #[test]
+    fn the_fit_learns_whether_prompts_wait_for_the_ones_queued_before_them() {
+        let observe = |waits: f64| {
+            let mut f = TimeFit::new(2.0, 0.1);
+            for i in 0..60u64 {
+                let (tokens, queued) = (100 + (i * 37) % 1000, ((i * 53) % 7) as f64 * 40.0);
+                let took = 3.0 + 0.1 * tokens as f64 + waits * queued;
+                f.observe(tokens, queued, Duration::from_secs_f64(took / 1e3));
+            }
+            f.line()
+        };
+        // One prompt at a time: each waits for all that is queued.
+        let serial = observe(1.0);
+        assert!((serial.per_queued - 1.0).abs() < 0.02 && (serial.per_token - 0.1).abs() < 0.005, "{serial:?}");
+        // Side by side: nothing queued makes a prompt slower.
+        let parallel = observe(0.0);
+        assert!(parallel.per_queued < 0.02 && (parallel.per_token - 0.1).abs() < 0.005, "{parallel:?}");
+        // Never more than all of it, whatever the observations say.
+        assert!(observe(3.0).per_queued <= 1.0);
+    }
+
+    #[test]
+    fn a_queue_ahead_counts_where_prompts_wait_for_it() {
+        let now = Instant::now();
+        let mut t = warm();
+        let busy_until = [now + ms(300)];
+        let queued = Site { computing: &busy_until, ..site(1000, 0) };
+        assert!((queued.queued_ms(now) - 300.0).abs() < 1e-6);
+        assert_eq!(site(1000, 0).queued_ms(now), 0.0);
+        // Prompts seen waiting for what was queued: the queued engine is 300 ms dearer.
+        for tokens in [100u64, 500, 1000, 2000, 64, 1088] {
+            for queued_ms in [0.0, 200.0] {
+                let took = Duration::from_micros(3000 + 100 * tokens + (queued_ms * 1e3) as u64);
+                t.observe(Sample::Prefill { tokens, queued_ms, took });
+            }
+        }
+        let d = site(1088, 4);
+        let (with_queue, without) =
+            (t.disaggregated_cost_ms(d, queued, now), t.disaggregated_cost_ms(d, site(1000, 0), now));
+        assert!((with_queue - without - 300.0).abs() < 10.0, "{with_queue} {without}");
+        assert_eq!(Placement::default().decide(&t, 1088, d, &[queued, site(1000, 0)], now), Verdict::Disaggregate(1));
     }
 
     #[test]
@@ -448,7 +534,7 @@ mod tests {
         // Only the local line observed, as where every engine prefills what it decodes.
         let mut t = Timings::default();
         for tokens in [100, 500, 1000, 2000] {
-            t.observe(Sample::Local { tokens, took: Duration::from_micros(3000 + 100 * tokens) });
+            t.observe(Sample::Local { tokens, queued_ms: 0.0, took: Duration::from_micros(3000 + 100 * tokens) });
         }
         assert!(!t.warm(), "prefill and handoff never observed");
         let p = Placement::default();
@@ -474,7 +560,7 @@ mod tests {
         // Local prefills observed only: 3 ms + 0.1 ms a token; the hop is the prior's 2 ms.
         let mut t = Timings::default();
         for tokens in [100, 500, 1000, 2000] {
-            t.observe(Sample::Local { tokens, took: Duration::from_micros(3000 + 100 * tokens) });
+            t.observe(Sample::Local { tokens, queued_ms: 0.0, took: Duration::from_micros(3000 + 100 * tokens) });
         }
         let p = Placement::default();
         let both = |uncached_tokens, bound| Site { decodes: true, ..site(uncached_tokens, bound) };
@@ -504,11 +590,11 @@ mod tests {
         let now = Instant::now();
         let t = warm();
         // About 102 ms to compute 1000 tokens, 13 ms to pull them (the priors pull a little).
-        let (computed, started) = t.forecast_ms(1000, Some(1000));
-        assert_eq!((computed, started), (t.prefill.predict_ms(1000), computed + t.handoff.predict_ms(1000)));
+        let (computed, started) = t.forecast_ms(1000, 0.0, Some(1000));
+        assert_eq!((computed, started), (t.prefill.predict_ms(1000, 0.0), computed + t.handoff.predict_ms(1000, 0.0)));
         assert!((100.0..105.0).contains(&computed) && (12.0..15.0).contains(&(started - computed)));
-        let (computed, started) = t.forecast_ms(1000, None);
-        assert_eq!((computed, started), (t.local.predict_ms(1000), computed));
+        let (computed, started) = t.forecast_ms(1000, 0.0, None);
+        assert_eq!((computed, started), (t.local.predict_ms(1000, 0.0), computed));
         assert_eq!(ms_after(now, 250.0), now + ms(250));
         for odd in [f64::NAN, -5.0, f64::NEG_INFINITY] {
             assert_eq!(ms_after(now, odd), now, "{odd}");
