@@ -19,8 +19,8 @@ use crate::daemon::Coordinator;
 /// Largest request body accepted (a long prompt's token ids fit).
 const MAX_BODY: usize = 16 << 20;
 /// A pairing body from this size on is joined and parsed off the runtime, as long prompts are
-/// hashed: two 16 MiB bodies of token ids held /health for 52-62 ms on the two workers parsing
-/// them.
+/// hashed: four 16 MiB bodies of token ids held /health for 77-123 ms on the two workers
+/// parsing them (coordinator/README.md).
 const INLINE_PAIR_BODY: usize = 256 << 10;
 
 type Shared = State<Arc<Coordinator>>;
@@ -37,8 +37,8 @@ fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 }
 
 /// A request body as it arrived, in frames, up to [`MAX_BODY`] bytes in all. The frames are
-/// joined only where the body is used: joining copies every byte, about 15 ms for the largest
-/// body on our VM, which a large pairing does off the runtime.
+/// joined only where the body is used: joining copies every byte, some milliseconds for the
+/// largest body, which a large pairing does off the runtime.
 struct Body {
     frames: Vec<Bytes>,
     len: usize,
