@@ -108,8 +108,8 @@ impl TimeFit {
             *t = a + b;
         }
         let [w, sx, sz, sy, sxx, sxz, sxy, szz, szy] = s;
-        // The three normal equations by Cramer's rule; then the constraints, each by refitting
-        // the others with the clamped one fixed.
+        // per_queued from the three normal equations (Cramer's rule), clamped to [0, 1]; then
+        // overhead and per_token refitted with it fixed, per_token clamped at 0.
         let det3 = |m: [[f64; 3]; 3]| {
             m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
                 + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
