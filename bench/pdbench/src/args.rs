@@ -330,6 +330,11 @@ pub enum SetupKind {
     /// vllm-router in its regular mode (no P/D: every engine serves whole requests) with
     /// --vllm-router-policy; needs --vllm-router.
     VllmRouterColocated,
+    /// No router: one more engine, started for this setup, whose cache holds every prompt of
+    /// the workload, computing prompts side by side and without slowing its decodes (pd-sim
+    /// --prefill-queue none --interference-factor 0). The simulator's best case: no routing of
+    /// the same workload over the cluster's engines can do better, so it bounds every ratio.
+    Ideal,
 }
 
 /// Workload and cluster presets of compare-routing; flags given on the command line win.

@@ -21,6 +21,12 @@ use pdbench::workload::{self, Workload, WorkloadSpec};
 
 /// Tokens per KV block of the simulator (its default; the pool is sized in these).
 const BLOCK_TOKENS: u64 = 16;
+/// The simulator's longest prompt plus output, in blocks (its default `--max-model-len`, 8192
+/// tokens): the ideal engine's pool holds this much for every request of the workload.
+const MAX_REQUEST_BLOCKS: u64 = 8192 / BLOCK_TOKENS;
+/// The simulator flags that make the ideal engine ideal; the cluster's own values of them are
+/// left out of its command line.
+const IDEAL_FLAGS: [&str; 3] = ["--num-blocks", "--prefill-queue", "--interference-factor"];
 
 /// A routing setup ready to take requests, and whatever it started (stopped on drop).
 struct Prepared {
@@ -52,7 +58,7 @@ async fn prepare_setup(
     let half = urls.len() / 2;
     let (p, d) = (urls[..half].to_vec(), urls[half..].to_vec());
     Ok(match kind {
-        SetupKind::RoundRobin => Prepared::plain(Target::round_robin(urls)),
+        SetupKind::RoundRobin | SetupKind::Ideal => Prepared::plain(Target::round_robin(urls)),
         SetupKind::PdRoundRobin => Prepared::plain(Target::direct_pd(p, d, false, 0)),
         SetupKind::PdPrefixAffinity => Prepared::plain(Target::direct_pd(p, d, true, 0)),
         SetupKind::Coordinator | SetupKind::CoordinatorColocated => {
@@ -164,6 +170,23 @@ fn sim_extra_args(
     args
 }
 
+/// The ideal engine's flags: the cluster's, less [`IDEAL_FLAGS`] (as `--flag=value` or
+/// `--flag value`), then a pool of `blocks`, prompts side by side, decodes never slowed.
+fn ideal_args(cluster: &[String], blocks: u64) -> Vec<String> {
+    let mut out = Vec::with_capacity(cluster.len() + 3);
+    let mut args = cluster.iter();
+    while let Some(a) = args.next() {
+        let name = a.split_once('=').map_or(a.as_str(), |(name, _)| name);
+        if !IDEAL_FLAGS.contains(&name) {
+            out.push(a.clone());
+        } else if !a.contains('=') {
+            args.next();
+        }
+    }
+    out.extend([format!("--num-blocks={blocks}"), "--prefill-queue=none".into(), "--interference-factor=0".into()]);
+    out
+}
+
 /// Each engine's counters (an unreachable engine counts 0).
 async fn scrape_each(http: &reqwest::Client, engines: &[Engine]) -> Vec<Counters> {
     let mut out = Vec::with_capacity(engines.len());
@@ -201,12 +224,26 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     sim_opts.args.extend(extra.iter().cloned());
     let sims = SimCluster::start(&names, &sim_opts, &log_dir, &http).await?;
     eprintln!("{} engines up (extra pd-sim flags: {extra:?}; logs in {})", sims.engines.len(), log_dir.display());
+    let ideal = if c.setups.contains(&SetupKind::Ideal) {
+        let blocks = spec.total_requests() as u64 * MAX_REQUEST_BLOCKS;
+        let opts =
+            cluster::SimOptions { args: ideal_args(&sim_opts.args, blocks), kv_events: false, ..sim_opts.clone() };
+        let one = SimCluster::start(&[("ideal".to_string(), "both")], &opts, &log_dir, &http).await?;
+        eprintln!("ideal engine up (pd-sim flags: {:?})", opts.args);
+        Some(one)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for rep in 1..=c.repeat {
         for &kind in &c.setups {
             let name = setup_name(kind);
-            cluster::reset_prefix_caches(&http, &sims.engines).await?;
-            let prepared = match prepare_setup(kind, &sims.engines, &c, tokenizer.as_deref(), &log_dir, &http).await {
+            let engines = match (&ideal, kind) {
+                (Some(one), SetupKind::Ideal) => &one.engines,
+                _ => &sims.engines,
+            };
+            cluster::reset_prefix_caches(&http, engines).await?;
+            let prepared = match prepare_setup(kind, engines, &c, tokenizer.as_deref(), &log_dir, &http).await {
                 Ok(p) => p,
                 Err(e) => {
                     let why = pd_config_file::report::error_line(e.as_ref());
@@ -220,9 +257,9 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
                 Some(d) => Some(d.decisions(&http).await),
                 None => None,
             };
-            let before = scrape_each(&http, &sims.engines).await;
+            let before = scrape_each(&http, engines).await;
             let r = runner::run_workload(Arc::new(target), Arc::clone(&workload), &cfg).await?;
-            let after = scrape_each(&http, &sims.engines).await;
+            let after = scrape_each(&http, engines).await;
             let per_engine: Vec<KvReport> =
                 after.iter().zip(&before).map(|(a, b)| KvReport::from(a.since(*b))).collect();
             let total = |v: &[Counters]| v.iter().fold(Counters::default(), |t, c| t.plus(*c));
@@ -274,6 +311,7 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
         }
     }
     drop(sims);
+    drop(ideal);
     // Logs in a directory of our own choosing are only worth keeping when something failed.
     if c.sim.log_dir.is_none() {
         let _ = std::fs::remove_dir_all(&log_dir);
@@ -304,5 +342,31 @@ mod tests {
         assert_eq!(pool_blocks(&spec, 1.0 / 3.0, 8, 4), 512 + 2 * 70);
         // Tiny shares still fit every request in flight.
         assert_eq!(pool_blocks(&spec, 0.01, 8, 4), 8 * 70);
+    }
+
+    #[test]
+    fn the_ideal_engine_keeps_the_clusters_flags_but_its_own_three() {
+        let cluster: Vec<String> = [
+            "--num-blocks=652",
+            "--prefill-queue",
+            "fifo",
+            "--tokenizer=/t.json",
+            "--interference-factor=2",
+            "--workers",
+            "1",
+        ]
+        .map(String::from)
+        .into();
+        assert_eq!(
+            ideal_args(&cluster, 9000),
+            [
+                "--tokenizer=/t.json",
+                "--workers",
+                "1",
+                "--num-blocks=9000",
+                "--prefill-queue=none",
+                "--interference-factor=0"
+            ]
+        );
     }
 }

@@ -122,7 +122,9 @@ pub fn load_average() -> Option<[f64; 3]> {
 /// Mean-TTFT ratios per repetition: the coordinator (P/D) over round-robin's, over
 /// vllm-router's in P/D mode and over vllm-router's regular (colocated) mode, and the
 /// coordinator-colocated setup over vllm-router-colocated; then the same two P/D and
-/// colocated pairs' ITL p99 ratios. Null where a setup did not run.
+/// colocated pairs' ITL p99 ratios; then the ideal engine's over both vllm-router setups' (the
+/// lowest ratio any routing could reach against them) and both coordinator setups' over the
+/// ideal's. Null where a setup did not run.
 pub fn ratios(rows: &[Row]) -> Vec<Value> {
     let reps = rows.iter().map(|r| r.rep).max().unwrap_or(0);
     (1..=reps)
@@ -141,6 +143,10 @@ pub fn ratios(rows: &[Row]) -> Vec<Value> {
                 "itl_p99_coordinator_over_vllm_router": itl_over(SetupKind::Coordinator, SetupKind::VllmRouter),
                 "itl_p99_coordinator_colocated_over_vllm_router_colocated":
                     itl_over(SetupKind::CoordinatorColocated, SetupKind::VllmRouterColocated),
+                "ideal_over_vllm_router": over(SetupKind::Ideal, SetupKind::VllmRouter),
+                "ideal_over_vllm_router_colocated": over(SetupKind::Ideal, SetupKind::VllmRouterColocated),
+                "coordinator_over_ideal": over(SetupKind::Coordinator, SetupKind::Ideal),
+                "coordinator_colocated_over_ideal": over(SetupKind::CoordinatorColocated, SetupKind::Ideal),
             })
         })
         .collect()
@@ -283,8 +289,27 @@ pub fn text(c: &Context<'_>, rows: &[Row]) -> String {
             fmt_ratio(&v["itl_p99_coordinator_colocated_over_vllm_router_colocated"])
         );
     }
+    if ran_ideal(rows) {
+        for v in ratios(rows) {
+            let _ = writeln!(
+                out,
+                "run {}: ideal mean TTFT = {} x vllm-router, {} x vllm-router-colocated; coordinator = {} x ideal, \
+                 coordinator-colocated = {} x ideal",
+                v["run"],
+                fmt_ratio(&v["ideal_over_vllm_router"]),
+                fmt_ratio(&v["ideal_over_vllm_router_colocated"]),
+                fmt_ratio(&v["coordinator_over_ideal"]),
+                fmt_ratio(&v["coordinator_colocated_over_ideal"])
+            );
+        }
+    }
     let _ = writeln!(out, "load average before: {}, after: {}", fmt_load(c.load.0), fmt_load(c.load.1));
     out
+}
+
+/// Whether the ideal engine ran in any repetition (its ratios are shown only then).
+fn ran_ideal(rows: &[Row]) -> bool {
+    rows.iter().any(|r| r.kind == SetupKind::Ideal && matches!(r.outcome, Outcome::Measured(_)))
 }
 
 /// The command line as typed, with the executable shortened to `pdbench`.
@@ -356,6 +381,25 @@ pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
             fmt_ratio(&v["itl_p99_coordinator_over_vllm_router"]),
             fmt_ratio(&v["itl_p99_coordinator_colocated_over_vllm_router_colocated"])
         );
+    }
+    if ran_ideal(rows) {
+        let _ = write!(
+            md,
+            "\n| run | ideal / vllm-router ({0}) | ideal / vllm-router-colocated ({0}) | coordinator / ideal | \
+             coordinator-colocated / ideal |\n|---|---|---|---|---|\n",
+            c.vllm_router_policy
+        );
+        for v in ratios(rows) {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                v["run"],
+                fmt_ratio(&v["ideal_over_vllm_router"]),
+                fmt_ratio(&v["ideal_over_vllm_router_colocated"]),
+                fmt_ratio(&v["coordinator_over_ideal"]),
+                fmt_ratio(&v["coordinator_colocated_over_ideal"])
+            );
+        }
     }
     md
 }
