@@ -362,46 +362,51 @@ pub fn markdown(c: &Context<'_>, rows: &[Row]) -> String {
             }
         }
     }
-    let _ = write!(
-        md,
-        "\n| run | coordinator / round-robin | coordinator / vllm-router ({0}) | coordinator / vllm-router-colocated ({0}) \
-         | coordinator-colocated / vllm-router-colocated ({0}) | ITL p99: coordinator / vllm-router | ITL p99: \
-         coordinator-colocated / vllm-router-colocated |\n|---|---|---|---|---|---|---|\n",
-        c.vllm_router_policy
-    );
-    for v in ratios(rows) {
-        let _ = writeln!(
-            md,
-            "| {} | {} | {} | {} | {} | {} | {} |",
-            v["run"],
-            fmt_ratio(&v["coordinator_over_round_robin"]),
-            fmt_ratio(&v["coordinator_over_vllm_router"]),
-            fmt_ratio(&v["coordinator_over_vllm_router_colocated"]),
-            fmt_ratio(&v["coordinator_colocated_over_vllm_router_colocated"]),
-            fmt_ratio(&v["itl_p99_coordinator_over_vllm_router"]),
-            fmt_ratio(&v["itl_p99_coordinator_colocated_over_vllm_router_colocated"])
-        );
-    }
+    let policy = &c.vllm_router_policy;
+    let pairs = [
+        ("coordinator / round-robin".to_string(), "coordinator_over_round_robin"),
+        (format!("coordinator / vllm-router ({policy})"), "coordinator_over_vllm_router"),
+        (format!("coordinator / vllm-router-colocated ({policy})"), "coordinator_over_vllm_router_colocated"),
+        (
+            format!("coordinator-colocated / vllm-router-colocated ({policy})"),
+            "coordinator_colocated_over_vllm_router_colocated",
+        ),
+        ("ITL p99: coordinator / vllm-router".to_string(), "itl_p99_coordinator_over_vllm_router"),
+        (
+            "ITL p99: coordinator-colocated / vllm-router-colocated".to_string(),
+            "itl_p99_coordinator_colocated_over_vllm_router_colocated",
+        ),
+    ];
+    ratio_table(&mut md, rows, &pairs);
     if ran_ideal(rows) {
-        let _ = write!(
-            md,
-            "\n| run | ideal / vllm-router ({0}) | ideal / vllm-router-colocated ({0}) | coordinator / ideal | \
-             coordinator-colocated / ideal |\n|---|---|---|---|---|\n",
-            c.vllm_router_policy
-        );
-        for v in ratios(rows) {
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | {} | {} |",
-                v["run"],
-                fmt_ratio(&v["ideal_over_vllm_router"]),
-                fmt_ratio(&v["ideal_over_vllm_router_colocated"]),
-                fmt_ratio(&v["coordinator_over_ideal"]),
-                fmt_ratio(&v["coordinator_colocated_over_ideal"])
-            );
-        }
+        let bound = [
+            (format!("ideal / vllm-router ({policy})"), "ideal_over_vllm_router"),
+            (format!("ideal / vllm-router-colocated ({policy})"), "ideal_over_vllm_router_colocated"),
+            ("coordinator / ideal".to_string(), "coordinator_over_ideal"),
+            ("coordinator-colocated / ideal".to_string(), "coordinator_colocated_over_ideal"),
+        ];
+        ratio_table(&mut md, rows, &bound);
     }
     md
+}
+
+/// A Markdown table with a row per run and a column per ratio: each column's heading, and its
+/// key in [`ratios`].
+fn ratio_table(md: &mut String, rows: &[Row], columns: &[(String, &str)]) {
+    md.push_str("\n| run |");
+    for (heading, _) in columns {
+        let _ = write!(md, " {heading} |");
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---|".repeat(columns.len()));
+    md.push('\n');
+    for v in ratios(rows) {
+        let _ = write!(md, "| {} |", v["run"]);
+        for (_, key) in columns {
+            let _ = write!(md, " {} |", fmt_ratio(&v[*key]));
+        }
+        md.push('\n');
+    }
 }
 
 /// Byte offset of the line that is exactly `marker` (surrounding spaces aside), from `from` on;
