@@ -27,8 +27,10 @@
 //! `stalled` sums over the decodes the compute would stall: each decoding there now loses all of
 //! it; each bound there that has not started (its prompt computed there or elsewhere) and is
 //! predicted to start within the compute loses what is left of it, one predicted to start after
-//! nothing; each routed to it during the compute, `rate × stall` at the rate requests reached it
-//! lately, all of it (an idle decode that takes a long prompt is not idle for long). `rest(t)`
+//! nothing; so does each routed to it during the compute, at the rate requests reached it lately,
+//! spread evenly over the compute and starting at the soonest any request can (the lines' time to
+//! first output of an empty prompt): `rate × (stall − soonest)² / 2` in all (an idle decode that
+//! takes a long prompt is not idle for long). `rest(t)`
 //! is what is left, `t` from now, of each prompt computed where the request decodes: it decodes
 //! beside them. The predictions are the lines' own, made when each request was routed. Both err
 //! towards the decodes: a stall lands in their token gaps (the ITL tail), a transfer only in one
@@ -207,14 +209,17 @@ impl Site<'_> {
     }
 
     /// The stall computing `stall_ms` of prompt here from `now` causes, summed over the decodes it
-    /// reaches: all of it for each decoding now and each arriving meanwhile, what is left of it
-    /// for each that starts meanwhile. Never NaN.
-    fn stalled_ms(&self, stall_ms: f64, now: Instant) -> f64 {
+    /// reaches: all of it for each decoding now, what is left of it for each that starts
+    /// meanwhile. Those are the requests bound here that have not started yet, and those routed
+    /// here during the compute (at the recent rate, evenly spread), each starting `lead_ms` after
+    /// it is routed at the soonest. Never NaN.
+    fn stalled_ms(&self, stall_ms: f64, lead_ms: f64, now: Instant) -> f64 {
         let decoding = self.bound.saturating_sub(self.starting.len() as u64) as f64;
-        let arriving = self.arrivals_per_ms * stall_ms;
-        let arriving = if arriving.is_finite() && arriving > 0.0 { arriving } else { 0.0 };
         let joining: f64 = self.starting.iter().map(|&at| (stall_ms - ms_until(now, at)).max(0.0)).sum();
-        (decoding + arriving) * stall_ms + joining
+        let exposed = (stall_ms - lead_ms).max(0.0);
+        let arriving = self.arrivals_per_ms * exposed * exposed / 2.0;
+        let arriving = if arriving.is_finite() && arriving > 0.0 { arriving } else { 0.0 };
+        decoding * stall_ms + joining + arriving
     }
 
     /// What a request that starts decoding here `start_ms` from `now` loses to the prompts
@@ -242,10 +247,19 @@ impl Timings {
         self.prefill.line().per_token * tokens as f64
     }
 
+    /// The soonest any request gets its first output, by the lines: an empty prompt, nothing
+    /// queued, computed where it decodes or disaggregated.
+    fn soonest_first_ms(&self) -> f64 {
+        let local = self.local.predict_ms(0, 0.0);
+        let disaggregated = self.prefill.predict_ms(0, 0.0) + self.handoff.predict_ms(0, 0.0);
+        local.min(disaggregated)
+    }
+
     /// A request's time to first output `first_ms`, plus the stall its prompt computed on
     /// `computed_on` causes there and the stall it suffers decoding on `decode`.
     fn cost_ms(&self, first_ms: f64, computed_on: Site, decode: Site, now: Instant) -> f64 {
-        let caused = computed_on.stalled_ms(self.stall_ms(computed_on.uncached_tokens), now);
+        let stall = self.stall_ms(computed_on.uncached_tokens);
+        let caused = computed_on.stalled_ms(stall, self.soonest_first_ms(), now);
         first_ms + caused + decode.rest_ms(first_ms, now)
     }
 
@@ -601,6 +615,21 @@ mod tests {
         }
         assert_eq!(ms_after(now, f64::INFINITY), now, "not finite");
         assert_eq!(ms_after(now, 1e300), now + Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn requests_routed_during_a_stall_lose_what_is_left_of_it_once_they_start() {
+        let now = Instant::now();
+        // One request every 10 ms, starting at once: over a 100 ms stall 10 arrive, evenly
+        // spread, and each loses what is left of it, 50 ms on average: 500 ms (0.1 × 100² / 2).
+        let reached = Site { arrivals_per_ms: 0.1, ..site(0, 0) };
+        assert!((reached.stalled_ms(100.0, 0.0, now) - 500.0).abs() < 1e-9);
+        // Starting 20 ms after they are routed at the soonest: only the first 80 ms count.
+        assert!((reached.stalled_ms(100.0, 20.0, now) - 320.0).abs() < 1e-9);
+        assert_eq!(reached.stalled_ms(100.0, 150.0, now), 0.0, "none starts before it ends");
+        // Each decoding now loses all of it, beside the arrivals.
+        let busy = Site { bound: 2, ..reached };
+        assert!((busy.stalled_ms(100.0, 0.0, now) - 700.0).abs() < 1e-9);
     }
 
     #[test]
