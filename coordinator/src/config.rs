@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use pd_config_file::{parse_duration, warn_unitless, DurationError};
 use pd_http::Bearer;
 use serde::Deserialize;
@@ -204,17 +204,10 @@ pub enum StoreUrl {
 }
 
 impl Config {
-    /// Parses `args` (program name first), merging the TOML file they name.
+    /// Parses `args` (program name first) with the environment and the TOML file they name
+    /// ([`pd_config_file::merged_args`]).
     pub fn from_args(args: Vec<String>) -> Result<Config, ConfigError> {
-        let first = Config::try_parse_from(&args)?;
-        let Some(path) = first.config.clone() else {
-            first.validate()?;
-            return Ok(first);
-        };
-        let mut merged = vec![args[0].clone()];
-        merged.extend(pd_config_file::to_args(pd_config_file::read_flags(&path)?));
-        merged.extend(args.into_iter().skip(1));
-        let config = Config::try_parse_from(merged)?;
+        let config = Config::try_parse_from(pd_config_file::merged_args(args, &Config::command())?)?;
         config.validate()?;
         Ok(config)
     }

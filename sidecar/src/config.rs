@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, Parser, ValueEnum};
 use pd_config_file::{parse_duration_or_bare, BareUnit, DurationError};
 use pd_http::Bearer;
 
@@ -325,21 +325,10 @@ pub struct Resolved {
 }
 
 impl Config {
-    /// Parses `args` (program name first) with the environment and the TOML file they name.
+    /// Parses `args` (program name first) with the environment and the TOML file they name
+    /// ([`pd_config_file::merged_args`]).
     pub fn from_args(args: Vec<String>) -> Result<Config, ConfigError> {
-        let path =
-            config_flag(&args).map(PathBuf::from).or_else(|| std::env::var_os("PD_SIDECAR_CONFIG").map(PathBuf::from));
-        let Some(path) = path else {
-            return Config::try_parse_from(&args).map_err(ConfigError::from);
-        };
-        // File values go first so the environment (read by clap for absent flags only) and
-        // flags win: file entries are only added for flags neither sets.
-        let file_flags = pd_config_file::read_flags(&path)?;
-        let set_in_env = |flag: &str| env_var_of(flag).is_some_and(|v| std::env::var_os(v).is_some());
-        let mut merged = vec![args[0].clone()];
-        merged.extend(pd_config_file::to_args(file_flags.into_iter().filter(|f| !set_in_env(&f.flag))));
-        merged.extend(args.into_iter().skip(1));
-        Ok(Config::try_parse_from(merged)?)
+        Ok(Config::try_parse_from(pd_config_file::merged_args(args, &Config::command())?)?)
     }
 
     /// Checks values and parses targets.
@@ -381,24 +370,6 @@ impl Config {
         }
         Ok(Resolved { engines, prefills, allowlist })
     }
-}
-
-fn config_flag(args: &[String]) -> Option<String> {
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        if a == "--config" {
-            return it.next().cloned();
-        }
-        if let Some(v) = a.strip_prefix("--config=") {
-            return Some(v.to_string());
-        }
-    }
-    None
-}
-
-fn env_var_of(flag: &str) -> Option<String> {
-    let name = flag.strip_prefix("--")?;
-    Some(format!("PD_SIDECAR_{}", name.replace('-', "_").to_ascii_uppercase()))
 }
 
 #[cfg(test)]

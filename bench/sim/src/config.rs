@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, Parser, ValueEnum};
 use pd_config_file::{duration_or_millis, duration_or_secs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -204,17 +204,10 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Parses `args` (program name first), merging the TOML file they name.
+    /// Parses `args` (program name first) with the environment and the TOML file they name
+    /// ([`pd_config_file::merged_args`]).
     pub fn from_args(args: Vec<String>) -> Result<Config, ConfigError> {
-        let first = Config::try_parse_from(&args)?;
-        let Some(path) = first.config.clone() else {
-            first.validate()?;
-            return Ok(first);
-        };
-        let mut merged = vec![args[0].clone()];
-        merged.extend(pd_config_file::to_args(pd_config_file::read_flags(&path)?));
-        merged.extend(args.into_iter().skip(1));
-        let config = Config::try_parse_from(merged)?;
+        let config = Config::try_parse_from(pd_config_file::merged_args(args, &Config::command())?)?;
         config.validate()?;
         Ok(config)
     }
