@@ -22,8 +22,11 @@ use pdbench::workload::{self, Workload, WorkloadSpec};
 /// Tokens per KV block of the simulator (its default; the pool is sized in these).
 const BLOCK_TOKENS: u64 = 16;
 /// The simulator's longest prompt plus output, in blocks (its default `--max-model-len`, 8192
-/// tokens): the ideal engine's pool holds this much for every request of the workload.
+/// tokens): the ideal engine's pool holds this much for every request of the workload...
 const MAX_REQUEST_BLOCKS: u64 = 8192 / BLOCK_TOKENS;
+/// ...up to this many blocks (4 GiB of address space at the simulator's default block size,
+/// touched only where prompts are written): 4 times what the presets need (480 requests).
+const MAX_IDEAL_BLOCKS: u64 = 1 << 20;
 /// The simulator flags that make the ideal engine ideal; the cluster's own values of them are
 /// left out of its command line.
 const IDEAL_FLAGS: [&str; 3] = ["--num-blocks", "--prefill-queue", "--interference-factor"];
@@ -225,7 +228,7 @@ pub async fn compare_cmd(c: CompareCmd) -> anyhow::Result<()> {
     let sims = SimCluster::start(&names, &sim_opts, &log_dir, &http).await?;
     eprintln!("{} engines up (extra pd-sim flags: {extra:?}; logs in {})", sims.engines.len(), log_dir.display());
     let ideal = if c.setups.contains(&SetupKind::Ideal) {
-        let blocks = spec.total_requests() as u64 * MAX_REQUEST_BLOCKS;
+        let blocks = (spec.total_requests() as u64 * MAX_REQUEST_BLOCKS).min(MAX_IDEAL_BLOCKS);
         let opts =
             cluster::SimOptions { args: ideal_args(&sim_opts.args, blocks), kv_events: false, ..sim_opts.clone() };
         let one = SimCluster::start(&[("ideal".to_string(), "both")], &opts, &log_dir, &http).await?;
