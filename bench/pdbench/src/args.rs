@@ -332,8 +332,9 @@ pub enum SetupKind {
     VllmRouterColocated,
     /// No router: one more engine, started for this setup, whose cache holds every prompt of
     /// the workload, computing prompts side by side and without slowing its decodes (pd-sim
-    /// --prefill-queue none --interference-factor 0). The simulator's best case: no routing of
-    /// the same workload over the cluster's engines can do better, so it bounds every ratio.
+    /// --prefill-queue none --interference-factor 0). The simulator's best case, and so a bound
+    /// on every router's ratios up to the run's timing: a prompt counts as cached only once
+    /// computed, so a router can match its hit rate and, rarely, pass it by a little.
     Ideal,
 }
 
