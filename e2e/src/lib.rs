@@ -606,6 +606,38 @@ pub async fn post_json(
     Ok((status, text))
 }
 
+/// A suite's shared fixture, started once by `start` on first use. `None`, after a loud
+/// SKIPPED line naming `test` and `how_to_run`, when the environment variable `venv_var` (the
+/// engine's venv) is unset; a fixture that fails to start fails every test that asks for it.
+pub fn shared_fixture<T>(
+    cell: &'static std::sync::OnceLock<Result<T, E2eError>>,
+    start: fn() -> Result<T, E2eError>,
+    (engine, venv_var, how_to_run): (&str, &str, &str),
+    test: &str,
+) -> Option<&'static T> {
+    if std::env::var_os(venv_var).is_none_or(|v| v.is_empty()) {
+        loud(&format!("SKIPPED: real-{engine} test `{test}` did not run: {venv_var} is not set; {how_to_run}"));
+        return None;
+    }
+    match cell.get_or_init(start) {
+        Ok(fixture) => Some(fixture),
+        Err(e) => panic!("real {engine} cluster did not start: {e}"),
+    }
+}
+
+/// Registers an engine with the coordinator at `coordinator` (`spec` is the body of
+/// `POST /v1/engines`, its `id` the engine's name); anything but 200 is an error with the body.
+pub fn register_engine(coordinator: &str, spec: &Value) -> Result<(), E2eError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(E2eError::io("a runtime"))?;
+    let (status, body) =
+        rt.block_on(post_json(&client(), &format!("{coordinator}/v1/engines"), spec, Duration::from_secs(10)))?;
+    if status != 200 {
+        let id = spec.get("id").and_then(Value::as_str).unwrap_or("an engine");
+        return Err(E2eError::Status { what: format!("registering {id} with the coordinator"), status, body });
+    }
+    Ok(())
+}
+
 /// A prompt of distinct-looking words that no earlier request shares a prefix with.
 pub fn fresh_prompt(tag: &str, words: usize) -> String {
     const WORDS: &[&str] = &[

@@ -210,29 +210,12 @@ fn register(coordinator: &str, server: &SglangServer, role: &str) -> Result<(), 
         "id": server.spec.name, "role": role, "node": "local", "model": MODEL,
         "engine_url": server.url(), "kv_events": server.events_endpoint(), "block_size": PAGE_SIZE,
     });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(E2eError::io("a runtime"))?;
-    let (status, body) =
-        rt.block_on(post_json(&client(), &format!("{coordinator}/v1/engines"), &spec, Duration::from_secs(10)))?;
-    if status != 200 {
-        return Err(E2eError::Status {
-            what: format!("registering {} with the coordinator", server.spec.name),
-            status,
-            body,
-        });
-    }
-    Ok(())
+    register_engine(coordinator, &spec)
 }
 
 /// The shared fixture, or `None` (after a loud SKIPPED line) when the suite cannot run here.
 fn cluster(test: &str) -> Option<&'static Cluster> {
-    if std::env::var_os("PD_SGLANG_VENV").is_none_or(|v| v.is_empty()) {
-        loud(&format!("SKIPPED: real-SGLang test `{test}` did not run: PD_SGLANG_VENV is not set; {SGLANG_SKIP_HOW}"));
-        return None;
-    }
-    match CLUSTER.get_or_init(start_cluster) {
-        Ok(c) => Some(c),
-        Err(e) => panic!("real SGLang cluster did not start: {e}"),
-    }
+    shared_fixture(&CLUSTER, start_cluster, ("SGLang", "PD_SGLANG_VENV", SGLANG_SKIP_HOW), test)
 }
 
 /// The three generation APIs the sidecar serves in SGLang mode.

@@ -150,29 +150,12 @@ fn register(coordinator: &str, engine: &Engine) -> Result<(), E2eError> {
         "engine_url": engine.url(), "kv_events": engine.events_endpoint(), "replay": engine.replay_endpoint(),
         "block_size": BLOCK_SIZE,
     });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(E2eError::io("a runtime"))?;
-    let (status, body) =
-        rt.block_on(post_json(&client(), &format!("{coordinator}/v1/engines"), &spec, Duration::from_secs(10)))?;
-    if status != 200 {
-        return Err(E2eError::Status {
-            what: format!("registering {} with the coordinator", engine.spec.name),
-            status,
-            body,
-        });
-    }
-    Ok(())
+    register_engine(coordinator, &spec)
 }
 
 /// The shared fixture, or `None` (after a loud SKIPPED line) when the suite cannot run here.
 fn cluster(test: &str) -> Option<&'static Cluster> {
-    if std::env::var_os("PD_VLLM_VENV").is_none_or(|v| v.is_empty()) {
-        loud(&format!("SKIPPED: real-vLLM test `{test}` did not run: PD_VLLM_VENV is not set; {SKIP_HOW}"));
-        return None;
-    }
-    match CLUSTER.get_or_init(start_cluster) {
-        Ok(c) => Some(c),
-        Err(e) => panic!("real vLLM cluster did not start: {e}"),
-    }
+    shared_fixture(&CLUSTER, start_cluster, ("vLLM", "PD_VLLM_VENV", SKIP_HOW), test)
 }
 
 async fn reset_prefix_cache(client: &reqwest::Client, base: &str) {
