@@ -13,7 +13,7 @@ use serde_json::json;
 /// A word-level tokenizer.json ("w0".."w499", whitespace pre-tokenizer) shared by the
 /// simulated engines and the coordinator, in a directory of the test's own.
 fn write_tokenizer(test: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("pd-coord-{test}-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("pd-coord-{test}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut vocab = serde_json::Map::new();
     vocab.insert("[UNK]".into(), 0.into());

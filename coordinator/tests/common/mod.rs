@@ -21,15 +21,15 @@ pub fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap()
 }
 
-/// Where the test's log files go (kept for a failing run).
-fn log_file(name: &str) -> std::fs::File {
-    let dir = log_dir();
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::File::create(dir.join(format!("{name}.log"))).unwrap()
+/// A process's log file, in [`log_dir`]: removed when the process is dropped by a test that
+/// passes, kept (and named on stderr) for one that fails.
+fn log_path(name: &str) -> PathBuf {
+    log_dir().join(format!("{name}.log"))
 }
 
+/// Under the target directory, shared by every run (the names hold ports or pids).
 fn log_dir() -> PathBuf {
-    std::env::temp_dir().join(format!("pd-coordinator-tests-{}", std::process::id()))
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("pd-coordinator-tests")
 }
 
 /// pd-sim sits next to pd-coordinator in the target directory (`cargo test --workspace`
@@ -40,6 +40,7 @@ pub fn pd_sim_path() -> PathBuf {
 
 pub struct Proc {
     child: Child,
+    log: PathBuf,
 }
 
 /// Spawns `cmd` with its output in a log file, killed on drop.
@@ -49,14 +50,16 @@ pub fn spawn(cmd: Command, name: &str) -> Proc {
 
 impl Proc {
     fn spawn(mut cmd: Command, name: &str) -> Proc {
-        let log = log_file(name);
+        std::fs::create_dir_all(log_dir()).unwrap();
+        let path = log_path(name);
+        let log = std::fs::File::create(&path).unwrap();
         let child = cmd
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
-        Proc { child }
+        Proc { child, log: path }
     }
 
     /// SIGKILL, no cleanup.
@@ -73,13 +76,18 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
+        if std::thread::panicking() {
+            eprintln!("log kept: {}", self.log.display());
+        } else {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 
 /// Waits for `proc`'s `/health`; when it never answers, says why and where its log is.
 async fn wait_healthy(proc: &mut Proc, url: &str, name: &str) -> Result<(), harness::NotHealthy> {
     harness::healthy(&mut proc.child, url, WAIT).await.inspect_err(|_| {
-        eprintln!("{name} at {url}: log in {}", log_dir().join(format!("{name}.log")).display());
+        eprintln!("{name} at {url}: log in {}", log_path(name).display());
     })
 }
 
