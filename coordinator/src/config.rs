@@ -151,7 +151,8 @@ pub struct Config {
     pub kv_events_topic: String,
     /// Collector mode: bind a SUB socket here (e.g. tcp://0.0.0.0:5557) for engines whose
     /// --kv-events-config endpoint names this host (vLLM then connects instead of binding);
-    /// each message's topic says which engine sent it.
+    /// each message's topic says which engine sent it. Data-parallel rank r connects to this
+    /// port + r, bound once an engine registers with that many ranks.
     #[arg(long, env = "PD_COORDINATOR_KV_EVENTS_LISTEN")]
     pub kv_events_listen: Option<String>,
     /// How collector-mode topics name their engine: `{engine}` is an engine id or the host of

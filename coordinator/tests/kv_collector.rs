@@ -1,13 +1,13 @@
-//! Collector mode (`--kv-events-listen`): the coordinator binds one SUB socket, engines
-//! connect their publishers to it (as vLLM does when its endpoint names a host) and are told
-//! apart by topic. Real processes: the coordinator, simulated engines publishing what they
+//! Collector mode (`--kv-events-listen`): the coordinator binds one SUB socket (and one more per
+//! data-parallel rank an engine declares), engines connect their publishers to it (as vLLM does
+//! when its endpoint names a host) and are told apart by topic. Real processes: the coordinator, simulated engines publishing what they
 //! really cached, and a raw ZMQ publisher sending garbage.
 
 mod common;
 
 use std::time::Duration;
 
-use common::{eventually, free_port, tokens, Coord, Sim};
+use common::{adjacent_free_ports, eventually, free_port, tokens, Coord, Sim, MODEL};
 use pd_protocols::zmq_frames::seq_frame;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,9 +73,70 @@ async fn collector_indexes_engines_by_topic_and_replays_their_gaps() {
     assert_eq!(coord.indexed("p0").await, 15);
 }
 
+/// An engine running data parallel in collector mode: vLLM's rank r connects its publisher to
+/// the collector's port + r and serves replay on its replay port + r. The coordinator listens
+/// for rank 1 once an engine declares two ranks, follows each rank's sequence on its own
+/// (rank 1's batches published before that are recovered through rank 1's replay socket), and
+/// pairs a prompt with the rank holding it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collector_follows_each_data_parallel_rank_on_its_own_port() {
+    let listen = adjacent_free_ports();
+    let rank_listen = |rank: u16| format!("tcp://127.0.0.1:{}", listen + rank);
+    let coord = Coord::start(&["--kv-events-listen", &rank_listen(0)]).await;
+    let replay = adjacent_free_ports();
+    let topic = "kv@dp@sim-model";
+    let rank0 = Sim::start_rank_publishing_to("dp", 0, &rank_listen(0), topic, replay).await;
+    let rank1 = Sim::start_rank_publishing_to("dp", 1, &rank_listen(1), topic, replay + 1).await;
+
+    // Rank 1 publishes before the engine registers: nobody listens on its port yet, and its
+    // replay buffer keeps the batch.
+    let (early, on_rank0) = (tokens(1000, 160), tokens(5000, 96));
+    rank1.complete(&early).await;
+    let mut spec = rank0.collected_spec("decode", None);
+    spec["data_parallel_size"] = 2.into();
+    coord.register(&spec).await;
+    rank0.complete(&on_rank0).await;
+
+    // Rank 1's publisher reaches the socket bound for it after a reconnect; what it publishes
+    // before that is lost on the way (a block at a time here, until one arrives). The first
+    // batch that arrives shows a gap, filled from rank 1's own replay socket: the early 10
+    // blocks and every lost one come back.
+    let mut sent = 0;
+    eventually(Duration::from_secs(10), "a batch of rank 1 on its socket", || {
+        sent += 1;
+        let (rank1, coord, fresh) = (&rank1, &coord, tokens(3000 + 100 * sent, 16));
+        async move {
+            rank1.complete(&fresh).await;
+            coord.indexed("dp").await > 6
+        }
+    })
+    .await;
+    let all = 10 + sent as u64 + 6;
+    eventually(Duration::from_secs(10), &format!("both ranks' {all} blocks indexed"), || async {
+        coord.indexed("dp").await == all
+    })
+    .await;
+    assert!(coord.metric("pd_coordinator_kv_event_replayed_batches_total").await >= 1.0);
+    assert_eq!(coord.metric("pd_coordinator_kv_events_malformed_total").await, 0.0);
+
+    for (id, cached, rank, blocks) in [("on-rank-1", &early, 1, 10), ("on-rank-0", &on_rank0, 0, 6)] {
+        let mut prompt = cached.clone();
+        prompt.extend(tokens(20_000, 64));
+        let (status, d) = coord.pair(&serde_json::json!({"request_id": id, "model": MODEL, "token_ids": prompt})).await;
+        assert_eq!(status, 200, "{d}");
+        assert_eq!(d["decode"]["id"], "dp", "{d}");
+        assert_eq!(
+            (d["decode_dp_rank"].as_u64(), d["decode_overlap_blocks"].as_u64()),
+            (Some(rank), Some(blocks)),
+            "{d}"
+        );
+    }
+}
+
 /// vLLM's own publisher class, in both topologies: bound (the coordinator connects to it, the
 /// engine registered with `kv_events`) and connecting (collector mode, found by llm-d's topic
-/// convention). Needs the real-vLLM venv (`PD_VLLM_VENV`, installed by `ci/vllm/install.sh`;
+/// convention), there also as data-parallel rank 1 of an engine (vLLM offsets its endpoints by
+/// the rank: its blocks arrive only on the socket the coordinator binds for rank 1). Needs the real-vLLM venv (`PD_VLLM_VENV`, installed by `ci/vllm/install.sh`;
 /// ci/test.sh sets it for this test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_publisher_in_both_topologies() {
@@ -89,16 +150,20 @@ async fn vllm_publisher_in_both_topologies() {
     let python = std::path::Path::new(&venv).join("bin/python");
     assert!(python.exists(), "PD_VLLM_VENV has no bin/python: {}", python.display());
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vllm_publisher.py");
-    let listen = format!("tcp://127.0.0.1:{}", free_port());
+    let listen = format!("tcp://127.0.0.1:{}", adjacent_free_ports());
     let coord = Coord::start(&["--kv-events-listen", &listen]).await;
     // Engine URLs are only health-checked: a pd-sim without events answers for each.
     let bound_engine = Sim::start("vb", &[]).await;
     let connecting_engine = Sim::start("vc", &[]).await;
+    let ranked_engine = Sim::start("vr", &[]).await;
 
     let (bound_events, bound_replay, connecting_replay) = (free_port(), free_port(), free_port());
+    let ranked_replay = adjacent_free_ports();
     let publisher = |name: &str, endpoint: String, replay: String, topic: &str, first_hash: u64, blocks: u64| {
         let mut cmd = std::process::Command::new(&python);
         cmd.arg(&script).args([endpoint, replay, topic.to_string(), first_hash.to_string(), blocks.to_string()]);
+        // The rank, when the name gives one.
+        cmd.args(name.strip_prefix("vllm-publisher-rank-"));
         cmd.env("VLLM_LOGGING_LEVEL", "WARNING");
         common::spawn(cmd, name)
     };
@@ -127,10 +192,24 @@ async fn vllm_publisher_in_both_topologies() {
     let mut spec = connecting_engine.collected_spec("decode", None);
     spec["replay"] = format!("tcp://*:{connecting_replay}").into();
     coord.register(&spec).await;
+    // Rank 1 of an engine running data parallel: given rank 0's endpoints, vLLM connects to the
+    // listen port + 1 and binds replay on its port + 1.
+    let _ranked = publisher(
+        "vllm-publisher-rank-1",
+        listen.clone(),
+        format!("tcp://*:{ranked_replay}"),
+        "kv@vr@sim-model",
+        3 << 40,
+        5,
+    );
+    let mut spec = ranked_engine.collected_spec("decode", None);
+    spec["replay"] = format!("tcp://*:{ranked_replay}").into();
+    spec["data_parallel_size"] = 2.into();
+    coord.register(&spec).await;
 
     // vLLM's Python start (importing torch) takes seconds on a busy machine.
-    eventually(Duration::from_secs(90), "vb 6 and vc 9 blocks indexed", || async {
-        (coord.indexed("vb").await, coord.indexed("vc").await) == (6, 9)
+    eventually(Duration::from_secs(90), "vb 6, vc 9 and vr 5 blocks indexed", || async {
+        (coord.indexed("vb").await, coord.indexed("vc").await, coord.indexed("vr").await) == (6, 9, 5)
     })
     .await;
     assert_eq!(coord.metric("pd_coordinator_kv_events_malformed_total").await, 0.0);

@@ -1,9 +1,10 @@
 """Publishes KV events with vLLM's own ZmqEventPublisher (the class vLLM engines use), for
 coordinator/tests/kv_collector.rs. Stores `blocks` blocks (integer hashes from `first_hash`)
 in one batch, republished every 100 ms (a subscriber may join late; the index takes repeats
-as no change) for 60 s or until killed.
+as no change) for 60 s or until killed. With RANK, it is that data-parallel rank's publisher
+(vLLM then offsets both endpoints by the rank itself).
 
-usage: python vllm_publisher.py ENDPOINT REPLAY_ENDPOINT TOPIC FIRST_HASH BLOCKS
+usage: python vllm_publisher.py ENDPOINT REPLAY_ENDPOINT TOPIC FIRST_HASH BLOCKS [RANK]
 """
 
 import sys
@@ -34,9 +35,10 @@ def stored(first_hash: int, blocks: int) -> BlockStored:
 
 def main() -> None:
     endpoint, replay, topic, first_hash, blocks = sys.argv[1:6]
-    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic=topic)
+    rank = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    publisher = ZmqEventPublisher(data_parallel_rank=rank, endpoint=endpoint, replay_endpoint=replay, topic=topic)
     event = stored(int(first_hash), int(blocks))
-    print(f"publishing {blocks} blocks under {topic!r} on {endpoint}", flush=True)
+    print(f"rank {rank} publishing {blocks} blocks under {topic!r} on {endpoint} (before the offset)", flush=True)
     deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline:

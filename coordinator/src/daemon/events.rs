@@ -1,16 +1,18 @@
 //! One KV-event ingester thread per engine that publishes events on its own endpoint (per rank
 //! for an engine running data parallel: rank r publishes on the endpoints offset by r), and in
-//! collector mode one more for the bound socket that engines connect to: batches go into the
-//! index while the engine is alive and the same incarnation; a reset drops the entries of the
-//! stream's rank.
+//! collector mode one more per bound socket that engines connect to (rank r's publisher dials
+//! the listen endpoint offset by r, so there is one socket per rank any engine declared):
+//! batches go into the index while the engine is alive and the same incarnation; a reset drops
+//! the entries of the stream's rank.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pd_protocols::zmq_frames::rank_endpoint;
+use pd_protocols::zmq_frames::{rank_endpoint, RankEndpointError};
 
-use crate::ingest::{self, Route, Source, Update};
+use crate::config::ConfigError;
+use crate::ingest::{self, IngestError, Route, Source, Update};
 use crate::metrics::inc;
 use crate::topic::{self, FirstSight, TopicPattern, UnknownTopics};
 
@@ -18,6 +20,19 @@ use super::state::{Coordinator, IngestHandle, Inner};
 
 /// Wait before reconnecting after a socket error.
 const RETRY: Duration = Duration::from_secs(1);
+
+/// Why collector mode could not listen for a data-parallel rank.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectorError {
+    #[error("--kv-events-listen for data-parallel rank {rank}: {source}")]
+    Endpoint { rank: u32, source: RankEndpointError },
+    #[error("--kv-events-listen {endpoint}: {source}")]
+    Bind { endpoint: String, source: IngestError },
+    #[error(transparent)]
+    Pattern(#[from] ConfigError),
+    #[error("cannot start a KV-event collector thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
 
 impl Coordinator {
     /// Stops the engine's ingesters, if any, and starts new ones when it publishes events: one
@@ -27,7 +42,15 @@ impl Coordinator {
             old.stop.store(true, Ordering::Release);
         }
         let Some(entry) = inner.cluster.membership.get(engine) else { return };
-        let Some(endpoint) = entry.spec.kv_events.clone() else { return };
+        let Some(endpoint) = entry.spec.kv_events.clone() else {
+            // Collected: its ranks past the first dial sockets that may not be bound yet.
+            if self.config.kv_events_listen.is_some() {
+                if let Err(err) = self.listen_ranks(entry.spec.ranks()) {
+                    tracing::error!(engine = entry.spec.id, %err, "KV events of some data-parallel ranks will be lost");
+                }
+            }
+            return;
+        };
         let topic = entry.spec.kv_events_topic.clone().unwrap_or_else(|| self.config.kv_events_topic.clone());
         let incarnation = entry.incarnation;
         let id = entry.spec.id.clone();
@@ -78,8 +101,8 @@ impl Coordinator {
         tracing::debug!(engine = id, "KV-event ingester stopped");
     }
 
-    /// `stream`: the data-parallel rank whose stream brought `update` (`None` in collector
-    /// mode, where a batch names its rank itself).
+    /// `stream`: the data-parallel rank whose stream brought `update` (a batch that names its
+    /// rank itself is that rank's whatever its stream; see `ranks::batch_rank`).
     fn deliver(&self, engine: usize, stream: Option<u32>, incarnation: u64, update: Update) {
         if let Update::Malformed(reason) = &update {
             self.malformed(Some(engine), reason);
@@ -109,11 +132,32 @@ impl Coordinator {
         }
     }
 
-    /// Collector mode: follows every engine that publishes into `sub` (bound on
-    /// --kv-events-listen) on a thread of its own.
-    pub(crate) fn start_collector(self: &Arc<Self>, sub: zmq::Socket, pattern: TopicPattern) -> std::io::Result<()> {
+    /// Collector mode: binds a socket for every data-parallel rank below `ranks` not bound yet,
+    /// rank r's on the --kv-events-listen endpoint offset by r (where vLLM's rank r dials), and
+    /// follows each on a thread of its own. Stops at the first rank it cannot listen for (the
+    /// next registration tries again).
+    pub(crate) fn listen_ranks(self: &Arc<Self>, ranks: u32) -> Result<(), CollectorError> {
+        let Some(listen) = self.config.kv_events_listen.as_deref() else { return Ok(()) };
+        let mut bound = self.collector_ranks.lock();
+        while *bound < ranks {
+            let rank = *bound;
+            let endpoint = rank_endpoint(listen, rank).map_err(|source| CollectorError::Endpoint { rank, source })?;
+            let sub = ingest::bind_collector(&self.zmq, &endpoint)
+                .map_err(|source| CollectorError::Bind { endpoint: endpoint.clone(), source })?;
+            self.start_collector(sub, self.config.topic_pattern()?, rank)?;
+            if rank > 0 {
+                tracing::info!(%endpoint, rank, "collecting a data-parallel rank's KV events");
+            }
+            *bound += 1;
+        }
+        Ok(())
+    }
+
+    /// Collector mode: follows every engine that publishes into `sub` (bound for data-parallel
+    /// rank `rank`) on a thread of its own.
+    fn start_collector(self: &Arc<Self>, sub: zmq::Socket, pattern: TopicPattern, rank: u32) -> std::io::Result<()> {
         let this = Arc::clone(self);
-        std::thread::Builder::new().name("kv-events-collector".into()).spawn(move || {
+        std::thread::Builder::new().name(format!("kv-events-collector-{rank}")).spawn(move || {
             let mut unknown = UnknownTopics::default();
             let stop = &this.collector_stop;
             while !stop.load(Ordering::Acquire) {
@@ -122,9 +166,9 @@ impl Coordinator {
                     &sub,
                     stop,
                     &this.ingest_counters,
-                    |topic| this.route(topic, &pattern, &mut unknown),
+                    |topic| this.route(topic, rank, &pattern, &mut unknown),
                     |route, update| match (route, update) {
-                        (Some(route), update) => this.deliver(route.engine, None, route.epoch.0, update),
+                        (Some(route), update) => this.deliver(route.engine, Some(rank), route.epoch.0, update),
                         (None, Update::Malformed(reason)) => this.malformed(None, &reason),
                         (None, _) => {}
                     },
@@ -138,15 +182,18 @@ impl Coordinator {
         Ok(())
     }
 
-    /// The engine a collected message's topic names (counted and logged once when none).
-    fn route(&self, topic: &[u8], pattern: &TopicPattern, unknown: &mut UnknownTopics) -> Option<Route> {
+    /// The engine a collected message's topic names (counted and logged once when none), with
+    /// rank `rank`'s replay endpoint.
+    fn route(&self, topic: &[u8], rank: u32, pattern: &TopicPattern, unknown: &mut UnknownTopics) -> Option<Route> {
         let found = {
             let inner = self.inner.lock();
             // Engines with an endpoint of their own are followed there, not here.
             let collected = inner.cluster.membership.iter().filter(|(_, e)| e.spec.kv_events.is_none());
             topic::resolve(topic, pattern, collected.map(|(i, e)| (i, &e.spec))).and_then(|engine| {
                 let e = inner.cluster.membership.get(engine)?;
-                Some(Route { engine, epoch: (e.incarnation, e.generation), replay: e.spec.replay.clone() })
+                // A replay endpoint vLLM does not offset (ipc) serves rank 0 only.
+                let replay = e.spec.replay.as_deref().and_then(|replay| rank_endpoint(replay, rank).ok());
+                Some(Route { engine, epoch: (e.incarnation, e.generation), replay })
             })
         };
         if found.is_none() {

@@ -67,12 +67,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot listen on {}", config.grpc_listen))?,
         ),
     };
-    let topic_pattern = config.topic_pattern()?;
+    config.topic_pattern()?;
     let coordinator = Arc::new(Coordinator::new(config, hasher, store, tokio::runtime::Handle::current())?);
     if let Some(listen) = coordinator.config.kv_events_listen.as_deref() {
-        let sub = crate::ingest::bind_collector(&coordinator.zmq, listen)
-            .with_context(|| format!("--kv-events-listen {listen}"))?;
-        coordinator.start_collector(sub, topic_pattern).context("starting the KV-event collector")?;
+        coordinator.listen_ranks(1)?;
         tracing::info!(listen, pattern = %coordinator.config.kv_events_topic_pattern, "collecting KV events");
     }
     {

@@ -58,8 +58,11 @@ pub struct Coordinator {
     pub(crate) http: reqwest::Client,
     pub(crate) zmq: zmq::Context,
     pub(crate) ingest_counters: Arc<crate::ingest::Counters>,
-    /// Stops collector mode's thread (`--kv-events-listen`).
+    /// Stops collector mode's threads (`--kv-events-listen`).
     pub(crate) collector_stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Collector mode's sockets bound so far: ranks 0 up to this (one per data-parallel rank
+    /// an engine declared; see `events::listen_ranks`).
+    pub(crate) collector_ranks: Mutex<u32>,
     pub(crate) runtime: tokio::runtime::Handle,
     /// The runtime's worker threads.
     pub(crate) workers: usize,
@@ -128,6 +131,7 @@ impl Coordinator {
             zmq: zmq::Context::new(),
             ingest_counters: Arc::default(),
             collector_stop: Arc::default(),
+            collector_ranks: Mutex::new(0),
             runtime,
         })
     }

@@ -17,6 +17,18 @@ pub fn free_port() -> u16 {
     pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
+/// A free loopback port whose next one is free too (for a data-parallel rank 1 beside rank 0).
+pub fn adjacent_free_ports() -> u16 {
+    for _ in 0..20 {
+        let base = free_port();
+        let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+        if base.checked_add(1).is_some_and(free) && free(base) {
+            return base;
+        }
+    }
+    panic!("no two adjacent free loopback ports");
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap()
 }
@@ -125,6 +137,16 @@ impl Sim {
             Self::try_start_on(id, free_port(), 0, free_port(), Some(collector), &extra)
         })
         .await
+    }
+
+    /// Data-parallel rank `rank` of engine `id` in collector mode: it connects its publisher to
+    /// `collector` (the coordinator's socket for that rank), names `rank` in its batches and
+    /// serves replay on `replay` (vLLM's rank r: both endpoints offset by r).
+    pub async fn start_rank_publishing_to(id: &str, rank: u32, collector: &str, topic: &str, replay: u16) -> Sim {
+        let rank = rank.to_string();
+        let extra = ["--kv-events-topic", topic, "--data-parallel-rank", &rank];
+        let started = Self::try_start_on(id, free_port(), 0, replay, Some(collector), &extra).await;
+        started.unwrap_or_else(|e| panic!("pd-sim {id} rank {rank} (replay on {replay}): {e}"))
     }
 
     async fn try_start_on(
