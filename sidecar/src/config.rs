@@ -275,7 +275,7 @@ pub struct Config {
     pub capacity_blocks: Option<u64>,
     /// The engine's vLLM data-parallel ranks (its --data-parallel-size): the coordinator follows
     /// each rank's KV events (on --kv-events and --kv-events-replay offset by the rank; without
-    /// --kv-events, on its --kv-events-listen port offset by the rank, where vLLM's ranks
+    /// --kv-events, on the coordinator's --kv-events-listen port offset by the rank, where vLLM's ranks
     /// connect) and names the rank holding a prompt, sent to the engine as X-data-parallel-rank.
     #[arg(long, env = "PD_SIDECAR_DATA_PARALLEL_SIZE", value_parser = clap::value_parser!(u32).range(1..=i64::from(pd_api::MAX_DATA_PARALLEL_SIZE)), help_heading = "Coordinator")]
     pub data_parallel_size: Option<u32>,
