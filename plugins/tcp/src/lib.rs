@@ -35,6 +35,7 @@
 //! | `staging_slots` | 2 | host slots per staging lane (2 or more overlap copy and wire) |
 //! | `staging_bytes` | 1048576 | bytes per staging slot |
 //! | `tls` | `off` | `on`: every data connection runs TLS 1.3 ([`tls`]), both ways |
+//! | `tls_ca`, `tls_cert`, `tls_key` | none | mutual TLS (all three, PEM files; `tls` on): this backend's certificate chain and key, presented both ways, and the cluster CA an initiator's certificate must chain to |
 //! | `spin_us` | 50 | a wait for an answer (initiator) or the next frame (target) polls the socket this long before it sleeps, adaptively ([`spin`]); 0 = never |
 //! | `inline_bytes` | 262144 | single-chunk requests of host memory up to this size are sent by the caller's thread and their answer read by the waiting thread ([`inline`]), while fewer than `streams` of them are in flight to the peer; 0 = never |
 
@@ -143,10 +144,21 @@ impl TcpBackend {
         let spin = Duration::from_micros(params.take_parsed("spin_us", DEFAULT_SPIN_US)?);
         let inline_bytes: u64 = params.take_parsed("inline_bytes", 256 << 10)?;
         let staging_config = StagingConfig::take(&mut params)?;
-        let tls = match params.take("tls").as_deref() {
-            None | Some("off") => None,
-            Some("on") => Some(Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?)),
-            Some(other) => return Err(invalid("tls", format!("{other:?} is neither on nor off"))),
+        let mutual = match [params.take("tls_ca"), params.take("tls_cert"), params.take("tls_key")] {
+            [None, None, None] => None,
+            [Some(ca), Some(cert), Some(key)] => {
+                Some(tls::MutualTls { ca: ca.into(), cert: cert.into(), key: key.into() })
+            }
+            _ => return Err(invalid("tls_ca", "mutual TLS needs tls_ca, tls_cert and tls_key together")),
+        };
+        let tls = match (params.take("tls").as_deref(), mutual) {
+            (None | Some("on"), Some(files)) => {
+                Some(Arc::new(TlsIdentity::mutual(&files).map_err(|e| invalid("tls_cert", e.to_string()))?))
+            }
+            (Some("off"), Some(_)) => return Err(invalid("tls", "off, with tls_ca, tls_cert and tls_key given")),
+            (None | Some("off"), None) => None,
+            (Some("on"), None) => Some(Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?)),
+            (Some(other), _) => return Err(invalid("tls", format!("{other:?} is neither on nor off"))),
         };
         params.finish("tcp")?;
         if !(1..=64).contains(&streams) {

@@ -55,7 +55,9 @@ pub enum RecordError {
     Decrypt,
     #[error("sealing a record failed")]
     Seal,
-    #[error("the peer sent alert {0}")]
+    /// A fatal alert: e.g. 116 (certificate required) or 48 (unknown CA) from a mutual-TLS
+    /// target that refused this initiator's certificate.
+    #[error("the peer sent TLS alert {0} ({name:?})", name = rustls::AlertDescription::from(*.0))]
     Alert(u8),
     #[error("the peer sent a malformed or unexpected {0} message after the handshake")]
     Unexpected(&'static str),

@@ -3,6 +3,10 @@
 //! only the certificate with the fingerprint the target published (the handshake signature is
 //! still verified, so the peer must hold the certificate's key).
 //!
+//! Mutual TLS (`tls_ca`, `tls_cert`, `tls_key`): the backend's certificate is the one given
+//! (pinned by its fingerprint as above), it presents it as a client too, and as a target it
+//! accepts only initiators whose certificate chains to the cluster CA.
+//!
 //! Connection info: `HOST:PORT` (plain) or `HOST:PORT#tls-sha256=HEX` (TLS).
 
 use std::fmt;
@@ -11,9 +15,10 @@ use std::sync::Arc;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::UnbufferedClientConnection;
 use rustls::crypto::{verify_tls13_signature, CryptoProvider};
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
-use rustls::server::UnbufferedServerConnection;
-use rustls::{ClientConfig, DigitallySignedStruct, ServerConfig, SignatureScheme};
+use rustls::server::{UnbufferedServerConnection, WebPkiClientVerifier};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
 
 /// The name the initiator asks for; the verifier pins the certificate, not a name.
 pub const SERVER_NAME: &str = "xfer-tcp";
@@ -31,6 +36,34 @@ pub enum TlsError {
     Rustls(#[from] rustls::Error),
     #[error("connection info {0:?}: the TLS fingerprint is not 64 hex digits")]
     BadFingerprint(String),
+    #[error("{path}: {reason}")]
+    Pem { path: String, reason: String },
+    #[error("the cluster CA: {0}")]
+    Ca(#[from] rustls::server::VerifierBuilderError),
+}
+
+/// Mutual TLS: the cluster CA's certificates, this backend's certificate chain and its key, as
+/// PEM files.
+#[derive(Clone, Debug)]
+pub struct MutualTls {
+    pub ca: std::path::PathBuf,
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+}
+
+fn pem_error(path: &std::path::Path, reason: impl fmt::Display) -> TlsError {
+    TlsError::Pem { path: path.display().to_string(), reason: reason.to_string() }
+}
+
+fn read_certs(path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| pem_error(path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(path, e))?;
+    if certs.is_empty() {
+        return Err(pem_error(path, "no certificate in the file"));
+    }
+    Ok(certs)
 }
 
 /// SHA-256 of a certificate's DER bytes.
@@ -102,6 +135,8 @@ pub struct TlsIdentity {
     pub fingerprint: Fingerprint,
     server: Arc<ServerConfig>,
     provider: Arc<CryptoProvider>,
+    /// Mutual TLS: the chain and key this backend presents as a client.
+    client_auth: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
 }
 
 impl fmt::Debug for TlsIdentity {
@@ -118,15 +153,32 @@ impl TlsIdentity {
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(certified.signing_key.serialize_der()));
         let fingerprint = Fingerprint::of(&cert);
         let provider = provider();
-        let mut server = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        let server = ServerConfig::builder_with_provider(Arc::clone(&provider))
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .with_no_client_auth()
             .with_single_cert(vec![cert], key)?;
-        // Data connections live long and never resume: no tickets to send or store.
-        server.send_tls13_tickets = 0;
-        // After the handshake this backend seals and opens the records itself (`records`).
-        server.enable_secret_extraction = true;
-        Ok(TlsIdentity { fingerprint, server: Arc::new(server), provider })
+        Ok(TlsIdentity { fingerprint, server: finish_server(server), provider, client_auth: None })
+    }
+
+    /// Mutual TLS from the operator's files: the certificate chain (its first certificate
+    /// pinned by initiators) and key this backend presents both ways, and the CA an
+    /// initiator's certificate must chain to. Certificates need the clientAuth and serverAuth
+    /// extended key usages.
+    pub fn mutual(files: &MutualTls) -> Result<TlsIdentity, TlsError> {
+        let chain = read_certs(&files.cert)?;
+        let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| pem_error(&files.key, e))?;
+        let mut roots = RootCertStore::empty();
+        for ca in read_certs(&files.ca)? {
+            roots.add(ca).map_err(|e| pem_error(&files.ca, e))?;
+        }
+        let provider = provider();
+        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider)).build()?;
+        let server = ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain.clone(), key.clone_key())?;
+        let fingerprint = Fingerprint::of(&chain[0]);
+        Ok(TlsIdentity { fingerprint, server: finish_server(server), provider, client_auth: Some((chain, key)) })
     }
 
     /// The server side's rustls config (the QUIC backend hands it to quinn).
@@ -141,15 +193,26 @@ impl TlsIdentity {
     /// The initiator's config for a target that published `pinned`.
     pub fn client_config(&self, pinned: Fingerprint) -> Result<Arc<ClientConfig>, TlsError> {
         let verifier = PinnedCert { pinned, provider: Arc::clone(&self.provider) };
-        let mut config = ClientConfig::builder_with_provider(Arc::clone(&self.provider))
+        let builder = ClientConfig::builder_with_provider(Arc::clone(&self.provider))
             .with_protocol_versions(&[&rustls::version::TLS13])?
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(verifier))
-            .with_no_client_auth();
+            .with_custom_certificate_verifier(Arc::new(verifier));
+        let mut config = match &self.client_auth {
+            Some((chain, key)) => builder.with_client_auth_cert(chain.clone(), key.clone_key())?,
+            None => builder.with_no_client_auth(),
+        };
         config.resumption = rustls::client::Resumption::disabled();
         config.enable_secret_extraction = true;
         Ok(Arc::new(config))
     }
+}
+
+fn finish_server(mut server: ServerConfig) -> Arc<ServerConfig> {
+    // Data connections live long and never resume: no tickets to send or store.
+    server.send_tls13_tickets = 0;
+    // After the handshake this backend seals and opens the records itself (`records`).
+    server.enable_secret_extraction = true;
+    Arc::new(server)
 }
 
 pub fn connect(config: &Arc<ClientConfig>) -> Result<UnbufferedClientConnection, TlsError> {

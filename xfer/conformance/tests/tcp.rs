@@ -17,6 +17,7 @@ xfer_conformance::conformance_tests!(
         bad_frames,
         strangers_are_refused,
         tls_mismatch_and_pinning,
+        tls_mutual_with_cluster_ca,
         sigkill_mid_transfer,
         sigstop_mid_transfer,
         stalled_peer_times_out,

@@ -51,7 +51,7 @@ pub use rail_failover::{rail_failover, REDO_BOUND};
 pub use rails::{scattered_write, two_rails};
 pub use reconnect::reconnect_cycles;
 pub use stall::{notif_once_across_stall, stalled_peer_bounded, stalled_peer_times_out};
-pub use tls_tcp::tls_mismatch_and_pinning;
+pub use tls_tcp::{tls_mismatch_and_pinning, tls_mutual_with_cluster_ca};
 pub use transfers::{refusals_in_flight, requests_in_flight, transfer_large, transfer_matrix};
 pub use waits::completion_styles;
 pub use wire_tcp::bad_frames;

@@ -67,6 +67,99 @@ pub fn tls_mismatch_and_pinning(backend: &str, params: &str) {
     assert_untouched(&mut plain_peer, "after a TLS initiator");
 }
 
+/// Mutual TLS (`tls_ca`, `tls_cert`, `tls_key`): a target that trusts the cluster CA serves an
+/// initiator holding a certificate of that CA, and refuses at the handshake one with TLS but no
+/// certificate, and one whose certificate another CA signed, leaving its memory untouched.
+pub fn tls_mutual_with_cluster_ca(backend: &str, params: &str) {
+    let dir = std::env::temp_dir().join(format!("xfer-mtls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a folder for the certificates");
+    let cluster = TestCa::new("cluster CA");
+    let outsider = TestCa::new("another CA");
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, cluster.cert.pem()).expect("write the CA");
+    // Every party trusts the cluster CA; each holds a certificate of `ca`.
+    let mutual = |name: &str, ca: &TestCa| {
+        let (cert, key) = ca.issue(name);
+        let (cert_file, key_file) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
+        std::fs::write(&cert_file, cert).expect("write a certificate");
+        std::fs::write(&key_file, key).expect("write a key");
+        format!("{params},tls_ca={},tls_cert={},tls_key={}", ca_file.display(), cert_file.display(), key_file.display())
+    };
+
+    // A backend given part of the files, a file that is not there, or tls=off with them, is
+    // not created, and says why.
+    let target_params = mutual("target", &cluster);
+    let bad = [
+        (format!("{params},tls_ca={}", ca_file.display()), "together"),
+        (target_params.replace("target.key", "missing.key"), "missing.key"),
+        (format!("{target_params},tls=off"), "off"),
+    ];
+    for (bad_params, says) in bad {
+        let agent = xfer::Agent::new("mtls-bad").expect("agent");
+        let parsed = xfer::BackendParams::parse(&bad_params).expect("the parameters parse");
+        match agent.add_backend(backend, parsed) {
+            Err(XferError::Backend { source, .. }) if matches!(&*source, BackendError::InvalidParam { reason, .. } if reason.contains(says)) =>
+                {}
+            other => panic!("{bad_params}: expected an invalid parameter naming {says:?}, got {other:?}"),
+        }
+    }
+
+    let mut target = spawn_peer("mtls-target", backend, &target_params, SIZE);
+    target.fill(0xbad, 0, SIZE).expect("fill");
+    // The target refuses them at the handshake with a fatal alert: certificate_required (116)
+    // and unknown_ca (48).
+    let refused = [
+        ("TLS without a client certificate", format!("{params},tls=on"), "TLS alert 116"),
+        ("a certificate of another CA", mutual("stranger", &outsider), "TLS alert 48"),
+    ];
+    for (what, init_params, alert) in refused {
+        let init = Initiator::new("mtls-refused", backend, &init_params, SIZE);
+        write_pattern(&init.buf, 0, 0x900d, 0, SIZE);
+        let name = init.connect(&target);
+        match write_all(&init, &name, &target, what) {
+            Err(XferError::PeerDisconnected { reason, .. }) if reason.contains(alert) => eprintln!("{what}: {reason}"),
+            other => panic!("{what}: expected the target's {alert}, got {other:?}"),
+        }
+        assert_untouched(&mut target, what);
+    }
+
+    let init = Initiator::new("mtls-init", backend, &mutual("initiator", &cluster), SIZE);
+    write_pattern(&init.buf, 0, 0x900d, 0, SIZE);
+    let name = init.connect(&target);
+    write_all(&init, &name, &target, "a mutual-TLS write").unwrap_or_else(|e| panic!("mutual-TLS write: {e}"));
+    assert_eq!(target.hash(0, SIZE).expect("hash"), pattern_hash(0x900d, 0, SIZE), "mutual-TLS write delivered");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A certificate authority for a test, and the certificates it issues (PEM).
+struct TestCa {
+    cert: rcgen::Certificate,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    fn new(name: &str) -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+        let key = rcgen::KeyPair::generate().expect("a CA key");
+        let cert = params.self_signed(&key).expect("the CA certificate");
+        TestCa { cert, issuer: rcgen::Issuer::new(params, key) }
+    }
+
+    /// A certificate for `name` (both extended key usages, as an xfer backend needs) and its key.
+    fn issue(&self, name: &str) -> (String, String) {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("parameters");
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages =
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = params.signed_by(&key, &self.issuer).expect("a certificate");
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
 fn write_all(init: &Initiator, name: &str, peer: &Peer, what: &str) -> Result<(), XferError> {
     within(what, FAILURE_BOUND, || {
         init.transfer(Op::Write, &[init.desc(0, SIZE)], name, &[peer.desc(0, SIZE)], RequestOptions::default(), WAIT)
