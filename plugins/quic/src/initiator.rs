@@ -137,7 +137,9 @@ impl PeerShared {
     /// The TCP backend's hello and, with a credential, its challenge-response, on the
     /// connection's first stream.
     async fn hello(&self, conn: &quinn::Connection) -> Result<(), BackendError> {
-        let lost = |e: &dyn std::fmt::Display| self.disconnected(format!("hello: {e}"));
+        let lost = |e: &dyn std::fmt::Display| {
+            self.closed_by_tls(conn).unwrap_or_else(|| self.disconnected(format!("hello: {e}")))
+        };
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
         let session = frame::Session { id: self.session_id, epoch: 0 };
         let mut hello = Vec::new();
@@ -178,6 +180,22 @@ impl PeerShared {
         }
         let _ = send.finish();
         Ok(())
+    }
+
+    /// A connection the target closed with a TLS alert (a crypto code, 0x100 + the alert) after
+    /// this side's handshake was done: a mutual-TLS target that refused this initiator's
+    /// certificate, e.g. 116 (none) or 48 (another CA's).
+    fn closed_by_tls(&self, conn: &quinn::Connection) -> Option<BackendError> {
+        match conn.close_reason()? {
+            quinn::ConnectionError::ConnectionClosed(close)
+                if (0x100..0x200).contains(&u64::from(close.error_code)) =>
+            {
+                let alert = u64::from(close.error_code) - 0x100;
+                let reason = format!("the target closed the connection with TLS alert {alert} ({close})");
+                Some(BackendError::Tls { peer: self.peer.clone(), reason })
+            }
+            _ => None,
+        }
     }
 
     /// One piece of a request on a stream of its own, bounded by the timeout.

@@ -35,6 +35,7 @@
 //! | `conn_window` | 67108864 | receive window of a connection, and its send window |
 //! | `mtu` | 1452 | largest UDP payload path MTU discovery tries (up to 65527, e.g. on loopback) |
 //! | `initial_mtu` | 1200 | UDP payload size before discovery (up to `mtu`; only where the path is known to carry it) |
+//! | `tls_ca`, `tls_cert`, `tls_key` | none | mutual TLS (all three, PEM files), as the TCP backend's: this backend's certificate chain and key instead of a self-signed one, presented both ways, and the cluster CA an initiator's certificate must chain to |
 
 #![forbid(unsafe_code)]
 
@@ -202,6 +203,7 @@ impl QuicBackend {
         let conn_window: u32 = params.take_parsed("conn_window", 64 << 20)?;
         let mtu: u16 = params.take_parsed("mtu", 1452)?;
         let initial_mtu: u16 = params.take_parsed("initial_mtu", 1200)?;
+        let mutual = tls::MutualTls::take(&mut params)?;
         params.finish("quic")?;
         if !(1..=MAX_STREAMS).contains(&streams) {
             return Err(invalid("streams", format!("must be 1..={MAX_STREAMS}")));
@@ -238,7 +240,10 @@ impl QuicBackend {
         let tuning =
             Tuning { keep_alive, idle_timeout: idle_timeout_bound, stream_window, conn_window, mtu, initial_mtu };
         let listen_addr: SocketAddr = listen.parse().map_err(|e| invalid("listen", format!("{listen}: {e}")))?;
-        let identity = Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?);
+        let identity = Arc::new(match mutual {
+            Some(files) => files.identity()?,
+            None => TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?,
+        });
         let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(identity.server_config())
             .map_err(|e| invalid("tls", e.to_string()))?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));

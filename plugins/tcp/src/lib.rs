@@ -144,17 +144,9 @@ impl TcpBackend {
         let spin = Duration::from_micros(params.take_parsed("spin_us", DEFAULT_SPIN_US)?);
         let inline_bytes: u64 = params.take_parsed("inline_bytes", 256 << 10)?;
         let staging_config = StagingConfig::take(&mut params)?;
-        let mutual = match [params.take("tls_ca"), params.take("tls_cert"), params.take("tls_key")] {
-            [None, None, None] => None,
-            [Some(ca), Some(cert), Some(key)] => {
-                Some(tls::MutualTls { ca: ca.into(), cert: cert.into(), key: key.into() })
-            }
-            _ => return Err(invalid("tls_ca", "mutual TLS needs tls_ca, tls_cert and tls_key together")),
-        };
+        let mutual = tls::MutualTls::take(&mut params)?;
         let tls = match (params.take("tls").as_deref(), mutual) {
-            (None | Some("on"), Some(files)) => {
-                Some(Arc::new(TlsIdentity::mutual(&files).map_err(|e| invalid("tls_cert", e.to_string()))?))
-            }
+            (None | Some("on"), Some(files)) => Some(Arc::new(files.identity()?)),
             (Some("off"), Some(_)) => return Err(invalid("tls", "off, with tls_ca, tls_cert and tls_key given")),
             (None | Some("off"), None) => None,
             (Some("on"), None) => Some(Arc::new(TlsIdentity::generate().map_err(|e| invalid("tls", e.to_string()))?)),

@@ -51,6 +51,29 @@ pub struct MutualTls {
     pub key: std::path::PathBuf,
 }
 
+impl MutualTls {
+    /// Takes `tls_ca`, `tls_cert` and `tls_key` from a backend's parameters: `None` when none
+    /// is given, an error when only some are.
+    pub fn take(params: &mut xfer_core::BackendParams) -> Result<Option<MutualTls>, xfer_core::BackendError> {
+        match [params.take("tls_ca"), params.take("tls_cert"), params.take("tls_key")] {
+            [None, None, None] => Ok(None),
+            [Some(ca), Some(cert), Some(key)] => {
+                Ok(Some(MutualTls { ca: ca.into(), cert: cert.into(), key: key.into() }))
+            }
+            _ => Err(xfer_core::BackendError::InvalidParam {
+                name: "tls_ca".into(),
+                reason: "mutual TLS needs tls_ca, tls_cert and tls_key together".into(),
+            }),
+        }
+    }
+
+    /// This backend's identity from the files (errors name the parameter).
+    pub fn identity(&self) -> Result<TlsIdentity, xfer_core::BackendError> {
+        TlsIdentity::mutual(self)
+            .map_err(|e| xfer_core::BackendError::InvalidParam { name: "tls_cert".into(), reason: e.to_string() })
+    }
+}
+
 fn pem_error(path: &std::path::Path, reason: impl fmt::Display) -> TlsError {
     TlsError::Pem { path: path.display().to_string(), reason: reason.to_string() }
 }

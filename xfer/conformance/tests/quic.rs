@@ -45,6 +45,7 @@ xfer_conformance::conformance_tests!(
         grant_writes,
         late_read_storm,
         completion_styles,
+        tls_mutual_with_cluster_ca,
     ]
 );
 

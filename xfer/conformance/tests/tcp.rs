@@ -17,7 +17,6 @@ xfer_conformance::conformance_tests!(
         bad_frames,
         strangers_are_refused,
         tls_mismatch_and_pinning,
-        tls_mutual_with_cluster_ca,
         sigkill_mid_transfer,
         sigstop_mid_transfer,
         stalled_peer_times_out,
@@ -56,6 +55,7 @@ mod tls {
             dereg_initiator_races_transfers,
             dereg_target_races_transfers,
             completion_styles,
+            tls_mutual_with_cluster_ca,
         ]
     );
 }
