@@ -93,9 +93,22 @@ impl Agent {
     }
 
     /// Attaches a backend by name; `params` are its `key=value` settings (unknown keys fail).
-    #[pyo3(signature = (name, params = None))]
-    fn add_backend(&self, py: Python<'_>, name: &str, params: Option<HashMap<String, String>>) -> PyResult<()> {
-        let mut backend_params = BackendParams::new();
+    /// `params_env` names an environment variable whose `key=value,...` settings come first,
+    /// `params` winning where both set a key (how an engine's operator sets a backend that the
+    /// engine creates with no settings: vLLM's NixlConnector does).
+    #[pyo3(signature = (name, params = None, params_env = None))]
+    fn add_backend(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        params: Option<HashMap<String, String>>,
+        params_env: Option<&str>,
+    ) -> PyResult<()> {
+        let from_env = params_env.and_then(|var| std::env::var(var).ok().map(|text| (var, text)));
+        let mut backend_params = match from_env {
+            Some((var, text)) => BackendParams::parse(&text).map_err(|e| invalid(format!("{var}={text:?}: {e}")))?,
+            None => BackendParams::new(),
+        };
         for (key, value) in params.unwrap_or_default() {
             backend_params.insert(key, value);
         }

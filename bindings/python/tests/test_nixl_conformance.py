@@ -29,8 +29,8 @@ if not HAVE_NIXL and os.environ.get("PD_ALLOW_NO_NIXL") != "1":
 needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed (PD_ALLOW_NO_NIXL=1)")
 
 
-def record(impl: str, backend: str) -> dict:
-    env = dict(os.environ, UCX_NET_DEVICES="lo")
+def record(impl: str, backend: str, **extra_env: str) -> dict:
+    env = dict(os.environ, UCX_NET_DEVICES="lo", **extra_env)
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "nixl_calls.py"), impl, backend],
         capture_output=True, text=True, timeout=120, env=env, check=True,
@@ -73,6 +73,34 @@ def test_a_mixed_pair_is_refused_at_handshake():
     with pytest.raises(Exception) as refused_by_nixl:
         theirs.add_remote_agent(ours.get_agent_metadata())
     assert type(refused_by_nixl.value).__name__ == "nixlMismatchError"
+
+
+@needs_nixl
+def test_backend_settings_from_the_environment(nixl_record, monkeypatch):
+    """vLLM creates its backends with no settings: ``PD_XFER_TCP_PARAMS`` gives them. Over TLS
+    (``tls=on`` in both processes' environment) the calls vLLM makes give NIXL's record; an agent
+    made under it publishes a TLS fingerprint, one whose ``initParams`` say otherwise does not,
+    and a malformed or unknown setting fails ``create_backend`` naming it."""
+    assert differences(nixl_record, record("pd_xfer", "TCP", PD_XFER_TCP_PARAMS="tls=on")) == []
+
+    config = pd_xfer.nixl.nixl_agent_config(backends=[])
+    fingerprint = b"#tls-sha256="
+
+    def metadata_with(name, init_params=None):
+        agent = pd_xfer.nixl.nixl_agent(name, config)
+        agent.create_backend("TCP", init_params)
+        return agent.get_agent_metadata()
+
+    assert fingerprint not in metadata_with("env-plain")
+    monkeypatch.setenv("PD_XFER_TCP_PARAMS", "tls=on")
+    assert fingerprint in metadata_with("env-tls")
+    assert fingerprint not in metadata_with("env-overridden", {"tls": "off"})
+    malformed = ("tls", "PD_XFER_TCP_PARAMS", pd_xfer.nixl.nixlInvalidParamError)
+    unknown = ("tls=on,no_such_key=1", "no_such_key", pd_xfer.nixl.nixlBackendError)
+    for bad, named, error in (malformed, unknown):
+        monkeypatch.setenv("PD_XFER_TCP_PARAMS", bad)
+        with pytest.raises(error, match=named):
+            metadata_with("env-bad")
 
 
 def test_unsupported_methods_name_themselves():

@@ -147,6 +147,14 @@ def _translate(error: XferError, method: str) -> XferError:
     return _nixl_error(_ERROR_CLASSES.get(kind, nixlBackendError), method, str(error), kind)
 
 
+def backend_params_env(backend: str) -> str:
+    """The environment variable whose ``key=value,...`` settings every agent of this process
+    gives a backend it creates (``PD_XFER_TCP_PARAMS``, ...), under ``create_backend``'s
+    ``initParams``: vLLM creates its backends without settings, so this is how an operator turns
+    on, e.g., the TCP backend's mutual TLS for KV transfers."""
+    return f"PD_XFER_{backend.upper()}_PARAMS"
+
+
 class _Translated:
     """``with _Translated("method"):`` re-raises xfer errors as NIXL's classes."""
 
@@ -412,7 +420,7 @@ class nixl_agent:
         if ours == "gds":
             load_cufile()
         with _Translated("create_backend"):
-            self._agent.add_backend(ours, params)
+            self._agent.add_backend(ours, params, params_env=backend_params_env(backend))
         self.backends[backend.upper()] = ours
 
     def _request_backend(self, backends: list[str] | None) -> str | None:
