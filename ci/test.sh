@@ -118,13 +118,14 @@ xfer_site=$last_line
 PYTHONPATH="$xfer_site" UCX_NET_DEVICES=lo "$vllm_venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
   -W ignore::DeprecationWarning bindings/python/tests
 
-# t4 (lease expiry with xfer's agents, then a late read refused under its revoked grant) and t5 (a NIXL prefill with an xfer decode) are the
-# XferConnector run's.
+# t4 (lease expiry with xfer's agents, then a late read refused under its revoked grant), t5 (a NIXL prefill with an xfer decode)
+# and t6 (a decode without the cluster's certificate) are the XferConnector run's.
 PD_VLLM_VENV="$vllm_venv" cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture \
-  --skip t4_ --skip t5_
+  --skip t4_ --skip t5_ --skip t6_
 
-step "real vLLM with XferConnector (pd_xfer) on both engines: the same suite, KV over xfer's TCP backend"
-PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=TCP \
+step "real vLLM with XferConnector (pd_xfer) on both engines: the same suite, KV over xfer's TCP backend with mutual TLS"
+# PD_XFER_MUTUAL_TLS=1: the suite makes a cluster CA and gives every engine PD_XFER_TCP_PARAMS with its certificate.
+PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=TCP PD_XFER_MUTUAL_TLS=1 \
   cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture
 
 step "real vLLM with XferConnector over xfer's UCX backend: P/D by hand and through the sidecar"

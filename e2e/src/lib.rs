@@ -246,7 +246,40 @@ pub enum Connector {
     Nixl,
     /// pd_xfer.vllm.XferConnector: the same protocol over xfer, loaded from the unpacked wheel
     /// (`PD_XFER_SITE`), on the xfer backend `PD_XFER_BACKEND` (TCP or UCX; default TCP).
-    Xfer { site: PathBuf, backend: String },
+    /// `tcp_params` is the engines' `PD_XFER_TCP_PARAMS`: with `PD_XFER_MUTUAL_TLS=1`, the TCP
+    /// backend's mutual TLS with a CA made for the run ([`mutual_tls_params`]).
+    Xfer { site: PathBuf, backend: String, tcp_params: Option<String> },
+}
+
+/// `PD_XFER_TCP_PARAMS` for mutual TLS: a cluster CA and one certificate of it (both extended
+/// key usages, as every engine is a target and an initiator), made once per test process in
+/// the log folder, so that every engine the suite starts holds the same.
+pub fn mutual_tls_params() -> Result<String, E2eError> {
+    static PARAMS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(params) = PARAMS.get() {
+        return Ok(params.clone());
+    }
+    let dir = log_dir().join("mutual-tls");
+    std::fs::create_dir_all(&dir).map_err(E2eError::io("the certificates' folder"))?;
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name.push(rcgen::DnType::CommonName, "pd-e2e cluster CA");
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
+    let ca_key = rcgen::KeyPair::generate()?;
+    let ca_cert = ca.self_signed(&ca_key)?;
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let mut node = rcgen::CertificateParams::new(vec!["pd-e2e-engine".to_string()])?;
+    node.extended_key_usages =
+        vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let node_key = rcgen::KeyPair::generate()?;
+    let node_cert = node.signed_by(&node_key, &issuer)?;
+    let files = [("ca.pem", ca_cert.pem()), ("node.pem", node_cert.pem()), ("node.key", node_key.serialize_pem())];
+    for (name, pem) in &files {
+        std::fs::write(dir.join(name), pem).map_err(E2eError::io(format!("writing {name}")))?;
+    }
+    let path = |name: &str| dir.join(name).display().to_string();
+    let params = format!("tls_ca={},tls_cert={},tls_key={}", path("ca.pem"), path("node.pem"), path("node.key"));
+    Ok(PARAMS.get_or_init(|| params).clone())
 }
 
 impl Connector {
@@ -262,7 +295,18 @@ impl Connector {
                     },
                 )?;
                 let backend = std::env::var("PD_XFER_BACKEND").unwrap_or_else(|_| "TCP".into());
-                Ok(Connector::Xfer { site, backend })
+                let tcp_params = match std::env::var("PD_XFER_MUTUAL_TLS").unwrap_or_default().as_str() {
+                    "" | "0" => None,
+                    "1" if backend == "TCP" => Some(mutual_tls_params()?),
+                    other => {
+                        return Err(E2eError::BadSetting {
+                            var: "PD_XFER_MUTUAL_TLS",
+                            value: other.into(),
+                            problem: "expected 0, or 1 with PD_XFER_BACKEND=TCP",
+                        })
+                    }
+                };
+                Ok(Connector::Xfer { site, backend, tcp_params })
             }
             other => Err(E2eError::BadSetting {
                 var: "PD_VLLM_CONNECTOR",
@@ -272,11 +316,19 @@ impl Connector {
         }
     }
 
+    /// The engines' environment for this connector.
+    fn engine_env(&self) -> Vec<(&'static str, &str)> {
+        match self {
+            Connector::Xfer { tcp_params: Some(params), .. } => vec![("PD_XFER_TCP_PARAMS", params.as_str())],
+            _ => Vec::new(),
+        }
+    }
+
     /// engine.sh's flags for this connector.
     fn engine_args(&self) -> Vec<String> {
         match self {
             Connector::Nixl => vec!["--connector".into(), "nixl".into()],
-            Connector::Xfer { site, backend } => vec![
+            Connector::Xfer { site, backend, .. } => vec![
                 "--connector".into(),
                 "xfer".into(),
                 "--xfer-site".into(),
@@ -292,7 +344,10 @@ impl std::fmt::Display for Connector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Connector::Nixl => f.write_str("NixlConnector"),
-            Connector::Xfer { backend, .. } => write!(f, "XferConnector over {backend}"),
+            Connector::Xfer { backend, tcp_params: None, .. } => write!(f, "XferConnector over {backend}"),
+            Connector::Xfer { backend, tcp_params: Some(_), .. } => {
+                write!(f, "XferConnector over {backend} with mutual TLS")
+            }
         }
     }
 }
@@ -424,8 +479,9 @@ impl Engine {
         }
         args.extend(settings.connector.engine_args());
         let script = repo_root().join("ci/vllm/engine.sh");
+        let env = settings.connector.engine_env();
         let proc =
-            Proc::spawn(&spec.name, Path::new("bash"), &[vec![script.display().to_string()], args].concat(), &[])?;
+            Proc::spawn(&spec.name, Path::new("bash"), &[vec![script.display().to_string()], args].concat(), &env)?;
         Ok(Engine { spec, proc, started_in: Duration::ZERO })
     }
 

@@ -4,8 +4,9 @@
 //! `--test-threads 1`; the one that kills the prefill runs last.
 //!
 //! Both engines run the connector `PD_VLLM_CONNECTOR` names: vLLM's NixlConnector (default) or
-//! `xfer`, pd_xfer's XferConnector (the same protocol over xfer; `PD_XFER_SITE`, `PD_XFER_BACKEND`):
-//! the test command runs the suite once with each.
+//! `xfer`, pd_xfer's XferConnector (the same protocol over xfer; `PD_XFER_SITE`, `PD_XFER_BACKEND`;
+//! `PD_XFER_MUTUAL_TLS=1` runs its TCP backend with mutual TLS under a CA made for the run): the
+//! test command runs the suite once with each, the TCP one with mutual TLS.
 //!
 //! Without `PD_VLLM_VENV` every test prints a loud SKIPPED line and passes.
 
@@ -595,6 +596,62 @@ fn t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake() {
         ));
     });
     drop(nixl_prefill);
+}
+
+/// With mutual TLS (`PD_XFER_MUTUAL_TLS=1`: every engine of the suite holds a certificate of
+/// the run's cluster CA), a decode whose xfer agent has TLS but no certificate is refused at the
+/// handshake by the prefill's (TLS alert 116): it counts no KV as transferred and answers, if it
+/// answers, with its own computation. For the mutual-TLS run only (the others pass
+/// `--skip t6_`): it starts a third engine.
+#[test]
+fn t6_a_decode_without_the_cluster_certificate_reads_no_kv() {
+    let Some(c) = cluster("t6_a_decode_without_the_cluster_certificate_reads_no_kv") else { return };
+    let mut settings = VllmSettings::from_env().expect("settings");
+    let Connector::Xfer { tcp_params, .. } = &mut settings.connector else {
+        panic!("t6 needs PD_VLLM_CONNECTOR=xfer with PD_XFER_MUTUAL_TLS=1; otherwise pass --skip t6_")
+    };
+    assert!(tcp_params.is_some(), "t6 needs PD_XFER_MUTUAL_TLS=1; otherwise pass --skip t6_");
+    *tcp_params = Some("tls=on".into());
+    let base = settings.port_base;
+    let spec = EngineSpec {
+        name: "vllm-decode-stranger".into(),
+        port: base + 2,
+        side_port: base + 12,
+        core: 1,
+        events_port: None,
+        events_collector: None,
+        block_size: BLOCK_SIZE,
+    };
+    let t0 = Instant::now();
+    let mut stranger = Engine::spawn(&settings, spec).expect("spawn the decode without a certificate");
+    stranger.wait_healthy(START_TIMEOUT).expect("the decode without a certificate is healthy");
+    timing("decode without a certificate started", t0.elapsed());
+    runtime().block_on(async {
+        let client = client();
+        let decode = stranger.url();
+        let prompt = fresh_prompt("no-certificate", 90);
+        let body = request_body(false, &prompt, false);
+        let (status, plain) =
+            post_json(&client, &format!("{decode}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("plain");
+        assert_eq!(status, 200, "{plain}");
+        let reference = response_text(&serde_json::from_str(&plain).expect("json"));
+        reset_prefix_cache(&client, &decode).await;
+        let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
+        let answer = pd_by_hand(&client, &c.prefill_url(), &decode, "/v1/completions", &body).await;
+        if let Ok((200, text)) = &answer {
+            let text = response_text(&serde_json::from_str(text).expect("json"));
+            assert_eq!(text, reference, "the decode without a certificate answered with other text than its own");
+        }
+        let external_after = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
+        assert_eq!(external_after, external, "the decode without a certificate counted KV as transferred");
+        let log = std::fs::read_to_string(log_dir().join("vllm-decode-stranger.log")).unwrap_or_default();
+        assert!(log.contains("TLS alert 116"), "the decode's log does not say the prefill refused it ({answer:?})");
+        loud(&format!(
+            "t6: the decode without a certificate answered {:?}",
+            answer.map(|(s, t)| (s, t.chars().take(200).collect::<String>()))
+        ));
+    });
+    drop(stranger);
 }
 
 /// Kills the prefill engine (SIGKILL, its whole process group) while requests run through the
