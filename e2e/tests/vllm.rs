@@ -553,49 +553,62 @@ fn t5_mixed_nixl_and_xfer_pair_is_refused_at_handshake() {
         "t5 pairs a NIXL prefill with an XferConnector decode (PD_VLLM_CONNECTOR=xfer); with NixlConnector pass --skip t5_"
     );
     settings.connector = Connector::Nixl;
+    let nixl_prefill = third_engine(&settings, "vllm-prefill-nixl", 0, 0);
+    refused_kv(
+        &nixl_prefill.url(),
+        &c.decode_url(),
+        "vllm-decode",
+        "same transfer library",
+        "t5: the decode, KV from a NIXL prefill",
+    );
+    drop(nixl_prefill);
+}
+
+/// Starts engine `name` of `settings` beside the suite's two, on ports `offset` into the next
+/// free range (the suite's own range is taken), with vLLM on core `core`.
+fn third_engine(settings: &VllmSettings, name: &str, offset: u16, core: u32) -> Engine {
     let base = settings.port_base;
     let spec = EngineSpec {
-        name: "vllm-prefill-nixl".into(),
-        port: base,
-        side_port: base + 10,
-        core: 0,
+        name: name.into(),
+        port: base + offset,
+        side_port: base + 10 + offset,
+        core,
         events_port: None,
         events_collector: None,
         block_size: BLOCK_SIZE,
     };
     let t0 = Instant::now();
-    let mut nixl_prefill = Engine::spawn(&settings, spec).expect("spawn the NIXL prefill");
-    nixl_prefill.wait_healthy(START_TIMEOUT).expect("NIXL prefill healthy");
-    timing("NIXL prefill started", t0.elapsed());
+    let mut engine = Engine::spawn(settings, spec).unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+    engine.wait_healthy(START_TIMEOUT).unwrap_or_else(|e| panic!("{name} healthy: {e}"));
+    timing(&format!("{name} started"), t0.elapsed());
+    engine
+}
+
+/// P/D by hand from `prefill` to `decode` where the decode must not take the prefill's KV: it
+/// counts no prompt token as transferred, answers (if it answers) with the text it gives on its
+/// own, and its log (`decode_log`.log) says why (`refusal`). `who` names the case in messages.
+fn refused_kv(prefill: &str, decode: &str, decode_log: &str, refusal: &str, who: &str) {
     runtime().block_on(async {
         let client = client();
-        let decode = c.decode_url();
-        let prompt = fresh_prompt("mixed", 90);
+        let prompt = fresh_prompt(decode_log, 90);
         let body = request_body(false, &prompt, false);
         let (status, plain) =
             post_json(&client, &format!("{decode}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("plain");
         assert_eq!(status, 200, "{plain}");
         let reference = response_text(&serde_json::from_str(&plain).expect("json"));
-        reset_prefix_cache(&client, &decode).await;
-        let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
-        let answer = pd_by_hand(&client, &nixl_prefill.url(), &decode, "/v1/completions", &body).await;
+        reset_prefix_cache(&client, decode).await;
+        let external = metric(&client, decode, BY_SOURCE, &[EXTERNAL]).await;
+        let answer = pd_by_hand(&client, prefill, decode, "/v1/completions", &body).await;
         if let Ok((200, text)) = &answer {
             let text = response_text(&serde_json::from_str(text).expect("json"));
-            assert_eq!(text, reference, "a mixed pair answered with other text than the decode's own");
+            assert_eq!(text, reference, "{who}: answered with other text than the decode's own");
         }
-        let external_after = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
-        assert_eq!(external_after, external, "the decode counted KV from a NIXL prefill as transferred");
-        let log = std::fs::read_to_string(log_dir().join("vllm-decode.log")).unwrap_or_default();
-        assert!(
-            log.contains("same transfer library"),
-            "the decode's log does not say why the NIXL peer was refused ({answer:?})"
-        );
-        loud(&format!(
-            "t5: mixed pair answered {:?}",
-            answer.map(|(s, t)| (s, t.chars().take(200).collect::<String>()))
-        ));
+        let external_after = metric(&client, decode, BY_SOURCE, &[EXTERNAL]).await;
+        assert_eq!(external_after, external, "{who}: the decode counted KV as transferred");
+        let log = std::fs::read_to_string(log_dir().join(format!("{decode_log}.log"))).unwrap_or_default();
+        assert!(log.contains(refusal), "{who}: the decode's log does not say {refusal:?} ({answer:?})");
+        loud(&format!("{who}: answered {:?}", answer.map(|(s, t)| (s, t.chars().take(200).collect::<String>()))));
     });
-    drop(nixl_prefill);
 }
 
 /// With mutual TLS (`PD_XFER_MUTUAL_TLS=1`: every engine of the suite holds a certificate of
@@ -612,45 +625,14 @@ fn t6_a_decode_without_the_cluster_certificate_reads_no_kv() {
     };
     assert!(tcp_params.is_some(), "t6 needs PD_XFER_MUTUAL_TLS=1; otherwise pass --skip t6_");
     *tcp_params = Some("tls=on".into());
-    let base = settings.port_base;
-    let spec = EngineSpec {
-        name: "vllm-decode-stranger".into(),
-        port: base + 2,
-        side_port: base + 12,
-        core: 1,
-        events_port: None,
-        events_collector: None,
-        block_size: BLOCK_SIZE,
-    };
-    let t0 = Instant::now();
-    let mut stranger = Engine::spawn(&settings, spec).expect("spawn the decode without a certificate");
-    stranger.wait_healthy(START_TIMEOUT).expect("the decode without a certificate is healthy");
-    timing("decode without a certificate started", t0.elapsed());
-    runtime().block_on(async {
-        let client = client();
-        let decode = stranger.url();
-        let prompt = fresh_prompt("no-certificate", 90);
-        let body = request_body(false, &prompt, false);
-        let (status, plain) =
-            post_json(&client, &format!("{decode}/v1/completions"), &body, REQUEST_TIMEOUT).await.expect("plain");
-        assert_eq!(status, 200, "{plain}");
-        let reference = response_text(&serde_json::from_str(&plain).expect("json"));
-        reset_prefix_cache(&client, &decode).await;
-        let external = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
-        let answer = pd_by_hand(&client, &c.prefill_url(), &decode, "/v1/completions", &body).await;
-        if let Ok((200, text)) = &answer {
-            let text = response_text(&serde_json::from_str(text).expect("json"));
-            assert_eq!(text, reference, "the decode without a certificate answered with other text than its own");
-        }
-        let external_after = metric(&client, &decode, BY_SOURCE, &[EXTERNAL]).await;
-        assert_eq!(external_after, external, "the decode without a certificate counted KV as transferred");
-        let log = std::fs::read_to_string(log_dir().join("vllm-decode-stranger.log")).unwrap_or_default();
-        assert!(log.contains("TLS alert 116"), "the decode's log does not say the prefill refused it ({answer:?})");
-        loud(&format!(
-            "t6: the decode without a certificate answered {:?}",
-            answer.map(|(s, t)| (s, t.chars().take(200).collect::<String>()))
-        ));
-    });
+    let stranger = third_engine(&settings, "vllm-decode-stranger", 2, 1);
+    refused_kv(
+        &c.prefill_url(),
+        &stranger.url(),
+        "vllm-decode-stranger",
+        "TLS alert 116",
+        "t6: a decode without the cluster's certificate",
+    );
     drop(stranger);
 }
 
