@@ -132,6 +132,10 @@ step "real vLLM with XferConnector over xfer's UCX backend: P/D by hand and thro
 PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=UCX \
   cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture t0_ t1_
 
+step "real vLLM with XferConnector over xfer's TCP backend in plain text (the engines' default): P/D by hand"
+PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=TCP \
+  cargo test --workspace --all-features --locked --test vllm -- --test-threads 1 --nocapture t0_
+
 step "real SGLang (CPU): installed once into the cache, then the end-to-end suite (2 prefills, a decode and a plain server over Mooncake TCP)"
 await_background sglang
 PD_SGLANG_VENV="$last_line" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
