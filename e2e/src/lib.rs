@@ -255,8 +255,10 @@ pub enum Connector {
 /// key usages, as every engine is a target and an initiator), made once per test process in
 /// the log folder, so that every engine the suite starts holds the same.
 pub fn mutual_tls_params() -> Result<String, E2eError> {
-    static PARAMS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    if let Some(params) = PARAMS.get() {
+    // Held while the files are written: two callers at once must not write two CAs.
+    static PARAMS: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    let mut made = PARAMS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(params) = made.as_ref() {
         return Ok(params.clone());
     }
     let dir = log_dir().join("mutual-tls");
@@ -279,7 +281,8 @@ pub fn mutual_tls_params() -> Result<String, E2eError> {
     }
     let path = |name: &str| dir.join(name).display().to_string();
     let params = format!("tls_ca={},tls_cert={},tls_key={}", path("ca.pem"), path("node.pem"), path("node.key"));
-    Ok(PARAMS.get_or_init(|| params).clone())
+    *made = Some(params.clone());
+    Ok(params)
 }
 
 impl Connector {
