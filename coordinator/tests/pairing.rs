@@ -198,8 +198,10 @@ struct EventPublisher {
 impl EventPublisher {
     fn bind(ctx: &zmq::Context) -> EventPublisher {
         let socket = ctx.socket(zmq::PUB).unwrap();
-        let endpoint = format!("tcp://127.0.0.1:{}", common::free_port());
-        socket.bind(&endpoint).unwrap();
+        // A port the system picks as it binds: a port found free first may be taken by another
+        // test before the bind.
+        socket.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = socket.get_last_endpoint().unwrap().expect("a tcp endpoint is UTF-8");
         EventPublisher { socket, endpoint, seq: 0, dp_rank: 0 }
     }
 
