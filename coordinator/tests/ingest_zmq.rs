@@ -6,6 +6,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod common;
+
+use common::bind_any_port;
 use pd_coordinator::ingest::{self, Source, Update};
 use pd_protocols::kv_events::{encode_batch, BlockHash, EventBatch, EventFormat, KvEvent};
 use pd_protocols::zmq_frames::{parse_seq, seq_frame, ReplayBuffer, REPLAY_END};
@@ -16,10 +19,6 @@ fn batch(n: u64) -> EventBatch {
         events: vec![KvEvent::BlockRemoved { block_hashes: vec![BlockHash::Int(n)], medium: None }],
         dp_rank: Some(0),
     }
-}
-
-fn free_port() -> u16 {
-    pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
 struct Publisher {
@@ -65,11 +64,10 @@ fn ts_of(update: Update) -> u64 {
 #[test]
 fn replay_fills_join_race_and_gaps_and_restarts_reset() {
     let ctx = zmq::Context::new();
-    let (pub_port, replay_port) = (free_port(), free_port());
     let publisher = ctx.socket(zmq::PUB).unwrap();
-    publisher.bind(&format!("tcp://127.0.0.1:{pub_port}")).unwrap();
+    let endpoint = bind_any_port(&publisher);
     let router = ctx.socket(zmq::ROUTER).unwrap();
-    router.bind(&format!("tcp://127.0.0.1:{replay_port}")).unwrap();
+    let replay = bind_any_port(&router);
     let buffer = Arc::new(Mutex::new(ReplayBuffer::new(100)));
     let stop = Arc::new(AtomicBool::new(false));
     let replay_thread = {
@@ -78,11 +76,7 @@ fn replay_fills_join_race_and_gaps_and_restarts_reset() {
     };
 
     let (tx, rx) = mpsc::channel();
-    let source = Source {
-        endpoint: format!("tcp://127.0.0.1:{pub_port}"),
-        replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
-        topic: "kv-events".into(),
-    };
+    let source = Source { endpoint, replay: Some(replay), topic: "kv-events".into() };
     let ingester = {
         let (ctx, stop) = (ctx.clone(), Arc::clone(&stop));
         std::thread::spawn(move || ingest::run(&ctx, &source, &stop, |u| tx.send(u).unwrap()))

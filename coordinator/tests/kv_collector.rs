@@ -12,8 +12,8 @@ use pd_protocols::zmq_frames::seq_frame;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collector_indexes_engines_by_topic_and_replays_their_gaps() {
-    let listen = format!("tcp://127.0.0.1:{}", free_port());
-    let coord = Coord::start(&["--kv-events-listen", &listen]).await;
+    let coord = Coord::start_collecting(&[]).await;
+    let listen = coord.collector(0);
     // p0 follows llm-d's convention (kv@<engine>@<model>, here the engine id); p1 publishes
     // under a topic of its own that its registration names. d0 binds its own publisher, as
     // before: both modes at once.
@@ -80,9 +80,8 @@ async fn collector_indexes_engines_by_topic_and_replays_their_gaps() {
 /// pairs a prompt with the rank holding it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn collector_follows_each_data_parallel_rank_on_its_own_port() {
-    let listen = adjacent_free_ports();
-    let rank_listen = |rank: u16| format!("tcp://127.0.0.1:{}", listen + rank);
-    let coord = Coord::start(&["--kv-events-listen", &rank_listen(0)]).await;
+    let coord = Coord::start_collecting(&[]).await;
+    let rank_listen = |rank: u32| coord.collector(rank);
     let replay = adjacent_free_ports();
     let topic = "kv@dp@sim-model";
     let rank0 = Sim::start_rank_publishing_to("dp", 0, &rank_listen(0), topic, replay).await;
@@ -150,8 +149,8 @@ async fn vllm_publisher_in_both_topologies() {
     let python = std::path::Path::new(&venv).join("bin/python");
     assert!(python.exists(), "PD_VLLM_VENV has no bin/python: {}", python.display());
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vllm_publisher.py");
-    let listen = format!("tcp://127.0.0.1:{}", adjacent_free_ports());
-    let coord = Coord::start(&["--kv-events-listen", &listen]).await;
+    let coord = Coord::start_collecting(&[]).await;
+    let listen = coord.collector(0);
     // Engine URLs are only health-checked: a pd-sim without events answers for each.
     let bound_engine = Sim::start("vb", &[]).await;
     let connecting_engine = Sim::start("vc", &[]).await;

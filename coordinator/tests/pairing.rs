@@ -198,10 +198,7 @@ struct EventPublisher {
 impl EventPublisher {
     fn bind(ctx: &zmq::Context) -> EventPublisher {
         let socket = ctx.socket(zmq::PUB).unwrap();
-        // A port the system picks as it binds: a port found free first may be taken by another
-        // test before the bind.
-        socket.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = socket.get_last_endpoint().unwrap().expect("a tcp endpoint is UTF-8");
+        let endpoint = common::bind_any_port(&socket);
         EventPublisher { socket, endpoint, seq: 0, dp_rank: 0 }
     }
 

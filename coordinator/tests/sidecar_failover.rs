@@ -3,7 +3,7 @@
 //! within the lease, and the surviving engines hold no blocks afterwards (`GET /admin/leaks`).
 //!
 //! Needs `target/<profile>/pd-sidecar` (built by `cargo test --workspace` or
-//! `cargo build -p pd-sidecar`); without it the test says so loudly and passes.
+//! `cargo build -p pd-sidecar`); without it the test fails and says how to build it.
 
 mod common;
 
@@ -43,7 +43,19 @@ struct Sidecar {
 
 impl Sidecar {
     async fn start(bin: &PathBuf, coord: &Coord, sim: &Sim, role: &str, node: &str) -> Sidecar {
-        // The advertised URL must be known before it binds: a free port, as for the engines.
+        let what = format!("pd-sidecar of {}", sim.id);
+        pd_sim::harness::start_with_retries(&what, || Self::try_start(bin, coord, sim, role, node)).await
+    }
+
+    async fn try_start(
+        bin: &PathBuf,
+        coord: &Coord,
+        sim: &Sim,
+        role: &str,
+        node: &str,
+    ) -> Result<Sidecar, pd_sim::harness::NotHealthy> {
+        // The advertised URL must be known before it binds: a free port, as for the engines
+        // (drawn again when it was taken first).
         let port = free_port();
         let url = format!("http://127.0.0.1:{port}");
         let mut cmd = Command::new(bin);
@@ -55,13 +67,10 @@ impl Sidecar {
             .args(["--prefill-timeout", "10s", "--decode-first-byte-timeout", "20s", "--connect-timeout", "1s"])
             .env("RUST_LOG", "warn")
             .env_remove("PD_SIDECAR_CONFIG");
-        let proc = common::spawn(cmd, &format!("sidecar-{}-{port}", sim.id));
-        let health = format!("{url}/health");
-        eventually(common::WAIT, "pd-sidecar listening", || async {
-            client().get(&health).send().await.is_ok_and(|r| r.status().is_success())
-        })
-        .await;
-        Sidecar { _proc: proc, url }
+        let name = format!("sidecar-{}-{port}", sim.id);
+        let mut proc = common::spawn(cmd, &name);
+        common::wait_healthy(&mut proc, &url, &name).await?;
+        Ok(Sidecar { _proc: proc, url })
     }
 }
 

@@ -44,11 +44,7 @@ impl Coordinator {
         let Some(entry) = inner.cluster.membership.get(engine) else { return };
         let Some(endpoint) = entry.spec.kv_events.clone() else {
             // Collected: its ranks past the first dial sockets that may not be bound yet.
-            if self.config.kv_events_listen.is_some() {
-                if let Err(err) = self.listen_ranks(entry.spec.ranks()) {
-                    tracing::error!(engine = entry.spec.id, %err, "KV events of some data-parallel ranks will be lost");
-                }
-            }
+            self.listen_ranks_later(entry.spec.id.clone(), entry.spec.ranks());
             return;
         };
         let topic = entry.spec.kv_events_topic.clone().unwrap_or_else(|| self.config.kv_events_topic.clone());
@@ -132,6 +128,27 @@ impl Coordinator {
         }
     }
 
+    /// [`Coordinator::listen_ranks`] on a thread of its own when `ranks` are more than are bound:
+    /// the caller holds the state lock, and binding up to 1,024 sockets (and starting a thread
+    /// each) should not hold up pairings. vLLM's publishers dial again until the socket is there.
+    fn listen_ranks_later(self: &Arc<Self>, engine: String, ranks: u32) {
+        // A binder already at work holds the count: this thread then waits its turn, not the
+        // caller.
+        let bound = self.collector_ranks.try_lock().map(|bound| *bound);
+        if self.config.kv_events_listen.is_none() || bound.is_some_and(|bound| bound >= ranks) {
+            return;
+        }
+        let this = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("kv-events-listen".into()).spawn(move || {
+            if let Err(err) = this.listen_ranks(ranks) {
+                tracing::error!(engine, %err, "KV events of some data-parallel ranks will be lost");
+            }
+        });
+        if let Err(err) = spawned {
+            tracing::error!(%err, "cannot start a thread to listen for data-parallel ranks");
+        }
+    }
+
     /// Collector mode: binds a socket for every data-parallel rank below `ranks` not bound yet,
     /// rank r's on the --kv-events-listen endpoint offset by r (where vLLM's rank r dials), and
     /// follows each on a thread of its own. Stops at the first rank it cannot listen for (the
@@ -139,12 +156,16 @@ impl Coordinator {
     pub(crate) fn listen_ranks(self: &Arc<Self>, ranks: u32) -> Result<(), CollectorError> {
         let Some(listen) = self.config.kv_events_listen.as_deref() else { return Ok(()) };
         let mut bound = self.collector_ranks.lock();
+        if *bound >= ranks {
+            return Ok(());
+        }
+        let pattern = self.config.topic_pattern()?;
         while *bound < ranks {
             let rank = *bound;
             let endpoint = rank_endpoint(listen, rank).map_err(|source| CollectorError::Endpoint { rank, source })?;
             let sub = ingest::bind_collector(&self.zmq, &endpoint)
                 .map_err(|source| CollectorError::Bind { endpoint: endpoint.clone(), source })?;
-            self.start_collector(sub, self.config.topic_pattern()?, rank)?;
+            self.start_collector(sub, pattern.clone(), rank)?;
             if rank > 0 {
                 tracing::info!(%endpoint, rank, "collecting a data-parallel rank's KV events");
             }

@@ -17,6 +17,13 @@ pub fn free_port() -> u16 {
     pdbench::ports::free_loopback_port().expect("a free loopback port")
 }
 
+/// Binds `socket` on a loopback port the system picks as it binds (a port found free first may
+/// be taken by a parallel test before the bind), and returns its endpoint.
+pub fn bind_any_port(socket: &zmq::Socket) -> String {
+    socket.bind("tcp://127.0.0.1:*").unwrap();
+    socket.get_last_endpoint().unwrap().expect("a tcp endpoint is UTF-8")
+}
+
 /// A free loopback port whose next one is free too (for a data-parallel rank 1 beside rank 0).
 pub fn adjacent_free_ports() -> u16 {
     for _ in 0..20 {
@@ -97,7 +104,7 @@ impl Drop for Proc {
 }
 
 /// Waits for `proc`'s `/health`; when it never answers, says why and where its log is.
-async fn wait_healthy(proc: &mut Proc, url: &str, name: &str) -> Result<(), harness::NotHealthy> {
+pub async fn wait_healthy(proc: &mut Proc, url: &str, name: &str) -> Result<(), harness::NotHealthy> {
     harness::healthy(&mut proc.child, url, WAIT).await.inspect_err(|_| {
         eprintln!("{name} at {url}: log in {}", log_path(name).display());
     })
@@ -229,33 +236,53 @@ pub struct Coord {
 
 impl Coord {
     pub async fn start(args: &[&str]) -> Coord {
-        harness::start_with_retries("pd-coordinator", || Self::try_start_on(free_port(), free_port(), args)).await
+        let args = || args.iter().map(|s| s.to_string()).collect();
+        harness::start_with_retries("pd-coordinator", || Self::try_start_on(free_port(), free_port(), args())).await
+    }
+
+    /// In collector mode: `--kv-events-listen` on a loopback port whose next one is free too
+    /// (data-parallel rank 1's), drawn again with the other ports when an attempt fails (a port
+    /// found free may be taken before the coordinator binds it). [`Coord::collector`] names it.
+    pub async fn start_collecting(args: &[&str]) -> Coord {
+        let args = || {
+            let listen = format!("tcp://127.0.0.1:{}", adjacent_free_ports());
+            ["--kv-events-listen".to_string(), listen].into_iter().chain(args.iter().map(|s| s.to_string())).collect()
+        };
+        harness::start_with_retries("pd-coordinator", || Self::try_start_on(free_port(), free_port(), args())).await
     }
 
     pub async fn start_on(http: u16, grpc: u16, args: &[&str]) -> Coord {
-        let started = Self::try_start_on(http, grpc, args).await;
+        let started = Self::try_start_on(http, grpc, args.iter().map(|s| s.to_string()).collect()).await;
         started.unwrap_or_else(|e| panic!("pd-coordinator on port {http}: {e}"))
     }
 
-    async fn try_start_on(http: u16, grpc: u16, args: &[&str]) -> Result<Coord, harness::NotHealthy> {
+    async fn try_start_on(http: u16, grpc: u16, args: Vec<String>) -> Result<Coord, harness::NotHealthy> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pd-coordinator"));
         cmd.args(["--listen", &format!("127.0.0.1:{http}"), "--grpc-listen", &format!("127.0.0.1:{grpc}")])
             .args(["--workers", "2", "--log", "info,pd_coordinator=debug"])
-            .args(args)
+            .args(&args)
             .env_remove("PYTHONHASHSEED")
             .env_remove("RUST_LOG");
         let name = format!("coordinator-{http}");
         let mut proc = Proc::spawn(cmd, &name);
         let url = format!("http://127.0.0.1:{http}");
         wait_healthy(&mut proc, &url, &name).await?;
-        Ok(Coord { proc, http, grpc, url, args: args.iter().map(|s| s.to_string()).collect() })
+        Ok(Coord { proc, http, grpc, url, args })
+    }
+
+    /// The endpoint data-parallel rank `rank` publishes to, of a coordinator started with
+    /// [`Coord::start_collecting`].
+    pub fn collector(&self, rank: u32) -> String {
+        let listen = self.args.iter().skip_while(|a| *a != "--kv-events-listen").nth(1);
+        let listen = listen.expect("a coordinator started with --kv-events-listen");
+        pd_protocols::zmq_frames::rank_endpoint(listen, rank).expect("a tcp:// collector endpoint")
     }
 
     /// kill -9 and start again on the same ports with the same flags.
     pub async fn restart(&mut self) {
         self.proc.kill9();
-        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        *self = Coord::start_on(self.http, self.grpc, &args).await;
+        let started = Coord::try_start_on(self.http, self.grpc, std::mem::take(&mut self.args)).await;
+        *self = started.unwrap_or_else(|e| panic!("pd-coordinator on port {}: {e}", self.http));
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
