@@ -105,8 +105,8 @@ def test_backend_settings_from_the_environment(nixl_record, monkeypatch):
 
 def test_unsupported_methods_name_themselves():
     agent = pd_xfer.nixl.nixl_agent("unsupported", pd_xfer.nixl.nixl_agent_config(backends=["TCP"]))
-    with pytest.raises(NotImplementedError, match="query_memory"):
-        agent.query_memory([], "FILE")
+    with pytest.raises(NotImplementedError, match="prep_mem_view"):
+        agent.prep_mem_view([], "DRAM")
     with pytest.raises(AttributeError):
         agent.no_such_method()
 
@@ -167,6 +167,80 @@ def test_dram_to_file_and_back_through_the_posix_backend(tmp_path):
         os.close(fd)
 
 
+def _wait_done(agent, handle, what: str):
+    state = agent.transfer(handle)
+    deadline = time.monotonic() + 20
+    while state == "PROC" and time.monotonic() < deadline:
+        state = agent.check_xfer_state(handle)
+    assert state == "DONE", f"{what}: {state}"
+    agent.release_xfer_handle(handle)
+
+
+def _files_by_path(api, agent_name: str, shared, directory) -> dict:
+    """What an agent of ``api`` (NIXL's module or pd_xfer.nixl) answers to the file calls SGLang's
+    HiCache NIXL storage makes: ``query_memory`` on paths, registration of files by path (NIXL's
+    path mode, ``"rw,create:<path>"``), ``trim`` and a write and read through it. Queries are of
+    ``shared``'s files, written in ``directory``."""
+    import numpy
+
+    agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=[]))
+    agent.create_backend("POSIX")
+    existing, missing = shared / "existing.bin", shared / "missing.bin"
+    queried = [str(existing), str(missing), str(shared), f"rw:{existing}", ""]
+    result = {"query": agent.query_memory([(0, 0, 0, path) for path in queried], "POSIX", mem_type="FILE")}
+    # A network backend answers no queries; one not created is refused before that.
+    network = "UCX" if "UCX" in agent.get_plugin_list() else "TCP"
+    agent.create_backend(network)
+    for backend, what in ((network, "a network backend"), ("NO_SUCH", "an unknown backend")):
+        try:
+            agent.query_memory([(0, 0, 0, str(existing))], backend, mem_type="FILE")
+        except Exception as error:  # noqa: BLE001 - the class is what is compared
+            result[f"query {what}"] = type(error).__name__
+    try:
+        agent.register_memory(agent.get_reg_descs([(0, 4096, 1, f"rw:{missing}")], "FILE"))
+    except Exception as error:  # noqa: BLE001
+        result["register missing"] = type(error).__name__
+    assert not missing.exists()
+    size = 1 << 16
+    source = numpy.frombuffer(os.urandom(size), dtype=numpy.uint8).copy()
+    back = numpy.zeros(size, dtype=numpy.uint8)
+    for array in (source, back):
+        agent.register_memory([(array.ctypes.data, size, 0, "")], "DRAM")
+    created = directory / "kv.bin"
+    # Two halves of one file, as two descriptors with devIds of the caller's choosing.
+    halves = [(0, size // 2, 7000, f"rw,create:{created}"), (size // 2, size // 2, 7001, f"rw:{created}")]
+    registered = agent.register_memory(agent.get_reg_descs(halves, "FILE"))
+    file_side = registered.trim()
+    result["trim"] = (type(file_side).__name__, file_side.descCount())
+    for op, array in (("WRITE", source), ("READ", back)):
+        local = agent.get_xfer_descs([(array.ctypes.data + i * (size // 2), size // 2, 0) for i in range(2)], "DRAM")
+        _wait_done(agent, agent.initialize_xfer(op, local, file_side, agent_name), op)
+    result["read back"] = bool(numpy.array_equal(back, source))
+    result["on disk"] = created.read_bytes() == source.tobytes()
+    result["created mode"] = oct(created.stat().st_mode)
+    result["query created"] = agent.query_memory([(0, 0, 0, str(created))], "POSIX", mem_type="FILE")[0]["size"]
+    agent.deregister_memory(registered)
+    result["left open"] = sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(created) for fd in os.listdir("/proc/self/fd"))
+    return result
+
+
+@needs_nixl
+def test_files_by_path_and_queries_as_nixl(tmp_path):
+    """SGLang's HiCache NIXL storage asks whether files exist with ``query_memory`` and
+    registers them by path; NIXL 1.5.1's POSIX plugin and pd_xfer answer the same."""
+    import nixl._api
+
+    for name in ("shared", "nixl", "ours"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "shared" / "existing.bin").write_bytes(b"x" * 1000)
+    theirs = _files_by_path(nixl._api, "paths-nixl", tmp_path / "shared", tmp_path / "nixl")
+    ours = _files_by_path(pd_xfer.nixl, "paths-ours", tmp_path / "shared", tmp_path / "ours")
+    assert theirs["read back"] and theirs["on disk"], theirs
+    assert theirs["query"][1] is None and theirs["query"][0]["size"] == "1000", theirs
+    assert differences(theirs, ours) == []
+    assert ours["left open"] == 0
+
+
 def test_code_that_imports_nixl_by_name_gets_pd_xfer():
     """SGLang's way: ``from nixl._api import nixl_agent, nixl_agent_config`` inside a function,
     exception classes from ``nixl._bindings``. A fresh interpreter, so the real NIXL of this
@@ -180,6 +254,13 @@ def test_code_that_imports_nixl_by_name_gets_pd_xfer():
         "agent = nixl_agent('sglang-style', nixl_agent_config(backends=[], num_threads=8))\n"
         "agent.create_backend('TCP', {'num_threads': '8'})\n"
         "assert 'TCP' in agent.get_plugin_list() and agent.backends == {'TCP': 'tcp'}\n"
+        # SGLang's HiCache NIXL storage builds a binding agent for its thread-sync mode.
+        "from nixl._api import nixlBind\n"
+        "config = nixlBind.nixlAgentConfig()\n"
+        "config.syncMode = getattr(nixlBind, 'NIXL_THREAD_SYNC_RW', nixlBind.NIXL_THREAD_SYNC_STRICT)\n"
+        "config.pthrDelay, config.lthrDelay = 0, 100000\n"
+        "agent.agent = nixlBind.nixlAgent('sglang-style', config)\n"
+        "assert agent.agent.getAvailPlugins() == agent.get_plugin_list()\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

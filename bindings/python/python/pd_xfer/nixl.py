@@ -17,7 +17,10 @@ NixlConnector, SGLang's NIXL transfer backend, Dynamo) runs its transfers over x
 
 Backend names are NIXL's (``"UCX"``, ``"POSIX"``, and xfer's own ``"TCP"``) or xfer's (``"ucx"``,
 ``"posix"``, ``"tcp"``). As with NIXL's POSIX plugin, file transfers name the agent itself as the
-remote agent: ``prep_xfer_dlist(agent.name, file_descs, "FILE")`` with ``(offset, len, fd)`` rows.
+remote agent: ``prep_xfer_dlist(agent.name, file_descs, "FILE")`` with ``(offset, len, fd)`` rows,
+or with ``(offset, len, devId)`` rows of files registered by path (``register_memory`` of
+``(offset, len, devId, "rw,create:<path>")``, NIXL's path mode); ``query_memory`` answers a
+file backend's ``stat`` of each descriptor's path.
 The metadata blob is xfer's, not NIXL's: a NIXL agent and this one cannot be peers, and
 ``add_remote_agent`` says so when handed NIXL's metadata. NIXL methods this module does not
 offer raise ``NotImplementedError`` naming the method.
@@ -37,6 +40,8 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -50,6 +55,8 @@ DEFAULT_COMM_PORT = 8888
 LOCAL_AGENT_NAMES = ("NIXL_INIT_AGENT", "")
 # NIXL's backend names and the xfer backend each stands for.
 BACKEND_NAMES = {"POSIX": "posix", "TCP": "tcp", "UCX": "ucx", "GDS": "gds"}
+# The xfer backends that move FILE memory and answer query_memory about files.
+FILE_BACKENDS = frozenset({"posix", "gds"})
 # The segment types each moves (TCP and POSIX stage GPU memory through host slots; UCX moves
 # VRAM natively when its build has CUDA and stages it otherwise, as it stages local files).
 BACKEND_MEM_TYPES = {
@@ -194,6 +201,52 @@ class nixl_thread_sync_t(enum.Enum):
     NIXL_THREAD_SYNC_DEFAULT = 3
 
 
+NIXL_THREAD_SYNC_NONE = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
+NIXL_THREAD_SYNC_STRICT = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+NIXL_THREAD_SYNC_RW = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+NIXL_THREAD_SYNC_DEFAULT = nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
+
+
+def _plugin_list() -> list[str]:
+    """NIXL's names of the backends this build of xfer offers."""
+    return sorted(nixl for nixl, ours in BACKEND_NAMES.items() if ours in Agent.available_backends())
+
+
+class nixlAgentConfig:
+    """NIXL's binding-level agent settings (``nixl._bindings.nixlAgentConfig``), kept as given
+    and used by nothing: callers that build a binding agent themselves (SGLang's HiCache NIXL
+    storage sets ``syncMode`` this way) get the object they expect."""
+
+    def __init__(
+        self,
+        useProgThread: bool = False,
+        useListenThread: bool = False,
+        listenPort: int = DEFAULT_COMM_PORT,
+        syncMode: nixl_thread_sync_t = NIXL_THREAD_SYNC_NONE,
+    ):
+        self.useProgThread = useProgThread
+        self.useListenThread = useListenThread
+        self.listenPort = listenPort
+        self.syncMode = syncMode
+        self.pthrDelay = 0
+        self.lthrDelay = 100_000
+        self.captureTelemetry = False
+
+
+class nixlAgent:
+    """NIXL's binding-level agent (``nixl._bindings.nixlAgent``) as far as ``getAvailPlugins``.
+    A ``nixl_agent`` keeps its own xfer agent whatever its ``agent`` attribute is set to: code
+    that swaps in a binding agent for its thread-sync mode (SGLang's HiCache NIXL storage)
+    changes nothing, since xfer agents are always safe to share between threads."""
+
+    def __init__(self, name: str, config: nixlAgentConfig | None = None):
+        self.name = name
+        self.config = config if config is not None else nixlAgentConfig()
+
+    def getAvailPlugins(self) -> list[str]:
+        return _plugin_list()
+
+
 class nixl_agent_config:
     """NIXL's agent settings. xfer agents are always safe to share between threads, and their
     backends progress on their own, so ``enable_prog_thread``, ``num_threads`` and
@@ -240,14 +293,18 @@ class nixlXferTelemetry:
 
 
 class _DescList:
-    """A descriptor list and its memory type; ``owner`` keeps the described objects alive."""
+    """A descriptor list and its memory type; ``owner`` keeps the described objects alive;
+    ``metas`` are the registration tuples' fourth field (``""`` where none was given)."""
 
-    __slots__ = ("descs", "mem_type", "owner")
+    __slots__ = ("descs", "mem_type", "owner", "metas")
 
-    def __init__(self, descs: list[tuple[int, int, int]], mem_type: str, owner: Any = None):
+    def __init__(
+        self, descs: list[tuple[int, int, int]], mem_type: str, owner: Any = None, metas: list[str] | None = None
+    ):
         self.descs = descs
         self.mem_type = mem_type
         self.owner = owner
+        self.metas = metas if metas is not None else [""] * len(descs)
 
     def descCount(self) -> int:
         return len(self.descs)
@@ -264,6 +321,10 @@ class _DescList:
 
 class nixlRegDList(_DescList):
     __slots__ = ()
+
+    def trim(self) -> nixlXferDList:
+        """The same descriptors without their metaInfo, as a transfer list (NIXL's ``trim``)."""
+        return nixlXferDList(self.descs, self.mem_type, self.owner)
 
 
 class nixlXferDList(_DescList):
@@ -332,7 +393,6 @@ class nixl_xfer_handle:
 # NIXL agent methods that this module does not offer.
 _UNSUPPORTED = frozenset(
     {
-        "query_memory",
         "make_connection",
         "estimate_xfer_cost",
         "prep_mem_view",
@@ -362,8 +422,11 @@ class nixl_agent:
         self.notifs: dict[str, list[bytes]] = {}
         self._telemetry = conf.capture_telemetry
         self._lock = threading.Lock()
-        # (mem_type, descriptors) -> registrations of exactly those descriptors.
-        self._registrations: dict[tuple[str, tuple], list[Any]] = {}
+        # (mem_type, descriptors) -> registrations of exactly those descriptors, each with the
+        # files it opened by path.
+        self._registrations: dict[tuple[str, tuple], list[tuple[Any, _PathModeFiles]]] = {}
+        # devId -> open file descriptor, of FILE descriptors registered by path.
+        self._path_mode_fds: dict[int, int] = {}
         # Fenced reads: our grant service's address, peers' ones, our open offers by name.
         self.grant_service: str | None = None
         self._peer_grant_services: dict[str, str] = {}
@@ -391,7 +454,7 @@ class nixl_agent:
     # Backends.
 
     def get_plugin_list(self) -> list[str]:
-        return sorted(nixl for nixl, ours in BACKEND_NAMES.items() if ours in Agent.available_backends())
+        return _plugin_list()
 
     def get_plugin_mem_types(self, backend: str) -> list[str]:
         return list(BACKEND_MEM_TYPES.get(backend.upper(), []))
@@ -447,17 +510,28 @@ class nixl_agent:
                 raise _nixl_error(nixlInvalidParamError, method, "a memory type is needed (DRAM, VRAM, ...)", "invalid_argument")
             if not tuples:
                 raise _nixl_error(nixlInvalidParamError, method, "the descriptor list is empty", "invalid_argument")
-            return tuples, _mem_type_name(kind), descs
+            return tuples, _mem_type_name(kind), descs, _metas(descs, len(tuples))
 
     def register_memory(self, reg_list: Any, mem_type: str | None = None, backends: list[str] | None = None) -> nixlRegDList:
+        """As NIXL's. FILE descriptors whose metaInfo is ``"<ro|rw>[,create][,direct]:<path>"``
+        (NIXL's path mode) name the file by path: it is opened here (created with ``create``,
+        O_DIRECT with ``direct``) and closed at deregistration, and transfer lists name it by the
+        descriptor's devId. Other FILE descriptors carry an open file descriptor as devId."""
         dlist = reg_list if isinstance(reg_list, nixlRegDList) else self.get_reg_descs(reg_list, mem_type)
         for backend in backends or []:
             if backend.upper() not in self.backends:
                 raise KeyError(backend)
-        with _Translated("register_memory"):
-            registration = self._agent.register_memory(dlist.descs, dlist.mem_type, keep_alive=dlist.owner)
+        opened = self._open_path_mode(dlist) if dlist.mem_type == "FILE" else _PathModeFiles()
+        try:
+            with _Translated("register_memory"):
+                registration = self._agent.register_memory(
+                    opened.wire(dlist.descs), dlist.mem_type, keep_alive=dlist.owner
+                )
+        except BaseException:
+            self._close_path_mode(opened)
+            raise
         with self._lock:
-            self._registrations.setdefault((dlist.mem_type, tuple(dlist.descs)), []).append(registration)
+            self._registrations.setdefault((dlist.mem_type, tuple(dlist.descs)), []).append((registration, opened))
         return dlist
 
     def deregister_memory(self, dereg_list: Any, backends: list[str] | None = None):
@@ -465,12 +539,78 @@ class nixl_agent:
         key = (dlist.mem_type, tuple(dlist.descs))
         with self._lock:
             registrations = self._registrations.get(key)
-            registration = registrations.pop() if registrations else None
+            entry = registrations.pop() if registrations else None
             if registrations == []:
                 del self._registrations[key]
-        if registration is None:
+        if entry is None:
             raise _nixl_error(nixlNotFoundError, "deregister_memory", "these descriptors are not registered", "not_registered")
-        registration.deregister()
+        registration, opened = entry
+        try:
+            registration.deregister()
+        finally:
+            self._close_path_mode(opened)
+
+    def _open_path_mode(self, dlist: _DescList) -> _PathModeFiles:
+        """Opens the files that ``dlist``'s path-mode descriptors name, and maps their devIds to
+        the descriptors opened (all or none: a failure closes those already opened)."""
+        opened = _PathModeFiles()
+        try:
+            for (_, _, dev_id), meta in zip(dlist.descs, dlist.metas):
+                mode = _path_mode(meta)
+                if mode is None:
+                    continue
+                flags, path = mode
+                with self._lock:
+                    taken = dev_id in self._path_mode_fds or dev_id in opened.fds
+                if taken:
+                    raise _nixl_error(
+                        nixlInvalidParamError, "register_memory",
+                        f"devId {dev_id} already names a file registered by path", "invalid_argument",
+                    )
+                try:
+                    opened.fds[dev_id] = os.open(path, flags, 0o644)
+                except OSError as error:
+                    raise _nixl_error(
+                        nixlBackendError, "register_memory", f"cannot open {path!r} ({meta!r}): {error.strerror}",
+                        "backend",
+                    ) from error
+        except BaseException:
+            opened.close()
+            raise
+        with self._lock:
+            self._path_mode_fds.update(opened.fds)
+        return opened
+
+    def _close_path_mode(self, opened: _PathModeFiles):
+        with self._lock:
+            for dev_id in opened.fds:
+                self._path_mode_fds.pop(dev_id, None)
+        opened.close()
+
+    def _wire(self, dlist: _DescList) -> list[tuple[int, int, int]]:
+        """``dlist``'s descriptors as the native agent takes them: FILE devIds of files
+        registered by path become their open descriptors."""
+        if dlist.mem_type != "FILE":
+            return dlist.descs
+        with self._lock:
+            fds = dict(self._path_mode_fds)
+        return _PathModeFiles(fds).wire(dlist.descs) if fds else dlist.descs
+
+    def query_memory(self, reg_list: Any, backend: str, mem_type: str | None = None) -> list[dict[str, str] | None]:
+        """As NIXL's: for a file backend (POSIX, GDS), each descriptor's metaInfo is a path, and
+        its answer is ``{"mtime", "mode", "size"}`` (decimal strings, from ``stat``), or ``None``
+        where nothing is found there; other backends raise ``nixlNotSupportedError``."""
+        dlist = reg_list if isinstance(reg_list, nixlRegDList) else self.get_reg_descs(reg_list, mem_type)
+        ours = self.backends.get(backend.upper())
+        if ours is None:
+            raise ValueError(f"Backend '{backend}' not found. Available backends: {list(self.backends)}")
+        if ours not in FILE_BACKENDS:
+            raise _nixl_error(
+                nixlNotSupportedError, "query_memory",
+                f"backend {backend!r} answers no queries (the file backends do: {sorted(FILE_BACKENDS)})",
+                "unsupported",
+            )
+        return [_file_info(meta) for meta in dlist.metas]
 
     # Metadata and peers.
 
@@ -589,7 +729,7 @@ class nixl_agent:
             return False
         if descs is None:
             return True
-        tuples, kind, _ = self._descs(descs, None if isinstance(descs, _DescList) else "DRAM", "check_remote_metadata")
+        tuples, kind, *_ = self._descs(descs, None if isinstance(descs, _DescList) else "DRAM", "check_remote_metadata")
         try:
             self._agent.prep_remote(name, tuples, kind)
         except XferError:
@@ -617,11 +757,11 @@ class nixl_agent:
         name = _peer_name(agent_name)
         with _Translated("prep_xfer_dlist"):
             if name in LOCAL_AGENT_NAMES:
-                return nixl_prepped_dlist_handle(self._agent.prep_local(dlist.descs, dlist.mem_type), local=True)
+                return nixl_prepped_dlist_handle(self._agent.prep_local(self._wire(dlist), dlist.mem_type), local=True)
             # Through the published regions: a list kept across requests must not carry the key of
             # a grant loaded meanwhile, which its peer revokes (reads under grants go through
             # `_claim_for`).
-            prepared = self._agent.prep_remote_published(name, dlist.descs, dlist.mem_type)
+            prepared = self._agent.prep_remote_published(name, self._wire(dlist), dlist.mem_type)
             return nixl_prepped_dlist_handle(prepared, local=False, peer=name, dlist=dlist)
 
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle):
@@ -684,8 +824,10 @@ class nixl_agent:
             )
         backend = self._request_backend(backends)
         with _Translated("initialize_xfer"):
-            prepared_local = self._agent.prep_local(local_list.descs, local_list.mem_type)
-            prepared_remote = self._agent.prep_remote(_peer_name(remote_agent), remote_list.descs, remote_list.mem_type)
+            prepared_local = self._agent.prep_local(self._wire(local_list), local_list.mem_type)
+            prepared_remote = self._agent.prep_remote(
+                _peer_name(remote_agent), self._wire(remote_list), remote_list.mem_type
+            )
         every = list(range(local_list.descCount()))
         return self._handle("initialize_xfer", op, (prepared_local, every), (prepared_remote, every), notif_msg, backend)
 
@@ -773,13 +915,17 @@ class nixl_agent:
             self._agent.send_notif(_peer_name(remote_agent_name), _message(notif_msg))
 
 
+# NIXL's ``nixl._api`` reaches its bindings module as ``nixlBind``; here both are this module
+# (install_as_nixl maps ``nixl._bindings`` to it too).
+nixlBind = sys.modules[__name__]
+
+
 def install_as_nixl() -> None:
     """Makes ``import nixl._api`` and ``import nixl._bindings`` give this module, in this
     process: for code that imports NIXL by name with no way to pass another agent class
     (SGLang's NIXL transfer backend imports ``nixl._api`` when it builds its manager, and the
     exception classes from ``nixl._bindings``). Call it before that code imports NIXL; a NIXL
     already imported in this process is replaced for later imports only."""
-    import sys
     import types
 
     this = sys.modules[__name__]
@@ -806,6 +952,69 @@ def _mem_type_name(kind: str) -> str:
     if name not in ("DRAM", "VRAM", "FILE", "BLK", "OBJ"):
         raise KeyError(kind)
     return name
+
+
+def _metas(descs: Any, count: int) -> list[str]:
+    """The metaInfo of NIXL registration tuples ``(addr, len, devId, metaInfo)``; ``""`` for
+    descriptors given any other way."""
+    if isinstance(descs, _DescList):
+        return list(descs.metas)
+    rows = [descs] if isinstance(descs, tuple) and descs and isinstance(descs[0], int) else descs
+    if isinstance(rows, (list, tuple)) and len(rows) == count:
+        return [str(row[3]) if isinstance(row, (tuple, list)) and len(row) == 4 else "" for row in rows]
+    return [""] * count
+
+
+def _path_mode(meta: str) -> tuple[int, str] | None:
+    """The ``os.open`` flags and path of a FILE descriptor registered by path (NIXL's path mode,
+    ``"<ro|rw>[,create][,direct]:<path>"``, split at the first colon), or ``None`` for a
+    metaInfo of any other form (its devId is then an open file descriptor)."""
+    spec, sep, path = meta.partition(":")
+    if not sep or not path:
+        return None
+    access, *options = spec.split(",")
+    flags = {"ro": os.O_RDONLY, "rw": os.O_RDWR}.get(access)
+    if flags is None or any(option not in ("create", "direct") for option in options):
+        return None
+    if "create" in options:
+        flags |= os.O_CREAT
+    if "direct" in options:
+        flags |= getattr(os, "O_DIRECT", 0)
+    return flags | os.O_CLOEXEC, path
+
+
+def _file_info(path: str) -> dict[str, str] | None:
+    """What a file backend answers ``query_memory`` about ``path``: NIXL's fields, or ``None``
+    where ``stat`` finds nothing."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return {"mtime": str(int(st.st_mtime)), "mode": str(st.st_mode), "size": str(st.st_size)}
+
+
+class _PathModeFiles:
+    """The files a registration opened by path: devId -> open file descriptor."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self, fds: dict[int, int] | None = None):
+        self.fds = fds if fds is not None else {}
+
+    def wire(self, descs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        if not self.fds:
+            return descs
+        return [(addr, length, self.fds.get(dev_id, dev_id)) for addr, length, dev_id in descs]
+
+    def close(self):
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                logger.debug("closing a file registered by path failed", exc_info=True)
 
 
 def _live(handle: nixl_xfer_handle, method: str):
