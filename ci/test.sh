@@ -138,7 +138,12 @@ PD_VLLM_VENV="$vllm_venv" PD_VLLM_CONNECTOR=xfer PD_XFER_SITE="$xfer_site" PD_XF
 
 step "real SGLang (CPU): installed once into the cache, then the end-to-end suite (2 prefills, a decode and a plain server over Mooncake TCP)"
 await_background sglang
-PD_SGLANG_VENV="$last_line" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
+sglang_venv=$last_line
+PD_SGLANG_VENV="$sglang_venv" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
+
+step "SGLang's HiCache NIXL storage, its own code, storing and loading real host KV pools through pd_xfer (POSIX, files by path)"
+PD_SGLANG_VENV="$sglang_venv" PYTHONPATH="$xfer_site" "$vllm_venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
+  -W ignore::DeprecationWarning bindings/python/tests/test_sglang_hicache.py
 
 # The test build above made target/debug/xferbench (with UCX).
 step "UCX benchmark smoke run (consistency-checked, shared memory)"

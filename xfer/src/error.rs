@@ -98,6 +98,17 @@ impl XferError {
         }
     }
 
+    /// The setting a backend refused because it does not take it ([`BackendError::UnknownParam`]).
+    pub fn unknown_param(&self) -> Option<&str> {
+        match self {
+            XferError::Backend { source, .. } => match &**source {
+                BackendError::UnknownParam { name, .. } => Some(name),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// Maps a backend's error onto the API's categories, keeping the backend name for the rest.
     pub(crate) fn from_backend(backend: &str, err: Arc<BackendError>) -> XferError {
         match &*err {

@@ -95,24 +95,47 @@ impl Agent {
     /// Attaches a backend by name; `params` are its `key=value` settings (unknown keys fail).
     /// `params_env` names an environment variable whose `key=value,...` settings come first,
     /// `params` winning where both set a key (how an engine's operator sets a backend that the
-    /// engine creates with no settings: vLLM's NixlConnector does).
-    #[pyo3(signature = (name, params = None, params_env = None))]
+    /// engine creates with no settings: vLLM's NixlConnector does). With `ignore_unknown`, keys
+    /// of `params` the backend does not take are left out instead (as NIXL does with its
+    /// plugins' settings) and returned; the environment's settings stay checked.
+    #[pyo3(signature = (name, params = None, params_env = None, ignore_unknown = false))]
     fn add_backend(
         &self,
         py: Python<'_>,
         name: &str,
         params: Option<HashMap<String, String>>,
         params_env: Option<&str>,
-    ) -> PyResult<()> {
+        ignore_unknown: bool,
+    ) -> PyResult<Vec<String>> {
         let from_env = params_env.and_then(|var| std::env::var(var).ok().map(|text| (var, text)));
-        let mut backend_params = match from_env {
+        let from_env = match from_env {
             Some((var, text)) => BackendParams::parse(&text).map_err(|e| invalid(format!("{var}={text:?}: {e}")))?,
             None => BackendParams::new(),
         };
-        for (key, value) in params.unwrap_or_default() {
-            backend_params.insert(key, value);
+        let mut params = params.unwrap_or_default();
+        let mut ignored = Vec::new();
+        // Each try drops one more of the caller's settings the backend refused as unknown (the
+        // backend is the one that knows its keys, and refuses them before doing anything).
+        loop {
+            let mut backend_params = from_env.clone();
+            for (key, value) in &params {
+                backend_params.insert(key.clone(), value.clone());
+            }
+            match py.detach(|| self.inner.add_backend(name, backend_params)) {
+                Ok(()) => return Ok(ignored),
+                Err(err) => match err
+                    .unknown_param()
+                    .filter(|key| ignore_unknown && params.contains_key(*key) && !from_env.contains(key))
+                {
+                    Some(key) => {
+                        let key = key.to_string();
+                        params.remove(&key);
+                        ignored.push(key);
+                    }
+                    None => return Err(raise(err)),
+                },
+            }
         }
-        py.detach(|| self.inner.add_backend(name, backend_params)).map_err(raise)
     }
 
     /// Attached backends, in preference order.

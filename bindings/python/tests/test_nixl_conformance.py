@@ -92,6 +92,11 @@ def test_backend_settings_from_the_environment(nixl_record, monkeypatch):
         return agent.get_agent_metadata()
 
     assert fingerprint not in metadata_with("env-plain")
+    # As NIXL does with its plugins, a caller's key the backend does not take is left out (and
+    # logged); a key it takes is still checked, and the environment's keys all are.
+    assert fingerprint in metadata_with("nixl-style", {"tls": "on", "use_uring": "true", "active": "True"})
+    with pytest.raises(pd_xfer.nixl.nixlBackendError, match="tls"):
+        metadata_with("bad-value", {"tls": "maybe", "active": "True"})
     monkeypatch.setenv("PD_XFER_TCP_PARAMS", "tls=on")
     assert fingerprint in metadata_with("env-tls")
     assert fingerprint not in metadata_with("env-overridden", {"tls": "off"})
@@ -101,6 +106,8 @@ def test_backend_settings_from_the_environment(nixl_record, monkeypatch):
         monkeypatch.setenv("PD_XFER_TCP_PARAMS", bad)
         with pytest.raises(error, match=named):
             metadata_with("env-bad")
+        with pytest.raises(error, match=named):
+            metadata_with("env-bad-also-given", {"no_such_key": "1"})
 
 
 def test_unsupported_methods_name_themselves():

@@ -416,7 +416,6 @@ mod tests {
             "mtu=1000",
             "stream_window=1024",
             "timeout_ms=0",
-            "tls=on",
             "keep_alive_ms=0",
             "keep_alive_ms=3000",
             "idle_timeout_ms=500",
@@ -427,6 +426,9 @@ mod tests {
             let err = backend(&format!("listen=127.0.0.1:0,{params}")).unwrap_err();
             assert!(matches!(err, BackendError::InvalidParam { .. }), "{params}: {err:?}");
         }
+        // Always TLS: QUIC takes no `tls` switch.
+        let err = backend("listen=127.0.0.1:0,tls=on").unwrap_err();
+        assert!(matches!(&err, BackendError::UnknownParam { name, .. } if name == "tls"), "{err:?}");
     }
 
     #[test]

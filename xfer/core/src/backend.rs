@@ -95,6 +95,10 @@ impl BackendParams {
         Ok(params)
     }
 
+    pub fn contains(&self, key: &str) -> bool {
+        self.values.contains_key(key)
+    }
+
     /// Removes and returns a raw value.
     pub fn take(&mut self, key: &str) -> Option<String> {
         self.values.remove(key)
@@ -131,10 +135,7 @@ impl BackendParams {
     pub fn finish(self, backend: &str) -> Result<(), BackendError> {
         match self.values.keys().next() {
             None => Ok(()),
-            Some(key) => Err(BackendError::InvalidParam {
-                name: key.clone(),
-                reason: format!("unknown parameter for backend {backend}"),
-            }),
+            Some(key) => Err(BackendError::UnknownParam { name: key.clone(), backend: backend.to_string() }),
         }
     }
 }
@@ -273,6 +274,7 @@ mod tests {
         params.insert("strams", "2");
         let err = params.finish("tcp").unwrap_err();
         assert!(err.to_string().contains("strams"), "{err}");
+        assert!(matches!(&err, BackendError::UnknownParam { name, backend } if name == "strams" && backend == "tcp"));
         assert!(BackendParams::parse("novalue").is_err());
         let mut family = BackendParams::parse("ucx_b=2,ucx_a=1,other=3").unwrap();
         assert_eq!(family.take_prefixed("ucx_"), vec![("ucx_a".into(), "1".into()), ("ucx_b".into(), "2".into())]);

@@ -85,6 +85,10 @@ pub enum BackendError {
     Unsupported(String),
     #[error("invalid parameter {name}: {reason}")]
     InvalidParam { name: String, reason: String },
+    /// A setting the backend does not take: a typo, or a key written for another
+    /// implementation (NIXL's plugins take keys xfer's backends do not).
+    #[error("invalid parameter {name}: unknown parameter for backend {backend}")]
+    UnknownParam { name: String, backend: String },
     #[error("invalid connection info or key: {0}")]
     InvalidMetadata(String),
     #[error("protocol error: {0}")]

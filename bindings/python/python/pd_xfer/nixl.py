@@ -483,7 +483,14 @@ class nixl_agent:
         if ours == "gds":
             load_cufile()
         with _Translated("create_backend"):
-            self._agent.add_backend(ours, params, params_env=backend_params_env(backend))
+            ignored = self._agent.add_backend(ours, params, params_env=backend_params_env(backend), ignore_unknown=True)
+        if ignored:
+            # NIXL passes its plugins' settings through and ignores what a plugin does not take;
+            # callers written for it send such keys (SGLang's HiCache storage sends "active").
+            logger.warning(
+                "backend %s: initParams %s are not settings of xfer's %s backend; ignored, as NIXL ignores them",
+                backend, sorted(ignored), ours,
+            )
         self.backends[backend.upper()] = ours
 
     def _request_backend(self, backends: list[str] | None) -> str | None:
