@@ -248,6 +248,61 @@ def test_files_by_path_and_queries_as_nixl(tmp_path):
     assert ours["left open"] == 0
 
 
+def test_serialized_descriptor_lists_reach_a_peer_and_bad_bytes_are_refused():
+    """The way NIXL's examples (and Ray's NIXL tensor transport) hand a target's list to its
+    reader: ``get_serialized_descs`` on one side, ``deserialize_descs`` on the other, then a
+    READ through the list received. The bytes are data, never unpickled: a peer's malformed
+    bytes, or NIXL's own pickled ones, raise nixlInvalidParamError."""
+    import numpy
+
+    config = pd_xfer.nixl.nixl_agent_config(backends=["TCP"])
+    target, reader = pd_xfer.nixl.nixl_agent("serial-target", config), pd_xfer.nixl.nixl_agent("serial-reader", config)
+    size, block = 1 << 16, 4096
+    source = numpy.frombuffer(os.urandom(size), dtype=numpy.uint8).copy()
+    back = numpy.zeros(size, dtype=numpy.uint8)
+    registered = target.register_memory([(source.ctypes.data, size, 0, "kv")], "DRAM")
+    reader.register_memory([(back.ctypes.data, size, 0, "")], "DRAM")
+    blocks = target.get_xfer_descs([(source.ctypes.data + i * block, block, 0) for i in range(size // block)], "DRAM")
+    wire = target.get_serialized_descs(blocks)
+    assert isinstance(wire, bytes)
+    received = reader.deserialize_descs(wire)
+    assert type(received) is pd_xfer.nixl.nixlXferDList and received.getType() == "DRAM"
+    assert received.descs == blocks.descs
+    again = reader.deserialize_descs(target.get_serialized_descs(registered))
+    assert type(again) is pd_xfer.nixl.nixlRegDList and again.metas == ["kv"] and again.descs == registered.descs
+
+    reader.add_remote_agent(target.get_agent_metadata())
+    local = reader.get_xfer_descs([(back.ctypes.data + i * block, block, 0) for i in range(size // block)], "DRAM")
+    _wait_done(reader, reader.initialize_xfer("READ", local, received, "serial-target"), "READ")
+    assert numpy.array_equal(back, source)
+
+    prefix = pd_xfer.nixl.SERIALIZED_DESCS_PREFIX
+    malformed = [
+        b"", b"garbage", prefix, prefix + b"{", prefix + b"[]", prefix + b'{"kind":"xfer"}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[]}',
+        prefix + b'{"kind":"xfer","mem_type":"HBM","descs":[[1,2,0]]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[1,2]]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[-1,2,0]]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[18446744073709551616,2,0]]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[1.5,2,0]]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[true,2,0]]}',
+        prefix + b'{"kind":"reg","mem_type":"DRAM","descs":[[1,2,0]],"metas":["a","b"]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[1,2,0]],"metas":["a"]}',
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[1,2,0]],"extra":1}',
+        prefix + b"\xff\xfe",
+    ]
+    for data in malformed:
+        with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="deserialize_descs"):
+            reader.deserialize_descs(data)
+    if HAVE_NIXL:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        theirs = nixl_agent("serial-nixl", nixl_agent_config(backends=[]))
+        pickled = theirs.get_serialized_descs(theirs.get_xfer_descs([(source.ctypes.data, size, 0)], "DRAM"))
+        with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="NIXL"):
+            reader.deserialize_descs(pickled)
+
+
 def test_code_that_imports_nixl_by_name_gets_pd_xfer():
     """SGLang's way: ``from nixl._api import nixl_agent, nixl_agent_config`` inside a function,
     exception classes from ``nixl._bindings``. A fresh interpreter, so the real NIXL of this

@@ -20,7 +20,9 @@ Backend names are NIXL's (``"UCX"``, ``"POSIX"``, and xfer's own ``"TCP"``) or x
 remote agent: ``prep_xfer_dlist(agent.name, file_descs, "FILE")`` with ``(offset, len, fd)`` rows,
 or with ``(offset, len, devId)`` rows of files registered by path (``register_memory`` of
 ``(offset, len, devId, "rw,create:<path>")``, NIXL's path mode); ``query_memory`` answers a
-file backend's ``stat`` of each descriptor's path.
+file backend's ``stat`` of each descriptor's path. ``get_serialized_descs`` writes a list as
+data (``pdxd1|`` and JSON, where NIXL pickles it), so ``deserialize_descs`` checks a peer's bytes
+and never runs them.
 The metadata blob is xfer's, not NIXL's: a NIXL agent and this one cannot be peers, and
 ``add_remote_agent`` says so when handed NIXL's metadata. NIXL methods this module does not
 offer raise ``NotImplementedError`` naming the method.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import logging
 import os
 import sys
@@ -55,6 +58,8 @@ DEFAULT_COMM_PORT = 8888
 LOCAL_AGENT_NAMES = ("NIXL_INIT_AGENT", "")
 # NIXL's backend names and the xfer backend each stands for.
 BACKEND_NAMES = {"POSIX": "posix", "TCP": "tcp", "UCX": "ucx", "GDS": "gds"}
+# What get_serialized_descs' bytes start with (a JSON body follows).
+SERIALIZED_DESCS_PREFIX = b"pdxd1|"
 # The xfer backends that move FILE memory and answer query_memory about files.
 FILE_BACKENDS = frozenset({"posix", "gds"})
 # The segment types each moves (TCP and POSIX stage GPU memory through host slots; UCX moves
@@ -400,8 +405,6 @@ _UNSUPPORTED = frozenset(
         "get_partial_agent_metadata",
         "send_partial_agent_metadata",
         "get_remote_descs",
-        "get_serialized_descs",
-        "deserialize_descs",
     }
 )
 
@@ -518,6 +521,24 @@ class nixl_agent:
             if not tuples:
                 raise _nixl_error(nixlInvalidParamError, method, "the descriptor list is empty", "invalid_argument")
             return tuples, _mem_type_name(kind), descs, _metas(descs, len(tuples))
+
+    def get_serialized_descs(self, descs: _DescList) -> bytes:
+        """``descs`` as bytes to send to a peer (NIXL pickles its lists; these bytes are data
+        only, so a peer's bytes are checked, never run)."""
+        if not isinstance(descs, _DescList):
+            raise _nixl_error(
+                nixlInvalidParamError, "get_serialized_descs", f"not a descriptor list: {type(descs).__name__}",
+                "invalid_argument",
+            )
+        body = {"kind": "reg" if isinstance(descs, nixlRegDList) else "xfer", "mem_type": descs.mem_type,
+                "descs": [list(desc) for desc in descs.descs]}
+        if isinstance(descs, nixlRegDList):
+            body["metas"] = list(descs.metas)
+        return SERIALIZED_DESCS_PREFIX + json.dumps(body, separators=(",", ":")).encode()
+
+    def deserialize_descs(self, serialized_descs: bytes) -> _DescList:
+        """The list ``get_serialized_descs`` made; malformed bytes raise nixlInvalidParamError."""
+        return _deserialized(bytes(serialized_descs))
 
     def register_memory(self, reg_list: Any, mem_type: str | None = None, backends: list[str] | None = None) -> nixlRegDList:
         """As NIXL's. FILE descriptors whose metaInfo is ``"<ro|rw>[,create][,direct]:<path>"``
@@ -959,6 +980,44 @@ def _mem_type_name(kind: str) -> str:
     if name not in ("DRAM", "VRAM", "FILE", "BLK", "OBJ"):
         raise KeyError(kind)
     return name
+
+
+def _deserialized(data: bytes) -> _DescList:
+    def bad(reason: str) -> XferError:
+        return _nixl_error(nixlInvalidParamError, "deserialize_descs", reason, "invalid_argument")
+
+    if not data.startswith(SERIALIZED_DESCS_PREFIX):
+        hint = " (NIXL's own, pickled: pd_xfer and NIXL agents cannot be peers)" if data[:1] == b"\x80" else ""
+        raise bad(f"not a descriptor list from get_serialized_descs{hint}")
+    try:
+        body = json.loads(data[len(SERIALIZED_DESCS_PREFIX):])
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise bad(f"malformed: {error}") from None
+    if not isinstance(body, dict) or set(body) - {"kind", "mem_type", "descs", "metas"}:
+        raise bad("malformed: expected kind, mem_type, descs (and metas)")
+    kind, descs, metas = body.get("kind"), body.get("descs"), body.get("metas")
+    if kind not in ("reg", "xfer") or not isinstance(descs, list) or not descs:
+        raise bad("malformed: kind must be reg or xfer, descs a non-empty list")
+    try:
+        mem_type = _mem_type_name(str(body.get("mem_type")))
+    except KeyError:
+        raise bad(f"unknown memory type {body.get('mem_type')!r}") from None
+    limit = 1 << 64
+    rows = []
+    for desc in descs:
+        fields = desc if isinstance(desc, list) and len(desc) == 3 else None
+        if fields is None or not all(type(v) is int and 0 <= v < limit for v in fields):
+            raise bad(f"malformed descriptor {desc!r}: expected [addr, len, devId] of unsigned 64-bit integers")
+        rows.append((fields[0], fields[1], fields[2]))
+    if kind == "xfer":
+        if metas is not None:
+            raise bad("malformed: a transfer list carries no metaInfo")
+        return nixlXferDList(rows, mem_type)
+    if metas is None:
+        metas = [""] * len(rows)
+    if not isinstance(metas, list) or len(metas) != len(rows) or not all(isinstance(m, str) for m in metas):
+        raise bad("malformed: metas must be one string per descriptor")
+    return nixlRegDList(rows, mem_type, None, metas)
 
 
 def _metas(descs: Any, count: int) -> list[str]:
