@@ -248,6 +248,34 @@ def test_files_by_path_and_queries_as_nixl(tmp_path):
     assert ours["left open"] == 0
 
 
+def test_files_by_path_name_one_file_per_devid_and_close_with_their_agent(tmp_path):
+    """A devId names one file registered by path at a time (in one list or across lists, the
+    second refused with the first untouched); a registration refused opens nothing; an agent
+    collected without deregistering closes its files."""
+    import gc
+
+    def open_under(directory) -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(directory)) for fd in fds)
+
+    agent = pd_xfer.nixl.nixl_agent("devids", pd_xfer.nixl.nixl_agent_config(backends=["POSIX"]))
+    first = agent.register_memory([(0, 4096, 5, f"rw,create:{tmp_path / 'a'}")], "FILE")
+    for clash in (
+        [(0, 4096, 5, f"rw,create:{tmp_path / 'b'}")],
+        [(0, 4096, 6, f"rw,create:{tmp_path / 'c'}"), (4096, 4096, 6, f"rw,create:{tmp_path / 'd'}")],
+    ):
+        with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="devId"):
+            agent.register_memory(clash, "FILE")
+    assert open_under(tmp_path) == 1, "a refused registration left a file open"
+    agent.deregister_memory(first)
+    assert open_under(tmp_path) == 0
+    agent.register_memory([(0, 4096, 5, f"rw:{tmp_path / 'a'}"), (0, 4096, 6, f"rw:{tmp_path / 'b'}")], "FILE")
+    assert open_under(tmp_path) == 2
+    del agent
+    gc.collect()
+    assert open_under(tmp_path) == 0, "a collected agent left its files open"
+
+
 def test_serialized_descriptor_lists_reach_a_peer_and_bad_bytes_are_refused():
     """The way NIXL's examples (and Ray's NIXL tensor transport) hand a target's list to its
     reader: ``get_serialized_descs`` on one side, ``deserialize_descs`` on the other, then a

@@ -552,8 +552,9 @@ class nixl_agent:
         opened = self._open_path_mode(dlist) if dlist.mem_type == "FILE" else _PathModeFiles()
         try:
             with _Translated("register_memory"):
+                # The files close once the registration is gone, deregistered or collected.
                 registration = self._agent.register_memory(
-                    opened.wire(dlist.descs), dlist.mem_type, keep_alive=dlist.owner
+                    _with_fds(dlist.descs, opened.fds), dlist.mem_type, keep_alive=(dlist.owner, opened)
                 )
         except BaseException:
             self._close_path_mode(opened)
@@ -587,14 +588,9 @@ class nixl_agent:
                 mode = _path_mode(meta)
                 if mode is None:
                     continue
+                if dev_id in opened.fds:
+                    raise _devid_taken(dev_id)
                 flags, path = mode
-                with self._lock:
-                    taken = dev_id in self._path_mode_fds or dev_id in opened.fds
-                if taken:
-                    raise _nixl_error(
-                        nixlInvalidParamError, "register_memory",
-                        f"devId {dev_id} already names a file registered by path", "invalid_argument",
-                    )
                 try:
                     opened.fds[dev_id] = os.open(path, flags, 0o644)
                 except OSError as error:
@@ -602,11 +598,16 @@ class nixl_agent:
                         nixlBackendError, "register_memory", f"cannot open {path!r} ({meta!r}): {error.strerror}",
                         "backend",
                     ) from error
+            # Checked and claimed at once: two registrations may race for a devId.
+            with self._lock:
+                taken = next((dev_id for dev_id in opened.fds if dev_id in self._path_mode_fds), None)
+                if taken is None:
+                    self._path_mode_fds.update(opened.fds)
+            if taken is not None:
+                raise _devid_taken(taken)
         except BaseException:
             opened.close()
             raise
-        with self._lock:
-            self._path_mode_fds.update(opened.fds)
         return opened
 
     def _close_path_mode(self, opened: _PathModeFiles):
@@ -622,7 +623,7 @@ class nixl_agent:
             return dlist.descs
         with self._lock:
             fds = dict(self._path_mode_fds)
-        return _PathModeFiles(fds).wire(dlist.descs) if fds else dlist.descs
+        return _with_fds(dlist.descs, fds)
 
     def query_memory(self, reg_list: Any, backend: str, mem_type: str | None = None) -> list[dict[str, str] | None]:
         """As NIXL's: for a file backend (POSIX, GDS), each descriptor's metaInfo is a path, and
@@ -1061,6 +1062,13 @@ def _file_info(path: str) -> dict[str, str] | None:
     return {"mtime": str(int(st.st_mtime)), "mode": str(st.st_mode), "size": str(st.st_size)}
 
 
+def _with_fds(descs: list[tuple[int, int, int]], fds: dict[int, int]) -> list[tuple[int, int, int]]:
+    """``descs`` with the devIds of files registered by path replaced by their descriptors."""
+    if not fds:
+        return descs
+    return [(addr, length, fds.get(dev_id, dev_id)) for addr, length, dev_id in descs]
+
+
 class _PathModeFiles:
     """The files a registration opened by path: devId -> open file descriptor."""
 
@@ -1069,11 +1077,6 @@ class _PathModeFiles:
     def __init__(self, fds: dict[int, int] | None = None):
         self.fds = fds if fds is not None else {}
 
-    def wire(self, descs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        if not self.fds:
-            return descs
-        return [(addr, length, self.fds.get(dev_id, dev_id)) for addr, length, dev_id in descs]
-
     def close(self):
         fds, self.fds = self.fds, {}
         for fd in fds.values():
@@ -1081,6 +1084,17 @@ class _PathModeFiles:
                 os.close(fd)
             except OSError:
                 logger.debug("closing a file registered by path failed", exc_info=True)
+
+    def __del__(self):
+        # Held by the native registration, which lets go only once no transfer uses the files.
+        self.close()
+
+
+def _devid_taken(dev_id: int) -> XferError:
+    return _nixl_error(
+        nixlInvalidParamError, "register_memory", f"devId {dev_id} already names a file registered by path",
+        "invalid_argument",
+    )
 
 
 def _live(handle: nixl_xfer_handle, method: str):
