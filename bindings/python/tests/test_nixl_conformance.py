@@ -318,6 +318,8 @@ def test_serialized_descriptor_lists_reach_a_peer_and_bad_bytes_are_refused():
         prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[1,2,0]],"metas":["a"]}',
         prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[1,2,0]],"extra":1}',
         prefix + b"\xff\xfe",
+        prefix + b"[" * 100_000,
+        prefix + b'{"kind":"xfer","mem_type":"DRAM","descs":[[' + b"9" * 5000 + b',2,0]]}',
     ]
     for data in malformed:
         with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="deserialize_descs"):

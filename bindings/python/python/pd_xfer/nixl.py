@@ -992,7 +992,8 @@ def _deserialized(data: bytes) -> _DescList:
         raise bad(f"not a descriptor list from get_serialized_descs{hint}")
     try:
         body = json.loads(data[len(SERIALIZED_DESCS_PREFIX):])
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:
+        # Not UTF-8, not JSON, an integer past Python's digit limit, or nested too deep.
         raise bad(f"malformed: {error}") from None
     if not isinstance(body, dict) or set(body) - {"kind", "mem_type", "descs", "metas"}:
         raise bad("malformed: expected kind, mem_type, descs (and metas)")
