@@ -446,6 +446,30 @@ impl Agent {
         link.remote.notify(message).map_err(|e| XferError::backend(attached.name, e))
     }
 
+    /// Opens now what the first transfer to `peer` would open (the backends' connections and
+    /// their handshakes: TLS, authentication), through every backend both agents have, or only
+    /// `backend`: a peer that cannot be reached or refuses this agent fails here rather than
+    /// in its first transfer, which then starts on an open connection (NIXL's
+    /// `makeConnection`). What each backend opens is in its docs; one that opens nothing ahead
+    /// of a transfer does nothing.
+    pub fn make_connection(&self, peer: &str, backend: Option<&str>) -> Result<(), XferError> {
+        let peer = self.inner.peer(peer)?;
+        let backends = self.inner.backends.load();
+        let mut common = 0;
+        for (attached, link) in peer.links.iter().filter_map(|link| backends.get(link.slot).map(|b| (b, link))) {
+            if backend.is_some_and(|name| name != attached.name) {
+                continue;
+            }
+            common += 1;
+            link.remote.connect_now().map_err(|e| XferError::backend(attached.name, e))?;
+        }
+        if common == 0 {
+            let which = backend.map_or_else(|| "no common backend".to_string(), |name| format!("no backend {name}"));
+            return Err(XferError::NoBackend(format!("{which} to {}", peer.name)));
+        }
+        Ok(())
+    }
+
     /// Drains every received notification, per sending agent, in arrival order.
     pub fn get_notifs(&self) -> HashMap<String, Vec<Vec<u8>>> {
         self.inner.notifs.drain_all()

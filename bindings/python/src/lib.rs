@@ -278,6 +278,14 @@ impl Agent {
         Ok(Request::new(request))
     }
 
+    /// Opens now what the first transfer to `peer` would open, through every common backend or
+    /// only `backend` (`xfer::Agent::make_connection`): an unreachable or refusing peer fails
+    /// here.
+    #[pyo3(signature = (peer, backend = None))]
+    fn make_connection(&self, py: Python<'_>, peer: &str, backend: Option<&str>) -> PyResult<()> {
+        py.detach(|| self.inner.make_connection(peer, backend)).map_err(raise)
+    }
+
     /// Sends a notification to a peer, in order with earlier ones to it.
     fn send_notif(&self, py: Python<'_>, peer: &str, message: &[u8]) -> PyResult<()> {
         py.detach(|| self.inner.send_notif(peer, message)).map_err(raise)

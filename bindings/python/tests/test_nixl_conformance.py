@@ -276,6 +276,60 @@ def test_files_by_path_name_one_file_per_devid_and_close_with_their_agent(tmp_pa
     assert open_under(tmp_path) == 0, "a collected agent left its files open"
 
 
+def _sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def test_make_connection_opens_what_the_first_transfer_uses_and_fails_fast():
+    """``make_connection`` (NIXL's, optional for callers): over TCP it opens the connection the
+    first small transfer then uses (no socket is opened by that transfer), it names the peer
+    it does not know, and a peer that is gone fails it at once."""
+    import numpy
+
+    config = pd_xfer.nixl.nixl_agent_config(backends=["TCP"])
+    target, reader = pd_xfer.nixl.nixl_agent("conn-target", config), pd_xfer.nixl.nixl_agent("conn-reader", config)
+    size = 4096
+    source = numpy.frombuffer(os.urandom(size), dtype=numpy.uint8).copy()
+    back = numpy.zeros(size, dtype=numpy.uint8)
+    target.register_memory([(source.ctypes.data, size, 0, "")], "DRAM")
+    reader.register_memory([(back.ctypes.data, size, 0, "")], "DRAM")
+    reader.add_remote_agent(target.get_agent_metadata())
+    with pytest.raises(pd_xfer.nixl.nixlNotFoundError):
+        reader.make_connection("nobody")
+    with pytest.raises(KeyError):
+        reader.make_connection("conn-target", ["UCX"])
+    before = _sockets()
+    reader.make_connection(b"conn-target", ["TCP"])
+    # Both ends of one connection live in this process.
+    assert _sockets() - before == 2
+    remote = reader.get_xfer_descs([(source.ctypes.data, size, 0)], "DRAM")
+    local = reader.get_xfer_descs([(back.ctypes.data, size, 0)], "DRAM")
+    _wait_done(reader, reader.initialize_xfer("READ", local, remote, "conn-target"), "READ")
+    assert numpy.array_equal(back, source)
+    assert _sockets() - before == 2, "the first transfer opened a connection of its own"
+
+    # A peer process killed after its metadata was loaded.
+    script = (
+        "import sys, time, pd_xfer, pd_xfer.nixl as n\n"
+        "agent = n.nixl_agent('conn-gone', n.nixl_agent_config(backends=['TCP']))\n"
+        "buffer = bytearray(4096)\n"
+        "agent.register_memory([(a, l, d, '') for a, l, d in pd_xfer.regions(buffer)], 'DRAM')\n"
+        "print(agent.get_agent_metadata().hex(), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    peer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        reader.add_remote_agent(bytes.fromhex(peer.stdout.readline().strip()))
+    finally:
+        peer.kill()
+        peer.wait(timeout=10)
+    started = time.monotonic()
+    with pytest.raises(pd_xfer.nixl.nixlRemoteDisconnectError):
+        reader.make_connection("conn-gone")
+    assert time.monotonic() - started < 5
+
+
 def test_serialized_descriptor_lists_reach_a_peer_and_bad_bytes_are_refused():
     """The way NIXL's examples (and Ray's NIXL tensor transport) hand a target's list to its
     reader: ``get_serialized_descs`` on one side, ``deserialize_descs`` on the other, then a

@@ -391,6 +391,30 @@ impl QuicPeer {
     }
 }
 
+impl QuicPeer {
+    /// Runs `task` on the backend's runtime and waits for it from a caller's thread.
+    fn wait_for<F, Fut>(&self, task: F) -> Result<(), BackendError>
+    where
+        F: FnOnce(Arc<PeerShared>) -> Fut,
+        Fut: std::future::Future<Output = Result<(), BackendError>> + Send + 'static,
+    {
+        let future = task(Arc::clone(&self.shared));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.shared.handle.spawn(async move {
+            let _ = tx.send(future.await);
+        });
+        // The task itself is bounded by the connect and request timeouts; this is the backstop.
+        let bound = self.shared.config.connect_timeout + self.shared.config.timeout + Duration::from_secs(1);
+        match rx.recv_timeout(bound) {
+            Ok(done) => done,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(BackendError::TimedOut(bound)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(self.shared.disconnected("the quic backend was shut down"))
+            }
+        }
+    }
+}
+
 impl RemoteAgent for QuicPeer {
     fn unpack_key(&self, public: &[u8]) -> Result<RemoteKey, BackendError> {
         Ok(Arc::new(TcpRemoteKey::decode(public)?))
@@ -413,21 +437,13 @@ impl RemoteAgent for QuicPeer {
     }
 
     fn notify(&self, message: &[u8]) -> Result<(), BackendError> {
-        let shared = Arc::clone(&self.shared);
         let message = message.to_vec();
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.shared.handle.spawn(async move {
-            let _ = tx.send(shared.notify(&message).await);
-        });
-        // The task itself is bounded by the connect and request timeouts; this is the backstop.
-        let bound = self.shared.config.connect_timeout + self.shared.config.timeout + Duration::from_secs(1);
-        match rx.recv_timeout(bound) {
-            Ok(sent) => sent,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(BackendError::TimedOut(bound)),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                Err(self.shared.disconnected("the quic backend was shut down"))
-            }
-        }
+        self.wait_for(move |shared| async move { shared.notify(&message).await })
+    }
+
+    /// The connection, through its QUIC and TLS handshakes and the hello.
+    fn connect_now(&self) -> Result<(), BackendError> {
+        self.wait_for(|shared| async move { shared.connection().await.map(drop) })
     }
 
     fn disconnect(&self) {

@@ -196,6 +196,18 @@ impl RemoteAgent for PeerPool {
         self.shared.notify(message)
     }
 
+    /// One connection, through TLS, hello and authentication, left idle for the first request
+    /// that goes inline (small ones); the stream workers of larger requests connect on their
+    /// first chunk.
+    fn connect_now(&self) -> Result<(), BackendError> {
+        if self.shared.is_closed() {
+            return Err(self.shared.disconnected("connection pool closed"));
+        }
+        let pooled = self.shared.check_out()?;
+        self.shared.check_in(pooled);
+        Ok(())
+    }
+
     fn disconnect(&self) {
         self.shared.closed.store(true, Ordering::Release);
         if let Some(pooled) = self.shared.control.lock().take() {

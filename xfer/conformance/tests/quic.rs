@@ -33,6 +33,7 @@ xfer_conformance::conformance_tests!(
         refusals_in_flight,
         notifications,
         api_errors,
+        make_connection_ahead,
         bad_remote_key,
         strangers_are_refused,
         sigkill_mid_transfer,

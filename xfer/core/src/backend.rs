@@ -229,6 +229,12 @@ pub trait RemoteAgent: Send + Sync {
     fn notify(&self, message: &[u8]) -> Result<(), BackendError>;
     /// Drops connections; transfers in flight fail.
     fn disconnect(&self);
+    /// Opens now what the first transfer would open (a connection, its handshakes), so that a
+    /// peer that cannot be reached or refuses this agent fails here, bounded by the backend's
+    /// timeouts. Backends that open nothing ahead of a transfer do nothing.
+    fn connect_now(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 /// A piece of a peer's registered memory.

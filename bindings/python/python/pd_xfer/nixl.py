@@ -398,7 +398,6 @@ class nixl_xfer_handle:
 # NIXL agent methods that this module does not offer.
 _UNSUPPORTED = frozenset(
     {
-        "make_connection",
         "estimate_xfer_cost",
         "prep_mem_view",
         "release_mem_view",
@@ -938,6 +937,17 @@ class nixl_agent:
                 del messages[i]
                 return True
         return False
+
+    def make_connection(self, remote_agent: Any, backends: list[str] | None = None):
+        """As NIXL's: opens now what the first transfer to ``remote_agent`` would open, through
+        every backend or only ``backends`` (TCP: one connection through TLS, hello and
+        authentication, which the first small request then uses; QUIC: its connection). A peer
+        that cannot be reached or refuses this agent raises here."""
+        name = _peer_name(remote_agent)
+        chosen = [self.backends[backend.upper()] for backend in backends or []] or [None]
+        with _Translated("make_connection"):
+            for backend in chosen:
+                self._agent.make_connection(name, backend)
 
     def send_notif(self, remote_agent_name: Any, notif_msg: bytes, backend: str | None = None):
         with _Translated("send_notif"):

@@ -82,7 +82,7 @@ fn corrupt_metadata(init: &Initiator, peer: &Peer) {
     assert!(matches!(result, Err(XferError::Metadata(_))), "trailing byte: {result:?}");
 }
 
-fn write_and_check(init: &Initiator, peer: &mut Peer, name: &str) {
+pub(crate) fn write_and_check(init: &Initiator, peer: &mut Peer, name: &str) {
     let seed = 0x5eed;
     write_pattern(&init.buf, 0, seed, 0, 4099);
     init.transfer(Op::Write, &[init.desc(0, 4099)], name, &[peer.desc(7, 4099)], RequestOptions::default(), WAIT)

@@ -19,6 +19,7 @@ use crate::peer::{peer_exe, Peer, PeerConfig};
 mod auth;
 mod choice;
 mod claims;
+mod connect_now;
 mod dereg;
 mod errors;
 mod faults;
@@ -38,6 +39,7 @@ pub mod wire_tcp;
 pub use auth::strangers_are_refused;
 pub use choice::picks_by_capability_and_falls_back_to_tcp;
 pub use claims::early_claims_hold_no_handler;
+pub use connect_now::make_connection_ahead;
 pub use dereg::{
     dereg_initiator_races_transfers, dereg_target_races_transfers, dereg_target_races_transfers_disconnecting,
 };
