@@ -941,8 +941,9 @@ class nixl_agent:
     def make_connection(self, remote_agent: Any, backends: list[str] | None = None):
         """As NIXL's: opens now what the first transfer to ``remote_agent`` would open, through
         every backend or only ``backends`` (TCP: one connection through TLS, hello and
-        authentication, which the first small request then uses; QUIC: its connection). A peer
-        that cannot be reached or refuses this agent raises here."""
+        authentication, which the first small request then uses; QUIC: its connection; UCX:
+        nothing, its endpoint wires up in the first transfer). A peer that cannot be reached or
+        refuses this agent raises here."""
         name = _peer_name(remote_agent)
         chosen = [self.backends[backend.upper()] for backend in backends or []] or [None]
         with _Translated("make_connection"):
