@@ -102,7 +102,7 @@ pub async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<TargetShared>) {
 
 async fn serve_connection(incoming: quinn::Incoming, shared: Arc<TargetShared>) -> Result<(), ServeError> {
     let conn = timed(shared.timeout, std::future::IntoFuture::into_future(incoming)).await?;
-    let peer = match timed(shared.timeout, hello(&conn, &shared)).await {
+    let peer = match hello(&conn, &shared).await {
         Ok(Some(peer)) => peer,
         Ok(None) => {
             // Let the refusal reach the initiator before the close does.
@@ -138,7 +138,26 @@ async fn serve_connection(incoming: quinn::Incoming, shared: Arc<TargetShared>) 
 /// with a credential, runs the challenge-response; answers. Returns the initiator's name, or
 /// `None` when it was refused.
 async fn hello(conn: &quinn::Connection, shared: &TargetShared) -> Result<Option<String>, ServeError> {
-    let (mut send, mut recv) = conn.accept_bi().await?;
+    // One bound for the whole hello, as for the connection's handshake before it.
+    let deadline = tokio::time::Instant::now() + shared.timeout;
+    let (mut send, mut recv) = timed(shared.timeout, conn.accept_bi()).await?;
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let judged = timed(left, judge_hello(&mut send, &mut recv, conn, shared)).await;
+    if judged.is_err() {
+        // Dropped, quinn would finish the stream, and the initiator could read a clean, empty
+        // answer before the connection's close reaches it.
+        let _ = send.reset(quinn::VarInt::from_u32(REFUSED));
+    }
+    judged
+}
+
+/// [`hello`] on its accepted stream (bounded by the caller).
+async fn judge_hello(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    conn: &quinn::Connection,
+    shared: &TargetShared,
+) -> Result<Option<String>, ServeError> {
     let mut fixed = [0u8; frame::HELLO_LEN];
     recv.read_exact(&mut fixed).await?;
     let hello = frame::decode_hello(&fixed)?;
