@@ -451,7 +451,8 @@ impl Agent {
     /// `backend`: a peer that cannot be reached or refuses this agent fails here rather than
     /// in its first transfer, which then starts on an open connection (NIXL's
     /// `makeConnection`). What each backend opens is in its docs; one that opens nothing ahead
-    /// of a transfer does nothing.
+    /// of a transfer does nothing. A connection already open counts as it is: a peer that died
+    /// since is noticed by the next transfer, as without this call.
     pub fn make_connection(&self, peer: &str, backend: Option<&str>) -> Result<(), XferError> {
         let peer = self.inner.peer(peer)?;
         let backends = self.inner.backends.load();

@@ -389,9 +389,7 @@ impl QuicPeer {
             .map(|((local, remote), &bytes)| Piece { local, remote, bytes })
             .collect())
     }
-}
 
-impl QuicPeer {
     /// Runs `task` on the backend's runtime and waits for it from a caller's thread.
     fn wait_for<F, Fut>(&self, task: F) -> Result<(), BackendError>
     where
