@@ -174,6 +174,18 @@ def test_dram_to_file_and_back_through_the_posix_backend(tmp_path):
         os.close(fd)
 
 
+def _open_fds(wanted) -> int:
+    """How many of this process's descriptors point at something ``wanted`` accepts (a path,
+    or ``socket:[...]``)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed since the listing (the listing's own descriptor)
+            continue
+    return sum(map(wanted, targets))
+
+
 def _wait_done(agent, handle, what: str):
     state = agent.transfer(handle)
     deadline = time.monotonic() + 20
@@ -227,7 +239,7 @@ def _files_by_path(api, agent_name: str, shared, directory) -> dict:
     result["created mode"] = oct(created.stat().st_mode)
     result["query created"] = agent.query_memory([(0, 0, 0, str(created))], "POSIX", mem_type="FILE")[0]["size"]
     agent.deregister_memory(registered)
-    result["left open"] = sum(os.path.realpath(f"/proc/self/fd/{fd}") == str(created) for fd in os.listdir("/proc/self/fd"))
+    result["left open"] = _open_fds(lambda target: target == str(created))
     return result
 
 
@@ -255,8 +267,7 @@ def test_files_by_path_name_one_file_per_devid_and_close_with_their_agent(tmp_pa
     import gc
 
     def open_under(directory) -> int:
-        fds = os.listdir("/proc/self/fd")
-        return sum(os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(directory)) for fd in fds)
+        return _open_fds(lambda target: target.startswith(str(directory)))
 
     agent = pd_xfer.nixl.nixl_agent("devids", pd_xfer.nixl.nixl_agent_config(backends=["POSIX"]))
     first = agent.register_memory([(0, 4096, 5, f"rw,create:{tmp_path / 'a'}")], "FILE")
@@ -274,11 +285,6 @@ def test_files_by_path_name_one_file_per_devid_and_close_with_their_agent(tmp_pa
     del agent
     gc.collect()
     assert open_under(tmp_path) == 0, "a collected agent left its files open"
-
-
-def _sockets() -> int:
-    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
-               if os.path.exists(f"/proc/self/fd/{fd}"))
 
 
 def test_make_connection_opens_what_the_first_transfer_uses_and_fails_fast():
@@ -299,15 +305,18 @@ def test_make_connection_opens_what_the_first_transfer_uses_and_fails_fast():
         reader.make_connection("nobody")
     with pytest.raises(KeyError):
         reader.make_connection("conn-target", ["UCX"])
-    before = _sockets()
+    def sockets() -> int:
+        return _open_fds(lambda target: target.startswith("socket:"))
+
+    before = sockets()
     reader.make_connection(b"conn-target", ["TCP"])
     # Both ends of one connection live in this process.
-    assert _sockets() - before == 2
+    assert sockets() - before == 2
     remote = reader.get_xfer_descs([(source.ctypes.data, size, 0)], "DRAM")
     local = reader.get_xfer_descs([(back.ctypes.data, size, 0)], "DRAM")
     _wait_done(reader, reader.initialize_xfer("READ", local, remote, "conn-target"), "READ")
     assert numpy.array_equal(back, source)
-    assert _sockets() - before == 2, "the first transfer opened a connection of its own"
+    assert sockets() - before == 2, "the first transfer opened a connection of its own"
 
     # A peer process killed after its metadata was loaded.
     script = (

@@ -299,7 +299,8 @@ class nixlXferTelemetry:
 
 class _DescList:
     """A descriptor list and its memory type; ``owner`` keeps the described objects alive;
-    ``metas`` are the registration tuples' fourth field (``""`` where none was given)."""
+    ``metas`` are the registration tuples' fourth field, ``None`` where none was given (transfer
+    lists, arrays, tensors: no list of empty strings is built for them)."""
 
     __slots__ = ("descs", "mem_type", "owner", "metas")
 
@@ -309,7 +310,11 @@ class _DescList:
         self.descs = descs
         self.mem_type = mem_type
         self.owner = owner
-        self.metas = metas if metas is not None else [""] * len(descs)
+        self.metas = metas
+
+    def meta_infos(self) -> list[str]:
+        """Each descriptor's metaInfo, ``""`` where none was given."""
+        return self.metas if self.metas is not None else [""] * len(self.descs)
 
     def descCount(self) -> int:
         return len(self.descs)
@@ -506,7 +511,8 @@ class nixl_agent:
     # Registration.
 
     def get_reg_descs(self, descs: Any, mem_type: str | None = None) -> nixlRegDList:
-        return nixlRegDList(*self._descs(descs, mem_type, "get_reg_descs"))
+        tuples, kind, owner = self._descs(descs, mem_type, "get_reg_descs")
+        return nixlRegDList(tuples, kind, owner, _metas(descs, len(tuples)))
 
     def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> nixlXferDList:
         return nixlXferDList(*self._descs(descs, mem_type, "get_xfer_descs"))
@@ -519,7 +525,7 @@ class nixl_agent:
                 raise _nixl_error(nixlInvalidParamError, method, "a memory type is needed (DRAM, VRAM, ...)", "invalid_argument")
             if not tuples:
                 raise _nixl_error(nixlInvalidParamError, method, "the descriptor list is empty", "invalid_argument")
-            return tuples, _mem_type_name(kind), descs, _metas(descs, len(tuples))
+            return tuples, _mem_type_name(kind), descs
 
     def get_serialized_descs(self, descs: _DescList) -> bytes:
         """``descs`` as bytes to send to a peer (NIXL pickles its lists; these bytes are data
@@ -532,7 +538,7 @@ class nixl_agent:
         body = {"kind": "reg" if isinstance(descs, nixlRegDList) else "xfer", "mem_type": descs.mem_type,
                 "descs": [list(desc) for desc in descs.descs]}
         if isinstance(descs, nixlRegDList):
-            body["metas"] = list(descs.metas)
+            body["metas"] = descs.meta_infos()
         return SERIALIZED_DESCS_PREFIX + json.dumps(body, separators=(",", ":")).encode()
 
     def deserialize_descs(self, serialized_descs: bytes) -> _DescList:
@@ -583,7 +589,7 @@ class nixl_agent:
         the descriptors opened (all or none: a failure closes those already opened)."""
         opened = _PathModeFiles()
         try:
-            for (_, _, dev_id), meta in zip(dlist.descs, dlist.metas):
+            for (_, _, dev_id), meta in zip(dlist.descs, dlist.meta_infos()):
                 mode = _path_mode(meta)
                 if mode is None:
                     continue
@@ -638,7 +644,7 @@ class nixl_agent:
                 f"backend {backend!r} answers no queries (the file backends do: {sorted(FILE_BACKENDS)})",
                 "unsupported",
             )
-        return [_file_info(meta) for meta in dlist.metas]
+        return [_file_info(meta) for meta in dlist.meta_infos()]
 
     # Metadata and peers.
 
@@ -757,7 +763,7 @@ class nixl_agent:
             return False
         if descs is None:
             return True
-        tuples, kind, *_ = self._descs(descs, None if isinstance(descs, _DescList) else "DRAM", "check_remote_metadata")
+        tuples, kind, _ = self._descs(descs, None if isinstance(descs, _DescList) else "DRAM", "check_remote_metadata")
         try:
             self._agent.prep_remote(name, tuples, kind)
         except XferError:
@@ -1033,15 +1039,19 @@ def _deserialized(data: bytes) -> _DescList:
     return nixlRegDList(rows, mem_type, None, metas)
 
 
-def _metas(descs: Any, count: int) -> list[str]:
-    """The metaInfo of NIXL registration tuples ``(addr, len, devId, metaInfo)``; ``""`` for
-    descriptors given any other way."""
+def _metas(descs: Any, count: int) -> list[str] | None:
+    """The metaInfo of NIXL registration tuples ``(addr, len, devId, metaInfo)`` (``""`` for a
+    row without one), or ``None`` when no row carries one."""
     if isinstance(descs, _DescList):
-        return list(descs.metas)
+        return descs.metas
     rows = [descs] if isinstance(descs, tuple) and descs and isinstance(descs[0], int) else descs
-    if isinstance(rows, (list, tuple)) and len(rows) == count:
-        return [str(row[3]) if isinstance(row, (tuple, list)) and len(row) == 4 else "" for row in rows]
-    return [""] * count
+    if isinstance(rows, (list, tuple)) and len(rows) == count and any(map(_has_meta, rows)):
+        return [str(row[3]) if _has_meta(row) else "" for row in rows]
+    return None
+
+
+def _has_meta(row: Any) -> bool:
+    return isinstance(row, (tuple, list)) and len(row) == 4
 
 
 def _path_mode(meta: str) -> tuple[int, str] | None:
