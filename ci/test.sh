@@ -141,6 +141,10 @@ await_background sglang
 sglang_venv=$last_line
 PD_SGLANG_VENV="$sglang_venv" cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
 
+step "real SGLang with its KV over xfer: SGLang's own NIXL transfer backend with pd_xfer.nixl as NIXL (TCP backend), the same suite"
+PD_SGLANG_VENV="$sglang_venv" PD_SGLANG_TRANSFER=xfer PD_XFER_SITE="$xfer_site" PD_XFER_BACKEND=TCP \
+  cargo test --workspace --all-features --locked --test sglang -- --test-threads 1 --nocapture
+
 step "SGLang's HiCache NIXL storage, its own code, storing and loading real host KV pools through pd_xfer (POSIX, files by path)"
 PD_SGLANG_VENV="$sglang_venv" PYTHONPATH="$xfer_site" "$vllm_venv/bin/python" -m pytest -q -rs -p no:cacheprovider \
   -W ignore::DeprecationWarning bindings/python/tests/test_sglang_hicache.py

@@ -251,6 +251,24 @@ pub enum Connector {
     Xfer { site: PathBuf, backend: String, tcp_params: Option<String> },
 }
 
+/// The unpacked pd-xfer wheel engines load (`PD_XFER_SITE`) and the xfer backend they move KV
+/// over (`PD_XFER_BACKEND`: TCP, the default, or UCX), for a suite whose `asked_by` setting
+/// chose xfer.
+pub fn xfer_site_from_env(asked_by: &'static str) -> Result<(PathBuf, String), E2eError> {
+    let site =
+        std::env::var_os("PD_XFER_SITE").filter(|v| !v.is_empty()).map(PathBuf::from).ok_or(E2eError::BadSetting {
+            var: asked_by,
+            value: "xfer".into(),
+            problem: "needs PD_XFER_SITE (bindings/python/build.sh prints it)",
+        })?;
+    Ok((site, std::env::var("PD_XFER_BACKEND").unwrap_or_else(|_| "TCP".into())))
+}
+
+/// engine.sh's flags naming the pd-xfer wheel and backend (both engine scripts take them).
+pub fn xfer_engine_args(site: &Path, backend: &str) -> Vec<String> {
+    vec!["--xfer-site".into(), site.display().to_string(), "--xfer-backend".into(), backend.into()]
+}
+
 /// `PD_XFER_TCP_PARAMS` for mutual TLS: a cluster CA and one certificate of it (both extended
 /// key usages, as every engine is a target and an initiator), made once per test process in
 /// the log folder, so that every engine the suite starts holds the same.
@@ -290,14 +308,7 @@ impl Connector {
         match std::env::var("PD_VLLM_CONNECTOR").unwrap_or_default().as_str() {
             "" | "nixl" => Ok(Connector::Nixl),
             "xfer" => {
-                let site = std::env::var_os("PD_XFER_SITE").filter(|v| !v.is_empty()).map(PathBuf::from).ok_or(
-                    E2eError::BadSetting {
-                        var: "PD_VLLM_CONNECTOR",
-                        value: "xfer".into(),
-                        problem: "needs PD_XFER_SITE (bindings/python/build.sh prints it)",
-                    },
-                )?;
-                let backend = std::env::var("PD_XFER_BACKEND").unwrap_or_else(|_| "TCP".into());
+                let (site, backend) = xfer_site_from_env("PD_VLLM_CONNECTOR")?;
                 let tcp_params = match std::env::var("PD_XFER_MUTUAL_TLS").unwrap_or_default().as_str() {
                     "" | "0" => None,
                     "1" if backend == "TCP" => Some(mutual_tls_params()?),
@@ -331,14 +342,9 @@ impl Connector {
     fn engine_args(&self) -> Vec<String> {
         match self {
             Connector::Nixl => vec!["--connector".into(), "nixl".into()],
-            Connector::Xfer { site, backend, .. } => vec![
-                "--connector".into(),
-                "xfer".into(),
-                "--xfer-site".into(),
-                site.display().to_string(),
-                "--xfer-backend".into(),
-                backend.clone(),
-            ],
+            Connector::Xfer { site, backend, .. } => {
+                [vec!["--connector".into(), "xfer".into()], xfer_engine_args(site, backend)].concat()
+            }
         }
     }
 }

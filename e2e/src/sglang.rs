@@ -1,10 +1,13 @@
 //! Real SGLang servers (CPU engine) started through `ci/sglang/engine.sh run`: a P/D prefill or
-//! decode over Mooncake's TCP transport, or a plain (non-disaggregated) server.
+//! decode over Mooncake's TCP transport or over xfer (SGLang's NIXL transfer backend with
+//! pd_xfer.nixl as NIXL), or a plain (non-disaggregated) server.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::{build_model, free_port_range, repo_root, wait_http_ok, E2eError, Proc};
+use crate::{
+    build_model, free_port_range, repo_root, wait_http_ok, xfer_engine_args, xfer_site_from_env, E2eError, Proc,
+};
 
 /// How to run the real-SGLang suite when it is skipped.
 pub const SGLANG_SKIP_HOW: &str = "install it with `ci/sglang/install.sh` (prints the venv) and run \
@@ -17,6 +20,54 @@ pub struct SglangSettings {
     pub model: PathBuf,
     /// First port of the range the suite uses (`PD_E2E_SGLANG_PORT_BASE`, default 28100).
     pub port_base: u16,
+    /// How P/D pairs move their KV (`PD_SGLANG_TRANSFER`).
+    pub transfer: SglangTransfer,
+}
+
+/// How a P/D pair moves its KV (`PD_SGLANG_TRANSFER`: `mooncake`, the default, or `xfer`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SglangTransfer {
+    /// Mooncake's TCP transport, SGLang's default.
+    Mooncake,
+    /// SGLang's NIXL transfer backend with pd_xfer.nixl as NIXL, loaded from the unpacked wheel
+    /// (`PD_XFER_SITE`), on the xfer backend `PD_XFER_BACKEND` (TCP or UCX; default TCP).
+    Xfer { site: PathBuf, backend: String },
+}
+
+impl SglangTransfer {
+    fn from_env() -> Result<SglangTransfer, E2eError> {
+        match std::env::var("PD_SGLANG_TRANSFER").unwrap_or_default().as_str() {
+            "" | "mooncake" => Ok(SglangTransfer::Mooncake),
+            "xfer" => {
+                let (site, backend) = xfer_site_from_env("PD_SGLANG_TRANSFER")?;
+                Ok(SglangTransfer::Xfer { site, backend })
+            }
+            other => Err(E2eError::BadSetting {
+                var: "PD_SGLANG_TRANSFER",
+                value: format!("{other:?}"),
+                problem: "expected mooncake or xfer",
+            }),
+        }
+    }
+
+    /// engine.sh's flags for this transfer.
+    fn engine_args(&self) -> Vec<String> {
+        match self {
+            SglangTransfer::Mooncake => vec!["--transfer".into(), "mooncake".into()],
+            SglangTransfer::Xfer { site, backend } => {
+                [vec!["--transfer".into(), "xfer".into()], xfer_engine_args(site, backend)].concat()
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for SglangTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SglangTransfer::Mooncake => write!(f, "Mooncake TCP"),
+            SglangTransfer::Xfer { backend, .. } => write!(f, "xfer {backend} (pd_xfer.nixl as NIXL)"),
+        }
+    }
 }
 
 impl SglangSettings {
@@ -36,7 +87,8 @@ impl SglangSettings {
             _ => build_model(&venv)?,
         };
         let wanted = std::env::var("PD_E2E_SGLANG_PORT_BASE").ok().and_then(|p| p.parse().ok()).unwrap_or(28100);
-        Ok(SglangSettings { venv, model, port_base: free_port_range(wanted, 50)? })
+        let transfer = SglangTransfer::from_env()?;
+        Ok(SglangSettings { venv, model, port_base: free_port_range(wanted, 50)?, transfer })
     }
 }
 
@@ -102,6 +154,7 @@ impl SglangServer {
         ] {
             args.extend([flag.to_string(), value]);
         }
+        args.extend(settings.transfer.engine_args());
         if let Some(p) = spec.events_port {
             args.extend(["--events".into(), format!("tcp://127.0.0.1:{p}")]);
         }

@@ -1,5 +1,6 @@
 //! The suite against a real SGLang 0.5.23 (CPU engine, `ci/sglang/`): two real prefills and one
-//! real decode over Mooncake's TCP transport, `pd-sidecar --mode sglang` in front of the decode
+//! real decode over Mooncake's TCP transport (`PD_SGLANG_TRANSFER=xfer`: over xfer, through
+//! SGLang's NIXL transfer backend with pd_xfer.nixl as NIXL), `pd-sidecar --mode sglang` in front of the decode
 //! (both prefills in its static list), a plain (non-disaggregated) server as the reference, and
 //! `pd-coordinator` fed by the prefills' KV events, are started once for the whole binary (a
 //! shared fixture) and every test uses them. Tests run in name order with `--test-threads 1`;
@@ -13,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use pd_e2e::outcome::{tally_after_kill, KillTally, Outcome};
-use pd_e2e::sglang::{SglangRole, SglangServer, SglangSettings, SglangSpec, SGLANG_SKIP_HOW};
+use pd_e2e::sglang::{SglangRole, SglangServer, SglangSettings, SglangSpec, SglangTransfer, SGLANG_SKIP_HOW};
 use pd_e2e::*;
 use pd_protocols::hash::sglang::{event_id, page_hashes};
 use serde_json::{json, Value};
@@ -47,7 +48,9 @@ const USED_TOKENS: &str = "sglang:num_used_tokens";
 struct Cluster {
     prefills: [Mutex<SglangServer>; 2],
     decode_url: String,
+    decode_log: std::path::PathBuf,
     plain_url: String,
+    transfer: SglangTransfer,
     /// The decode and the plain server, held until the binary exits.
     _servers: Mutex<Vec<SglangServer>>,
     sidecar: Mutex<Proc>,
@@ -133,7 +136,7 @@ fn start_cluster() -> Result<Cluster, E2eError> {
         _ => unreachable!("four servers"),
     };
     loud(&format!(
-        "sglang-e2e: prefills {} {}, decode {}, plain {} (started in {:.0}/{:.0}/{:.0}/{:.0} s); logs in {}",
+        "sglang-e2e: prefills {} {}, decode {}, plain {} (started in {:.0}/{:.0}/{:.0}/{:.0} s), KV over {}; logs in {}",
         a.url(),
         b.url(),
         decode.url(),
@@ -142,6 +145,7 @@ fn start_cluster() -> Result<Cluster, E2eError> {
         b.started_in.as_secs_f64(),
         decode.started_in.as_secs_f64(),
         plain.started_in.as_secs_f64(),
+        settings.transfer,
         log_dir().display()
     ));
 
@@ -194,7 +198,9 @@ fn start_cluster() -> Result<Cluster, E2eError> {
     Ok(Cluster {
         prefills: [Mutex::new(a), Mutex::new(b)],
         decode_url: decode.url(),
+        decode_log: decode.proc.log.clone(),
         plain_url: plain.url(),
+        transfer: settings.transfer,
         _servers: Mutex::new(vec![decode, plain]),
         sidecar: Mutex::new(sidecar),
         sidecar_url,
@@ -332,6 +338,40 @@ fn fresh_tokens(count: usize) -> Vec<u32> {
             (10 + x % 2000) as u32
         })
         .collect()
+}
+
+/// What a P/D server's log says about how it moves KV, for each transfer the suite runs.
+fn transfer_log_lines(transfer: &SglangTransfer) -> (Vec<String>, Vec<&'static str>) {
+    let launch_xfer = "nixl is pd_xfer.nixl";
+    match transfer {
+        SglangTransfer::Mooncake => {
+            (vec!["'disaggregation_transfer_backend': 'mooncake'".to_string()], vec![launch_xfer])
+        }
+        SglangTransfer::Xfer { backend, .. } => (
+            vec![
+                "'disaggregation_transfer_backend': 'nixl'".to_string(),
+                launch_xfer.to_string(),
+                format!("NIXL KVManager initialized with backend: {backend}"),
+            ],
+            vec![],
+        ),
+    }
+}
+
+#[test]
+fn t0_pd_servers_move_kv_over_the_transfer_asked_for() {
+    let Some(c) = cluster("t0_pd_servers_move_kv_over_the_transfer_asked_for") else { return };
+    let (present, absent) = transfer_log_lines(&c.transfer);
+    let logs = [c.prefill(0).proc.log.clone(), c.prefill(1).proc.log.clone(), c.decode_log.clone()];
+    for log in &logs {
+        for line in &present {
+            assert!(!log_lines_with(log, line).is_empty(), "{}: no line with {line:?}", log.display());
+        }
+        for line in &absent {
+            assert!(log_lines_with(log, line).is_empty(), "{}: a line with {line:?}", log.display());
+        }
+    }
+    loud(&format!("sglang-e2e: both prefills and the decode move KV over {}", c.transfer));
 }
 
 #[test]

@@ -153,6 +153,7 @@ def run_decode(nixl_agent, nixl_agent_config, backend, metadata, remote_addr):
         "totalBytes": telemetry.totalBytes,
     }
     record["release_xfer_handle"] = observe(lambda: agent.release_xfer_handle(handle))
+    record.update(strided_read(agent, remote_name, addr, remote_addr, local, expected))
     record["release_xfer_handle again"] = observe(lambda: agent.release_xfer_handle(handle))
     record["send_notif"] = observe(lambda: agent.send_notif(remote_name, notif_msg=b"HB:req-1"))
     record["send_notif unknown"] = observe(lambda: agent.send_notif("nobody", notif_msg=b"HB:req-1"))
@@ -166,6 +167,44 @@ def run_decode(nixl_agent, nixl_agent_config, backend, metadata, remote_addr):
     record["remove_remote_agent again"] = observe(lambda: agent.remove_remote_agent(remote_name))
     record["deregister_memory"] = observe(lambda: agent.deregister_memory(reg))
     record["deregister_memory again"] = observe(lambda: agent.deregister_memory(reg))
+    return record
+
+
+def strided_read(agent, remote_name, addr, remote_addr, local, expected):
+    """Strided (N×5) lists, as SGLang's NIXL transfer backend prepares them: rows of (addr, len,
+    devId, stride, count), indexed block by block in row order. Locally the even blocks, then the
+    odd ones; remotely all of them in one row."""
+    record = {}
+    half = BLOCKS // 2
+    local_rows = numpy.array(
+        [[addr, BLOCK, 0, 2 * BLOCK, half], [addr + BLOCK, BLOCK, 0, 2 * BLOCK, half]], dtype=numpy.uint64
+    )
+    remote_rows = numpy.array([[remote_addr, BLOCK, 0, BLOCK, BLOCKS]], dtype=numpy.uint64)
+    record["prep_xfer_dlist strided, no memory type"] = observe(
+        lambda: agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows)
+    )
+    past_the_end = numpy.array([[remote_addr, BLOCK, 0, BLOCK, BLOCKS + 1]], dtype=numpy.uint64)
+    record["prep_xfer_dlist strided outside"] = observe(
+        lambda: agent.prep_xfer_dlist(remote_name, past_the_end, "DRAM")
+    )
+    local_side = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows, "DRAM")
+    remote_side = agent.prep_xfer_dlist(remote_name, remote_rows, "DRAM")
+    record["prep_xfer_dlist strided"] = observe(lambda: remote_side)
+    # Local indices 4, 12 and 15 are blocks 8, 9 and 15 (untouched by the first read).
+    into, wanted = [4, 12, 15], [5, 9, 2]
+    handle = agent.make_prepped_xfer("READ", local_side, into, remote_side, wanted)
+    state = agent.transfer(handle)
+    deadline = time.monotonic() + 20
+    while state == "PROC" and time.monotonic() < deadline:
+        state = agent.check_xfer_state(handle)
+    record["strided read state"] = state
+    record["strided read bytes"] = all(
+        numpy.array_equal(local[b * BLOCK:(b + 1) * BLOCK], expected[r * BLOCK:(r + 1) * BLOCK])
+        for b, r in zip([8, 9, 15], wanted)
+    )
+    agent.release_xfer_handle(handle)
+    agent.release_dlist_handle(local_side)
+    agent.release_dlist_handle(remote_side)
     return record
 
 

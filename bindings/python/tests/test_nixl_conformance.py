@@ -53,6 +53,7 @@ def differences(theirs: dict, ours: dict) -> list:
 @pytest.mark.parametrize("backend", [b for b in ("UCX", "TCP") if b in pd_xfer.nixl.nixl_agent("probe").get_plugin_list()])
 def test_same_behaviour_as_nixl(nixl_record, backend):
     assert nixl_record["bytes read"] is True and nixl_record["check_xfer_state"] == {"value": "DONE"}
+    assert nixl_record["strided read bytes"] is True and nixl_record["strided read state"] == "DONE"
     ours = record("pd_xfer", backend)
     assert differences(nixl_record, ours) == []
 
@@ -108,6 +109,34 @@ def test_backend_settings_from_the_environment(nixl_record, monkeypatch):
             metadata_with("env-bad")
         with pytest.raises(error, match=named):
             metadata_with("env-bad-also-given", {"no_such_key": "1"})
+
+
+def test_strided_lists_are_checked_before_they_are_expanded():
+    import numpy
+
+    agent = pd_xfer.nixl.nixl_agent("strided", pd_xfer.nixl.nixl_agent_config(backends=["TCP"]))
+    buffer = numpy.zeros(4 * 4096, dtype=numpy.uint8)
+    addr = buffer.ctypes.data
+    agent.register_memory(agent.get_reg_descs([(addr, buffer.nbytes, 0, "")], "DRAM"))
+    rows = numpy.array([[addr, 4096, 0, 4096, 4]], dtype=numpy.uint64)
+    # An N×5 array is a strided list for prep_xfer_dlist only, never a buffer to describe.
+    for call in (lambda: agent.get_xfer_descs(rows, "DRAM"), lambda: agent.get_reg_descs(rows, "DRAM"),
+                 lambda: agent.get_xfer_descs(numpy.zeros((2, 2), dtype=numpy.uint64), "DRAM")):
+        with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="3 columns"):
+            call()
+    with pytest.raises(ValueError, match="memory type"):
+        agent.prep_xfer_dlist("", rows)
+    negative = numpy.array([[addr, 4096, 0, -4096, 4]], dtype=numpy.int64)
+    with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="negative"):
+        agent.prep_xfer_dlist("", negative, "DRAM")
+    huge = numpy.array([[addr, 1, 0, 0, pd_xfer.nixl.MAX_STRIDED_DESCS + 1]], dtype=numpy.uint64)
+    with pytest.raises(pd_xfer.nixl.nixlInvalidParamError, match="more than"):
+        agent.prep_xfer_dlist("", huge, "DRAM")
+    past_the_end = numpy.array([[addr, 4096, 0, 4096, 5]], dtype=numpy.uint64)
+    with pytest.raises(pd_xfer.nixl.nixlNotFoundError):
+        agent.prep_xfer_dlist("", past_the_end, "DRAM")
+    handle = agent.prep_xfer_dlist("", rows, "DRAM")
+    agent.release_dlist_handle(handle)
 
 
 def test_unsupported_methods_name_themselves():

@@ -519,6 +519,11 @@ class nixl_agent:
 
     def _descs(self, descs: Any, mem_type: str | None, method: str):
         with _Translated(method):
+            if _is_integer_table(descs) and descs.shape[1] not in (3, 4):
+                raise _nixl_error(
+                    nixlInvalidParamError, method,
+                    f"a descriptor array has 3 columns (addr, len, devId), not {descs.shape[1]}", "invalid_argument",
+                )
             tuples = regions(descs)
             kind = mem_type or memory_type_of(descs, default="")
             if not kind:
@@ -787,6 +792,10 @@ class nixl_agent:
     def prep_xfer_dlist(
         self, agent_name: Any, xfer_list: Any, mem_type: str | None = None, backends: list[str] | None = None
     ) -> nixl_prepped_dlist_handle:
+        if _is_integer_table(xfer_list) and xfer_list.shape[1] == 5:
+            if mem_type is None:
+                raise ValueError("prep_xfer_dlist: strided (N×5) descriptors need a memory type")
+            xfer_list = _expand_strided(xfer_list)
         dlist = xfer_list if isinstance(xfer_list, _DescList) else self.get_xfer_descs(xfer_list, mem_type)
         name = _peer_name(agent_name)
         with _Translated("prep_xfer_dlist"):
@@ -983,6 +992,38 @@ def install_as_nixl() -> None:
     sys.modules["nixl"] = package
     sys.modules["nixl._api"] = this
     sys.modules["nixl._bindings"] = this
+
+
+def _is_integer_table(obj: Any) -> bool:
+    """A two-dimensional integer array (numpy's or any with its shape and dtype)."""
+    shape = getattr(obj, "shape", None)
+    kind = getattr(getattr(obj, "dtype", None), "kind", "")
+    return shape is not None and len(shape) == 2 and kind in ("i", "u")
+
+
+# A strided list expands to one descriptor per block; more than this is refused rather than
+# built (16 M descriptors is a few GB of Python tuples).
+MAX_STRIDED_DESCS = 1 << 24
+
+
+def _expand_strided(rows: Any) -> list[tuple[int, int, int]]:
+    """NIXL's strided (compressed) descriptor rows ``(addr, len, devId, stride, count)``, each
+    ``count`` blocks of ``len`` bytes ``stride`` apart from ``addr``, as one descriptor per
+    block, rows in order (a prepared list's indices count blocks)."""
+    out: list[tuple[int, int, int]] = []
+    for addr, length, dev_id, stride, count in rows.tolist():
+        if min(addr, length, dev_id, stride, count) < 0:
+            raise _nixl_error(
+                nixlInvalidParamError, "prep_xfer_dlist", f"a strided row has a negative field: "
+                f"{(addr, length, dev_id, stride, count)}", "invalid_argument",
+            )
+        if len(out) + count > MAX_STRIDED_DESCS:
+            raise _nixl_error(
+                nixlInvalidParamError, "prep_xfer_dlist", f"strided rows expand to more than "
+                f"{MAX_STRIDED_DESCS} descriptors", "invalid_argument",
+            )
+        out.extend((addr + i * stride, length, dev_id) for i in range(count))
+    return out
 
 
 def _operation(operation: str) -> str:
