@@ -44,14 +44,45 @@ pub struct Telemetry {
     pub duration: Option<Duration>,
 }
 
+/// `segs` with each one that continues the one before it (same region, by `same_region`, and
+/// starting where it ends) folded into it. Backends move each side's bytes in list order,
+/// whatever the other side's boundaries, so this is the same transfer in fewer, longer pieces:
+/// an engine that lists a KV run block by block (SGLang, one descriptor per token and layer)
+/// costs UCX one operation per run, not per block.
+fn merge_runs<S>(
+    segs: Vec<S>,
+    same_region: impl Fn(&S, &S) -> bool,
+    span: impl Fn(&mut S) -> (u64, &mut u64),
+) -> Vec<S> {
+    let mut merged: Vec<S> = Vec::with_capacity(segs.len());
+    for mut seg in segs {
+        let (addr, len) = span(&mut seg);
+        let len = *len;
+        if let Some(last) = merged.last_mut() {
+            if same_region(last, &seg) {
+                let (last_addr, last_len) = span(last);
+                if last_addr.checked_add(*last_len) == Some(addr) {
+                    *last_len += len;
+                    continue;
+                }
+            }
+        }
+        merged.push(seg);
+    }
+    merged
+}
+
 /// A READ or WRITE between local and remote descriptor lists. Dropping it releases it; a
 /// posting still in flight is cancelled (the memory stays pinned until the backend lets go).
 pub struct XferRequest {
     op: Op,
     backend: &'static str,
     link: Arc<dyn RemoteAgent>,
+    /// The descriptors as given, contiguous runs merged ([`merge_runs`]).
     local: Vec<LocalSeg>,
     remote: Vec<RemoteSeg>,
+    /// Local descriptors as given (telemetry counts them so).
+    descriptors: usize,
     notif: Option<Vec<u8>>,
     bytes: u64,
     current: Mutex<Option<Arc<Completion>>>,
@@ -66,7 +97,7 @@ impl std::fmt::Debug for XferRequest {
             .field("peer", &self._peer.name)
             .field("backend", &self.backend)
             .field("bytes", &self.bytes)
-            .field("descriptors", &self.local.len())
+            .field("descriptors", &self.descriptors)
             .finish_non_exhaustive()
     }
 }
@@ -83,7 +114,21 @@ impl XferRequest {
         bytes: u64,
         peer: Arc<Peer>,
     ) -> Self {
-        XferRequest { op, backend, link, local, remote, notif, bytes, current: Mutex::new(None), _peer: peer }
+        let descriptors = local.len();
+        let local = merge_runs(local, |a, b| Arc::ptr_eq(&a.entry, &b.entry), |s| (s.addr, &mut s.len));
+        let remote = merge_runs(remote, |a, b| Arc::ptr_eq(&a.key, &b.key), |s| (s.addr, &mut s.len));
+        XferRequest {
+            op,
+            backend,
+            link,
+            local,
+            remote,
+            descriptors,
+            notif,
+            bytes,
+            current: Mutex::new(None),
+            _peer: peer,
+        }
     }
 
     pub fn op(&self) -> Op {
@@ -191,7 +236,7 @@ impl XferRequest {
         Some(Telemetry {
             backend: self.backend,
             bytes: self.bytes,
-            descriptors: self.local.len(),
+            descriptors: self.descriptors,
             posted_at: completion.posted_at(),
             duration: completion.elapsed(),
         })
@@ -224,5 +269,32 @@ impl Future for WaitFuture<'_> {
             Poll::Pending => Poll::Pending,
             Poll::Ready(status) => Poll::Ready(this.request.result(status).map(|_| ())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_runs;
+
+    #[test]
+    fn runs_merge_only_within_a_region_and_only_where_they_continue() {
+        // (region, addr, len)
+        let segs = vec![
+            (1, 100, 10),
+            (1, 110, 5),
+            (1, 115, 0),
+            (1, 115, 5), // continues after an empty one
+            (2, 120, 4), // adjacent, another region
+            (2, 130, 1), // a gap
+            (1, 131, 1), // would continue region 2's run
+            (1, 120, 3), // backwards
+            (1, u64::MAX - 1, 2),
+            (1, 0, 1), // past the end of the address space does not wrap to 0
+        ];
+        let merged = merge_runs(segs, |a, b| a.0 == b.0, |s| (s.1, &mut s.2));
+        assert_eq!(
+            merged,
+            vec![(1, 100, 20), (2, 120, 4), (2, 130, 1), (1, 131, 1), (1, 120, 3), (1, u64::MAX - 1, 2), (1, 0, 1)]
+        );
     }
 }

@@ -9,7 +9,8 @@
 //! thus completes on the caller's thread, with no thread hand-off. The agent metadata carries
 //! the worker address and, per registration (`ucp_mem_map`), the packed remote key.
 //!
-//! A READ or WRITE is one `ucp_get_nbx`/`ucp_put_nbx` per descriptor piece. A WRITE then
+//! A READ or WRITE is one `ucp_get_nbx`/`ucp_put_nbx` per descriptor piece (the agent has
+//! merged descriptors that continue one another). A WRITE then
 //! issues one `ucp_ep_flush_nbx` and completes when the flush does, so the data is visible at
 //! the target; a READ completes when its gets do (their data has landed here). A notification
 //! is an active message sent after that, acknowledged by the receiver before the request

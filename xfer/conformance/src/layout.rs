@@ -59,6 +59,23 @@ impl Layout {
         Layout { pieces, window: cursor }
     }
 
+    /// `total` bytes cut at random points into `count` non-empty pieces in stream order, most
+    /// starting where the one before ends (as an engine lists a KV run block by block; the agent
+    /// merges those), about one in eight after a gap. Needs `1 <= count <= total`.
+    pub fn runs(rng: &mut impl Rng, total: u64, count: usize) -> Layout {
+        let mut layout = Layout::scatter(rng, total, count);
+        let mut cursor = rng.random_range(0..=MAX_LEAD);
+        for piece in &mut layout.pieces {
+            if rng.random_ratio(1, 8) {
+                cursor += rng.random_range(1..=MAX_GAP);
+            }
+            piece.off = cursor;
+            cursor += piece.len;
+        }
+        layout.window = cursor;
+        layout
+    }
+
     /// The whole stream as one piece at `off`.
     pub fn contiguous(off: u64, total: u64) -> Layout {
         Layout { pieces: vec![Piece { off, len: total, pos: 0 }], window: off + total }
@@ -133,6 +150,17 @@ mod tests {
             assert_eq!(covered, layout.window, "pieces overlap or leave the window");
             assert!(layout.pieces.windows(2).all(|w| w[0].pos + w[0].len == w[1].pos));
         }
+    }
+
+    #[test]
+    fn runs_cover_the_stream_in_order_mostly_without_gaps() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let layout = Layout::runs(&mut rng, 1 << 20, 65536);
+        assert_eq!((layout.pieces.len(), layout.total()), (65536, 1 << 20));
+        assert!(layout.window <= Layout::max_window(1 << 20, 65536));
+        assert!(layout.pieces.windows(2).all(|w| w[0].pos + w[0].len == w[1].pos && w[0].off + w[0].len <= w[1].off));
+        let continuing = layout.pieces.windows(2).filter(|w| w[0].off + w[0].len == w[1].off).count();
+        assert!((50_000..63_000).contains(&continuing), "{continuing} of 65535 pieces continue the one before");
     }
 
     #[test]

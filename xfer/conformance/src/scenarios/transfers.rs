@@ -17,6 +17,8 @@ const SIZES: [u64; 4] = [1, 4096 + 3, 1 << 20, 16 << 20];
 const COUNTS: [usize; 6] = [1, 2, 7, 64, 1024, 4096];
 /// Local and remote lists with different numbers of descriptors.
 const UNEVEN: [(usize, usize); 3] = [(7, 64), (4096, 1), (1, 4096)];
+/// Lists of runs ([`Layout::runs`]): bytes, local and remote descriptors.
+const RUNS: [(u64, usize, usize); 2] = [(1 << 20, 65536, 65536), (1 << 20, 65536, 7)];
 const LARGE: u64 = 256 << 20;
 /// Bound on one 256 MiB request (a slow CI machine moves well over 100 MB/s on loopback).
 const LARGE_WAIT: Duration = Duration::from_secs(60);
@@ -113,7 +115,8 @@ fn check_local(init: &Initiator, label: &str, seed: u64, background: u64, local:
 }
 
 /// Sizes from 1 byte to 16 MiB, each with 1 to 4096 descriptors of random lengths at shuffled
-/// positions (local and remote cut differently), in both directions.
+/// positions (local and remote cut differently), in both directions; then 1 MiB as 65,536
+/// descriptors in stream order, most continuing the one before.
 pub fn transfer_matrix(backend: &str, params: &str) {
     let max = SIZES.iter().max().copied().unwrap_or(0);
     let mut bench = Bench::new("matrix", backend, params, Layout::max_window(max, 4096));
@@ -126,6 +129,13 @@ pub fn transfer_matrix(backend: &str, params: &str) {
         for op in [Op::Write, Op::Read] {
             let local = Layout::scatter(&mut bench.rng, total, local_count);
             let remote = Layout::scatter(&mut bench.rng, total, remote_count);
+            bench.case(op, &local, &remote, WAIT);
+        }
+    }
+    for (total, local_count, remote_count) in RUNS {
+        for op in [Op::Write, Op::Read] {
+            let local = Layout::runs(&mut bench.rng, total, local_count);
+            let remote = Layout::runs(&mut bench.rng, total, remote_count);
             bench.case(op, &local, &remote, WAIT);
         }
     }
