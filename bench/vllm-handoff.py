@@ -25,24 +25,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from engine_bench import HERE, REQUEST_TIMEOUT, ROOT, engine, load_now, machine_line, metric, post, stop, write_report
+
 ENGINE = os.path.join(ROOT, "ci", "vllm", "engine.sh")
 MAX_MODEL_LEN = 2048
-REQUEST_TIMEOUT = 120
-
-
-def post(port, path, body):
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
-        return json.loads(response.read())
 
 
 def first_token_time(port, body):
@@ -98,34 +87,15 @@ def handoff(prefill, decode, prompt):
     return remote_first, local_first
 
 
-def metric(port, name):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def engine(action, name, *args, env=None):
-    # A start is tried twice: on this 2-core machine an engine now and then dies while starting.
-    for attempt in (1, 2):
-        done = subprocess.run(["bash", ENGINE, action, name, *args], env=env, stdout=sys.stderr)
-        if done.returncode == 0:
-            return
-        print(f"{name}: {action} failed (attempt {attempt})", file=sys.stderr)
-        subprocess.run(["bash", ENGINE, "stop", name], env=env, stdout=sys.stderr, stderr=sys.stderr)
-    raise RuntimeError(f"{name}: {action} failed twice; see its log under the run directory")
-
-
 def run_connector(label, connector_args, env_extra, args, ports):
     env = dict(os.environ, **env_extra)
     prefill_port, decode_port = ports
     common = ["--venv", args.venv, "--block-size", "32", *connector_args, "--", "--max-model-len", str(MAX_MODEL_LEN)]
     names = (f"handoff-prefill-{label}", f"handoff-decode-{label}")
     try:
-        engine("start", names[0], "--port", str(prefill_port), "--side-port", str(prefill_port + 1), "--core", "0",
+        engine(ENGINE, "start", names[0], "--port", str(prefill_port), "--side-port", str(prefill_port + 1), "--core", "0",
                *common, env=env)
-        engine("start", names[1], "--port", str(decode_port), "--side-port", str(decode_port + 1), "--core", "1",
+        engine(ENGINE, "start", names[1], "--port", str(decode_port), "--side-port", str(decode_port + 1), "--core", "1",
                *common, env=env)
         rng = random.Random(7)
         handoff(prefill_port, decode_port, prompt_of(decode_port, 64, rng))  # the handshake
@@ -147,7 +117,7 @@ def run_connector(label, connector_args, env_extra, args, ports):
         return {"samples": figures, "bytes_moved": moved, "failed_transfers": failed}
     finally:
         for name in names:
-            subprocess.run(["bash", ENGINE, "stop", name], env=env, stdout=sys.stderr, stderr=sys.stderr)
+            stop(ENGINE, name, env=env)
 
 
 def main():
@@ -159,8 +129,7 @@ def main():
     parser.add_argument("--port-base", default=28100, type=int)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
-    load_start = subprocess.run(["bash", os.path.join(HERE, "machine.sh"), "--load"], capture_output=True,
-                                text=True).stdout.strip()
+    load_start = load_now()
 
     runs = [
         ("xfer-tcp", ["--connector", "xfer", "--xfer-site", args.xfer_site, "--xfer-backend", "TCP"], {}),
@@ -181,8 +150,7 @@ def main():
         xfer, nixl, nixl_default = (median_ms(label, length) for label in labels)
         firsts = [median_ms(label, length, "remote_first_token_s") for label in labels]
         rows.append((length, xfer, nixl, xfer / nixl if nixl > 0 else float("nan"), nixl_default, *firsts))
-    machine = subprocess.run(["bash", os.path.join(HERE, "machine.sh"), "bench/vllm-handoff.py", load_start],
-                             capture_output=True, text=True).stdout.strip()
+    machine = machine_line("bench/vllm-handoff.py", load_start)
     lines = [
         f"KV handoff time, real vLLM {os.path.basename(args.venv)} (tiny Llama, CPU, block size 32), median of "
         f"{args.repeat} fresh prompts per length; handoff = decode's first token after the prefill's answer minus "
@@ -202,13 +170,7 @@ def main():
     lines.append("Bytes moved by the decodes (vllm:nixl_bytes_transferred_sum): " + ", ".join(
         f"{label} {results[label]['bytes_moved'] / 1e6:.1f} MB ({int(results[label]['failed_transfers'])} failed)"
         for label in results) + ".")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "vllm-handoff.json"), "w") as f:
-        json.dump({"lengths": args.lengths, "repeat": args.repeat, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "vllm-handoff.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    subprocess.run(["bash", os.path.join(HERE, "update-readme.sh")], check=False)
+    write_report(args.out, "vllm-handoff", {"lengths": args.lengths, "repeat": args.repeat, "results": results}, lines)
 
 
 if __name__ == "__main__":
