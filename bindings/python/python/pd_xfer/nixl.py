@@ -194,6 +194,10 @@ def _message(message: Any) -> bytes:
 
 
 def _indices(indices: Any) -> list[int]:
+    # An integer array's tolist() is Python ints already (SGLang passes arrays of thousands of
+    # block indices per transfer); anything else goes through int().
+    if getattr(getattr(indices, "dtype", None), "kind", "") in ("i", "u"):
+        return indices.tolist()
     if hasattr(indices, "tolist"):
         indices = indices.tolist()
     return [int(i) for i in indices]
