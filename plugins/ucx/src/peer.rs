@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
-use xfer_core::{BackendError, RefusalCode, RemoteAgent, RemoteKey, TransferJob};
+use xfer_core::{
+    BackendError, Completion, LocalMem, Op, RefusalCode, RemoteAgent, RemoteKey, RemoteSeg, Status, TransferJob,
+};
 
 use crate::conn::PeerInfo;
 use crate::engine::{Engine, Shared};
@@ -66,11 +68,43 @@ impl RemoteAgent for UcxPeer {
         notify(&self.engine, &self.info, message, self.notify_bound)
     }
 
+    /// Wires the endpoint up as the first transfer would: an empty WRITE is one flush, which on
+    /// a new endpoint completes once UCX has connected it to the peer, and fails (in peer error
+    /// mode) or times out for a peer that is gone.
+    fn connect_now(&self) -> Result<(), BackendError> {
+        if self.info.is_closed() {
+            return Err(self.info.disconnected("disconnected by the agent"));
+        }
+        post_and_wait(&self.engine, &self.info, Op::Write, Vec::new(), Vec::new(), true, self.notify_bound)
+    }
+
     fn disconnect(&self) {
         if !self.info.closed.swap(true, Ordering::AcqRel) {
             let info = &self.info;
             let _ = self.engine.with(|engine| engine.disconnect(info));
         }
+    }
+}
+
+/// Posts a job as [`post`] does and waits for it, at most `bound`.
+pub fn post_and_wait(
+    engine: &Arc<Shared>,
+    info: &Arc<PeerInfo>,
+    op: Op,
+    local: Vec<LocalMem>,
+    remote: Vec<RemoteSeg>,
+    visible: bool,
+    bound: Duration,
+) -> Result<(), BackendError> {
+    let (completion, done) = Completion::new();
+    post(engine, info, TransferJob { op, local, remote, notif: None, done }, visible);
+    let status = completion.wait(bound);
+    // The completion (dropped here) held the other reference to a failure.
+    drop(completion);
+    match status {
+        Status::InProgress => Err(BackendError::TimedOut(bound)),
+        Status::Done => Ok(()),
+        Status::Failed(err) => Err(Arc::try_unwrap(err).unwrap_or_else(|err| BackendError::Protocol(err.to_string()))),
     }
 }
 

@@ -16,8 +16,7 @@ use parking_lot::Mutex;
 use xfer_core::split::Segment as _;
 use xfer_core::staging::{self, Flow, LaneCache, Staging, StagingConfig, Wire};
 use xfer_core::{
-    BackendError, Completion, Desc, LocalMem, LocalRegion, MemSlice, MemType, Op, RefusalCode, RemoteSeg, Status,
-    TransferJob,
+    BackendError, Desc, LocalMem, LocalRegion, MemSlice, MemType, Op, RefusalCode, RemoteSeg, TransferJob,
 };
 
 use crate::conn::PeerInfo;
@@ -222,19 +221,7 @@ impl SubRequests<'_> {
         visible: bool,
         bound: Duration,
     ) -> Result<(), BackendError> {
-        let (completion, done) = Completion::new();
-        let job = TransferJob { op: self.op, local, remote, notif: None, done };
-        peer::post(self.engine, self.info, job, visible);
-        let status = completion.wait(bound);
-        // The completion (dropped here) held the other reference to a failure.
-        drop(completion);
-        match status {
-            Status::InProgress => Err(BackendError::TimedOut(bound)),
-            Status::Done => Ok(()),
-            Status::Failed(err) => {
-                Err(Arc::try_unwrap(err).unwrap_or_else(|err| BackendError::Protocol(err.to_string())))
-            }
-        }
+        peer::post_and_wait(self.engine, self.info, self.op, local, remote, visible, bound)
     }
 
     /// Moves a slot's bytes through a region laid over them for this one sub-request.

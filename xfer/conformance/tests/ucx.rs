@@ -47,6 +47,7 @@ mod over_tcp {
             grant_writes,
             late_read_storm,
             // Killed or frozen peers: only over transports that detect failed peers.
+            make_connection_ahead,
             sigkill_mid_transfer,
             sigstop_mid_transfer,
             stalled_peer_times_out,

@@ -961,7 +961,7 @@ class nixl_agent:
         """As NIXL's: opens now what the first transfer to ``remote_agent`` would open, through
         every backend or only ``backends`` (TCP: one connection through TLS, hello and
         authentication, which the first small request then uses; QUIC: its connection; UCX:
-        nothing, its endpoint wires up in the first transfer). A peer that cannot be reached or
+        its endpoint, wired up by a flush). A peer that cannot be reached or
         refuses this agent raises here."""
         name = _peer_name(remote_agent)
         chosen = [self.backends[backend.upper()] for backend in backends or []] or [None]

@@ -1,7 +1,7 @@
 //! `Agent::make_connection`: opening ahead of the first transfer what it would open. For
-//! backends that connect ahead (TCP, QUIC): it succeeds against a live peer and the write after
-//! it is delivered, it names what it cannot find, and a peer that was never reached and is gone
-//! fails it within the failure bound.
+//! backends that connect ahead (TCP, QUIC: their connection; UCX: its endpoint's wire-up): it
+//! succeeds against a live peer and the write after it is delivered, it names what it cannot
+//! find, and a peer that was never reached and is gone fails it within the failure bound.
 
 use std::time::Instant;
 
