@@ -317,14 +317,15 @@ def test_files_by_path_name_one_file_per_devid_and_close_with_their_agent(tmp_pa
 
 
 def test_make_connection_opens_what_the_first_transfer_uses_and_fails_fast():
-    """``make_connection`` (NIXL's, optional for callers): over TCP it opens the connection the
-    first small transfer then uses (no socket is opened by that transfer), it names the peer
-    it does not know, and a peer that is gone fails it at once."""
+    """``make_connection`` (NIXL's, optional for callers): over TCP it opens one connection per
+    stream, which the first small transfer and the stream workers of the first large one then
+    use (neither opens a socket), it names the peer it does not know, and a peer that is gone
+    fails it at once."""
     import numpy
 
     config = pd_xfer.nixl.nixl_agent_config(backends=["TCP"])
     target, reader = pd_xfer.nixl.nixl_agent("conn-target", config), pd_xfer.nixl.nixl_agent("conn-reader", config)
-    size = 4096
+    size = 1 << 20
     source = numpy.frombuffer(os.urandom(size), dtype=numpy.uint8).copy()
     back = numpy.zeros(size, dtype=numpy.uint8)
     target.register_memory([(source.ctypes.data, size, 0, "")], "DRAM")
@@ -339,13 +340,14 @@ def test_make_connection_opens_what_the_first_transfer_uses_and_fails_fast():
 
     before = sockets()
     reader.make_connection(b"conn-target", ["TCP"])
-    # Both ends of one connection live in this process.
-    assert sockets() - before == 2
-    remote = reader.get_xfer_descs([(source.ctypes.data, size, 0)], "DRAM")
-    local = reader.get_xfer_descs([(back.ctypes.data, size, 0)], "DRAM")
-    _wait_done(reader, reader.initialize_xfer("READ", local, remote, "conn-target"), "READ")
-    assert numpy.array_equal(back, source)
-    assert sockets() - before == 2, "the first transfer opened a connection of its own"
+    # One connection per stream (2 by default), both ends of each in this process.
+    assert sockets() - before == 4
+    for length in (4096, size):  # inline, then split over both streams
+        remote = reader.get_xfer_descs([(source.ctypes.data, length, 0)], "DRAM")
+        local = reader.get_xfer_descs([(back.ctypes.data, length, 0)], "DRAM")
+        _wait_done(reader, reader.initialize_xfer("READ", local, remote, "conn-target"), "READ")
+        assert numpy.array_equal(back[:length], source[:length])
+        assert sockets() - before == 4, f"the first {length}-byte transfer opened a connection of its own"
 
     # A peer process killed after its metadata was loaded.
     script = (

@@ -196,15 +196,16 @@ impl RemoteAgent for PeerPool {
         self.shared.notify(message)
     }
 
-    /// One connection, through TLS, hello and authentication, left idle for the first request
-    /// that goes inline (small ones); the stream workers of larger requests connect on their
-    /// first chunk.
+    /// One connection per stream, each through TLS, hello and authentication, left idle: the
+    /// first small request goes inline on one, and the stream workers of a large one take the
+    /// others (a worker without a connection takes an idle one before it opens its own).
     fn connect_now(&self) -> Result<(), BackendError> {
         if self.shared.is_closed() {
             return Err(self.shared.disconnected("connection pool closed"));
         }
-        let pooled = self.shared.check_out()?;
-        self.shared.check_in(pooled);
+        let opened =
+            (0..self.shared.config.streams.max(1)).map(|_| self.shared.check_out()).collect::<Result<Vec<_>, _>>()?;
+        opened.into_iter().for_each(|pooled| self.shared.check_in(pooled));
         Ok(())
     }
 
@@ -665,12 +666,24 @@ fn read_response_until(
 }
 
 impl PoolShared {
-    /// The slot's connection, (re)opened when missing or from an abandoned epoch.
+    /// The slot's connection: when it is missing or from an abandoned epoch, an idle one (one
+    /// that `connect_now` or an inline exchange left), else a new one.
     fn current<'a>(&self, slot: &'a mut Option<Pooled>) -> Result<&'a mut Conn, BackendError> {
         let epoch = self.epoch.load(Ordering::Acquire);
-        if slot.as_ref().is_some_and(|p| p.epoch != epoch) {
+        if slot.as_ref().is_none_or(|p| p.epoch != epoch) {
             if let Some(stale) = slot.take() {
                 stale.conn.shutdown();
+            }
+            loop {
+                let idle = self.idle.lock().pop();
+                match idle {
+                    Some(idle) if idle.epoch == epoch => {
+                        *slot = Some(idle);
+                        break;
+                    }
+                    Some(stale) => stale.conn.shutdown(),
+                    None => break,
+                }
             }
         }
         match slot {
