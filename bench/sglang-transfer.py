@@ -4,15 +4,18 @@ pd_xfer.nixl as NIXL) against Mooncake's TCP transport (SGLang's default), the s
 servers and prompts in one run.
 
 For each transfer a prefill and a decode SGLang server are started (ci/sglang/engine.sh, the CPU
-engine and tiny Llama of ci/sglang/), one pair at a time, warmed up with one P/D request (the
-bootstrap and the agents' first contact), then every prompt length is measured --repeat times
-with fresh prompts (random token ids: neither server has any of them cached). One request at a
+engine and tiny Llama of ci/sglang/), one pair at a time (an idle SGLang server's event loop
+keeps a good part of a core busy, so pairs side by side would measure each other), warmed up
+with one P/D request (the bootstrap and the agents' first contact), then every prompt length is
+measured --repeat times with fresh prompts (random token ids: neither server has any of them
+cached). --rounds repeats that, the pairs' order reversed every other round, so drift over the
+run reaches every transfer alike; the figures are over all rounds. One request at a
 time, so each prefill's `sglang:kv_transfer_latency_ms` sum grows by that request's transfer
 alone: SGLang's own clock on its backend, from the transfer's start to its completion. Beside it,
 the P/D request's time: both servers asked at once (as a proxy does) until the decode answers
 with its 2 tokens.
 
-    bench/sglang-transfer.py --venv VENV --xfer-site SITE [--lengths 256,1024,1900] [--repeat 9]
+    bench/sglang-transfer.py --venv VENV --xfer-site SITE [--lengths 256,1024,1900] [--repeat 9] [--rounds 2]
 
 Writes bench/results/sglang-transfer.{json,md} and updates bench/README.md (bench/update-readme.sh).
 """
@@ -78,7 +81,7 @@ def measured(prefill, decode, bootstrap_port, ids, room):
     raise RuntimeError("the prefill counted no transfer for a P/D request within 10 s")
 
 
-def run_transfer(label, transfer_args, args, ports):
+def run_transfer(label, transfer_args, args, ports, seed):
     prefill, decode, bootstrap = ports
     names = (f"transfer-prefill-{label}", f"transfer-decode-{label}")
     common = ["--venv", args.venv, *transfer_args]
@@ -103,7 +106,7 @@ def run_transfer(label, transfer_args, args, ports):
             thread.join()
         if failed:
             raise failed[0]
-        rng = random.Random(11)
+        rng = random.Random(seed)
         room = rng.randrange(1 << 62)
         measured(prefill, decode, bootstrap, [rng.choice(TOKEN_IDS) for _ in range(64)], room)  # first contact
         figures = {}
@@ -129,6 +132,7 @@ def main():
     parser.add_argument("--backends", default="TCP", help="xfer backends to run, comma separated (TCP, UCX)")
     parser.add_argument("--lengths", default="256,1024,1900", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--repeat", default=9, type=int)
+    parser.add_argument("--rounds", default=2, type=int)
     parser.add_argument("--port-base", default=28300, type=int)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
@@ -138,10 +142,15 @@ def main():
         (f"xfer-{b.lower()}", ["--transfer", "xfer", "--xfer-site", args.xfer_site, "--xfer-backend", b])
         for b in args.backends.split(",")
     ]
-    results = {}
-    for i, (label, transfer_args) in enumerate(runs):
-        base = args.port_base + 10 * i
-        results[label] = run_transfer(label, transfer_args, args, (base, base + 1, base + 2))
+    results = {label: {"samples": {length: [] for length in args.lengths}, "mb_moved": 0.0} for label, _ in runs}
+    for round_ in range(args.rounds):
+        # Every pair gets the same prompts in a round (the seed), and the order turns around.
+        for i, (label, transfer_args) in sorted(enumerate(runs), reverse=round_ % 2 == 1):
+            base = args.port_base + 10 * i
+            run = run_transfer(label, transfer_args, args, (base, base + 1, base + 2), seed=11 + round_)
+            for length in args.lengths:
+                results[label]["samples"][length] += run["samples"][length]
+            results[label]["mb_moved"] += run["mb_moved"]
     for length in args.lengths:
         outputs = {label: [s["output_ids"] for s in results[label]["samples"][length]] for label in results}
         if len({str(o) for o in outputs.values()}) != 1:
@@ -156,7 +165,8 @@ def main():
               + " | P/D request: Mooncake / " + " / ".join(xfers) + " (ms) |")
     lines = [
         f"KV transfer time, real SGLang {os.path.basename(args.venv)} (tiny Llama, CPU engine, page size 1), median "
-        f"of {args.repeat} fresh prompts per length, one request at a time; transfer = the prefill's "
+        f"of {args.repeat} fresh prompts per length in each of {args.rounds} rounds (the pairs' order reversed every "
+        "other round), one request at a time; transfer = the prefill's "
         "sglang:kv_transfer_latency_ms for that request (SGLang's own clock on its backend); P/D request = both "
         "servers asked at once until the decode's answer (2 tokens). Every decode answered with the same ids "
         "whatever the transfer.",
