@@ -959,8 +959,8 @@ class nixl_agent:
 
     def make_connection(self, remote_agent: Any, backends: list[str] | None = None):
         """As NIXL's: opens now what the first transfer to ``remote_agent`` would open, through
-        every backend or only ``backends`` (TCP: one connection through TLS, hello and
-        authentication, which the first small request then uses; QUIC: its connection; UCX:
+        every backend or only ``backends`` (TCP: one connection per stream through TLS,
+        hello and authentication, which the first requests then use; QUIC: its connection; UCX:
         its endpoint, wired up by a flush). A peer that cannot be reached or
         refuses this agent raises here."""
         name = _peer_name(remote_agent)
