@@ -8,9 +8,9 @@ the attribute False the sender takes its plain numpy path (../../shared/SGLANG_C
 
 With `PD_SGLANG_NIXL=pd_xfer` (engine.sh --transfer xfer), SGLang's NIXL transfer backend runs
 over xfer: `pd_xfer.nixl` is installed as `nixl`, which that backend imports by name. Its manager
-labels every KV buffer VRAM whatever the device; the CPU engine's are host memory, so the agent
-SGLang gets registers and transfers VRAM-labelled lists as DRAM (on a GPU they are VRAM, and
-nothing here runs).
+labels every KV buffer VRAM whatever the device; the CPU engine's (`SGLANG_USE_CPU_ENGINE=1`,
+which engine.sh sets) are host memory, so there the agent SGLang gets registers and transfers
+VRAM-labelled lists as DRAM. Anywhere else VRAM stays VRAM.
 
 The adjustments are made at start-up, never in an edited copy of SGLang. SGLang starts its
 scheduler in `spawn`ed processes; those run the main module's top level again (as
@@ -49,6 +49,9 @@ def _install_pd_xfer_as_nixl():
             return super().prep_xfer_dlist(agent_name, xfer_list, host(mem_type), backends)
 
     pd_xfer.nixl.install_as_nixl()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        print(f"pd-suite launch.py: nixl is pd_xfer.nixl (pid {os.getpid()})", file=sys.stderr, flush=True)
+        return
     # `nixl._api` is a module of its own here, so pd_xfer.nixl itself keeps its agent class.
     api = types.ModuleType("nixl._api", "pd_xfer.nixl with SGLang's CPU KV as host memory")
     api.__dict__.update({k: v for k, v in vars(pd_xfer.nixl).items() if not k.startswith("__")})
