@@ -29,16 +29,32 @@ declare -A background_pids
 start_background() {
   local name=$1
   shift
-  # Its own process group, so that the trap below stops pip and cargo too.
-  setsid "$@" >"$background_logs/$name.log" 2>&1 &
+  # Its own process group, so that the trap below stops pip and cargo too. Its exit status goes to
+  # a file: bash forgets a finished job's status once another child of this shell gets its pid
+  # (pid_max is 32768 here and a CI run goes round it), and `wait` then fails with "not a child
+  # of this shell" (status 127) although the job succeeded.
+  setsid bash -c '"$@"; echo $? >"$0"' "$background_logs/$name.status" "$@" >"$background_logs/$name.log" 2>&1 &
   background_pids[$name]=$!
 }
-# Waits for a job started above (in this shell: a subshell cannot wait for it), prints its log
-# and sets `last_line` to the log's last line (an install's venv path, the wheel's directory).
+# Whether a job started above has ended (its status is written).
+background_done() {
+  [ -s "$background_logs/$1.status" ]
+}
+# Waits for a job started above, prints its log and sets `last_line` to the log's last line (an
+# install's venv path, the wheel's directory).
 await_background() {
-  local name=$1 status=0
-  wait "${background_pids[$name]}" || status=$?
+  local name=$1 status
+  while ! background_done "$name"; do
+    # A job killed before it could write its status has no process group left.
+    if ! kill -0 -- "-${background_pids[$name]}" 2>/dev/null && ! background_done "$name"; then
+      echo "background job $name ended without a status" >&2
+      return 1
+    fi
+    sleep 1
+  done
+  # No `wait`: the pid may belong to another job by now (bash reaps the job by itself).
   unset "background_pids[$name]"
+  status=$(cat "$background_logs/$name.status")
   cat "$background_logs/$name.log" >&2
   if [ "$status" != 0 ]; then
     echo "background job $name failed (status $status)" >&2
@@ -57,7 +73,7 @@ trap stop_background EXIT
 start_background peers bench/peers/install.sh
 start_background vllm ci/vllm/install.sh
 # SGLang links torch from the vLLM venv when that is there: its install starts when vLLM's ends.
-start_background sglang bash -c "tail --pid=${background_pids[vllm]} -f /dev/null; exec ci/sglang/install.sh"
+start_background sglang bash -c "while [ ! -s '$background_logs/vllm.status' ]; do sleep 1; done; exec ci/sglang/install.sh"
 start_background aiperf ci/aiperf/install.sh
 
 # First, as a new user runs it: the README's main command with no system package to lean on.
