@@ -13,14 +13,13 @@ use axum::body::Body;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, Response, StatusCode};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
 
 use crate::context::Context;
 use crate::engines::{EnginePool, RankGuard};
 use crate::errors::{ApiError, LegError, UpstreamError};
 use crate::finish::Finish;
 use crate::metrics::{inc, Metrics, Outcome, Phase};
-use crate::upstream::{self, LegHeaders};
+use crate::upstream::{self, LegHeaders, UpstreamBody};
 
 /// One decode call.
 #[derive(Debug)]
@@ -43,7 +42,7 @@ pub struct Opened {
     pub rank: Option<RankGuard>,
     pub status: StatusCode,
     pub headers: HeaderMap,
-    pub incoming: Incoming,
+    pub incoming: UpstreamBody,
     pub first: Option<Frame<Bytes>>,
     pub sse: bool,
 }
@@ -98,7 +97,7 @@ pub async fn open(ctx: &Context, engines: &EnginePool, call: &DecodeCall<'_>) ->
 /// Waits for the first body frame of `resp` until `limit` after `started` (a 504 when late, a
 /// 502 when the body breaks off); `what` names the peer in those errors.
 pub async fn first_frame(
-    resp: Response<Incoming>,
+    resp: Response<UpstreamBody>,
     rank: Option<RankGuard>,
     what: &str,
     started: Instant,
@@ -140,8 +139,6 @@ pub async fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body>
         ready: None,
         inner: opened.incoming,
         gathered: Gathered::default(),
-        quiet_turns: 0,
-        turns: 0,
         after: None,
         idle: ctx.cfg.stream_idle_timeout,
         last_activity: Instant::now(),
@@ -155,7 +152,7 @@ pub async fn relay(ctx: &Context, opened: Opened, fin: Finish) -> Response<Body>
     match opened.first.map(Frame::into_data) {
         Some(Ok(data)) => {
             relay.gathered.push(data);
-            // With data gathered the relay never waits for the engine: at most a few turns.
+            // With data gathered the relay never waits for the engine.
             relay.ready = std::future::poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
         }
         Some(Err(trailers)) => relay.ready = Some(Ok(trailers)),
@@ -185,7 +182,7 @@ pub async fn run(ctx: &Context, engines: &EnginePool, call: DecodeCall<'_>, mut 
 }
 
 /// The next frame carrying data (trailers pass as frames too), or `None` at the end.
-async fn next_data_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hyper::Error> {
+async fn next_data_frame(body: &mut UpstreamBody) -> Result<Option<Frame<Bytes>>, pd_http::client::ClientError> {
     loop {
         match std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await {
             None => return Ok(None),
@@ -200,15 +197,8 @@ async fn next_data_frame(body: &mut Incoming) -> Result<Option<Frame<Bytes>>, hy
     }
 }
 
-/// A burst of the engine's output is joined for the client until this many bytes: a steady
-/// stream waits at most that long.
+/// A burst of the engine's output is joined for the client until this many bytes.
 const MAX_GATHERED: usize = 16 << 10;
-/// Turns given to the engine's connection per joined burst (the same bound, in frames).
-const MAX_GATHER_TURNS: u8 = 32;
-/// The engine's connection hands over the next frame it has already read within two turns of
-/// the runtime (measured: with one turn, every SSE event still went out alone); two turns in a
-/// row without data end the burst.
-const QUIET_TURNS: u8 = 2;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -216,23 +206,17 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// `idle` ends it (with an SSE error event when streaming); its end or its drop (the client
 /// left) settles the request's outcome and reports.
 ///
-/// The engine's connection hands its body over one frame per turn of the runtime, so a burst of
-/// SSE events already read from the socket would reach the client as one write per event. After
-/// a frame the relay gathers what arrives while it gives that connection turns, and writes the
-/// burst as one frame once turns bring nothing new: the same bytes, one `writev` instead of one
-/// per event, and output that has not arrived yet is never waited for. The first burst is
-/// gathered before the response head is handed to the server (see `relay`).
+/// The engine's body hands over everything its connection has read as one frame, so a burst of
+/// SSE events read in one system call leaves in one `writev`; output that has not arrived yet
+/// is never waited for. The first burst is gathered before the response head is handed to the
+/// server (see `relay`), so the head and the start of the body leave together.
 struct Relay {
     _rank: Option<RankGuard>,
     /// The first burst, gathered before the response head went out.
     ready: Option<Result<Frame<Bytes>, BoxError>>,
-    inner: Incoming,
+    inner: UpstreamBody,
     /// Data read from the engine and not yet given to the client.
     gathered: Gathered,
-    /// Turns given to the engine's connection in a row that brought no data.
-    quiet_turns: u8,
-    /// Turns given for the data gathered now.
-    turns: u8,
     /// What follows the gathered data: a trailers frame or the engine's error.
     after: Option<Result<Frame<Bytes>, BoxError>>,
     idle: Duration,
@@ -307,8 +291,6 @@ impl Relay {
 
     /// The gathered data as one frame (none when nothing is gathered).
     fn flush(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.quiet_turns = 0;
-        self.turns = 0;
         Poll::Ready(self.gathered.take().map(Ok))
     }
 }
@@ -342,7 +324,6 @@ impl HttpBody for Relay {
                         Ok(data) => {
                             if !data.is_empty() {
                                 this.gathered.push(data);
-                                this.quiet_turns = 0;
                             }
                         }
                         Err(trailers) if this.gathered.is_empty() => return Poll::Ready(Some(Ok(trailers))),
@@ -362,16 +343,7 @@ impl HttpBody for Relay {
                     let outcome = this.outcome;
                     this.settle(outcome, None);
                 }
-                Poll::Pending if !this.gathered.is_empty() => {
-                    if this.quiet_turns < QUIET_TURNS && this.turns < MAX_GATHER_TURNS {
-                        // Queued behind the engine's connection, which this poll woke.
-                        this.quiet_turns += 1;
-                        this.turns += 1;
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
-                    }
-                    return this.flush();
-                }
+                Poll::Pending if !this.gathered.is_empty() => return this.flush(),
                 Poll::Pending => {
                     // The timer is moved only when it fires early (cheaper than per frame).
                     loop {
@@ -444,7 +416,7 @@ impl Drop for Relay {
 }
 
 /// A response that streams `incoming` back unchanged (pass-through paths).
-pub fn passthrough(status: StatusCode, headers: &HeaderMap, incoming: Incoming) -> Response<Body> {
+pub fn passthrough(status: StatusCode, headers: &HeaderMap, incoming: UpstreamBody) -> Response<Body> {
     let mut r = Response::new(Body::new(incoming));
     *r.status_mut() = status;
     *r.headers_mut() = upstream::response_headers(headers);

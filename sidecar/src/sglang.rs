@@ -33,7 +33,7 @@ const MAX_PREFILL_BODY: usize = 64 << 20;
 /// How an attempt whose prefill did not fail ended the leg.
 enum Ended {
     /// The decode answered (head and first frame); the prefill may still run.
-    Opened { opened: Opened, prefill: AbortOnDrop, prefill_ok: Option<Bytes> },
+    Opened { opened: Box<Opened>, prefill: AbortOnDrop, prefill_ok: Option<Bytes> },
     /// The decode could not be opened.
     Decode(LegError),
     /// The prefill answered a 4xx.
@@ -118,7 +118,7 @@ pub async fn run(
                         }
                         d = &mut decode => {
                             return Ok(match d {
-                                Ok(opened) => Ended::Opened { opened, prefill, prefill_ok },
+                                Ok(opened) => Ended::Opened { opened: Box::new(opened), prefill, prefill_ok },
                                 Err(e) => Ended::Decode(e),
                             });
                         }
@@ -136,13 +136,13 @@ pub async fn run(
         Legged::Done(Ended::Opened { opened, prefill, prefill_ok }) => {
             inc(&ctx.metrics.disaggregated);
             match after_decode(merge_logprobs, opened.status) {
-                AfterDecode::Merge => merged(ctx, opened, prefill, prefill_ok, fin).await,
+                AfterDecode::Merge => merged(ctx, *opened, prefill, prefill_ok, fin).await,
                 AfterDecode::Relay { detach_prefill } => {
                     if detach_prefill {
                         // The decode has its KV; let the prefill's call end on its own.
                         prefill.detach();
                     }
-                    decode::relay(ctx, opened, fin).await
+                    decode::relay(ctx, *opened, fin).await
                 }
             }
         }

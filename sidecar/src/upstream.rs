@@ -1,5 +1,5 @@
-//! The HTTP client towards engines, prefills and the coordinator (hyper, pooled keep-alive
-//! connections, optional rustls), and the header rules of each leg.
+//! The HTTP client towards engines, prefills and the coordinator ([`pd_http::client`]: pooled
+//! keep-alive connections, optional rustls), and the header rules of each leg.
 
 use std::time::Duration;
 
@@ -8,16 +8,14 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+/// An engine's response body, read as it is polled.
+pub use pd_http::client::Body as UpstreamBody;
+use pd_http::client::{Client, ClientConfig};
 
 use crate::errors::UpstreamError;
 use crate::target::Target;
 
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
+pub type HttpClient = Client;
 
 /// The header naming the prefill chosen by an upstream router (llm-d convention).
 pub const ROUTING_HEADER: &str = "x-prefiller-host-port";
@@ -47,23 +45,13 @@ pub fn set_dp_rank(headers: &mut HeaderMap, rank: Option<u32>) {
 }
 
 pub fn client(connect_timeout: Duration, tls: rustls::ClientConfig) -> HttpClient {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(connect_timeout));
-    http.set_keepalive(Some(Duration::from_secs(30)));
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
-    Client::builder(TokioExecutor::new())
-        // Without a timer the pool checks idleness only when it hands a connection out, so
-        // the connections of a past burst would stay open for good.
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .pool_max_idle_per_host(4096)
-        .build(https)
+    Client::new(ClientConfig {
+        connect_timeout,
+        tcp_keepalive: Some(Duration::from_secs(30)),
+        idle_timeout: Duration::from_secs(60),
+        max_idle_per_origin: 4096,
+        tls: std::sync::Arc::new(tls),
+    })
 }
 
 /// Sends `req`, waiting at most `timeout` for the response head.
@@ -72,19 +60,24 @@ pub async fn send(
     target: &Target,
     req: Request<Body>,
     timeout: Duration,
-) -> Result<Response<Incoming>, UpstreamError> {
+) -> Result<Response<UpstreamBody>, UpstreamError> {
     match tokio::time::timeout(timeout, client.request(req)).await {
         Err(_) => Err(UpstreamError::Timeout { target: target.base.clone(), secs: timeout.as_secs_f64() }),
         Ok(Ok(r)) => Ok(r),
         Ok(Err(e)) if e.is_connect() => {
-            Err(UpstreamError::Connect { target: target.base.clone(), reason: error_chain(&e) })
+            Err(UpstreamError::Connect { target: target.base.clone(), reason: e.to_string() })
         }
-        Ok(Err(e)) => Err(UpstreamError::Io { target: target.base.clone(), reason: error_chain(&e) }),
+        Ok(Err(e)) => Err(UpstreamError::Io { target: target.base.clone(), reason: e.to_string() }),
     }
 }
 
 /// Reads a whole (small) response body, bounded in size and time.
-pub async fn collect(target: &Target, body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, UpstreamError> {
+pub async fn collect(
+    target: &Target,
+    body: UpstreamBody,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, UpstreamError> {
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Err(_) => Err(UpstreamError::Timeout { target: target.base.clone(), secs: timeout.as_secs_f64() }),
         Ok(Ok(c)) => Ok(c.to_bytes()),
@@ -93,18 +86,6 @@ pub async fn collect(target: &Target, body: Incoming, limit: usize, timeout: Dur
         }
         Ok(Err(e)) => Err(UpstreamError::Io { target: target.base.clone(), reason: e.to_string() }),
     }
-}
-
-/// A request's error and its causes on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
 }
 
 fn is_hop_by_hop(name: &HeaderName) -> bool {

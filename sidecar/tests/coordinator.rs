@@ -114,8 +114,10 @@ async fn until<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registers_heartbeats_pairs_reports_and_acts_on_notices() {
-    let (p1, p2, d) =
-        (Sim::start(&[]).await, Sim::start(&[]).await, Sim::start(&["--kv-load-failure-policy", "fail"]).await);
+    // The decode takes 20 ms a token, so a streamed answer arrives in pieces (its first output
+    // before its end) and a whole one at once.
+    let decode_args = ["--kv-load-failure-policy", "fail", "--decode-us-per-token", "20000"];
+    let (p1, p2, d) = (Sim::start(&[]).await, Sim::start(&[]).await, Sim::start(&decode_args).await);
     let (url, fake) = fake_coordinator().await;
     *fake.pair_with.lock().unwrap() = Some(("pre-2".into(), p2.url.clone()));
     let s = Sidecar::start(&[
