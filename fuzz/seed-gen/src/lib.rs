@@ -49,6 +49,7 @@ pub fn all() -> Vec<Seed> {
     seeds.extend(kv_events());
     seeds.extend(coordinator_api());
     seeds.extend(sidecar_engine_json());
+    seeds.extend(http_responses());
     seeds
 }
 
@@ -410,4 +411,43 @@ fn sidecar_engine_json() -> Vec<Seed> {
         seed(target, "sglang-leg-batch", rewrite::sglang_body(&batch, "10.0.0.1", Some(8998), &[42, 43])),
         seed(target, "sglang-logprob-answers", merged),
     ]
+}
+
+/// Engine answers as the sidecar's client reads them, each after the byte that picks the
+/// target's piece size. No encoder of ours writes responses: these are the shapes uvicorn sends
+/// for vLLM and SGLang (a JSON answer with its length, an SSE stream in chunks, an error), and an
+/// answer that runs until the connection closes.
+fn http_responses() -> Vec<Seed> {
+    let target = "http_responses";
+    let json_answer = json_bytes(&json!({"id": "cmpl-1", "choices": [{"index": 0, "text": " the"}]}));
+    let mut with_length = format!(
+        "HTTP/1.1 200 OK\r\ndate: Sat, 05 Dec 2026 00:00:00 GMT\r\nserver: uvicorn\r\ncontent-length: {}\r\n\
+         content-type: application/json\r\n\r\n",
+        json_answer.len()
+    )
+    .into_bytes();
+    with_length.extend_from_slice(&json_answer);
+    let mut sse = b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: text/event-stream; charset=utf-8\r\n\
+                    transfer-encoding: chunked\r\n\r\n"
+        .to_vec();
+    for event in ["data: {\"choices\":[{\"text\":\" a\"}]}\n\n", "data: [DONE]\n\n"] {
+        sse.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+    }
+    sse.extend_from_slice(b"0\r\n\r\n");
+    let error = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400 Bad Request\r\ncontent-length: 2\r\n\r\n{}".to_vec();
+    let until_close = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil the end".to_vec();
+    [
+        ("json-with-length", with_length),
+        ("sse-chunked", sse),
+        ("interim-then-error", error),
+        ("until-close", until_close),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (name, answer))| {
+        let mut bytes = vec![i as u8];
+        bytes.extend(answer);
+        seed(target, name, bytes)
+    })
+    .collect()
 }

@@ -57,6 +57,10 @@ fn accepted(seed: &Seed) -> bool {
             let first = bytes.split(|&b| b == 0).next().unwrap_or_default();
             pd_sidecar::json::Object::parse(first).is_ok()
         }
+        "http_responses" => {
+            let wire = &bytes[1..];
+            matches!(pd_http::client::framing::parse_head(wire, &http::Method::GET), Ok(Some(_)))
+        }
         other => panic!("no check for the seeds of {other}"),
     }
 }
