@@ -47,8 +47,6 @@ pub enum E2eError {
     /// An answer that parsed but says something else than the protocol needs.
     #[error("{what}: {body}")]
     Answer { what: &'static str, body: String },
-    #[error("making the mutual-TLS certificates: {0}")]
-    Certificate(#[from] rcgen::Error),
 }
 
 impl E2eError {

@@ -281,19 +281,9 @@ pub fn mutual_tls_params() -> Result<String, E2eError> {
     }
     let dir = log_dir().join("mutual-tls");
     std::fs::create_dir_all(&dir).map_err(E2eError::io("the certificates' folder"))?;
-    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
-    ca.distinguished_name.push(rcgen::DnType::CommonName, "pd-e2e cluster CA");
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
-    let ca_key = rcgen::KeyPair::generate()?;
-    let ca_cert = ca.self_signed(&ca_key)?;
-    let issuer = rcgen::Issuer::new(ca, ca_key);
-    let mut node = rcgen::CertificateParams::new(vec!["pd-e2e-engine".to_string()])?;
-    node.extended_key_usages =
-        vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-    let node_key = rcgen::KeyPair::generate()?;
-    let node_cert = node.signed_by(&node_key, &issuer)?;
-    let files = [("ca.pem", ca_cert.pem()), ("node.pem", node_cert.pem()), ("node.key", node_key.serialize_pem())];
+    let ca = xfer_conformance::TestCa::new("pd-e2e cluster CA");
+    let (node_cert, node_key) = ca.issue("pd-e2e-engine");
+    let files = [("ca.pem", ca.cert_pem()), ("node.pem", node_cert), ("node.key", node_key)];
     for (name, pem) in &files {
         std::fs::write(dir.join(name), pem).map_err(E2eError::io(format!("writing {name}")))?;
     }

@@ -39,8 +39,10 @@ pub mod layout;
 pub mod pattern;
 pub mod peer;
 pub mod scenarios;
+pub mod test_ca;
 
 pub use peer::{peer_exe, set_peer_exe, Peer, PeerConfig, PeerError};
+pub use test_ca::TestCa;
 
 /// One `#[test]` per listed scenario, each running `scenarios::NAME(backend, params)` against
 /// the calling test crate's `xfer-peer` binary: a backend's test file is one call per transport.

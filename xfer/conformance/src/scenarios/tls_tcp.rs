@@ -10,6 +10,7 @@ use xfer::{BackendError, Op, RefusalCode, RequestOptions, XferError};
 use super::{spawn_peer, within, Initiator, FAILURE_BOUND, WAIT};
 use crate::pattern::{pattern_hash, write_pattern};
 use crate::peer::Peer;
+use crate::test_ca::TestCa;
 
 const SIZE: u64 = 256 << 10;
 /// What the TCP backend appends to its connection info under `tls=on`.
@@ -78,7 +79,7 @@ pub fn tls_mutual_with_cluster_ca(backend: &str, params: &str) {
     let cluster = TestCa::new("cluster CA");
     let outsider = TestCa::new("another CA");
     let ca_file = dir.join("ca.pem");
-    std::fs::write(&ca_file, cluster.cert.pem()).expect("write the CA");
+    std::fs::write(&ca_file, cluster.cert_pem()).expect("write the CA");
     // Every party trusts the cluster CA; each holds a certificate of `ca`.
     let mutual = |name: &str, ca: &TestCa| {
         let (cert, key) = ca.issue(name);
@@ -133,35 +134,6 @@ pub fn tls_mutual_with_cluster_ca(backend: &str, params: &str) {
     write_all(&init, &name, &target, "a mutual-TLS write").unwrap_or_else(|e| panic!("mutual-TLS write: {e}"));
     assert_eq!(target.hash(0, SIZE).expect("hash"), pattern_hash(0x900d, 0, SIZE), "mutual-TLS write delivered");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A certificate authority for a test, and the certificates it issues (PEM).
-struct TestCa {
-    cert: rcgen::Certificate,
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-}
-
-impl TestCa {
-    fn new(name: &str) -> TestCa {
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
-        params.distinguished_name.push(rcgen::DnType::CommonName, name);
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::DigitalSignature];
-        let key = rcgen::KeyPair::generate().expect("a CA key");
-        let cert = params.self_signed(&key).expect("the CA certificate");
-        TestCa { cert, issuer: rcgen::Issuer::new(params, key) }
-    }
-
-    /// A certificate for `name` (both extended key usages, as an xfer backend needs) and its key.
-    fn issue(&self, name: &str) -> (String, String) {
-        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).expect("parameters");
-        params.distinguished_name.push(rcgen::DnType::CommonName, name);
-        params.extended_key_usages =
-            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-        let key = rcgen::KeyPair::generate().expect("a key");
-        let cert = params.signed_by(&key, &self.issuer).expect("a certificate");
-        (cert.pem(), key.serialize_pem())
-    }
 }
 
 fn write_all(init: &Initiator, name: &str, peer: &Peer, what: &str) -> Result<(), XferError> {
