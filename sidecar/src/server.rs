@@ -200,7 +200,7 @@ async fn ready(AxState(app): AxState<Shared>) -> Response<Body> {
 }
 
 async fn engine_metrics(AxState(app): AxState<Shared>, headers: HeaderMap) -> Response<Body> {
-    forward(&app, Method::GET, "/metrics".into(), &headers, Body::empty()).await
+    forward(&app, Method::GET, "/metrics".into(), &headers, Bytes::new()).await
 }
 
 /// `POST /pd/release {"request_id", "kv_transfer_params"}`: frees held blocks now.
@@ -222,17 +222,24 @@ async fn pd_release(AxState(app): AxState<Shared>, body: Bytes) -> Response<Body
     }
 }
 
-/// Any other path goes to the engine's first rank untouched (routing headers stripped).
+/// Any other path goes to the engine's first rank untouched (routing headers stripped). The
+/// upstream client sends a body whole, so it is read first, within `--max-body-bytes` (413 beyond).
 async fn passthrough(AxState(app): AxState<Shared>, req: Request) -> Response<Body> {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     inc(&app.ctx.metrics.passthrough);
-    forward(&app, parts.method, path_and_query(&parts.uri), &parts.headers, body).await
+    let (method, path, headers) =
+        (parts.method.clone(), path_and_query(&parts.uri), std::mem::take(&mut parts.headers));
+    let body = match Bytes::from_request(Request::from_parts(parts, body), &()).await {
+        Ok(b) => b,
+        Err(rejection) => return rejection.into_response(),
+    };
+    forward(&app, method, path, &headers, body).await
 }
 
-async fn forward(app: &App, method: Method, path: String, headers: &HeaderMap, body: Body) -> Response<Body> {
+async fn forward(app: &App, method: Method, path: String, headers: &HeaderMap, body: Bytes) -> Response<Body> {
     let (ctx, rid) = (&app.ctx, proxy::request_id(&app.ids, headers));
     let target = app.engines.primary();
-    let mut req = http::Request::new(body);
+    let mut req = http::Request::new(Body::from(body));
     *req.method_mut() = method;
     *req.uri_mut() = match target.url(&path).parse() {
         Ok(u) => u,

@@ -170,6 +170,23 @@ async fn routing_header_picks_an_allowed_prefill_and_others_pass_through() {
     assert_eq!(s.metric("pd_sidecar_passthrough_total").await, 1.0);
 }
 
+/// A pass-through upload is read whole before it is sent on, so it is held to `--max-body-bytes`
+/// like a generation request: over it the client gets 413 and the engine nothing; under it, the
+/// engine gets the bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pass_through_uploads_are_held_to_the_body_limit() {
+    let d = Sim::start(&[]).await;
+    let s = Sidecar::start(&["--engine", &d.url, "--max-body-bytes", "4096"]).await;
+    let upload =
+        |bytes: usize| common::client().post(format!("{}/v1/not-a-route", s.url)).body(vec![b'x'; bytes]).send();
+    let over = upload(64 << 10).await.unwrap();
+    assert_eq!(over.status(), 413);
+    // Under the limit the upload reaches the engine, which has no such route.
+    let under = upload(1024).await.unwrap();
+    assert_eq!(under.status(), 404, "{:?}", under.text().await);
+    assert_eq!(s.metric("pd_sidecar_passthrough_total").await, 2.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_prompts_decode_locally_and_data_parallel_ranks_share_the_load() {
     let p = Sim::start(&[]).await;

@@ -105,8 +105,9 @@ impl Client {
         self.inner.pool.idle_count()
     }
 
-    /// Sends `req` (an absolute `http` or `https` URI) and reads the response head. Not bounded
-    /// in time but for connecting: callers bound the whole.
+    /// Sends `req` (an absolute `http` or `https` URI) and reads the response head. The body is
+    /// collected whole first, so callers bound its size; nothing is bounded in time but
+    /// connecting, so callers bound the whole.
     pub async fn request<B>(&self, req: Request<B>) -> Result<Response<Body>, ClientError>
     where
         B: HttpBody<Data = Bytes> + Unpin,
