@@ -7,7 +7,7 @@
 use bytes::BytesMut;
 use http::Method;
 use libfuzzer_sys::fuzz_target;
-use pd_http::client::framing::{parse_head, Framing, FramingError, Step};
+use pd_http::client::framing::{take_head, Framing, FramingError, Step};
 
 /// The body `framing` cuts from `wire` fed `piece` bytes at a time, and how it ended.
 fn decode(mut framing: Framing, wire: &[u8], piece: usize) -> (Vec<u8>, Result<bool, FramingError>) {
@@ -36,12 +36,14 @@ fn decode(mut framing: Framing, wire: &[u8], piece: usize) -> (Vec<u8>, Result<b
 fuzz_target!(|data: &[u8]| {
     let Some((&split, wire)) = data.split_first() else { return };
     for method in [Method::GET, Method::HEAD] {
-        let Ok(Some((head, len))) = parse_head(wire, &method) else { continue };
-        assert!(len <= wire.len());
-        let rest = &wire[len..];
+        let mut buf = BytesMut::from(wire);
+        let Ok(Some(head)) = take_head(&mut buf, &method) else { continue };
+        let rest = &wire[wire.len() - buf.len()..];
+        assert_eq!(&buf[..], rest, "the head is taken from the front");
         let length = head.framing.remaining();
         let (whole, ended) = decode(head.framing, rest, usize::MAX);
-        let Ok(Some((again, _))) = parse_head(wire, &method) else { panic!("a head parsed once and not twice") };
+        let mut again = BytesMut::from(wire);
+        let Ok(Some(again)) = take_head(&mut again, &method) else { panic!("a head taken once and not twice") };
         let (pieces, ended_in_pieces) = decode(again.framing, rest, usize::from(split % 7) + 1);
         assert_eq!((&whole, &ended), (&pieces, &ended_in_pieces));
         assert!(whole.len() <= rest.len());

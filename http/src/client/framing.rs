@@ -41,37 +41,51 @@ pub struct Head {
     pub keep_alive: bool,
 }
 
-/// Parses the response head at the start of `buf`: `None` while it is incomplete, else the head
-/// and its length. Interim (1xx) responses are returned too; the caller skips them.
-pub fn parse_head(buf: &[u8], method: &Method) -> Result<Option<(Head, usize)>, FramingError> {
-    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut parsed = httparse::Response::new(&mut slots);
-    let len = match parsed.parse(buf) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(FramingError::HeadTooLarge),
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => return Err(FramingError::Head(format!("over {MAX_HEADERS} headers"))),
-        Err(e) => return Err(FramingError::Head(e.to_string())),
+/// Takes the response head from the front of `buf`: `None` (and `buf` untouched) while it is
+/// incomplete. Header values stay in the bytes read (no copy each). Interim (1xx) responses are
+/// returned too; the caller skips them.
+pub fn take_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, FramingError> {
+    // Where each header's name and value lie in `buf`, kept while httparse borrows it.
+    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    let (len, code, minor, count) = {
+        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut parsed = httparse::Response::new(&mut slots);
+        let len = match parsed.parse(buf) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(FramingError::HeadTooLarge),
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => {
+                return Err(FramingError::Head(format!("over {MAX_HEADERS} headers")))
+            }
+            Err(e) => return Err(FramingError::Head(e.to_string())),
+        };
+        let base = buf.as_ptr() as usize;
+        for (span, h) in spans.iter_mut().zip(parsed.headers.iter()) {
+            *span = (h.name.as_ptr() as usize - base, h.name.len(), h.value.as_ptr() as usize - base, h.value.len());
+        }
+        (len, parsed.code.unwrap_or_default(), parsed.version, parsed.headers.len())
     };
     if len > MAX_HEAD_BYTES {
         return Err(FramingError::HeadTooLarge);
     }
-    let code = parsed.code.unwrap_or_default();
     let status = StatusCode::from_u16(code).map_err(|_| FramingError::Head(format!("status {code}")))?;
     if status == StatusCode::SWITCHING_PROTOCOLS {
         return Err(FramingError::SwitchingProtocols);
     }
-    let version = if parsed.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
-    let mut headers = HeaderMap::with_capacity(parsed.headers.len());
-    for h in parsed.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
-            .map_err(|_| FramingError::Head(format!("header name {:?}", h.name)))?;
-        let value = HeaderValue::from_bytes(h.value).map_err(|_| FramingError::Head(format!("value of {name}")))?;
+    let version = if minor == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(count);
+    for &(name_at, name_len, value_at, value_len) in &spans[..count] {
+        let name = &head[name_at..name_at + name_len];
+        let name = HeaderName::from_bytes(name)
+            .map_err(|_| FramingError::Head(format!("header name {:?}", String::from_utf8_lossy(name))))?;
+        let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_at + value_len))
+            .map_err(|_| FramingError::Head(format!("value of {name}")))?;
         headers.append(name, value);
     }
     let (framing, framing_keeps) = framing_of(status, method, &headers)?;
     let keep_alive = framing_keeps && version == Version::HTTP_11 && !has_token(&headers, &CONNECTION, "close");
-    Ok(Some((Head { status, version, headers, framing, keep_alive }, len)))
+    Ok(Some(Head { status, version, headers, framing, keep_alive }))
 }
 
 /// The body's framing (RFC 9112 §6.3), and whether the connection can outlive it.
@@ -293,8 +307,10 @@ fn chunk_size(line: &[u8]) -> Result<u64, FramingError> {
 mod tests {
     use super::*;
 
+    /// The head of `text` and the length it took.
     fn head(text: &str) -> Result<Option<(Head, usize)>, FramingError> {
-        parse_head(text.as_bytes(), &Method::POST)
+        let mut buf = BytesMut::from(text.as_bytes());
+        Ok(take_head(&mut buf, &Method::POST)?.map(|h| (h, text.len() - buf.len())))
     }
 
     /// Feeds `wire` to `framing` in pieces of `piece` bytes; the body and what followed it.
@@ -337,7 +353,8 @@ mod tests {
         assert!(matches!(h.framing, Framing::UntilClose) && !h.keep_alive);
         let (h, _) = head("HTTP/1.1 204 No Content\r\n\r\n").unwrap().unwrap();
         assert!(h.framing.is_done() && h.keep_alive);
-        let (h, _) = parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", &Method::HEAD).unwrap().unwrap();
+        let mut wire = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n"[..]);
+        let h = take_head(&mut wire, &Method::HEAD).unwrap().unwrap();
         assert!(h.framing.is_done());
         let (h, _) = head("HTTP/1.1 100 Continue\r\n\r\n").unwrap().unwrap();
         assert!(h.status.is_informational());
@@ -352,7 +369,9 @@ mod tests {
 
     #[test]
     fn bad_heads_are_refused_and_partial_ones_wait() {
-        assert!(head("HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
+        let mut partial = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-le"[..]);
+        assert!(take_head(&mut partial, &Method::GET).unwrap().is_none());
+        assert_eq!(&partial[..], b"HTTP/1.1 200 OK\r\ncontent-le", "an incomplete head stays");
         assert!(head("").unwrap().is_none());
         for bad in [
             "HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n",

@@ -116,18 +116,20 @@ impl Client {
         let (parts, body) = req.into_parts();
         let target = Target::of(&parts.uri)?;
         let body = body.collect().await.map_err(|e| ClientError::RequestBody(e.into()))?.to_bytes();
-        let head = encode_head(&parts.method, &target, &parts.headers, body.len());
+        let message = encode_request(&parts.method, &target, &parts.headers, &body);
+        // A body too large to join the head follows it in a write of its own.
+        let rest = (body.len() > JOIN_BODY_BYTES).then_some(&body);
         let pooled = self.inner.pool.take(&target.origin, Instant::now());
         let reused = pooled.is_some();
         let stream = match pooled {
             Some(s) => s,
             None => self.connect(&target.origin).await?,
         };
-        match self.exchange(stream, &target.origin, &parts.method, &head, &body).await {
+        match self.exchange(stream, &target.origin, &parts.method, &message, rest).await {
             Err(Failure { unanswered: true, .. }) if reused => {
                 tracing::debug!(origin = %target.origin, "a kept connection was closed under the request; sending again");
                 let stream = self.connect(&target.origin).await?;
-                self.exchange(stream, &target.origin, &parts.method, &head, &body).await.map_err(|f| f.error)
+                self.exchange(stream, &target.origin, &parts.method, &message, rest).await.map_err(|f| f.error)
             }
             result => result.map_err(|f| f.error),
         }
@@ -138,45 +140,38 @@ impl Client {
         mut stream: Stream,
         origin: &Origin,
         method: &Method,
-        head: &[u8],
-        body: &Bytes,
+        message: &[u8],
+        rest: Option<&Bytes>,
     ) -> Result<Response<Body>, Failure> {
         let io_error = |error: io::Error, unanswered: bool| Failure {
             unanswered,
             error: ClientError::Io { origin: origin.to_string(), error },
         };
-        let written = if body.len() <= JOIN_BODY_BYTES {
-            let mut joined = Vec::with_capacity(head.len() + body.len());
-            joined.extend_from_slice(head);
-            joined.extend_from_slice(body);
-            stream.write_all(&joined).await
-        } else {
-            match stream.write_all(head).await {
-                Ok(()) => stream.write_all(body).await,
-                Err(e) => Err(e),
-            }
-        };
-        written.map_err(|e| io_error(e, true))?;
+        stream.write_all(message).await.map_err(|e| io_error(e, true))?;
+        if let Some(rest) = rest {
+            stream.write_all(rest).await.map_err(|e| io_error(e, true))?;
+        }
         stream.flush().await.map_err(|e| io_error(e, true))?;
 
         let mut buf = BytesMut::with_capacity(READ_BYTES);
+        let mut answered = false;
         loop {
             if buf.capacity() - buf.len() < 1024 {
                 buf.reserve(READ_BYTES);
             }
             let read = stream.read_buf(&mut buf).await;
-            let n = read.map_err(|e| io_error(e, buf.is_empty()))?;
+            let n = read.map_err(|e| io_error(e, !answered))?;
+            answered |= n > 0;
             if n == 0 {
-                let unanswered = buf.is_empty();
+                let unanswered = !answered;
                 let error = FramingError::Truncated("before the response head");
                 return Err(Failure { unanswered, error: ClientError::Response { origin: origin.to_string(), error } });
             }
             // Interim answers (100 Continue, 103) are skipped.
-            while let Some((head, len)) = framing::parse_head(&buf, method).map_err(|error| Failure {
+            while let Some(head) = framing::take_head(&mut buf, method).map_err(|error| Failure {
                 unanswered: false,
                 error: ClientError::Response { origin: origin.to_string(), error },
             })? {
-                let _ = buf.split_to(len);
                 if head.status.is_informational() {
                     continue;
                 }
@@ -256,10 +251,12 @@ impl<'a> Target<'a> {
     }
 }
 
-/// The request head. The client frames the body itself, so the caller's framing and
-/// connection headers are not sent.
-fn encode_head(method: &Method, target: &Target<'_>, headers: &HeaderMap, body_len: usize) -> Vec<u8> {
-    let mut head = Vec::with_capacity(256 + headers.len() * 48);
+/// The request's head, then its body when that is at most [`JOIN_BODY_BYTES`]. The client
+/// frames the body itself, so the caller's framing and connection headers are not sent.
+fn encode_request(method: &Method, target: &Target<'_>, headers: &HeaderMap, body: &Bytes) -> Vec<u8> {
+    use std::io::Write;
+    let joined = if body.len() <= JOIN_BODY_BYTES { body.len() } else { 0 };
+    let mut head = Vec::with_capacity(256 + headers.len() * 64 + joined);
     head.extend_from_slice(method.as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(target.path.as_bytes());
@@ -280,12 +277,14 @@ fn encode_head(method: &Method, target: &Target<'_>, headers: &HeaderMap, body_l
     }
     // A request without a body says so only where one is expected.
     let bodiless = matches!(*method, Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE);
-    if body_len > 0 || !bodiless {
-        head.extend_from_slice(b"content-length: ");
-        head.extend_from_slice(body_len.to_string().as_bytes());
-        head.extend_from_slice(b"\r\n");
+    if !body.is_empty() || !bodiless {
+        // Writing to a Vec cannot fail.
+        let _ = write!(head, "content-length: {}\r\n", body.len());
     }
     head.extend_from_slice(b"\r\n");
+    if joined > 0 {
+        head.extend_from_slice(body);
+    }
     head
 }
 
@@ -302,15 +301,23 @@ mod tests {
         headers.insert("content-length", "999".parse().unwrap());
         headers.insert("transfer-encoding", "chunked".parse().unwrap());
         headers.insert("connection", "close".parse().unwrap());
-        let head = String::from_utf8(encode_head(&Method::POST, &target, &headers, 5)).unwrap();
+        let encode = |method: &Method, headers: &HeaderMap, body: &Bytes| {
+            String::from_utf8(encode_request(method, &target, headers, body)).unwrap()
+        };
         assert_eq!(
-            head,
-            "POST /v1/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:8000\r\nx-request-id: r1\r\ncontent-length: 5\r\n\r\n"
+            encode(&Method::POST, &headers, &Bytes::from_static(b"hello")),
+            "POST /v1/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:8000\r\nx-request-id: r1\r\ncontent-length: 5\r\n\r\nhello"
         );
-        let head = String::from_utf8(encode_head(&Method::GET, &target, &HeaderMap::new(), 0)).unwrap();
-        assert_eq!(head, "GET /v1/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:8000\r\n\r\n");
-        let head = String::from_utf8(encode_head(&Method::POST, &target, &HeaderMap::new(), 0)).unwrap();
-        assert!(head.ends_with("content-length: 0\r\n\r\n"));
+        let empty = Bytes::new();
+        assert_eq!(
+            encode(&Method::GET, &HeaderMap::new(), &empty),
+            "GET /v1/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:8000\r\n\r\n"
+        );
+        assert!(encode(&Method::POST, &HeaderMap::new(), &empty).ends_with("content-length: 0\r\n\r\n"));
+        // A large body is not joined: it follows the head in a write of its own.
+        let large = Bytes::from(vec![b'x'; JOIN_BODY_BYTES + 1]);
+        let head = encode(&Method::POST, &HeaderMap::new(), &large);
+        assert!(head.ends_with(&format!("content-length: {}\r\n\r\n", JOIN_BODY_BYTES + 1)), "{head}");
     }
 
     #[test]
