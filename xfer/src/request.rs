@@ -50,16 +50,19 @@ pub struct Telemetry {
 /// an engine that lists a KV run block by block (SGLang, one descriptor per token and layer)
 /// costs UCX one operation per run, not per block.
 fn merge_runs<S>(
-    segs: Vec<S>,
+    mut segs: Vec<S>,
     same_region: impl Fn(&S, &S) -> bool,
     span: impl Fn(&mut S) -> (u64, &mut u64),
 ) -> Vec<S> {
-    let mut merged: Vec<S> = Vec::with_capacity(segs.len());
-    for mut seg in segs {
-        let (addr, len) = span(&mut seg);
-        let len = *len;
-        if let Some(last) = merged.last_mut() {
-            if same_region(last, &seg) {
+    // In place, so a request costs no second list: `segs[..kept]` are the merged runs so far.
+    let mut kept = 0;
+    for i in 0..segs.len() {
+        if kept > 0 {
+            let (before, from) = segs.split_at_mut(i);
+            let (last, seg) = (&mut before[kept - 1], &mut from[0]);
+            if same_region(last, seg) {
+                let (addr, len) = span(seg);
+                let len = *len;
                 let (last_addr, last_len) = span(last);
                 if last_addr.checked_add(*last_len) == Some(addr) {
                     *last_len += len;
@@ -67,9 +70,11 @@ fn merge_runs<S>(
                 }
             }
         }
-        merged.push(seg);
+        segs.swap(kept, i);
+        kept += 1;
     }
-    merged
+    segs.truncate(kept);
+    segs
 }
 
 /// A READ or WRITE between local and remote descriptor lists. Dropping it releases it; a
