@@ -87,6 +87,10 @@ git diff --exit-code -- bench/README.md
 
 step "lints (every feature, UCX and libfabric included)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+# coordinator/dynamo-compare is a workspace of its own (Dynamo's dependencies stay out of this
+# build), so a dependency added here must reach its lock file too, or dynamo-compare.sh's locked
+# build fails. Resolving it checks that in seconds, without building Dynamo's crates.
+cargo metadata --locked --format-version 1 --manifest-path coordinator/dynamo-compare/Cargo.toml > /dev/null
 
 # Every cargo call below uses the same selection (--workspace --all-features), so nothing is built
 # twice with another feature set: one build serves the tests, the UCX suite and the smoke runs.
