@@ -208,7 +208,7 @@ async fn a_connection_the_server_closed_while_idle_is_not_used() {
 }
 
 #[tokio::test]
-async fn a_kept_connection_closed_under_a_request_is_tried_once_more_and_a_new_one_is_not() {
+async fn a_kept_connection_closed_under_a_request_after_a_long_idle_is_tried_once_more_and_no_other() {
     static SEEN: AtomicUsize = AtomicUsize::new(0);
     // The second request (the first on the kept connection) is read and not answered.
     fn drop_the_second(_: &str, _: &[u8]) -> (Vec<Vec<u8>>, bool) {
@@ -220,8 +220,25 @@ async fn a_kept_connection_closed_under_a_request_is_tried_once_more_and_a_new_o
     let s = server(drop_the_second).await;
     let c = client(Duration::from_secs(60));
     assert_eq!(text(&c, get(&s.url, "/")).await.unwrap().1, "ok");
+    // Idle as long as a server's keep-alive timeout might be: taken as closed by it, not read.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(text(&c, get(&s.url, "/")).await.unwrap().1, "ok");
     assert_eq!((s.accepted.load(Ordering::SeqCst), SEEN.load(Ordering::SeqCst)), (2, 3));
+
+    // Reused at once, the same failure may be a server that read the request (a prefill) and
+    // died: an error, not a second send.
+    static BUSY_SEEN: AtomicUsize = AtomicUsize::new(0);
+    fn drop_the_second_busy(_: &str, _: &[u8]) -> (Vec<Vec<u8>>, bool) {
+        match BUSY_SEEN.fetch_add(1, Ordering::SeqCst) {
+            1 => (vec![], true),
+            _ => (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec()], false),
+        }
+    }
+    let s = server(drop_the_second_busy).await;
+    assert_eq!(text(&c, get(&s.url, "/")).await.unwrap().1, "ok");
+    let err = text(&c, get(&s.url, "/")).await.unwrap_err();
+    assert!(matches!(err, ClientError::Response { error: FramingError::Truncated(_), .. }), "{err}");
+    assert_eq!((s.accepted.load(Ordering::SeqCst), BUSY_SEEN.load(Ordering::SeqCst)), (1, 2));
 
     // On a connection of its own, an unanswered request is an error, not a second try.
     fn never_answer(_: &str, _: &[u8]) -> (Vec<Vec<u8>>, bool) {

@@ -124,13 +124,15 @@ impl Pool {
         })
     }
 
-    /// The most recently used connection to `origin` that is still quiet.
-    pub fn take(&self, origin: &Origin, now: Instant) -> Option<Stream> {
+    /// The most recently used connection to `origin` that is still quiet, and how long it was
+    /// idle.
+    pub fn take(&self, origin: &Origin, now: Instant) -> Option<(Stream, Duration)> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let list = idle.get_mut(origin)?;
         while let Some(conn) = list.pop() {
-            if now.duration_since(conn.since) < self.idle_timeout && conn.stream.is_quiet() {
-                return Some(conn.stream);
+            let idle_for = now.duration_since(conn.since);
+            if idle_for < self.idle_timeout && conn.stream.is_quiet() {
+                return Some((conn.stream, idle_for));
             }
         }
         None

@@ -5,9 +5,11 @@
 //! exchange costs its system calls and little more.
 //!
 //! A request's body is sent whole before its answer is read. An idle connection is reused only
-//! while nothing (not even its close) has arrived on it; a reused connection that fails before
-//! any byte of the answer arrived is retried once on a new connection, as the server closed it
-//! without reading the request.
+//! while nothing (not even its close) has arrived on it. A request on a reused connection is sent
+//! once more, on a new connection, where the server cannot have acted on it: writing it failed,
+//! or the connection had been idle long enough for the server's keep-alive timeout to close it
+//! under the request and it ended before any byte of the answer. One idle for less than that
+//! which ends unanswered is an error: its server may have read the request (a prefill) and died.
 
 mod body;
 mod conn;
@@ -36,6 +38,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// A request body sent in one write with its head at most this large; a larger one follows the
 /// head in a write of its own, without a copy.
 const JOIN_BODY_BYTES: usize = 64 << 10;
+/// A reused connection that ends before any byte of the answer was idle at least this long
+/// before its request is taken to have been closed by the server's keep-alive timeout (uvicorn's
+/// default, vLLM's and SGLang's, is 5 s), so the request is sent again.
+const RESEND_AFTER_IDLE: Duration = Duration::from_secs(1);
 /// The read buffer grows by at least this much.
 const READ_BYTES: usize = 16 << 10;
 
@@ -120,13 +126,18 @@ impl Client {
         // A body too large to join the head follows it in a write of its own.
         let rest = (body.len() > JOIN_BODY_BYTES).then_some(&body);
         let pooled = self.inner.pool.take(&target.origin, Instant::now());
-        let reused = pooled.is_some();
+        let idle_for = pooled.as_ref().map(|&(_, idle_for)| idle_for);
         let stream = match pooled {
-            Some(s) => s,
+            Some((s, _)) => s,
             None => self.connect(&target.origin).await?,
         };
+        let resend = |f: &Failure| match (idle_for, f.stage) {
+            (None, _) | (_, Stage::Answered) => false,
+            (Some(_), Stage::Sending) => true,
+            (Some(idle_for), Stage::Unanswered) => idle_for >= RESEND_AFTER_IDLE,
+        };
         match self.exchange(stream, &target.origin, &parts.method, &message, rest).await {
-            Err(Failure { unanswered: true, .. }) if reused => {
+            Err(f) if resend(&f) => {
                 tracing::debug!(origin = %target.origin, "a kept connection was closed under the request; sending again");
                 let stream = self.connect(&target.origin).await?;
                 self.exchange(stream, &target.origin, &parts.method, &message, rest).await.map_err(|f| f.error)
@@ -143,15 +154,15 @@ impl Client {
         message: &[u8],
         rest: Option<&Bytes>,
     ) -> Result<Response<Body>, Failure> {
-        let io_error = |error: io::Error, unanswered: bool| Failure {
-            unanswered,
+        let io_error = |error: io::Error, stage: Stage| Failure {
+            stage,
             error: ClientError::Io { origin: origin.to_string(), error },
         };
-        stream.write_all(message).await.map_err(|e| io_error(e, true))?;
+        stream.write_all(message).await.map_err(|e| io_error(e, Stage::Sending))?;
         if let Some(rest) = rest {
-            stream.write_all(rest).await.map_err(|e| io_error(e, true))?;
+            stream.write_all(rest).await.map_err(|e| io_error(e, Stage::Sending))?;
         }
-        stream.flush().await.map_err(|e| io_error(e, true))?;
+        stream.flush().await.map_err(|e| io_error(e, Stage::Sending))?;
 
         let mut buf = BytesMut::with_capacity(READ_BYTES);
         let mut answered = false;
@@ -160,16 +171,16 @@ impl Client {
                 buf.reserve(READ_BYTES);
             }
             let read = stream.read_buf(&mut buf).await;
-            let n = read.map_err(|e| io_error(e, !answered))?;
+            let stage = if answered { Stage::Answered } else { Stage::Unanswered };
+            let n = read.map_err(|e| io_error(e, stage))?;
             answered |= n > 0;
             if n == 0 {
-                let unanswered = !answered;
                 let error = FramingError::Truncated("before the response head");
-                return Err(Failure { unanswered, error: ClientError::Response { origin: origin.to_string(), error } });
+                return Err(Failure { stage, error: ClientError::Response { origin: origin.to_string(), error } });
             }
             // Interim answers (100 Continue, 103) are skipped.
             while let Some(head) = framing::take_head(&mut buf, method).map_err(|error| Failure {
-                unanswered: false,
+                stage: Stage::Answered,
                 error: ClientError::Response { origin: origin.to_string(), error },
             })? {
                 if head.status.is_informational() {
@@ -220,10 +231,20 @@ impl Client {
     }
 }
 
-/// An exchange that failed; `unanswered`: no byte of an answer arrived.
+/// An exchange that failed, and how far it had got.
 struct Failure {
-    unanswered: bool,
+    stage: Stage,
     error: ClientError,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Writing the request failed.
+    Sending,
+    /// The request was written; no byte of an answer arrived.
+    Unanswered,
+    /// Part of an answer arrived.
+    Answered,
 }
 
 /// The parts of a request URI the client uses.
