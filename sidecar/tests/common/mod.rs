@@ -284,7 +284,6 @@ pub async fn fake_handoff_engines() -> ((String, Log), (String, Log)) {
     (prefill, decode)
 }
 
-/// `pd-coordinator` built next to `pd-sidecar` (same profile), if any.
 /// The `pd-coordinator` built next to `pd-sidecar`. The workspace test command builds it (its
 /// package has integration tests); a test that needs it fails, not skips, when it is missing.
 pub fn coordinator_bin() -> PathBuf {
