@@ -209,13 +209,17 @@ async fn a_connection_the_server_closed_while_idle_is_not_used() {
 
 #[tokio::test]
 async fn a_kept_connection_closed_under_a_request_after_a_long_idle_is_tried_once_more_and_no_other() {
-    static SEEN: AtomicUsize = AtomicUsize::new(0);
-    // The second request (the first on the kept connection) is read and not answered.
-    fn drop_the_second(_: &str, _: &[u8]) -> (Vec<Vec<u8>>, bool) {
-        match SEEN.fetch_add(1, Ordering::SeqCst) {
+    // The second request a server sees (the first on the kept connection) is read and not
+    // answered; the others are, and their connections kept.
+    fn unless_second(seen: &AtomicUsize) -> (Vec<Vec<u8>>, bool) {
+        match seen.fetch_add(1, Ordering::SeqCst) {
             1 => (vec![], true),
             _ => (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec()], false),
         }
+    }
+    static SEEN: AtomicUsize = AtomicUsize::new(0);
+    fn drop_the_second(_: &str, _: &[u8]) -> (Vec<Vec<u8>>, bool) {
+        unless_second(&SEEN)
     }
     let s = server(drop_the_second).await;
     let c = client(Duration::from_secs(60));
@@ -229,10 +233,7 @@ async fn a_kept_connection_closed_under_a_request_after_a_long_idle_is_tried_onc
     // died: an error, not a second send.
     static BUSY_SEEN: AtomicUsize = AtomicUsize::new(0);
     fn drop_the_second_busy(_: &str, _: &[u8]) -> (Vec<Vec<u8>>, bool) {
-        match BUSY_SEEN.fetch_add(1, Ordering::SeqCst) {
-            1 => (vec![], true),
-            _ => (vec![b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec()], false),
-        }
+        unless_second(&BUSY_SEEN)
     }
     let s = server(drop_the_second_busy).await;
     assert_eq!(text(&c, get(&s.url, "/")).await.unwrap().1, "ok");
