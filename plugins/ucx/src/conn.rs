@@ -195,8 +195,9 @@ impl Conn {
 
     /// Posts every operation of a job, then, for a WRITE that is to be `visible` at the target
     /// on completion, its flush. Without it a WRITE completes once its puts are done with the
-    /// local memory (the stager's slot puts, flushed once after the last).
-    pub fn start(&mut self, job: TransferJob, visible: bool, env: &mut Env<'_>) {
+    /// local memory (the stager's slot puts, flushed once after the last). `false`: refused at
+    /// once (finished already).
+    pub fn start(&mut self, job: TransferJob, visible: bool, env: &mut Env<'_>) -> bool {
         let TransferJob { op, local, remote, notif, done } = job;
         // Host memory, and GPU memory when UCX has CUDA (it detects device pointers itself).
         // Files, and GPU memory without CUDA, go to the stager instead; here they would be
@@ -208,11 +209,15 @@ impl Conn {
         };
         if let Some(piece) = local.iter().find(|piece| !movable(piece)) {
             let err = BackendError::MemoryNotMoved { backend: "ucx", mem_type: piece.mem_type() };
-            return env.finished.push((done, Err(err)));
+            env.finished.push((done, Err(err)));
+            return false;
         }
         let plan = match self.plan(&remote, &local, env) {
             Ok(plan) => plan,
-            Err(err) => return env.finished.push((done, Err(err))),
+            Err(err) => {
+                env.finished.push((done, Err(err)));
+                return false;
+            }
         };
         self.touch_if_idle();
         let mut ops = VecDeque::new();
@@ -250,6 +255,12 @@ impl Conn {
         let flush = (op == Op::Write && visible).then(|| self.ep.flush());
         self.jobs.push_back(Job { ops, flush, error, notif, done: Some(done), give_up_at: None });
         self.jobs_posted += 1;
+        true
+    }
+
+    /// Whether the job posted last is still in flight (jobs finish in the order posted).
+    pub fn last_job_in_flight(&self) -> bool {
+        self.jobs_finished < self.jobs_posted
     }
 
     fn issue(

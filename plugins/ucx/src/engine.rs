@@ -221,11 +221,6 @@ impl Shared {
         Some(Ok(result))
     }
 
-    /// Whether work was in flight when the engine was last released.
-    pub fn is_busy(&self) -> bool {
-        self.busy.load(Ordering::SeqCst)
-    }
-
     /// The hook for requests of this engine.
     pub fn hook(&self) -> Arc<dyn Progress> {
         Arc::clone(self.hook.get().expect("set at start"))
@@ -788,19 +783,25 @@ impl Engine {
     }
 
     /// Posts a transfer's operations (and, when they complete at once, as they do over shared
-    /// memory, completes it); `visible` as in [`Conn::start`].
-    pub fn post(&mut self, peer: &Arc<PeerInfo>, job: TransferJob, visible: bool) {
+    /// memory, completes it); `visible` as in [`Conn::start`]. Returns whether the job is still
+    /// in flight: refused or completed at once, nobody has to progress it.
+    pub fn post(&mut self, peer: &Arc<PeerInfo>, job: TransferJob, visible: bool) -> bool {
         self.posted = true;
         if job.done.is_cancelled() {
-            return self.finished.push((job.done, Err(BackendError::Cancelled)));
+            self.finished.push((job.done, Err(BackendError::Cancelled)));
+            return false;
         }
         let mut env = env!(self);
         match conn_for(&mut self.conns, &mut self.by_ep, &self.worker, &mut self.settings.error_mode, peer) {
             Ok(conn) => {
-                conn.start(job, visible, &mut env);
+                let queued = conn.start(job, visible, &mut env);
                 conn.poll(&mut env);
+                queued && conn.last_job_in_flight()
             }
-            Err(err) => env.finished.push((job.done, Err(err))),
+            Err(err) => {
+                env.finished.push((job.done, Err(err)));
+                false
+            }
         }
     }
 

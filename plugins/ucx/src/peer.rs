@@ -113,16 +113,13 @@ pub fn post_and_wait(
 pub fn post(engine: &Arc<Shared>, info: &Arc<PeerInfo>, job: TransferJob, visible: bool) {
     job.done.set_progress(engine.hook());
     let mut job = Some(job);
-    let posted = engine.with(|engine| {
-        if let Some(job) = job.take() {
-            engine.post(info, job, visible);
-        }
-    });
-    match posted {
-        // In flight (not completed at once): make sure someone progresses it, should the
-        // caller not wait.
-        Ok(()) if engine.is_busy() => engine.posted(),
-        Ok(()) => {}
+    let in_flight = engine.with(|engine| job.take().is_some_and(|job| engine.post(info, job, visible)));
+    match in_flight {
+        // Make sure someone progresses it, should the caller not wait. Not for a job refused
+        // or completed at once: its caller will not drive, and callers posting such jobs in a
+        // loop would otherwise keep the progress thread standing back from the work in flight.
+        Ok(true) => engine.posted(),
+        Ok(false) => {}
         Err(err) => {
             if let Some(job) = job {
                 job.done.complete(Err(err));
