@@ -19,6 +19,8 @@
 #                        the same protocol over xfer; needs --xfer-site)
 #   --xfer-site DIR      the unpacked pd-xfer wheel (bindings/python/build.sh prints it)
 #   --xfer-backend NAME  xfer backend of XferConnector: TCP (default) or UCX
+#   --eager              --enforce-eager: no torch.compile warm-up, so /health answers ~25 s
+#                        sooner (for suites that check the protocol, not the engine's speed)
 #
 # `start` runs the engine in its own session (process group), writes RUN/NAME.pid (the group
 # id) and RUN/NAME.log, and waits (bounded) for GET /health; on failure it stops the group and
@@ -30,7 +32,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 cache="${PD_CACHE_DIR:-$HOME/.cache/pd-suite}"
 run_dir="${PD_VLLM_RUN_DIR:-$cache/run}"
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 # shellcheck source=../engine-lib.sh
 source "$here/../engine-lib.sh"
 engine_dispatch usage "$run_dir" "$@"
@@ -56,7 +58,8 @@ while (($#)); do
     --connector) connector="$2"; shift 2 ;;
     --xfer-site) xfer_site="$2"; shift 2 ;;
     --xfer-backend) xfer_backend="$2"; shift 2 ;;
-    --) shift; extra=("$@"); break ;;
+    --eager) extra+=(--enforce-eager); shift ;;
+    --) shift; extra+=("$@"); break ;;
     *) echo "unknown option: $1" >&2; usage ;;
   esac
 done
