@@ -24,6 +24,7 @@
 
 mod approx;
 mod due;
+mod pages;
 mod shared;
 mod table;
 

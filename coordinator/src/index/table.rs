@@ -15,6 +15,8 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::pages::advise_huge;
+
 /// A dense table doubles once more than 4/5 of its slots are taken (40-80 % full), and shrinks
 /// (to half full) below a quarter. Growing by half would save memory, but its longer probe runs
 /// slow the stores (which walk to the first empty slot) and the removals (whose backward shift
@@ -356,8 +358,12 @@ impl Slots {
         // One spare line: slot 0 moves up to the first 64-byte boundary.
         let mut words = vec![0u64; cap * stride + 8];
         let base = (8 - (words.as_ptr() as usize / 8) % 8) % 8;
+        let mut new_tags = vec![0u8; cap];
+        // Before any is written (a big zeroed allocation is fresh, untouched memory).
+        advise_huge(&mut words);
+        advise_huge(&mut new_tags);
         std::mem::swap(&mut self.words, &mut words);
-        let tags = std::mem::replace(&mut self.tags, vec![0; cap]);
+        let tags = std::mem::replace(&mut self.tags, new_tags);
         let (old_base, old_stride) = (self.base, self.stride);
         (self.base, self.stride, self.cap) = (base, stride, cap);
         let keep = old_stride.min(stride);
