@@ -139,6 +139,13 @@ pub struct Config {
     /// ...and they are less than this share of the prompt (also fixes the placement).
     #[arg(long, env = "PD_COORDINATOR_LOCAL_PREFILL_MAX_RATIO")]
     pub local_prefill_max_ratio: Option<f64>,
+    /// The most a prompt computed on an engine that decodes may stall the requests decoding there
+    /// (ms, summed over them, as the learned placement predicts it); a prompt over it goes to a
+    /// prefill-only engine when there is one. For clusters whose inter-token latency matters
+    /// more than time to first token. Unset: the stall is weighed against the time to first
+    /// token. Not with the fixed thresholds above.
+    #[arg(long, env = "PD_COORDINATOR_MAX_DECODE_STALL_MS")]
+    pub max_decode_stall_ms: Option<f64>,
     /// A pair request's local_engine stays the decode unless its cost exceeds this × the best.
     #[arg(long, env = "PD_COORDINATOR_LOCAL_DECODE_SLACK", default_value_t = 1.5)]
     pub local_decode_slack: f64,
@@ -252,9 +259,14 @@ impl Config {
             self.disk_tier_weight,
             self.local_prefill_max_ratio.unwrap_or_default(),
             self.local_decode_slack,
+            self.max_decode_stall_ms.unwrap_or_default(),
         ];
         if finite.iter().any(|v| !v.is_finite() || *v < 0.0 || *v > 1e7) {
             return bad("weights and times must be finite, non-negative and below 1e7");
+        }
+        let fixed = self.local_prefill_max_tokens.is_some() || self.local_prefill_max_ratio.is_some();
+        if fixed && self.max_decode_stall_ms.is_some() {
+            return bad("max-decode-stall-ms bounds the learned placement; local-prefill-max-tokens and -ratio fix it instead (give one or the other)");
         }
         self.store_url()?;
         self.topic_pattern()?;
@@ -293,7 +305,10 @@ impl Config {
     /// Learned, unless a threshold is given (the other then keeps its default).
     fn placement(&self) -> Placement {
         if self.local_prefill_max_tokens.is_none() && self.local_prefill_max_ratio.is_none() {
-            return Placement::default();
+            return Placement::Adaptive {
+                cold: LocalPrefillPolicy::default(),
+                max_decode_stall_ms: self.max_decode_stall_ms,
+            };
         }
         let d = LocalPrefillPolicy::default();
         Placement::Fixed(LocalPrefillPolicy {
@@ -404,6 +419,14 @@ mod tests {
         let huge = u64::MAX.to_string();
         assert!(matches!(Config::from_args(args(&["--speculative-ttl-ms", &huge])), Err(ConfigError::Invalid(_))));
         assert!(matches!(Config::from_args(args(&["--approx-ttl-secs", "inf"])), Err(ConfigError::Invalid(_))));
+        let budget = Config::from_args(args(&["--max-decode-stall-ms", "4"])).unwrap();
+        let expected = Placement::Adaptive { cold: LocalPrefillPolicy::default(), max_decode_stall_ms: Some(4.0) };
+        assert_eq!(budget.settings().placement, expected);
+        let both = ["--max-decode-stall-ms", "4", "--local-prefill-max-tokens", "100"];
+        assert!(
+            matches!(Config::from_args(args(&both)), Err(ConfigError::Invalid(m)) if m.contains("max-decode-stall-ms"))
+        );
+        assert!(matches!(Config::from_args(args(&["--max-decode-stall-ms=-1"])), Err(ConfigError::Invalid(_))));
         let etcd = Config::from_args(args(&["--store", "etcd://a:1,b:2"])).unwrap();
         assert_eq!(etcd.store_url().unwrap(), StoreUrl::Etcd(vec!["http://a:1".into(), "http://b:2".into()]));
     }

@@ -255,12 +255,15 @@ impl Timings {
         local.min(disaggregated)
     }
 
+    /// The stall computing the prompt on `site` causes its decodes, summed over them.
+    pub fn caused_ms(&self, site: Site, now: Instant) -> f64 {
+        site.stalled_ms(self.stall_ms(site.uncached_tokens), self.soonest_first_ms(), now)
+    }
+
     /// A request's time to first output `first_ms`, plus the stall its prompt computed on
     /// `computed_on` causes there and the stall it suffers decoding on `decode`.
     fn cost_ms(&self, first_ms: f64, computed_on: Site, decode: Site, now: Instant) -> f64 {
-        let stall = self.stall_ms(computed_on.uncached_tokens);
-        let caused = computed_on.stalled_ms(stall, self.soonest_first_ms(), now);
-        first_ms + caused + decode.rest_ms(first_ms, now)
+        first_ms + self.caused_ms(computed_on, now) + decode.rest_ms(first_ms, now)
     }
 
     pub fn local_cost_ms(&self, decode: Site, now: Instant) -> f64 {
@@ -308,13 +311,18 @@ pub enum Placement {
     /// Learned from observed times; `cold` decides until they are warm.
     Adaptive {
         cold: LocalPrefillPolicy,
+        /// An operator's bound on the stall a prompt may cause the decodes where it is computed
+        /// (ms, summed over them, as [`Timings::caused_ms`] predicts it): a prompt that would
+        /// stall them more goes to a prefill-only engine, when there is one. `None`: the stall
+        /// is only weighed against the time to first token.
+        max_decode_stall_ms: Option<f64>,
     },
     Fixed(LocalPrefillPolicy),
 }
 
 impl Default for Placement {
     fn default() -> Self {
-        Placement::Adaptive { cold: LocalPrefillPolicy::default() }
+        Placement::Adaptive { cold: LocalPrefillPolicy::default(), max_decode_stall_ms: None }
     }
 }
 
@@ -368,22 +376,44 @@ impl Placement {
         // nothing is ever disaggregated and the prefill and handoff lines never warm.
         let warm =
             if prefills.iter().all(|p| p.decodes) { timings.local.samples() >= WARM_SAMPLES } else { timings.warm() };
-        match self {
-            Placement::Fixed(policy) => fixed(policy),
-            Placement::Adaptive { cold: policy } if !warm => cold(policy),
-            Placement::Adaptive { .. } => {
-                let local = timings.local_cost_ms(decode, now);
-                let best = prefills
-                    .iter()
-                    .map(|&p| timings.elsewhere_cost_ms(decode, p, now))
-                    .enumerate()
-                    .min_by(|a, b| a.1.total_cmp(&b.1));
-                match best {
-                    Some((i, cost)) if cost < local => Verdict::Disaggregate(i),
-                    _ => Verdict::Local,
-                }
+        let (policy, budget) = match self {
+            Placement::Fixed(policy) => return fixed(policy),
+            Placement::Adaptive { cold, max_decode_stall_ms } => (cold, *max_decode_stall_ms),
+        };
+        let verdict = if warm {
+            let local = timings.local_cost_ms(decode, now);
+            let best = prefills
+                .iter()
+                .map(|&p| timings.elsewhere_cost_ms(decode, p, now))
+                .enumerate()
+                .min_by(|a, b| a.1.total_cmp(&b.1));
+            match best {
+                Some((i, cost)) if cost < local => Verdict::Disaggregate(i),
+                _ => Verdict::Local,
             }
+        } else {
+            cold(policy)
+        };
+        let Some(budget) = budget else { return verdict };
+        // Where the verdict computes the prompt beside decodes, over the budget, the cheapest
+        // prefill-only engine takes it: it stalls nobody. Without one the verdict stands.
+        let computed_on = match verdict {
+            Verdict::Local => decode,
+            Verdict::Disaggregate(i) => match prefills.get(i) {
+                Some(&there) if there.decodes => there,
+                _ => return verdict,
+            },
+        };
+        if timings.caused_ms(computed_on, now) <= budget {
+            return verdict;
         }
+        prefills
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.decodes)
+            .map(|(i, &p)| (i, timings.disaggregated_cost_ms(decode, p, now)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map_or(verdict, |(i, _)| Verdict::Disaggregate(i))
     }
 }
 
@@ -630,6 +660,45 @@ mod tests {
         // Each decoding now loses all of it, beside the arrivals.
         let busy = Site { bound: 2, ..reached };
         assert!((busy.stalled_ms(100.0, 0.0, now) - 700.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_stall_budget_sends_prompts_that_would_exceed_it_to_a_prefill_engine() {
+        let now = Instant::now();
+        let t = warm();
+        let budgeted = |ms| Placement::Adaptive { cold: LocalPrefillPolicy::default(), max_decode_stall_ms: Some(ms) };
+        // A hit (64 uncached tokens, 6.4 ms of compute) on a decode with one request decoding:
+        // cheaper computed there than pulled from a prefill engine that misses it (1088 tokens).
+        let hit = Site { decodes: true, ..site(64, 1) };
+        let missing = site(1088, 0);
+        assert_eq!(Placement::default().decide(&t, 1088, hit, &[missing], now), Verdict::Local);
+        assert!((t.caused_ms(hit, now) - 6.4).abs() < 0.5, "{}", t.caused_ms(hit, now));
+        assert_eq!(budgeted(10.0).decide(&t, 1088, hit, &[missing], now), Verdict::Local, "within the budget");
+        assert_eq!(budgeted(3.0).decide(&t, 1088, hit, &[missing], now), Verdict::Disaggregate(0));
+        // The cheapest prefill-only engine takes it, not one that can decode too.
+        let other_decode = Site { decodes: true, ..site(64, 2) };
+        let holder = site(64, 0);
+        assert_eq!(
+            budgeted(3.0).decide(&t, 1088, hit, &[other_decode, missing, holder], now),
+            Verdict::Disaggregate(2)
+        );
+        // Moving it whole to another engine that decodes is held to the budget too.
+        let idle_decode = Site { decodes: true, ..site(64, 0) };
+        assert_eq!(budgeted(3.0).decide(&t, 1088, hit, &[idle_decode, missing], now), Verdict::Disaggregate(0));
+        assert_eq!(
+            budgeted(3.0).decide(&t, 1088, site(1088, 3), &[other_decode, missing], now),
+            Verdict::Disaggregate(1)
+        );
+        // An idle decode stalls nobody; with no prefill-only engine (colocated) the verdict stands.
+        assert_eq!(
+            budgeted(0.0).decide(&t, 1088, Site { decodes: true, ..site(64, 0) }, &[missing], now),
+            Verdict::Local
+        );
+        assert_eq!(budgeted(0.0).decide(&t, 1088, hit, &[other_decode], now), Verdict::Local);
+        // Cold too: the fixed rule keeps this hit local, the budget does not.
+        let cold = Timings::default();
+        assert_eq!(Placement::default().decide(&cold, 1088, hit, &[missing], now), Verdict::Local);
+        assert_eq!(budgeted(3.0).decide(&cold, 1088, hit, &[missing], now), Verdict::Disaggregate(0));
     }
 
     #[test]
