@@ -27,7 +27,7 @@ use pd_protocols::kv_events::{decode_batch, encode_batch, BlockHash, EventBatch,
 
 mod shared;
 
-use shared::measure::{live_bytes, measure, Latency, Span, Summary};
+use shared::measure::{cpu_model, live_bytes, measure, Latency, Span, Summary};
 use shared::workload::{build_batches, churn_batches, Rng, Universe, BLOCK_SIZE, REQUEST_BLOCKS};
 
 struct Options {
@@ -141,16 +141,8 @@ impl Report {
 }
 
 fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
     let threads = std::thread::available_parallelism().map_or(0, usize::from);
-    format!("{cpu}, {threads} threads available (the benchmark uses one)")
+    format!("{}, {threads} threads available (the benchmark uses one)", cpu_model())
 }
 
 fn main() {

@@ -2,20 +2,12 @@
 
 use std::fmt::Write as _;
 
+use crate::shared::measure::cpu_model;
 use crate::Results;
 
 pub fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
     let threads = std::thread::available_parallelism().map_or(0, usize::from);
-    format!("{cpu}, {threads} hardware threads")
+    format!("{}, {threads} hardware threads", cpu_model())
 }
 
 fn rate(per_s: f64, per_cpu_s: Option<f64>) -> String {

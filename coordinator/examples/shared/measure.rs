@@ -1,5 +1,5 @@
 //! Measuring tools shared by the coordinator's benchmark programs (coordbench, dynamo-compare):
-//! a counting global allocator, on-CPU time, and per-call latency percentiles. The TCP
+//! a counting global allocator, on-CPU time, per-call latency percentiles and the CPU's name. The TCP
 //! backend's allocation test (xfer/conformance/tests/tcp_allocations.rs) includes this file
 //! for its allocator.
 
@@ -57,6 +57,19 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
+
+/// The CPU's model name, for reports (which host ran a benchmark decides its figures).
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
 
 /// Nanoseconds this thread has run on a CPU (the kernel's schedstat): time spent waiting for
 /// a CPU on a busy machine does not count.
