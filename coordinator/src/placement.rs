@@ -256,7 +256,7 @@ impl Timings {
     }
 
     /// The stall computing the prompt on `site` causes its decodes, summed over them.
-    pub fn caused_ms(&self, site: Site, now: Instant) -> f64 {
+    fn caused_ms(&self, site: Site, now: Instant) -> f64 {
         site.stalled_ms(self.stall_ms(site.uncached_tokens), self.soonest_first_ms(), now)
     }
 
@@ -312,7 +312,7 @@ pub enum Placement {
     Adaptive {
         cold: LocalPrefillPolicy,
         /// An operator's bound on the stall a prompt may cause the decodes where it is computed
-        /// (ms, summed over them, as [`Timings::caused_ms`] predicts it): a prompt that would
+        /// (ms, summed over them, as the fitted lines predict it): a prompt that would
         /// stall them more goes to a prefill-only engine, when there is one. `None`: the stall
         /// is only weighed against the time to first token.
         max_decode_stall_ms: Option<f64>,
