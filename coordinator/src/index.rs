@@ -379,9 +379,10 @@ impl PrefixIndex {
                 let (mut homes, mut guesses) = ([0; CHUNK], [NONE; CHUNK]);
                 let any_guesses = self.approx.len() > 0;
                 for chunk in block_hashes.chunks(CHUNK) {
-                    // Touch every block's first slots before writing: the cache misses overlap.
-                    // A block new to the block table may have been guessed (most stores confirm
-                    // a decision's guesses), so its approximate slot is touched too.
+                    // Every block's first slot requested before any is written (prefetches, which
+                    // do not wait): the cache misses overlap. A block new to the block table may
+                    // have been guessed (most stores confirm a decision's guesses), so its
+                    // approximate slot is touched too.
                     let caps = (self.blocks.cap(), self.approx.cap());
                     for ((home, guess), hash) in homes.iter_mut().zip(&mut guesses).zip(chunk) {
                         *home = self.blocks.home(hash.as_u64());
@@ -389,7 +390,9 @@ impl PrefixIndex {
                             *guess = self.approx.home(hash.as_u64());
                         }
                     }
-                    self.blocks.touch_all(&homes[..chunk.len()]);
+                    for &home in &homes[..chunk.len()] {
+                        self.blocks.prefetch_at(home);
+                    }
                     if any_guesses {
                         std::hint::black_box(
                             guesses[..chunk.len()].iter().fold(0, |a, &j| a ^ self.approx.touch_at(j)),
@@ -445,8 +448,9 @@ impl PrefixIndex {
                 continue;
             }
             // Homes at the current capacity: removals never grow the table.
-            let warm = homes[..n].iter().fold(0, |acc, &i| acc ^ self.blocks.touch_run_at(i, REMOVAL_RUN));
-            std::hint::black_box(warm);
+            for &home in &homes[..n] {
+                self.blocks.prefetch_run_at(home, REMOVAL_RUN);
+            }
             // The engine is looked up once for the run (most runs are one block per event).
             if let Some(local) = self.known(engine) {
                 for event in &events[at..end] {
@@ -723,9 +727,16 @@ impl PrefixIndex {
             for ((home, tag), &hash) in homes.iter_mut().zip(&mut tags).zip(chunk) {
                 (*home, *tag) = self.blocks.home_and_tag(hash);
             }
+            // Every home's tag and slot line requested at once, without waiting for any: in a
+            // table other work has pushed out of the caches, the misses then overlap (a deep
+            // match walks dozens of random lines) and the walks below find most lines arrived.
+            for &home in &homes[..chunk.len()] {
+                self.blocks.prefetch_at(home);
+            }
             let mut probed = chunk.len();
             if cached {
-                // Nothing to overlap: one walk a block.
+                // One walk a block: the table mostly stays cached, and the prefetches above
+                // overlap what does not.
                 for (k, ((slot, &hash), (&home, &tag))) in
                     found.iter_mut().zip(chunk).zip(homes.iter().zip(&tags)).enumerate()
                 {
@@ -1006,8 +1017,19 @@ impl PrefixIndex {
         let meta = slot[1];
         // The tiers it already has there: a copy in another tier adds to them.
         let mut held = 0;
-        if slot[word] & bit == 0 {
+        let newly_held = if new {
+            // A slot just taken has zeros past its meta word, so this one is written without
+            // being read: its line may still be on its way, and a read would wait for it.
+            debug_assert!(slot[BITS..].iter().all(|&w| w == 0), "a new slot holds bits");
+            slot[word] = bit;
+            true
+        } else if slot[word] & bit == 0 {
             slot[word] |= bit;
+            true
+        } else {
+            false
+        };
+        if newly_held {
             self.engines.exact[local as usize] += 1;
             if meta & HAS_APPROX != 0 {
                 self.drop_approx(i, hash, local, guessed);

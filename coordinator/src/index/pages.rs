@@ -1,11 +1,13 @@
-//! Asks the kernel to back a big table with huge pages where it allows them on request
-//! (transparent huge pages set to `madvise`, as on many distributions; with `always` it does so
-//! anyway, with `never` this changes nothing).
+//! Hints about the index's memory, neither of which changes a value:
 //!
-//! Why: a table of millions of blocks spans tens of MiB, and its probes land on random pages.
-//! With 4 KiB pages nearly every probe also misses the TLB, and a fresh table faults in one page
-//! per 4 KiB as it fills (about 2 µs each on our VM). 2 MiB pages take both costs away
-//! (BENCH.md, "Huge pages for the block table").
+//! - [`advise_huge`] asks the kernel to back a big table with huge pages where it allows them on
+//!   request (transparent huge pages set to `madvise`, as on many distributions; with `always`
+//!   it does so anyway, with `never` this changes nothing). A table of millions of blocks spans
+//!   tens of MiB, and its probes land on random pages. With 4 KiB pages nearly every probe also
+//!   misses the TLB, and a fresh table faults in one page per 4 KiB as it fills (about 2 µs each
+//!   on our VM). 2 MiB pages take both costs away (BENCH.md, "Huge pages for the block table").
+//! - [`prefetch`] asks the CPU for a cache line ahead of its use, so that a lookup's probes
+//!   overlap their misses (BENCH.md, "Prefetched probes").
 
 /// The huge page size of x86-64 and of arm64 with 4 KiB pages; where it is larger, ranges this
 /// small are simply never backed by one.
@@ -33,6 +35,25 @@ pub(super) fn advise_huge<T>(memory: &mut [T]) -> bool {
 #[cfg(not(target_os = "linux"))]
 pub(super) fn advise_huge<T>(_memory: &mut [T]) -> bool {
     false
+}
+
+/// Asks the CPU to start loading the cache line holding `value` into its caches, without
+/// waiting for it: a batch of probes issued this way overlaps its cache misses and leaves the
+/// CPU free to work meanwhile (a load whose value is kept would hold up the instructions
+/// behind it until it arrives). A hint: it changes no value and never faults. A no-op where
+/// there is no such instruction here.
+#[inline(always)]
+#[allow(unsafe_code)]
+pub(super) fn prefetch<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHT0 only moves a line into the caches; it reads no value into the program,
+    // and `value` is a live reference anyway. SSE, which has it, is part of every x86-64 CPU.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((value as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
 }
 
 #[cfg(all(test, target_os = "linux"))]

@@ -15,7 +15,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::pages::advise_huge;
+use super::pages::{advise_huge, prefetch};
 
 /// A dense table doubles once more than 4/5 of its slots are taken (40-80 % full), and shrinks
 /// (to half full) below a quarter. Growing by half would save memory, but its longer probe runs
@@ -226,19 +226,30 @@ impl Slots {
         u64::from(tag) ^ self.words.get(self.base + i * self.stride).copied().unwrap_or(0)
     }
 
-    /// [`Slots::touch_at`] of slot `i`, and the first word of each later cache line holding
-    /// any of the `slots - 1` slots after it (those past the last slot are not loaded: a run
-    /// that wraps round to slot 0 is loaded up to the table's end only).
+    /// Starts loading slot `i`'s tag and its slot's first line (a home computed before) without
+    /// waiting for them (see [`prefetch`]).
     #[inline]
-    pub fn touch_run_at(&self, i: usize, slots: usize) -> u64 {
+    pub fn prefetch_at(&self, i: usize) {
+        if let (Some(tag), Some(word)) = (self.tags.get(i), self.words.get(self.base + i * self.stride)) {
+            prefetch(tag);
+            prefetch(word);
+        }
+    }
+
+    /// [`Slots::prefetch_at`] of slot `i`, and each later cache line holding any of the
+    /// `slots - 1` slots after it (none past the last slot: a run that wraps round to slot 0 is
+    /// requested up to the table's end only).
+    #[inline]
+    pub fn prefetch_run_at(&self, i: usize, slots: usize) {
+        self.prefetch_at(i);
         let per_line = (8 / self.stride).max(1);
-        let mut acc = self.touch_at(i);
         let mut k = per_line - i % per_line;
         while k < slots {
-            acc ^= self.words.get(self.base + (i + k) * self.stride).copied().unwrap_or(0);
+            if let Some(word) = self.words.get(self.base + (i + k) * self.stride) {
+                prefetch(word);
+            }
             k += per_line;
         }
-        acc
     }
 
     /// [`Slots::touch_at`] of the tag only: enough for a key that is probably absent.
@@ -251,12 +262,6 @@ impl Slots {
     #[inline]
     pub fn holds_at(&self, i: usize, key: u64) -> bool {
         i < self.cap && self.key(i) == key && self.occupied(i)
-    }
-
-    /// [`Slots::touch_at`] over a batch of homes.
-    #[inline]
-    pub fn touch_all(&self, homes: &[usize]) {
-        std::hint::black_box(homes.iter().fold(0, |acc, &i| acc ^ self.touch_at(i)));
     }
 
     /// The slot holding `key` from `home` (as [`Slots::find_from`]), or a new one taken for it
@@ -443,6 +448,12 @@ mod tests {
             for probe in [key, key + 1, key * 7 % 600] {
                 assert_eq!(slots.find(probe).map(|i| slots.slot(i)[2]), model.get(&probe).copied(), "step {step}");
             }
+        }
+        // Prefetches are hints: at every slot, past the last one and into an empty table, they
+        // change nothing and never fail.
+        Slots::new(4).prefetch_run_at(0, 4);
+        for i in 0..=slots.cap() + 1 {
+            slots.prefetch_run_at(i, 4);
         }
         slots.rebuild(8, slots.cap());
         for (k, v) in &model {
