@@ -27,7 +27,7 @@
 //! | `listen` | `0.0.0.0:0` | data port to serve on |
 //! | `advertise` | `$XFER_HOST_IP`, else the listen IP, else `127.0.0.1` | host peers connect to |
 //! | `streams` | 2 | parallel connections per peer |
-//! | `chunk_bytes` | 4194304 | largest piece one stream moves at once |
+//! | `chunk_bytes` | 524288 | largest piece one stream moves at once (README, "Large requests") |
 //! | `split_bytes` | 262144 | requests from this size on are split over the streams |
 //! | `timeout_ms` | 5000 | no progress for this long fails the request |
 //! | `connect_timeout_ms` | 2000 | TCP connect bound |
@@ -136,7 +136,7 @@ impl TcpBackend {
         let listen = params.take("listen").unwrap_or_else(|| "0.0.0.0:0".into());
         let advertise = params.take("advertise");
         let streams: usize = params.take_parsed("streams", 2)?;
-        let chunk_bytes: u64 = params.take_parsed("chunk_bytes", 4 << 20)?;
+        let chunk_bytes: u64 = params.take_parsed("chunk_bytes", 512 << 10)?;
         let split_bytes: u64 = params.take_parsed("split_bytes", 256 << 10)?;
         let timeout = params.take_millis("timeout_ms", Duration::from_secs(5))?;
         let connect_timeout = params.take_millis("connect_timeout_ms", Duration::from_secs(2))?;
