@@ -6,8 +6,8 @@
 //! carrying out the core's actions; `api`: HTTP/JSON and gRPC; `store`: the `Store` trait and etcd)
 //! is built on these pieces.
 
-// Two calls out of Rust, both hints about memory in `index::pages` (the huge-page advice to the
-// kernel, the cache-line prefetch to the CPU), are allowed where they are made.
+// Two uses, both hints about memory in `index::pages` (the huge-page advice, a call to the
+// kernel; the cache-line prefetch, a CPU instruction), are allowed where they are made.
 #![deny(unsafe_code)]
 
 pub mod api;

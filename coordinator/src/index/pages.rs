@@ -6,8 +6,9 @@
 //!   tens of MiB, and its probes land on random pages. With 4 KiB pages nearly every probe also
 //!   misses the TLB, and a fresh table faults in one page per 4 KiB as it fills (about 2 µs each
 //!   on our VM). 2 MiB pages take both costs away (BENCH.md, "Huge pages for the block table").
-//! - [`prefetch`] asks the CPU for a cache line ahead of its use, so that a lookup's probes
-//!   overlap their misses (BENCH.md, "Prefetched probes").
+//! - [`prefetch`] asks the CPU for a cache line ahead of its use, so that a batch of probes (a
+//!   lookup's chunk, a store's, a run of removals) overlaps its misses (BENCH.md, "Prefetched
+//!   probes").
 
 /// The huge page size of x86-64 and of arm64 with 4 KiB pages; where it is larger, ranges this
 /// small are simply never backed by one.
