@@ -84,7 +84,10 @@ impl Default for Timing {
             health_interval: Duration::from_millis(500),
             health_timeout: Duration::from_secs(1),
             prefill_timeout: Duration::from_secs(3),
-            connect_timeout: Duration::from_secs(1),
+            // The sidecar's own default. It must outlast the kernel's first SYN retransmission
+            // (1 s): on scenario 6's lossy link one lost SYN or SYN-ACK would otherwise fail a
+            // request that a second try connects in 1 s.
+            connect_timeout: Duration::from_secs(2),
             kv_lease: Duration::from_secs(5),
             pull_timeout: Duration::from_secs(3),
             prefill_us_per_token: 200,
@@ -194,7 +197,7 @@ impl Cluster {
         bins: Binaries,
         log_dir: &Path,
     ) -> Result<Cluster, ClusterError> {
-        let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(1)).build()?;
+        let http = reqwest::Client::builder().connect_timeout(timing.connect_timeout).build()?;
         let coordinator_ip = net.node(COORDINATOR_NODE)?.ip;
         let mut cluster = Cluster {
             group: Group::default(),
