@@ -76,6 +76,8 @@ pub struct Row {
     pub apply_s: f64,
     pub block_events_per_s: f64,
     pub block_events_per_cpu_s: Option<f64>,
+    /// The lowest and highest apply rate of the samples (`block_events_per_s` is their median).
+    pub apply_range: (f64, f64),
     pub lookup_p50_us: f64,
     pub lookup_p99_us: f64,
     pub lookup_p999_us: f64,
@@ -141,14 +143,19 @@ fn progress(what: &str) {
 
 /// Lookups each index makes in turn before the next one's turn (see [`lookup_rounds`]).
 const ROUND: usize = 1000;
-/// Times each index applies the stream (see [`compare`]).
-const APPLY_ROUNDS: usize = 3;
+/// Times each index applies the stream (see [`compare`]). This host's speed for one index moves
+/// by a third between applies a minute apart, so three samples left the median to chance.
+const APPLY_ROUNDS: usize = 5;
 
-/// The sample with the median apply rate (of an odd number of them).
+/// The sample with the median apply rate (of an odd number of them), with the samples' range.
 fn median_apply(mut samples: Vec<Row>) -> Row {
     samples.sort_by(|a, b| a.block_events_per_s.total_cmp(&b.block_events_per_s));
+    let range = match (samples.first(), samples.last()) {
+        (Some(low), Some(high)) => (low.block_events_per_s, high.block_events_per_s),
+        _ => (0.0, 0.0),
+    };
     let middle = samples.len() / 2;
-    samples.swap_remove(middle)
+    Row { apply_range: range, ..samples.swap_remove(middle) }
 }
 
 /// Applies the stream and measures memory; the lookup figures are filled in by
@@ -161,12 +168,19 @@ fn apply_one(contender: &mut dyn Contender, stream: &Stream) -> Row {
     let span = measure(|| contender.apply(stream));
     let cpu_s = cpu.zip(process_cpu_s()).map(|(a, b)| b - a);
     let heap = live_bytes().saturating_sub(baseline);
+    progress(&format!(
+        "{}: {}: {:.2} M block events/s",
+        stream.name,
+        contender.name(),
+        stream.block_events as f64 / span.wall.as_secs_f64() / 1e6
+    ));
     Row {
         index: contender.name(),
         apply_threads: contender.apply_threads(),
         apply_s: span.wall.as_secs_f64(),
         block_events_per_s: stream.block_events as f64 / span.wall.as_secs_f64(),
         block_events_per_cpu_s: cpu_s.map(|c| stream.block_events as f64 / c.max(1e-9)),
+        apply_range: (0.0, 0.0),
         lookup_p50_us: 0.0,
         lookup_p99_us: 0.0,
         lookup_p999_us: 0.0,
