@@ -168,17 +168,13 @@ fn apply_one(contender: &mut dyn Contender, stream: &Stream) -> Row {
     let span = measure(|| contender.apply(stream));
     let cpu_s = cpu.zip(process_cpu_s()).map(|(a, b)| b - a);
     let heap = live_bytes().saturating_sub(baseline);
-    progress(&format!(
-        "{}: {}: {:.2} M block events/s",
-        stream.name,
-        contender.name(),
-        stream.block_events as f64 / span.wall.as_secs_f64() / 1e6
-    ));
+    let per_s = stream.block_events as f64 / span.wall.as_secs_f64();
+    progress(&format!("{}: {}: {:.2} M block events/s", stream.name, contender.name(), per_s / 1e6));
     Row {
         index: contender.name(),
         apply_threads: contender.apply_threads(),
         apply_s: span.wall.as_secs_f64(),
-        block_events_per_s: stream.block_events as f64 / span.wall.as_secs_f64(),
+        block_events_per_s: per_s,
         block_events_per_cpu_s: cpu_s.map(|c| stream.block_events as f64 / c.max(1e-9)),
         apply_range: (0.0, 0.0),
         lookup_p50_us: 0.0,
